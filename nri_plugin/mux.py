@@ -1,0 +1,417 @@
+"""NRI connection multiplexer: several byte streams over one unix socket.
+
+NRI runs two ttrpc connections over one socket (the "trunk"). Every piece of a
+connection's byte stream travels in a mux frame::
+
+    conn_id  u32 big-endian   1 = Plugin service, 2 = Runtime service, 0 reserved
+    length   u32 big-endian   payload size
+    payload  length bytes     a slice of that connection's stream (no message boundaries)
+
+There is no open or close signalling: each side just uses ids 1 and 2, frames for
+an id nobody uses are dropped, and closing the socket closes everything.
+
+The module has two halves:
+
+* a sans-I/O core (:func:`encode`, :class:`MuxDecoder`) that touches neither
+  sockets nor asyncio: bytes in, frames out, in the style of h11
+  (``receive_data`` / ``next_event`` / ``NEED_DATA``);
+* a thin asyncio edge (:class:`Trunk`, :func:`open_unix`, :func:`adopt_socket`)
+  that feeds the socket's bytes to the decoder and hands each frame's payload to
+  the receiver registered for its connection id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Protocol, cast
+
+from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "FIRST_FRAME_MAX",
+    "HEADER_SIZE",
+    "MAX_PAYLOAD",
+    "NEED_DATA",
+    "PLUGIN_SERVICE_CONN",
+    "RUNTIME_SERVICE_CONN",
+    "ChannelReceiver",
+    "LocalMuxError",
+    "MuxDecoder",
+    "MuxFrame",
+    "MuxProtocolError",
+    "NeedData",
+    "Trunk",
+    "adopt_socket",
+    "encode",
+    "open_unix",
+]
+
+logger = logging.getLogger(__name__)
+
+HEADER_SIZE: Final = 8
+PLUGIN_SERVICE_CONN: Final = 1
+RUNTIME_SERVICE_CONN: Final = 2
+
+# Connection id 0 is reserved by the Go mux (Open(0) fails); it never appears on the wire.
+_RESERVED_CONN: Final = 0
+_MAX_CONN_ID: Final = 0xFFFF_FFFF
+
+# The Go writer (NRI >= v0.7.0) splits any write longer than this into several frames. It is one
+# whole ttrpc message: 10-byte ttrpc header + 4 MiB data. Go peers never send a longer frame, and
+# since a frame is buffered whole before it is delivered, this is also our bound on the memory one
+# incomplete frame may hold: a header announcing more is a protocol error, refused before any of
+# its payload is buffered.
+MAX_PAYLOAD: Final = 10 + (4 << 20)
+
+# A Go peer reads each frame either into its 4096-byte bufio buffer or into the rest of the
+# message it is assembling, and fails (ENOMEM, connection dropped) on a frame longer than the
+# space it offers. Go's own writer goes through a 4096-byte bufio.Writer, so every message leaves
+# as its first min(4096, len) bytes, then all the rest in one more frame. We copy that split
+# exactly, which is always acceptable to a Go reader.
+FIRST_FRAME_MAX: Final = 4096
+
+_HEADER: Final = struct.Struct(">II")
+
+# Consumed bytes are dropped from the front of the receive buffer only once they are at least
+# this many and at least half of the buffer, so that compaction costs O(1) amortised per byte
+# and small frames do not cause a memmove each.
+_COMPACT_MIN: Final = 64 * 1024
+
+
+# Both errors join the ttrpc package's two-sided taxonomy, so one `except ProtocolError` covers
+# the whole stack.
+class MuxProtocolError(RemoteProtocolError):
+    """The peer broke the mux framing (reserved connection id, frame over the size cap,
+    connection closed in the middle of a frame). The trunk cannot be used any more."""
+
+
+class LocalMuxError(LocalProtocolError):
+    """We asked for something the mux cannot do (connection id 0 or out of range, a channel
+    registered twice, data fed to a decoder after end of file). A bug in the caller."""
+
+
+class NeedData(enum.Enum):
+    """Type of the :data:`NEED_DATA` sentinel."""
+
+    NEED_DATA = "NEED_DATA"
+
+
+NEED_DATA: Final = NeedData.NEED_DATA
+"""Returned by :meth:`MuxDecoder.next_event` when no whole frame is buffered."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MuxFrame:
+    """One mux frame, as received."""
+
+    conn_id: int
+    """Logical connection the payload belongs to (never 0)."""
+    payload: bytes
+    """A slice of that connection's byte stream; may be empty."""
+
+
+def _check_conn_id(conn_id: int) -> None:
+    if not _RESERVED_CONN < conn_id <= _MAX_CONN_ID:
+        raise LocalMuxError(f"mux connection id {conn_id} is reserved or out of range")
+
+
+def encode(conn_id: int, message: bytes | bytearray | memoryview) -> list[bytes]:
+    """Frame one whole message (normally one ttrpc message) for *conn_id*, as Go sends it.
+
+    The first ``min(FIRST_FRAME_MAX, len(message))`` bytes go in one frame and the whole
+    rest, if any, in a second one; the rest is split again only where it exceeds
+    :data:`MAX_PAYLOAD`. Write the returned frames in order and without bytes of any other
+    message in between.
+
+    An empty message gives no frames (Go's bufio.Writer writes nothing for it either). ttrpc
+    messages always have a 10-byte header, so this never happens in practice.
+
+    :raises LocalMuxError: *conn_id* is 0 or does not fit in 32 bits.
+    """
+    _check_conn_id(conn_id)
+    view = memoryview(message)
+    chunks = [view[:FIRST_FRAME_MAX]] if len(view) else []
+    for start in range(FIRST_FRAME_MAX, len(view), MAX_PAYLOAD):
+        chunks.append(view[start : start + MAX_PAYLOAD])
+    return [_HEADER.pack(conn_id, len(chunk)) + chunk for chunk in chunks]
+
+
+class MuxDecoder:
+    """Sans-I/O mux frame reader.
+
+    Feed bytes with :meth:`receive_data` (``b""`` means end of file), then call
+    :meth:`next_event` until it returns :data:`NEED_DATA`. Any error is a
+    :class:`MuxProtocolError`; once one was raised, every later :meth:`next_event` raises
+    again. After end of file with every frame consumed, :meth:`next_event` keeps returning
+    :data:`NEED_DATA` and :attr:`eof` is true.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._start = 0  # offset of the first unconsumed byte in _buffer
+        self._eof = False
+        self._error: MuxProtocolError | None = None
+
+    @property
+    def eof(self) -> bool:
+        """True once end of file was fed."""
+        return self._eof
+
+    def receive_data(self, data: bytes) -> None:
+        """Buffer bytes read from the trunk; ``b""`` marks end of file.
+
+        :raises LocalMuxError: non-empty data after end of file.
+        """
+        if not data:
+            self._eof = True
+            return
+        if self._eof:
+            raise LocalMuxError("data received after end of file")
+        self._compact()
+        self._buffer += data
+
+    def next_event(self) -> MuxFrame | NeedData:
+        """Return the next whole frame, or :data:`NEED_DATA`.
+
+        :raises MuxProtocolError: the peer sent a frame on connection 0 or longer than
+            :data:`MAX_PAYLOAD`, or closed the trunk in the middle of a frame.
+        """
+        if self._error is not None:
+            raise MuxProtocolError(f"mux stream already failed: {self._error}")
+        try:
+            return self._next_frame()
+        except MuxProtocolError as exc:
+            self._error = exc
+            raise
+
+    def _next_frame(self) -> MuxFrame | NeedData:
+        available = len(self._buffer) - self._start
+        if available < HEADER_SIZE:
+            if self._eof and available:
+                raise MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
+            return NEED_DATA
+        # The header is checked as soon as it is complete, before any of the payload is kept.
+        conn_id, length = _HEADER.unpack_from(self._buffer, self._start)
+        if conn_id == _RESERVED_CONN:
+            raise MuxProtocolError("frame on reserved mux connection id 0")
+        if length > MAX_PAYLOAD:
+            raise MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
+        end = self._start + HEADER_SIZE + length
+        if len(self._buffer) < end:
+            if self._eof:
+                raise MuxProtocolError(
+                    f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
+                )
+            return NEED_DATA
+        with memoryview(self._buffer) as view:
+            payload = view[self._start + HEADER_SIZE : end].tobytes()
+        self._start = end
+        return MuxFrame(conn_id=conn_id, payload=payload)
+
+    def _compact(self) -> None:
+        if self._start == len(self._buffer):
+            self._buffer.clear()
+            self._start = 0
+        elif self._start >= _COMPACT_MIN and 2 * self._start >= len(self._buffer):
+            del self._buffer[: self._start]
+            self._start = 0
+
+
+# --------------------------------------------------------------------------------------------
+# asyncio edge
+
+
+class ChannelReceiver(Protocol):
+    """What :meth:`Trunk.channel` delivers one connection's bytes to (e.g. a ttrpc endpoint)."""
+
+    def data_received(self, data: bytes) -> None:
+        """Next piece of the connection's byte stream (never empty)."""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The trunk closed: ``None`` after a clean end of file or a local close."""
+
+
+class Trunk(asyncio.Protocol):
+    """The asyncio side of the mux: one unix stream socket carrying several connections.
+
+    Register a receiver per connection id with :meth:`channel`, which returns that
+    connection's ``send(message)`` function (the same as ``trunk.send(conn_id, message)``).
+    Frames for ids nobody registered are dropped, as the Go mux does, so register the
+    channels before anything can arrive for them: right after :func:`open_unix` /
+    :func:`adopt_socket` return, before the next ``await``.
+
+    End of file, a transport error, a :class:`MuxProtocolError` from the peer, an exception
+    out of a receiver's ``data_received`` or :meth:`close` all close the whole trunk: the
+    transport is closed and every receiver's ``connection_lost`` is called exactly once
+    (with ``None`` for end of file and :meth:`close`, with the error otherwise; see
+    :attr:`exception`). Messages sent from then on are dropped silently, since the receivers
+    have already been told. :attr:`closed` is set once the socket itself is closed.
+
+    There is no write flow control (``pause_writing`` is not used): NRI traffic is
+    request/response paced and small, so the transport's write buffer stays small.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = MuxDecoder()
+        self._receivers: dict[int, ChannelReceiver] = {}
+        self._transport: asyncio.Transport | None = None
+        self._shutting_down = False
+        self._exception: Exception | None = None
+        self.closed = asyncio.Event()
+        """Set when the trunk is closed for good; do not set it yourself."""
+
+    @property
+    def exception(self) -> Exception | None:
+        """The error that closed the trunk, or ``None`` (still open, end of file, or closed)."""
+        return self._exception
+
+    def channel(self, conn_id: int, receiver: ChannelReceiver) -> Callable[[bytes], None]:
+        """Deliver *conn_id*'s bytes to *receiver*; return the function sending on *conn_id*.
+
+        ``send(message)`` frames one whole message with :func:`encode` and writes all its
+        frames in one go, so frames of two messages never interleave.
+
+        If the trunk is already closed, *receiver*'s ``connection_lost`` is called soon
+        (from the event loop, not from inside this call).
+
+        :raises LocalMuxError: *conn_id* is 0, out of range, or already registered.
+        """
+        _check_conn_id(conn_id)
+        if conn_id in self._receivers:
+            raise LocalMuxError(f"mux connection {conn_id} already has a receiver")
+        if self._shutting_down:
+            asyncio.get_running_loop().call_soon(_tell_lost, receiver, self._exception)
+        else:
+            self._receivers[conn_id] = receiver
+
+        def send(message: bytes) -> None:
+            self.send(conn_id, message)
+
+        return send
+
+    def send(self, conn_id: int, message: bytes) -> None:
+        """Send one whole message on *conn_id*: all of :func:`encode`'s frames in one write.
+
+        Dropped silently once the trunk is closed.
+
+        :raises LocalMuxError: *conn_id* is 0 or out of range.
+        :raises RuntimeError: the transport is not connected yet (only possible for a
+            :class:`Trunk` built by hand, not for one from :func:`open_unix` / :func:`adopt_socket`).
+        """
+        _check_conn_id(conn_id)
+        if self._shutting_down:
+            logger.debug("mux conn %d: trunk closed, dropping a %d-byte message", conn_id, len(message))
+            return
+        if self._transport is None:
+            raise RuntimeError("trunk is not connected yet")
+        frames = encode(conn_id, message)
+        if frames:
+            self._transport.writelines(frames)
+
+    def close(self) -> None:
+        """Close the trunk (idempotent). Receivers get ``connection_lost(None)``."""
+        self._shut_down(None)
+
+    async def wait_closed(self) -> None:
+        """Wait until the trunk is closed."""
+        await self.closed.wait()
+
+    # asyncio.Protocol callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        if self._shutting_down:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._shutting_down:
+            return
+        self._decoder.receive_data(data)
+        self._dispatch()
+
+    def eof_received(self) -> bool | None:
+        if not self._shutting_down:
+            self._decoder.receive_data(b"")
+            self._dispatch()  # a frame cut short by end of file closes the trunk with an error
+            self._shut_down(None)
+        return None  # let the transport close itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._shut_down(exc)
+        self.closed.set()
+
+    # internals
+
+    def _dispatch(self) -> None:
+        while not self._shutting_down:
+            try:
+                event = self._decoder.next_event()
+            except MuxProtocolError as exc:
+                logger.warning("NRI mux protocol error, closing the trunk: %s", exc)
+                self._shut_down(exc)
+                return
+            if event is NEED_DATA:
+                return
+            self._deliver(event)
+
+    def _deliver(self, frame: MuxFrame) -> None:
+        receiver = self._receivers.get(frame.conn_id)
+        if receiver is None:
+            logger.debug("mux conn %d: nobody listens, dropping %d bytes", frame.conn_id, len(frame.payload))
+            return
+        if not frame.payload:
+            # An empty frame carries nothing, and b"" means end of file to a sans-I/O receiver.
+            return
+        try:
+            receiver.data_received(frame.payload)
+        except Exception as exc:
+            logger.exception("mux conn %d: receiver failed, closing the trunk", frame.conn_id)
+            self._shut_down(exc)
+
+    def _shut_down(self, exc: Exception | None) -> None:
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        self._exception = exc
+        transport = self._transport
+        if transport is None:
+            self.closed.set()
+        elif exc is None:
+            transport.close()  # flush what we already wrote, then close
+        else:
+            transport.abort()
+        receivers = list(self._receivers.values())
+        self._receivers.clear()
+        for receiver in receivers:
+            _tell_lost(receiver, exc)
+
+
+def _tell_lost(receiver: ChannelReceiver, exc: Exception | None) -> None:
+    try:
+        receiver.connection_lost(exc)
+    except Exception:
+        logger.exception("mux receiver %r failed in connection_lost", receiver)
+
+
+async def open_unix(path: str | os.PathLike[str]) -> Trunk:
+    """Connect to the runtime's NRI socket (e.g. ``/var/run/nri/nri.sock``)."""
+    loop = asyncio.get_running_loop()
+    _, trunk = await loop.create_unix_connection(Trunk, os.fspath(path))
+    return trunk
+
+
+async def adopt_socket(sock: socket.socket) -> Trunk:
+    """Run a trunk over an already connected unix stream socket, such as the one a runtime
+    passes to a plugin it launched (``socket.socket(fileno=int(os.environ["NRI_PLUGIN_SOCKET"]))``).
+    The trunk owns the socket from then on."""
+    loop = asyncio.get_running_loop()
+    _, trunk = await loop.create_unix_connection(Trunk, sock=sock)
+    return trunk
