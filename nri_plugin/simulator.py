@@ -1,0 +1,689 @@
+"""The runtime side of NRI, for tests, benchmarks and the demo.
+
+``RuntimeSimulator`` does what containerd and CRI-O do through containerd/nri's adaptation library:
+it listens on a unix socket, accepts plugins, waits for RegisterPlugin within the registration timeout,
+configures them (refusing event masks the simulated NRI version does not know), synchronizes its pods
+and containers (in chunks when one message would exceed the ttrpc limit), and then drives lifecycle
+events through the plugins in index order, merging their adjustments and applying their updates to a
+small container model. Plugins that miss the request timeout or close their connection are dropped,
+and the operation goes on without them, as on a real node; an error status fails the operation.
+
+It uses the same ttrpc and multiplexer modules as the plugin side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import structlog
+from google.protobuf.message import Message
+
+from api.nri import api_pb2 as api
+from nri_plugin import mux
+from nri_plugin.events import (
+    STATE_CHANGE_EVENTS,
+    Event,
+    events_in,
+    parse_version,
+    valid_events,
+)
+from nri_plugin.stub import PLUGIN_SERVICE, RUNTIME_SERVICE
+from nri_plugin.ttrpc import Client, ConnectionClosed, OversizedMessage, Server, TtrpcError, UnaryMethod
+from nri_plugin.ttrpc.errors import Code
+from nri_plugin.ttrpc.protocol import MAX_DATA
+
+log = structlog.get_logger("nri_plugin.simulator")
+
+# Go's adaptation library never shrinks a Synchronize chunk below this many objects.
+MIN_SYNC_CHUNK = 8
+
+
+class PluginFailed(Exception):
+    """A plugin answered an event with an error status: the runtime fails the operation."""
+
+    def __init__(self, plugin: str, event: str, code: int, message: str) -> None:
+        super().__init__(f"NRI plugin {plugin} failed {event}: {message} (code {code})")
+        self.plugin = plugin
+        self.event = event
+        self.code = code
+        self.message = message
+
+
+class AdjustmentConflict(Exception):
+    """Two plugins (or one plugin twice) claimed the same field of one container."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """One exchange with one plugin, as the runtime saw it."""
+
+    event: str
+    plugin: str
+    container: str = ""
+    outcome: str = "ok"  # ok | error | dropped | unimplemented
+    detail: str = ""
+
+
+@dataclass
+class PluginConnection:
+    """One connected plugin, from the runtime's side."""
+
+    name: str
+    index: str
+    trunk: mux.Trunk
+    client: Client
+    events: int = 0
+    uses_state_change: bool = False
+    synchronized: bool = False
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.index}-{self.name}"
+
+    def subscribed(self, event: Event) -> bool:
+        return bool(self.events & event.bit)
+
+
+@dataclass
+class CreateResult:
+    adjustment: api.ContainerAdjustment
+    container: api.Container
+    updates: list[api.ContainerUpdate] = field(default_factory=list)
+
+
+class RuntimeSimulator:
+    """A fake container runtime speaking real NRI over a unix socket."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        runtime_name: str = "containerd",
+        runtime_version: str = "v2.3.4",
+        nri_version: str = "v0.12.0",
+        registration_timeout: float = 5.0,
+        request_timeout: float = 2.0,
+        max_message_size: int = MAX_DATA,
+        plugin_config: str = "",
+    ) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.runtime_name = runtime_name
+        self.runtime_version = runtime_version
+        self.nri_version = nri_version
+        self.registration_timeout = registration_timeout
+        self.request_timeout = request_timeout
+        self.max_message_size = max_message_size
+        self.plugin_config = plugin_config
+        self.valid_events = valid_events(
+            nri_version=nri_version, runtime_name=runtime_name, runtime_version=runtime_version
+        )
+        version = parse_version(nri_version) if nri_version else None
+        self.dedicated_rpcs = version is not None and version[:2] >= (0, 12)
+        self.pods: dict[str, api.PodSandbox] = {}
+        self.containers: dict[str, api.Container] = {}
+        self.records: list[Record] = []
+        self.applied_updates: list[api.ContainerUpdate] = []
+        self.sync_chunks: list[int] = []
+        self._plugins: list[PluginConnection] = []
+        self._changed = asyncio.Condition()
+        # Runtimes hold one lock for a whole event across all plugins, and take it again to apply a
+        # plugin's unsolicited updates (so a plugin that waits for those inside a handler stalls).
+        self._lock = asyncio.Lock()
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._new_trunk, self.socket_path)
+        os.chmod(self.socket_path, 0o600)
+
+    async def close(self) -> None:
+        """Stop listening and close every plugin connection (a runtime shutdown)."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for plugin in list(self._plugins):
+            plugin.trunk.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._plugins.clear()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
+    async def __aenter__(self) -> RuntimeSimulator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    @property
+    def plugins(self) -> list[PluginConnection]:
+        """Plugins that registered, configured and synchronized, in index order."""
+        return sorted((p for p in self._plugins if p.synchronized), key=lambda p: p.index)
+
+    async def wait_for_plugins(self, count: int = 1, timeout: float = 5.0) -> list[PluginConnection]:
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: len(self.plugins) >= count), timeout)
+        return self.plugins
+
+    # -- accepting plugins -------------------------------------------------------------------------
+
+    def _new_trunk(self) -> mux.Trunk:
+        # Channels are wired before the trunk sees any byte: the plugin speaks first (RegisterPlugin),
+        # and frames for a connection id nobody listens on are dropped.
+        trunk = mux.Trunk()
+        link = _Link(trunk)
+        client = Client(functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN), close_channel=trunk.close)
+        trunk.channel(mux.PLUGIN_SERVICE_CONN, client)
+
+        async def register(request: api.RegisterPluginRequest, _ctx: object) -> api.Empty:
+            if not link.registered.done():
+                link.registered.set_result(request)
+            return api.Empty()
+
+        async def update_containers(
+            request: api.UpdateContainersRequest, _ctx: object
+        ) -> api.UpdateContainersResponse:
+            source = link.plugin.full_name if link.plugin else "unregistered"
+            async with self._lock:
+                failed = [u for u in request.update if not self._apply_update(u, source=source)]
+            return api.UpdateContainersResponse(failed=failed)
+
+        server = Server(
+            {
+                RUNTIME_SERVICE: {
+                    "RegisterPlugin": UnaryMethod(api.RegisterPluginRequest, register),
+                    "UpdateContainers": UnaryMethod(api.UpdateContainersRequest, update_containers),
+                }
+            },
+            functools.partial(trunk.send, mux.RUNTIME_SERVICE_CONN),
+            close_channel=trunk.close,
+        )
+        trunk.channel(mux.RUNTIME_SERVICE_CONN, server)
+        task = asyncio.ensure_future(self._accept(link, client, server))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return trunk
+
+    async def _accept(self, link: _Link, client: Client, server: Server) -> None:
+        trunk = link.trunk
+        closed: asyncio.Future[None] = asyncio.ensure_future(trunk.wait_closed())
+        try:
+            waiters: set[asyncio.Future[Any]] = {link.registered, closed}
+            await asyncio.wait(
+                waiters,
+                timeout=self.registration_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            closed.cancel()
+        if not link.registered.done():
+            self._record(
+                "RegisterPlugin",
+                "unregistered",
+                outcome="dropped",
+                detail="connection closed" if trunk.closed.is_set() else "registration timed out",
+            )
+            trunk.close()
+            server.close()
+            await server.wait_closed()
+            return
+        request = link.registered.result()
+        plugin = PluginConnection(
+            name=request.plugin_name, index=request.plugin_idx, trunk=trunk, client=client
+        )
+        link.plugin = plugin
+        self._plugins.append(plugin)
+
+        try:
+            if await self._configure(plugin):
+                async with self._lock:
+                    await self._synchronize(plugin)
+                async with self._changed:
+                    self._changed.notify_all()
+            await trunk.wait_closed()
+        finally:
+            self._drop(plugin, "connection closed")
+            server.close()
+            await server.wait_closed()
+
+    async def _configure(self, plugin: PluginConnection) -> bool:
+        request = api.ConfigureRequest(
+            config=self.plugin_config,
+            runtime_name=self.runtime_name,
+            runtime_version=self.runtime_version,
+            registration_timeout=int(self.registration_timeout * 1000),
+            request_timeout=int(self.request_timeout * 1000),
+            NRI_version=self.nri_version if self.dedicated_rpcs else "",
+        )
+        try:
+            reply = await self._call(plugin, "Configure", request, api.ConfigureResponse)
+        except PluginFailed as exc:
+            self._drop(plugin, f"configure failed: {exc.message}")
+            return False
+        if reply is None:
+            return False
+        events = reply.events or self.valid_events  # 0 subscribes to everything
+        if events & ~self.valid_events:
+            self._record(
+                "Configure", plugin.full_name, outcome="dropped", detail=f"invalid plugin events: {events:#x}"
+            )
+            plugin.trunk.close()
+            return False
+        plugin.events = events
+        log.info("plugin configured", plugin=plugin.full_name, events=[e.name for e in events_in(events)])
+        return True
+
+    async def _synchronize(self, plugin: PluginConnection) -> None:
+        """Send every pod and container; in chunks marked ``more`` when one message is too large."""
+        pods, containers = list(self.pods.values()), list(self.containers.values())
+        try:
+            replies = await asyncio.wait_for(
+                self._sync_messages(plugin, pods, containers), self.request_timeout
+            )
+        except (asyncio.TimeoutError, _Dropped, PluginFailed) as exc:
+            self._drop(plugin, f"synchronize failed: {exc or 'timeout'}")
+            return
+        for update in replies:
+            self._apply_update(update, source=plugin.full_name)
+        plugin.synchronized = True
+
+    async def _sync_messages(
+        self, plugin: PluginConnection, pods: list[api.PodSandbox], containers: list[api.Container]
+    ) -> Sequence[api.ContainerUpdate]:
+        whole = api.SynchronizeRequest(pods=pods, containers=containers)
+        size = whole.ByteSize()
+        if size <= self.max_message_size - 512:
+            self.sync_chunks.append(len(pods) + len(containers))
+            reply = await self._call(plugin, "Synchronize", whole, api.SynchronizeResponse, strict=True)
+            return list(reply.update)
+        items: list[api.PodSandbox | api.Container] = [*pods, *containers]
+        per_chunk = max(MIN_SYNC_CHUNK, int(len(items) * min(0.9, self.max_message_size / size)))
+        start = 0
+        while start < len(items):
+            chunk = items[start : start + per_chunk]
+            more = start + len(chunk) < len(items)
+            request = api.SynchronizeRequest(
+                pods=[m for m in chunk if isinstance(m, api.PodSandbox)],
+                containers=[m for m in chunk if isinstance(m, api.Container)],
+                more=more,
+            )
+            if request.ByteSize() > self.max_message_size - 512:
+                if per_chunk == MIN_SYNC_CHUNK:
+                    raise _Dropped("objects too large to synchronize even in the smallest chunks")
+                per_chunk = max(MIN_SYNC_CHUNK, int(per_chunk * 0.9))
+                continue
+            self.sync_chunks.append(len(chunk))
+            reply = await self._call(plugin, "Synchronize", request, api.SynchronizeResponse, strict=True)
+            if more and (not reply.more or reply.update):
+                raise _Dropped("plugin does not handle split sync requests")
+            if not more:
+                return list(reply.update)
+            start += len(chunk)
+        return ()
+
+    # -- talking to plugins ------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        plugin: PluginConnection,
+        method: str,
+        request: Message,
+        response_type: type[Any],
+        *,
+        container: str = "",
+        strict: bool = False,
+    ) -> Any:
+        """One call to one plugin. Fatal failures drop the plugin and give ``None``.
+
+        An error status raises ``PluginFailed`` (the caller decides whether it fails the operation);
+        with ``strict``, fatal failures raise ``_Dropped`` instead of giving ``None``.
+        """
+        try:
+            reply = await plugin.client.call(
+                PLUGIN_SERVICE, method, request, response_type, timeout=self.request_timeout
+            )
+        except (ConnectionClosed, OversizedMessage) as exc:
+            self._drop(plugin, f"{method}: {exc}")
+            if strict:
+                raise _Dropped(str(exc)) from exc
+            return None
+        except TtrpcError as exc:
+            if exc.code == Code.DEADLINE_EXCEEDED:
+                self._drop(plugin, f"{method} timed out")
+                if strict:
+                    raise _Dropped(f"{method} timed out") from exc
+                return None
+            outcome = "unimplemented" if exc.code == Code.UNIMPLEMENTED else "error"
+            self._record(method, plugin.full_name, container=container, outcome=outcome, detail=exc.message)
+            raise PluginFailed(plugin.full_name, method, exc.code, exc.message) from exc
+        self._record(method, plugin.full_name, container=container)
+        return reply
+
+    def _drop(self, plugin: PluginConnection, reason: str) -> None:
+        if plugin in self._plugins:
+            self._plugins.remove(plugin)
+            self._record("drop", plugin.full_name, outcome="dropped", detail=reason)
+            if reason == "connection closed":
+                log.info("plugin disconnected", plugin=plugin.full_name)
+            else:
+                log.warning("plugin dropped", plugin=plugin.full_name, reason=reason)
+        plugin.trunk.close()
+
+    def _record(self, event: str, plugin: str, **fields: str) -> None:
+        self.records.append(Record(event=event, plugin=plugin, **fields))
+
+    def _subscribers(self, event: Event) -> list[PluginConnection]:
+        return [p for p in self.plugins if p.subscribed(event)]
+
+    async def _state_event(self, event: Event, pod: api.PodSandbox, container: api.Container | None) -> None:
+        """Deliver a StateChange-class event, on the dedicated v0.12 method where the plugin has it."""
+        assert event in STATE_CHANGE_EVENTS
+        for plugin in self._subscribers(event):
+            ident = container.id if container is not None else pod.id
+            if self.dedicated_rpcs and not plugin.uses_state_change:
+                method, request_type, response_type = _DEDICATED[event]
+                request = request_type(pod=pod, container=container) if container else request_type(pod=pod)
+                try:
+                    await self._call(plugin, method, request, response_type, container=ident)
+                    continue
+                except PluginFailed as exc:
+                    if exc.code != Code.UNIMPLEMENTED:
+                        raise
+                    plugin.uses_state_change = True
+            state = api.StateChangeEvent(event=api.Event.ValueType(event), pod=pod, container=container)
+            await self._call(plugin, "StateChange", state, api.Empty, container=ident)
+
+    # -- the runtime's operations ------------------------------------------------------------------
+
+    def add_pod(self, pod: api.PodSandbox) -> None:
+        """Make a pod exist without events (state the next Synchronize will carry)."""
+        self.pods[pod.id] = pod
+
+    def add_container(self, container: api.Container) -> None:
+        self.containers[container.id] = container
+
+    async def run_pod_sandbox(self, pod: api.PodSandbox) -> None:
+        async with self._lock:
+            self.pods[pod.id] = pod
+            await self._state_event(Event.RUN_POD_SANDBOX, pod, None)
+
+    async def stop_pod_sandbox(self, pod_id: str) -> None:
+        async with self._lock:
+            await self._state_event(Event.STOP_POD_SANDBOX, self.pods[pod_id], None)
+
+    async def remove_pod_sandbox(self, pod_id: str) -> None:
+        async with self._lock:
+            pod = self.pods.pop(pod_id)
+            await self._state_event(Event.REMOVE_POD_SANDBOX, pod, None)
+
+    async def create_container(self, container: api.Container) -> CreateResult:
+        """CreateContainer through every subscribed plugin; the adjusted container is stored."""
+        async with self._lock:
+            pod = self.pods[container.pod_sandbox_id]
+            current = _copy(container)
+            current.state = api.CONTAINER_CREATED
+            merged = api.ContainerAdjustment()
+            claims: dict[str, str] = {}
+            updates: list[api.ContainerUpdate] = []
+            for plugin in self._subscribers(Event.CREATE_CONTAINER):
+                request = api.CreateContainerRequest(pod=pod, container=current)
+                reply = await self._call(
+                    plugin, "CreateContainer", request, api.CreateContainerResponse, container=current.id
+                )
+                if reply is None:
+                    continue
+                for update in reply.update:
+                    if update.container_id == current.id:
+                        raise PluginFailed(
+                            plugin.full_name,
+                            "CreateContainer",
+                            2,
+                            f"asked update of {current.id} during creation",
+                        )
+                _merge_adjustment(merged, reply.adjust, claims, plugin.full_name)
+                _apply_adjustment(current, reply.adjust)
+                updates.extend(reply.update)
+            await self._validate(pod, container, merged, updates)
+            self.containers[current.id] = current
+            for update in updates:
+                self._apply_update(update, source="CreateContainer")
+            return CreateResult(adjustment=merged, container=current, updates=updates)
+
+    async def _validate(
+        self,
+        pod: api.PodSandbox,
+        pristine: api.Container,
+        adjust: api.ContainerAdjustment,
+        updates: list[api.ContainerUpdate],
+    ) -> None:
+        consulted = [api.PluginInstance(name=p.name, index=p.index) for p in self.plugins]
+        for plugin in self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT):
+            request = api.ValidateContainerAdjustmentRequest(
+                pod=pod, container=pristine, adjust=adjust, update=updates, plugins=consulted
+            )
+            reply = await self._call(
+                plugin,
+                "ValidateContainerAdjustment",
+                request,
+                api.ValidateContainerAdjustmentResponse,
+                container=pristine.id,
+            )
+            if reply is not None and reply.reject:
+                raise PluginFailed(
+                    plugin.full_name,
+                    "ValidateContainerAdjustment",
+                    0,
+                    f'validator "{plugin.full_name}" rejected container adjustment, reason: {reply.reason}',
+                )
+
+    async def start_container(self, container_id: str) -> None:
+        async with self._lock:
+            container = self.containers[container_id]
+            container.state = api.CONTAINER_RUNNING
+            await self._state_event(Event.START_CONTAINER, self.pods[container.pod_sandbox_id], container)
+
+    async def update_container(self, container_id: str, resources: api.LinuxResources) -> api.LinuxResources:
+        """UpdateContainerResources as kubelet's CPU manager issues it; gives what gets applied."""
+        async with self._lock:
+            container = self.containers[container_id]
+            pod = self.pods[container.pod_sandbox_id]
+            applied = _copy(resources)
+            claims: dict[str, str] = {}
+            others: list[api.ContainerUpdate] = []
+            for plugin in self._subscribers(Event.UPDATE_CONTAINER):
+                request = api.UpdateContainerRequest(pod=pod, container=container, linux_resources=resources)
+                reply = await self._call(
+                    plugin, "UpdateContainer", request, api.UpdateContainerResponse, container=container_id
+                )
+                for update in reply.update if reply is not None else ():
+                    if update.container_id == container_id:
+                        _merge_resources(applied, update.linux.resources, claims, plugin.full_name)
+                    else:
+                        others.append(update)
+            _set_resources(container, applied)
+            for update in others:
+                self._apply_update(update, source="UpdateContainer")
+            return applied
+
+    async def stop_container(self, container_id: str) -> None:
+        async with self._lock:
+            container = self.containers[container_id]
+            container.state = api.CONTAINER_STOPPED
+            for plugin in self._subscribers(Event.STOP_CONTAINER):
+                request = api.StopContainerRequest(
+                    pod=self.pods[container.pod_sandbox_id], container=container
+                )
+                reply = await self._call(
+                    plugin, "StopContainer", request, api.StopContainerResponse, container=container_id
+                )
+                for update in reply.update if reply is not None else ():
+                    self._apply_update(update, source="StopContainer")
+
+    async def remove_container(self, container_id: str) -> None:
+        async with self._lock:
+            container = self.containers.pop(container_id)
+            await self._state_event(Event.REMOVE_CONTAINER, self.pods[container.pod_sandbox_id], container)
+
+    def _apply_update(self, update: api.ContainerUpdate, *, source: str) -> bool:
+        container = self.containers.get(update.container_id)
+        if container is None:
+            self._record(
+                "UpdateContainers",
+                source,
+                container=update.container_id,
+                outcome="error",
+                detail="no such container",
+            )
+            return False
+        merged = _copy(container.linux.resources)
+        _merge_resources(merged, update.linux.resources, {}, source)
+        _set_resources(container, merged)
+        self.applied_updates.append(update)
+        return True
+
+
+class _Link:
+    """A plugin connection being accepted: its trunk, its registration, then the plugin."""
+
+    def __init__(self, trunk: mux.Trunk) -> None:
+        self.trunk = trunk
+        self.registered: asyncio.Future[api.RegisterPluginRequest] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.plugin: PluginConnection | None = None
+
+
+class _Dropped(Exception):
+    """The plugin failed fatally during a multi-step exchange."""
+
+
+_DEDICATED: dict[Event, tuple[str, type[Any], type[Any]]] = {
+    Event.RUN_POD_SANDBOX: ("RunPodSandbox", api.RunPodSandboxRequest, api.RunPodSandboxResponse),
+    Event.STOP_POD_SANDBOX: ("StopPodSandbox", api.StopPodSandboxRequest, api.StopPodSandboxResponse),
+    Event.REMOVE_POD_SANDBOX: ("RemovePodSandbox", api.RemovePodSandboxRequest, api.RemovePodSandboxResponse),
+    Event.POST_UPDATE_POD_SANDBOX: (
+        "PostUpdatePodSandbox",
+        api.PostUpdatePodSandboxRequest,
+        api.PostUpdatePodSandboxResponse,
+    ),
+    Event.POST_CREATE_CONTAINER: (
+        "PostCreateContainer",
+        api.PostCreateContainerRequest,
+        api.PostCreateContainerResponse,
+    ),
+    Event.START_CONTAINER: ("StartContainer", api.StartContainerRequest, api.StartContainerResponse),
+    Event.POST_START_CONTAINER: (
+        "PostStartContainer",
+        api.PostStartContainerRequest,
+        api.PostStartContainerResponse,
+    ),
+    Event.POST_UPDATE_CONTAINER: (
+        "PostUpdateContainer",
+        api.PostUpdateContainerRequest,
+        api.PostUpdateContainerResponse,
+    ),
+    Event.REMOVE_CONTAINER: ("RemoveContainer", api.RemoveContainerRequest, api.RemoveContainerResponse),
+}
+
+_CpuScalar = Literal["shares", "quota", "period", "realtime_runtime", "realtime_period"]
+_CPU_SCALARS: tuple[_CpuScalar, ...] = ("shares", "quota", "period", "realtime_runtime", "realtime_period")
+_CPU_STRINGS = ("cpus", "mems")
+
+
+_M = TypeVar("_M", bound=Message)
+
+
+def _copy(message: _M) -> _M:
+    clone = type(message)()
+    clone.CopyFrom(message)
+    return clone
+
+
+def _claim(claims: dict[str, str], key: str, owner: str) -> None:
+    """NRI's ownership rule: a field may be set once per container, by one plugin, once."""
+    previous = claims.get(key)
+    if previous is not None:
+        raise AdjustmentConflict(f'plugins "{previous}" and "{owner}" both tried to set {key}')
+    claims[key] = owner
+
+
+def _merge_resources(
+    target: api.LinuxResources, source: api.LinuxResources, claims: dict[str, str], owner: str
+) -> None:
+    """Copy the CPU fields ``source`` sets into ``target`` (the only ones our plugins touch)."""
+    for name in _CPU_SCALARS:
+        if source.cpu.HasField(name):
+            _claim(claims, f"cpu.{name}", owner)
+            getattr(target.cpu, name).CopyFrom(getattr(source.cpu, name))
+    for text_field in _CPU_STRINGS:
+        value = getattr(source.cpu, text_field)
+        if value:
+            _claim(claims, f"cpu.{text_field}", owner)
+            setattr(target.cpu, text_field, value)
+
+
+def _merge_adjustment(
+    target: api.ContainerAdjustment, source: api.ContainerAdjustment, claims: dict[str, str], owner: str
+) -> None:
+    for env in source.env:
+        _claim(claims, f"env {env.key.lstrip('-')}", owner)
+        target.env.append(env)
+    for key, value in source.annotations.items():
+        _claim(claims, f"annotation {key.lstrip('-')}", owner)
+        target.annotations[key] = value
+    _merge_resources(target.linux.resources, source.linux.resources, claims, owner)
+
+
+def _apply_adjustment(container: api.Container, adjust: api.ContainerAdjustment) -> None:
+    """What the runtime's OCI spec generator does with env and CPU adjustments."""
+    env = list(container.env)
+    for item in adjust.env:
+        name = item.key.lstrip("-")
+        env = [e for e in env if e.split("=", 1)[0] != name]
+        if not item.key.startswith("-"):
+            env.append(f"{item.key}={item.value}")
+    del container.env[:]
+    container.env.extend(env)
+    for key, value in adjust.annotations.items():
+        if key.startswith("-"):
+            container.annotations.pop(key[1:], None)
+        else:
+            container.annotations[key] = value
+    merged = _copy(container.linux.resources)
+    _merge_resources(merged, adjust.linux.resources, {}, "")
+    _set_resources(container, merged)
+
+
+def _set_resources(container: api.Container, resources: api.LinuxResources) -> None:
+    container.linux.resources.CopyFrom(resources)
+
+
+def env_of(container: api.Container) -> dict[str, str]:
+    """A container's environment as a dict (later entries win, as in a process environment)."""
+    pairs = (e.partition("=") for e in container.env)
+    return {name: value for name, _, value in pairs}
+
+
+__all__ = [
+    "AdjustmentConflict",
+    "CreateResult",
+    "PluginConnection",
+    "PluginFailed",
+    "Record",
+    "RuntimeSimulator",
+    "env_of",
+]

@@ -1,0 +1,494 @@
+"""The plugin stub against the runtime simulator, over real unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.nri import api_pb2 as api
+from nri_plugin import mux
+from nri_plugin.events import VALID_EVENTS_V0_9, Event, mask_of
+from nri_plugin.simulator import PluginFailed, RuntimeSimulator, env_of
+from nri_plugin.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub, StubError, resolve_identity
+from nri_plugin.ttrpc import Server, UnaryMethod
+from nri_plugin.ttrpc.errors import Code
+from nri_plugin.ttrpc.protocol import ClientSession, ResponseReceived
+
+# Guards against a hung test only; nothing here measures time.
+GUARD = 10.0
+
+
+class Recorder:
+    """A plugin that records what it is given and answers with configurable adjustments."""
+
+    def __init__(self) -> None:
+        self.synced: list[tuple[int, int]] = []
+        self.events: list[tuple[str, str]] = []
+        self.shared = "0-1"
+
+    async def synchronize(
+        self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
+    ) -> Sequence[api.ContainerUpdate]:
+        self.synced.append((len(pods), len(containers)))
+        return ()
+
+    async def create_container(self, pod: api.PodSandbox, container: api.Container) -> api.CreateContainerResponse:
+        self.events.append(("create", container.id))
+        response = api.CreateContainerResponse()
+        response.adjust.linux.resources.cpu.cpus = f"{self.shared},{container.linux.resources.cpu.cpus}"
+        response.adjust.env.add(key="OPENSHIFT_SHARED_CPUS", value=self.shared)
+        return response
+
+    async def update_container(
+        self, pod: api.PodSandbox, container: api.Container, resources: api.LinuxResources
+    ) -> Sequence[api.ContainerUpdate]:
+        self.events.append(("update", container.id))
+        update = api.ContainerUpdate(container_id=container.id)
+        update.linux.resources.cpu.cpus = f"{self.shared},{resources.cpu.cpus}"
+        return (update,)
+
+    async def stop_container(self, pod: api.PodSandbox, container: api.Container) -> Sequence[api.ContainerUpdate]:
+        self.events.append(("stop", container.id))
+        return ()
+
+    async def remove_container(self, pod: api.PodSandbox, container: api.Container) -> None:
+        self.events.append(("remove", container.id))
+
+    async def start_container(self, pod: api.PodSandbox, container: api.Container) -> None:
+        self.events.append(("start", container.id))
+
+
+def make_pod(n: int, annotations: int = 0) -> api.PodSandbox:
+    pod = api.PodSandbox(id=f"pod{n}", uid=f"uid-{n:04d}", name=f"pod-{n}", namespace="ns")
+    pod.linux.cgroup_parent = f"/kubepods/poduid-{n:04d}"
+    for i in range(annotations):
+        pod.annotations[f"example.com/annotation-{i}"] = "x" * 64
+    return pod
+
+
+def make_container(pod: api.PodSandbox, n: int, cpus: str = "2-3") -> api.Container:
+    container = api.Container(id=f"{pod.id}-c{n}", pod_sandbox_id=pod.id, name=f"c{n}", env=["PATH=/bin"])
+    container.linux.cgroups_path = f"{pod.linux.cgroup_parent}/{container.id}"
+    container.linux.resources.cpu.cpus = cpus
+    container.linux.resources.cpu.quota.value = 200000
+    container.linux.resources.cpu.period.value = 100000
+    return container
+
+
+@contextlib.asynccontextmanager
+async def plugin_running(plugin: object, socket: Path, **options: Any) -> AsyncIterator[Stub]:
+    options.setdefault("backoff_initial", 0.01)
+    options.setdefault("backoff_max", 0.05)
+    stub = Stub(plugin, name="test", index="10", socket_path=str(socket), **options)
+    task = asyncio.ensure_future(stub.run())
+    try:
+        yield stub
+    finally:
+        stub.stop()
+        await asyncio.wait_for(task, GUARD)
+
+
+@pytest.fixture
+def socket_path(tmp_path: Path) -> Path:
+    return tmp_path / "nri.sock"
+
+
+@pytest.mark.asyncio
+async def test_register_configure_synchronize(socket_path: Path) -> None:
+    plugin = Recorder()
+    async with RuntimeSimulator(socket_path) as sim:
+        pod = make_pod(1)
+        sim.add_pod(pod)
+        sim.add_container(make_container(pod, 1))
+        async with plugin_running(plugin, socket_path) as stub:
+            [connected] = await sim.wait_for_plugins(1, GUARD)
+            assert (connected.name, connected.index) == ("test", "10")
+            expected = mask_of(
+                [
+                    Event.CREATE_CONTAINER,
+                    Event.UPDATE_CONTAINER,
+                    Event.STOP_CONTAINER,
+                    Event.REMOVE_CONTAINER,
+                    Event.START_CONTAINER,
+                ]
+            )
+            assert connected.events == expected
+            assert plugin.synced == [(1, 1)]
+            await asyncio.wait_for(stub.ready.wait(), GUARD)
+            assert stub.runtime.name == "containerd"
+            assert stub.runtime.request_timeout == 2.0
+
+
+@pytest.mark.parametrize(
+    ("runtime", "version", "nri_version", "accepted"),
+    [
+        pytest.param("containerd", "v2.0.5", "", VALID_EVENTS_V0_9, id="containerd-2.0"),
+        pytest.param("containerd", "v1.7.20", "", VALID_EVENTS_V0_9, id="containerd-1.7"),
+        pytest.param("cri-o", "1.36.3", "", (1 << 14) - 1, id="crio-1.36"),
+        pytest.param("containerd", "v2.3.4", "v0.12.0", (1 << 14) - 1, id="containerd-2.3"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_event_mask_limited_to_runtime(
+    socket_path: Path, runtime: str, version: str, nri_version: str, accepted: int
+) -> None:
+    class PodUpdates(Recorder):
+        async def update_pod_sandbox(
+            self, pod: api.PodSandbox, overhead: api.LinuxResources, resources: api.LinuxResources
+        ) -> None:
+            return None
+
+    async with (
+        RuntimeSimulator(socket_path, runtime_name=runtime, runtime_version=version, nri_version=nri_version) as sim,
+        plugin_running(PodUpdates(), socket_path),
+    ):
+        [connected] = await sim.wait_for_plugins(1, GUARD)
+        assert connected.events & ~accepted == 0
+        assert bool(connected.events & Event.UPDATE_POD_SANDBOX.bit) == bool(accepted & Event.UPDATE_POD_SANDBOX.bit)
+        assert connected.events & Event.CREATE_CONTAINER.bit
+
+
+@pytest.mark.asyncio
+async def test_chunked_synchronize_is_reassembled(socket_path: Path) -> None:
+    plugin = Recorder()
+    async with RuntimeSimulator(socket_path, max_message_size=64 * 1024) as sim:
+        for n in range(200):
+            pod = make_pod(n, annotations=4)
+            sim.add_pod(pod)
+            for c in range(2):
+                sim.add_container(make_container(pod, c))
+        async with plugin_running(plugin, socket_path):
+            await sim.wait_for_plugins(1, GUARD)
+    assert len(sim.sync_chunks) > 1
+    assert sum(sim.sync_chunks) == 600
+    assert plugin.synced == [(200, 400)]
+
+
+@pytest.mark.asyncio
+async def test_container_lifecycle(socket_path: Path) -> None:
+    plugin = Recorder()
+    async with RuntimeSimulator(socket_path) as sim, plugin_running(plugin, socket_path):
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        result = await sim.create_container(make_container(pod, 1))
+        assert result.container.linux.resources.cpu.cpus == "0-1,2-3"
+        assert env_of(result.container)["OPENSHIFT_SHARED_CPUS"] == "0-1"
+        await sim.start_container("pod1-c1")
+        resources = api.LinuxResources()
+        resources.cpu.cpus = "3"
+        applied = await sim.update_container("pod1-c1", resources)
+        assert applied.cpu.cpus == "0-1,3"
+        assert sim.containers["pod1-c1"].linux.resources.cpu.cpus == "0-1,3"
+        await sim.stop_container("pod1-c1")
+        await sim.remove_container("pod1-c1")
+    assert plugin.events == [
+        ("create", "pod1-c1"),
+        ("start", "pod1-c1"),
+        ("update", "pod1-c1"),
+        ("stop", "pod1-c1"),
+        ("remove", "pod1-c1"),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_state_change_events_on_older_runtime(socket_path: Path) -> None:
+    """CRI-O 1.36 (NRI v0.11) sends start/remove through StateChange; the stub delivers them the same."""
+    plugin = Recorder()
+    async with (
+        RuntimeSimulator(socket_path, runtime_name="cri-o", runtime_version="1.36.3", nri_version="") as sim,
+        plugin_running(plugin, socket_path),
+    ):
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        await sim.create_container(make_container(pod, 1))
+        await sim.start_container("pod1-c1")
+        await sim.remove_container("pod1-c1")
+        assert {r.event for r in sim.records} >= {"StateChange", "CreateContainer"}
+        assert "StartContainer" not in {r.event for r in sim.records}
+    assert [e for e, _ in plugin.events] == ["create", "start", "remove"]
+
+
+@pytest.mark.asyncio
+async def test_unsolicited_updates_after_handler(socket_path: Path) -> None:
+    class Updater(Recorder):
+        stub: Stub
+
+        async def create_container(
+            self, pod: api.PodSandbox, container: api.Container
+        ) -> api.CreateContainerResponse:
+            # Queued now, sent after this handler's reply (the runtime holds its lock until then).
+            update = api.ContainerUpdate(container_id="pod1-c0")
+            update.linux.resources.cpu.cpus = "0-3"
+            self.pending = self.stub.update_containers([update])
+            return api.CreateContainerResponse()
+
+    plugin = Updater()
+    async with RuntimeSimulator(socket_path) as sim:
+        pod = make_pod(1)
+        sim.add_pod(pod)
+        sim.add_container(make_container(pod, 0))
+        async with plugin_running(plugin, socket_path) as stub:
+            plugin.stub = stub
+            await sim.wait_for_plugins(1, GUARD)
+            await sim.create_container(make_container(pod, 1))
+            failed = await asyncio.wait_for(plugin.pending, GUARD)
+            assert failed == []
+            assert sim.containers["pod1-c0"].linux.resources.cpu.cpus == "0-3"
+            # An update for a container the runtime does not know comes back as failed.
+            ghost = api.ContainerUpdate(container_id="nope")
+            [returned] = await asyncio.wait_for(stub.update_containers([ghost]), GUARD)
+            assert returned.container_id == "nope"
+
+
+@pytest.mark.asyncio
+async def test_handler_exception_fails_the_operation(socket_path: Path) -> None:
+    class Failing(Recorder):
+        async def create_container(
+            self, pod: api.PodSandbox, container: api.Container
+        ) -> api.CreateContainerResponse:
+            raise RuntimeError("pod spec is wrong: ask for 1 shared-cpu device")
+
+    async with RuntimeSimulator(socket_path) as sim, plugin_running(Failing(), socket_path):
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        with pytest.raises(PluginFailed) as failure:
+            await sim.create_container(make_container(pod, 1))
+        assert failure.value.code == Code.UNKNOWN
+        assert failure.value.message == "pod spec is wrong: ask for 1 shared-cpu device"
+        assert "pod1-c1" not in sim.containers
+        # The plugin stays connected and serves the next request.
+        assert len(sim.plugins) == 1
+
+
+class RawRuntime:
+    """A hand-driven runtime: answers RegisterPlugin, then lets the test write any bytes on conn 1."""
+
+    def __init__(self) -> None:
+        self.session = ClientSession()
+        self.responses: asyncio.Queue[ResponseReceived] = asyncio.Queue()
+        self.connected: asyncio.Future[mux.Trunk] = asyncio.get_running_loop().create_future()
+
+    def factory(self) -> mux.Trunk:
+        trunk = mux.Trunk()
+        trunk.channel(mux.PLUGIN_SERVICE_CONN, self)
+
+        async def register(_request: api.RegisterPluginRequest, _ctx: object) -> api.Empty:
+            if not self.connected.done():
+                self.connected.set_result(trunk)
+            return api.Empty()
+
+        services = {RUNTIME_SERVICE: {"RegisterPlugin": UnaryMethod(api.RegisterPluginRequest, register)}}
+        trunk.channel(mux.RUNTIME_SERVICE_CONN, Server(services, functools.partial(trunk.send, 2)))
+        return trunk
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.session.receive_data(data):
+            assert isinstance(event, ResponseReceived)
+            self.responses.put_nowait(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_unknown_method_and_oversize_request_keep_connection(socket_path: Path) -> None:
+    runtime = RawRuntime()
+    server = await asyncio.get_running_loop().create_unix_server(runtime.factory, str(socket_path))
+    try:
+        async with plugin_running(Recorder(), socket_path, reconnect=False):
+            trunk = await asyncio.wait_for(runtime.connected, GUARD)
+            _, unknown = runtime.session.send_request(PLUGIN_SERVICE, "NoSuchMethod", b"")
+            trunk.send(mux.PLUGIN_SERVICE_CONN, unknown)
+            # A request whose header announces 5 MiB: the plugin discards it and answers on its stream.
+            big_id, _ = runtime.session.send_request(PLUGIN_SERVICE, "Configure", b"")
+            trunk.send(mux.PLUGIN_SERVICE_CONN, encode_frame_header(5 << 20, big_id) + bytes(5 << 20))
+            configure = api.ConfigureRequest(runtime_name="containerd", runtime_version="v2.3.4")
+            _, ok = runtime.session.send_request(PLUGIN_SERVICE, "Configure", configure.SerializeToString())
+            trunk.send(mux.PLUGIN_SERVICE_CONN, ok)
+            # Requests run concurrently, so replies may come in any order: match them by stream id.
+            replies = sorted(
+                [await asyncio.wait_for(runtime.responses.get(), GUARD) for _ in range(3)], key=lambda r: r.stream_id
+            )
+            assert [(r.stream_id, r.code) for r in replies] == [
+                (1, Code.UNIMPLEMENTED),
+                (3, Code.RESOURCE_EXHAUSTED),
+                (5, Code.OK),
+            ]
+            assert replies[0].message == "method NoSuchMethod"
+            assert api.ConfigureResponse.FromString(replies[2].payload).events & Event.CREATE_CONTAINER.bit
+            assert not trunk.closed.is_set()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def encode_frame_header(length: int, stream_id: int) -> bytes:
+    return length.to_bytes(4, "big") + stream_id.to_bytes(4, "big") + bytes([1, 0])
+
+
+@pytest.mark.asyncio
+async def test_oversized_reply_becomes_an_error_and_connection_survives(socket_path: Path) -> None:
+    class Huge(Recorder):
+        first = True
+
+        async def create_container(
+            self, pod: api.PodSandbox, container: api.Container
+        ) -> api.CreateContainerResponse:
+            if self.first:
+                self.first = False
+                response = api.CreateContainerResponse()
+                response.adjust.env.add(key="BIG", value="x" * (5 << 20))
+                return response
+            return await super().create_container(pod, container)
+
+    async with RuntimeSimulator(socket_path) as sim, plugin_running(Huge(), socket_path):
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        with pytest.raises(PluginFailed) as failure:
+            await sim.create_container(make_container(pod, 1))
+        assert failure.value.code == Code.RESOURCE_EXHAUSTED
+        result = await sim.create_container(make_container(pod, 2))
+        assert result.container.linux.resources.cpu.cpus == "0-1,2-3"
+        assert len(sim.plugins) == 1
+
+
+@pytest.mark.asyncio
+async def test_runtime_restart_reconnects_and_resyncs(socket_path: Path) -> None:
+    plugin = Recorder()
+    async with plugin_running(plugin, socket_path) as stub:
+        async with RuntimeSimulator(socket_path) as first:
+            await first.wait_for_plugins(1, GUARD)
+        # The runtime is gone; the stub retries until a new one listens on the same path.
+        async with RuntimeSimulator(socket_path) as second:
+            pod = make_pod(7)
+            second.add_pod(pod)
+            second.add_container(make_container(pod, 1))
+            await second.wait_for_plugins(1, GUARD)
+            result = await second.create_container(make_container(pod, 2))
+            assert result.container.linux.resources.cpu.cpus == "0-1,2-3"
+        assert stub.synchronizations == 2
+        assert stub.connections >= 2
+    assert plugin.synced == [(0, 0), (1, 1)]
+
+
+@pytest.mark.asyncio
+async def test_runtime_closing_mid_request(socket_path: Path) -> None:
+    """The runtime goes away while a handler runs: the stub reconnects to the next runtime."""
+    started = asyncio.Event()
+
+    class Slow(Recorder):
+        async def create_container(
+            self, pod: api.PodSandbox, container: api.Container
+        ) -> api.CreateContainerResponse:
+            started.set()
+            await asyncio.sleep(GUARD)
+            return api.CreateContainerResponse()
+
+    plugin = Slow()
+    async with plugin_running(plugin, socket_path) as stub:
+        sim = RuntimeSimulator(socket_path)
+        await sim.start()
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        creating = asyncio.ensure_future(sim.create_container(make_container(pod, 1)))
+        await asyncio.wait_for(started.wait(), GUARD)
+        await sim.close()
+        creating.cancel()
+        async with RuntimeSimulator(socket_path) as again:
+            await again.wait_for_plugins(1, GUARD)
+        assert stub.synchronizations == 2
+
+
+@pytest.mark.asyncio
+async def test_plugin_missing_the_request_timeout_is_dropped_then_recovers(socket_path: Path) -> None:
+    class Stalls(Recorder):
+        stall = True
+
+        async def create_container(
+            self, pod: api.PodSandbox, container: api.Container
+        ) -> api.CreateContainerResponse:
+            if self.stall:
+                self.stall = False
+                await asyncio.sleep(GUARD)
+            return await super().create_container(pod, container)
+
+    plugin = Stalls()
+    async with RuntimeSimulator(socket_path, request_timeout=0.2) as sim, plugin_running(plugin, socket_path) as stub:
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        result = await sim.create_container(make_container(pod, 1))
+        # The runtime gave up on the plugin and created the container unadjusted.
+        assert result.container.linux.resources.cpu.cpus == "2-3"
+        assert any(r.outcome == "dropped" and "timed out" in r.detail for r in sim.records)
+        # The stub sees its connection closed, reconnects, registers and synchronizes again.
+        await sim.wait_for_plugins(1, GUARD)
+        assert stub.synchronizations == 2
+        result = await sim.create_container(make_container(pod, 2))
+        assert result.container.linux.resources.cpu.cpus == "0-1,2-3"
+
+
+@pytest.mark.asyncio
+async def test_registration_timeout_drops_silent_peer(socket_path: Path) -> None:
+    async with RuntimeSimulator(socket_path, registration_timeout=0.1) as sim:
+        reader, writer = await asyncio.open_unix_connection(str(socket_path))
+        assert await asyncio.wait_for(reader.read(), GUARD) == b""  # closed by the runtime
+        writer.close()
+    assert [(r.event, r.outcome, r.detail) for r in sim.records] == [
+        ("RegisterPlugin", "dropped", "registration timed out")
+    ]
+
+
+@pytest.mark.asyncio
+async def test_invalid_event_mask_is_refused(socket_path: Path) -> None:
+    """A plugin answering with bits the runtime does not know is closed, as NRI runtimes do."""
+
+    class Greedy(Recorder):
+        async def update_pod_sandbox(
+            self, pod: api.PodSandbox, overhead: api.LinuxResources, resources: api.LinuxResources
+        ) -> None:
+            return None
+
+    async with RuntimeSimulator(socket_path, runtime_name="containerd", runtime_version="v2.0.0", nri_version="") as sim:
+        stub = Stub(Greedy(), name="test", index="10", socket_path=str(socket_path), reconnect=False)
+        # Pretend the stub did not limit its mask: subscribe to everything the plugin handles.
+        stub_configure = stub._configure
+
+        async def unlimited(request: api.ConfigureRequest, ctx: object) -> api.ConfigureResponse:
+            reply = await stub_configure(request, ctx)
+            reply.events = stub.subscribed
+            return reply
+
+        stub._configure = unlimited  # type: ignore[method-assign]
+        await asyncio.wait_for(stub.run(), GUARD)
+    assert any(r.event == "Configure" and "invalid plugin events" in r.detail for r in sim.records)
+    assert sim.plugins == []
+
+
+def test_identity_from_environment_and_argv() -> None:
+    assert resolve_identity(environ={"NRI_PLUGIN_NAME": "mixed-cpu", "NRI_PLUGIN_IDX": "20"}).full_name == (
+        "20-mixed-cpu"
+    )
+    # Old runtimes pass the whole file name as the name.
+    assert resolve_identity(environ={"NRI_PLUGIN_NAME": "05-mixed-cpu"}).full_name == "05-mixed-cpu"
+    assert resolve_identity("x", "99", environ={}).full_name == "99-x"
+    with pytest.raises(StubError, match="two digits"):
+        resolve_identity("mixed-cpu", "7", environ={})
+    with pytest.raises(StubError, match="letters, digits"):
+        resolve_identity("bad name", "10", environ={})
+
+
+def test_plugin_without_handlers_is_refused() -> None:
+    with pytest.raises(StubError, match="no NRI handler"):
+        Stub(object(), name="x", index="10")
