@@ -1,4 +1,4 @@
-"""Command line: ``mixed-cpu-nri-plugin demo | version``."""
+"""Command line: ``mixed-cpu-nri-plugin run | demo | version``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import structlog
 
 from nri_plugin import __version__
+from nri_plugin.stub import DEFAULT_SOCKET_PATH
 
 
 def configure_logging(level: str) -> None:
@@ -46,6 +47,20 @@ def _parser() -> argparse.ArgumentParser:
         default="containerd",
         help="which runtime the simulator pretends to be (default: containerd)",
     )
+    run = commands.add_parser("run", help="run the NRI plugin against the node's container runtime")
+    run.add_argument(
+        "--socket", default=DEFAULT_SOCKET_PATH, help=f"NRI socket (default: {DEFAULT_SOCKET_PATH})"
+    )
+    run.add_argument(
+        "--nri-plugin-name", default=None, help="plugin name (default: NRI_PLUGIN_NAME or mixed-cpu)"
+    )
+    run.add_argument(
+        "--nri-plugin-index", default=None, help="two-digit plugin index (default: NRI_PLUGIN_IDX or 10)"
+    )
+    run.add_argument("--shared-cpus", required=True, help="the node's shared CPU pool, e.g. 0-1")
+    run.add_argument(
+        "--no-reconnect", action="store_true", help="exit when the runtime closes the connection"
+    )
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -56,10 +71,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "version":
         print(f"mixed-cpu-nri-plugin {__version__}")
         return 0
+    if args.command == "run":
+        return asyncio.run(_run(args))
     from nri_plugin.demo import run_demo
 
     version = "v2.3.4" if args.runtime == "containerd" else "v1.36.3"
     return asyncio.run(run_demo(sys.stdout, runtime_name=args.runtime, runtime_version=version))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    import os
+
+    from nri_plugin.demo import DemoPlugin
+    from nri_plugin.stub import Stub, StubError, run_until_signalled
+
+    try:
+        stub = Stub(
+            DemoPlugin(args.shared_cpus),
+            name=args.nri_plugin_name or os.environ.get("NRI_PLUGIN_NAME") or "mixed-cpu",
+            index=args.nri_plugin_index or os.environ.get("NRI_PLUGIN_IDX") or "10",
+            socket_path=args.socket,
+            reconnect=not args.no_reconnect,
+        )
+        await run_until_signalled(stub)
+    except StubError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -118,7 +119,8 @@ class RuntimeSimulator:
         self.nri_version = nri_version
         self.registration_timeout = registration_timeout
         self.request_timeout = request_timeout
-        self.max_message_size = max_message_size
+        # ttrpc refuses anything larger whatever the runtime wants: chunking is the only way past it.
+        self.max_message_size = min(max_message_size, MAX_DATA)
         self.plugin_config = plugin_config
         self.valid_events = valid_events(
             nri_version=nri_version, runtime_name=runtime_name, runtime_version=runtime_version
@@ -129,7 +131,8 @@ class RuntimeSimulator:
         self.containers: dict[str, api.Container] = {}
         self.records: list[Record] = []
         self.applied_updates: list[api.ContainerUpdate] = []
-        self.sync_chunks: list[int] = []
+        self.sync_chunks: list[int] = []  # objects in each Synchronize message sent
+        self.sync_seconds: list[float] = []  # duration of each whole synchronization, all chunks
         self._plugins: list[PluginConnection] = []
         self._changed = asyncio.Condition()
         # Runtimes hold one lock for a whole event across all plugins, and take it again to apply a
@@ -290,6 +293,7 @@ class RuntimeSimulator:
     async def _synchronize(self, plugin: PluginConnection) -> None:
         """Send every pod and container; in chunks marked ``more`` when one message is too large."""
         pods, containers = list(self.pods.values()), list(self.containers.values())
+        started = time.perf_counter()
         try:
             replies = await asyncio.wait_for(
                 self._sync_messages(plugin, pods, containers), self.request_timeout
@@ -297,6 +301,7 @@ class RuntimeSimulator:
         except (asyncio.TimeoutError, _Dropped, PluginFailed) as exc:
             self._drop(plugin, f"synchronize failed: {exc or 'timeout'}")
             return
+        self.sync_seconds.append(time.perf_counter() - started)
         for update in replies:
             self._apply_update(update, source=plugin.full_name)
         plugin.synchronized = True

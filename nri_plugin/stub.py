@@ -32,6 +32,7 @@ import functools
 import os
 import random
 import re
+import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -246,6 +247,10 @@ class Stub:
             log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=delay)
             await self._sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, self.backoff_max)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -502,6 +507,30 @@ class Stub:
             await self._call(HANDLER_OF_EVENT[event], pod)
         else:
             await self._call(HANDLER_OF_EVENT[event], pod, container)
+
+
+async def run_until_signalled(stub: Stub) -> None:
+    """Run the stub until SIGTERM or SIGINT; a second signal ends the process at once.
+
+    The first signal stops the stub (the connection closes, handlers in flight are cancelled) and
+    ``run`` returns normally, so the caller's clean-up runs.
+    """
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def on_signal(signum: int) -> None:
+        if stub.stopping:
+            os._exit(128 + signum)
+        log.info("signal received, shutting down", signal=signal.Signals(signum).name)
+        stub.stop()
+
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await stub.run()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
 
 
 def in_handler() -> bool:

@@ -38,7 +38,9 @@ class Recorder:
         self.synced.append((len(pods), len(containers)))
         return ()
 
-    async def create_container(self, pod: api.PodSandbox, container: api.Container) -> api.CreateContainerResponse:
+    async def create_container(
+        self, pod: api.PodSandbox, container: api.Container
+    ) -> api.CreateContainerResponse:
         self.events.append(("create", container.id))
         response = api.CreateContainerResponse()
         response.adjust.linux.resources.cpu.cpus = f"{self.shared},{container.linux.resources.cpu.cpus}"
@@ -53,7 +55,9 @@ class Recorder:
         update.linux.resources.cpu.cpus = f"{self.shared},{resources.cpu.cpus}"
         return (update,)
 
-    async def stop_container(self, pod: api.PodSandbox, container: api.Container) -> Sequence[api.ContainerUpdate]:
+    async def stop_container(
+        self, pod: api.PodSandbox, container: api.Container
+    ) -> Sequence[api.ContainerUpdate]:
         self.events.append(("stop", container.id))
         return ()
 
@@ -145,12 +149,16 @@ async def test_event_mask_limited_to_runtime(
             return None
 
     async with (
-        RuntimeSimulator(socket_path, runtime_name=runtime, runtime_version=version, nri_version=nri_version) as sim,
+        RuntimeSimulator(
+            socket_path, runtime_name=runtime, runtime_version=version, nri_version=nri_version
+        ) as sim,
         plugin_running(PodUpdates(), socket_path),
     ):
         [connected] = await sim.wait_for_plugins(1, GUARD)
         assert connected.events & ~accepted == 0
-        assert bool(connected.events & Event.UPDATE_POD_SANDBOX.bit) == bool(accepted & Event.UPDATE_POD_SANDBOX.bit)
+        assert bool(connected.events & Event.UPDATE_POD_SANDBOX.bit) == bool(
+            accepted & Event.UPDATE_POD_SANDBOX.bit
+        )
         assert connected.events & Event.CREATE_CONTAINER.bit
 
 
@@ -316,7 +324,8 @@ async def test_unknown_method_and_oversize_request_keep_connection(socket_path: 
             trunk.send(mux.PLUGIN_SERVICE_CONN, ok)
             # Requests run concurrently, so replies may come in any order: match them by stream id.
             replies = sorted(
-                [await asyncio.wait_for(runtime.responses.get(), GUARD) for _ in range(3)], key=lambda r: r.stream_id
+                [await asyncio.wait_for(runtime.responses.get(), GUARD) for _ in range(3)],
+                key=lambda r: r.stream_id,
             )
             assert [(r.stream_id, r.code) for r in replies] == [
                 (1, Code.UNIMPLEMENTED),
@@ -424,7 +433,10 @@ async def test_plugin_missing_the_request_timeout_is_dropped_then_recovers(socke
             return await super().create_container(pod, container)
 
     plugin = Stalls()
-    async with RuntimeSimulator(socket_path, request_timeout=0.2) as sim, plugin_running(plugin, socket_path) as stub:
+    async with (
+        RuntimeSimulator(socket_path, request_timeout=0.2) as sim,
+        plugin_running(plugin, socket_path) as stub,
+    ):
         await sim.wait_for_plugins(1, GUARD)
         pod = make_pod(1)
         await sim.run_pod_sandbox(pod)
@@ -460,7 +472,9 @@ async def test_invalid_event_mask_is_refused(socket_path: Path) -> None:
         ) -> None:
             return None
 
-    async with RuntimeSimulator(socket_path, runtime_name="containerd", runtime_version="v2.0.0", nri_version="") as sim:
+    async with RuntimeSimulator(
+        socket_path, runtime_name="containerd", runtime_version="v2.0.0", nri_version=""
+    ) as sim:
         stub = Stub(Greedy(), name="test", index="10", socket_path=str(socket_path), reconnect=False)
         # Pretend the stub did not limit its mask: subscribe to everything the plugin handles.
         stub_configure = stub._configure
