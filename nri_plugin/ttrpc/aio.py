@@ -1,0 +1,519 @@
+"""asyncio edge of ttrpc: a `Server` and a `Client` over a *channel*.
+
+A channel is anything that takes one whole ttrpc message per `send(message)` call and feeds what it
+receives back through the receiver's `data_received(data)` and `connection_lost(exc)`. Whole messages
+matter: the NRI multiplexer frames each message on its own, the way Go peers expect. A plain unix
+socket is one channel (`serve_unix`, `connect_unix`); an NRI mux connection id is another.
+
+The receive side never waits: `data_received` only feeds the sans-I/O session, writes the replies the
+session made by itself and starts one task per request. So a handler may itself make calls (on this
+or another channel) without blocking the requests that come after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from nri_plugin.ttrpc.errors import (
+    Code,
+    ConnectionClosed,
+    OversizedMessage,
+    ProtocolError,
+    TtrpcError,
+)
+from nri_plugin.ttrpc.protocol import (
+    ClientSession,
+    RequestReceived,
+    ResponseReceived,
+    ServerSession,
+    UnexpectedResponse,
+)
+
+__all__ = [
+    "CallContext",
+    "Client",
+    "Receiver",
+    "Send",
+    "Server",
+    "Services",
+    "UnaryMethod",
+    "UnixServer",
+    "connect_unix",
+    "serve_unix",
+]
+
+logger = logging.getLogger(__name__)
+
+# Writes one whole ttrpc message to the channel.
+Send = Callable[[bytes], None]
+CloseChannel = Callable[[], None]
+
+ReqT = TypeVar("ReqT", bound=Message)
+RespT = TypeVar("RespT", bound=Message)
+
+# Go's context error text, which Go servers send for an expired budget.
+_DEADLINE_TEXT = "context deadline exceeded"
+_NANO = 1_000_000_000
+
+
+class Receiver(Protocol):
+    """What a channel feeds: a `Server` or a `Client`."""
+
+    def data_received(self, data: bytes) -> None: ...
+
+    def connection_lost(self, exc: BaseException | None) -> None: ...
+
+    async def wait_closed(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallContext:
+    """What a handler knows about the call besides the request message."""
+
+    service: str
+    method: str
+    stream_id: int
+    # Request metadata in wire order; a key may repeat.
+    metadata: tuple[tuple[str, str], ...]
+    # The caller's remaining budget when it sent the request; 0 means none.
+    timeout_nano: int
+    # `loop.time()` at which the server gives up on the handler; None when there is no budget.
+    deadline: float | None
+
+    def time_remaining(self) -> float | None:
+        """Seconds left of the budget (never negative), or None when unbounded."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+
+@dataclass(frozen=True)
+class UnaryMethod(Generic[ReqT, RespT]):
+    """One method: how to decode its request and the coroutine that answers it."""
+
+    request_type: type[ReqT]
+    handler: Callable[[ReqT, CallContext], Awaitable[RespT]]
+
+
+# Fully qualified service name -> bare method name -> method.
+Services = Mapping[str, Mapping[str, UnaryMethod[Any, Any]]]
+
+
+# --- server --------------------------------------------------------------------------------------
+
+
+class Server:
+    """Serves `services` on one channel.
+
+    Lifecycle: `close()` stops taking new requests (they get Unavailable), `wait_closed()` waits for
+    the handlers still running. `connection_lost` cancels the running handlers; nothing is written
+    after it. A protocol violation by the peer counts as a lost connection and asks the channel's
+    owner to close it through `close_channel`.
+    """
+
+    def __init__(self, services: Services, send: Send, *, close_channel: CloseChannel | None = None) -> None:
+        self._services = services
+        self._send = send
+        self._close_channel = close_channel
+        self._session = ServerSession()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accepting = True
+        self._lost = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._lost:
+            return
+        try:
+            events = self._session.receive_data(data)
+        except ProtocolError as exc:
+            logger.error("ttrpc server: peer broke the protocol, closing: %s", exc)
+            self._abort()
+            return
+        for message in self._session.messages_to_send():
+            self._write(message)
+        for event in events:
+            self._start(event)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        self._accepting = False
+        for task in self._tasks:
+            task.cancel()
+
+    def close(self) -> None:
+        """Stop taking requests; those already running go on and are answered."""
+        self._accepting = False
+
+    async def wait_closed(self) -> None:
+        """Wait until no handler is running (call after `close()` or a lost connection)."""
+        while self._tasks:
+            # asyncio.wait, not gather: cancelling this wait must not cancel the handlers.
+            await asyncio.wait(set(self._tasks))
+
+    def _abort(self) -> None:
+        self.connection_lost(None)
+        if self._close_channel is not None:
+            self._close_channel()
+
+    def _start(self, event: RequestReceived) -> None:
+        if not self._accepting:
+            self._respond(event.stream_id, b"", Code.UNAVAILABLE, "ttrpc: server closed")
+            return
+        name = f"ttrpc {event.request.service}/{event.request.method} #{event.stream_id}"
+        # The budget counts from arrival, not from when the task first runs.
+        task = asyncio.get_running_loop().create_task(self._serve(event, _context(event)), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, event: RequestReceived, ctx: CallContext) -> None:
+        code, message, payload = await self._call(event, ctx)
+        self._respond(event.stream_id, payload, code, message)
+
+    async def _call(self, event: RequestReceived, ctx: CallContext) -> tuple[int, str, bytes]:
+        """Run the handler; returns (code, message, payload) of the response."""
+        request = event.request
+        try:
+            method = self._lookup(request.service, request.method)
+            reply = await _with_budget(method.handler(_decode_payload(method, request.payload), ctx), ctx)
+            return Code.OK, "", reply.SerializeToString()
+        except TtrpcError as exc:
+            return exc.code, exc.message, b""
+        except asyncio.TimeoutError:
+            return Code.DEADLINE_EXCEEDED, _DEADLINE_TEXT, b""
+        except Exception as exc:
+            logger.exception("ttrpc handler %s/%s failed", request.service, request.method)
+            # Go sends err.Error(); an exception without text still needs a readable message.
+            return Code.UNKNOWN, str(exc) or repr(exc), b""
+
+    def _lookup(self, service: str, method: str) -> UnaryMethod[Any, Any]:
+        # Code 12 and these exact texts, like Go: NRI runtimes fall back to older RPCs on 12.
+        methods = self._services.get(service)
+        if methods is None:
+            raise TtrpcError(Code.UNIMPLEMENTED, f"service {service}")
+        found = methods.get(method)
+        if found is None:
+            raise TtrpcError(Code.UNIMPLEMENTED, f"method {method}")
+        return found
+
+    def _respond(self, stream_id: int, payload: bytes, code: int, message: str) -> None:
+        if self._lost:
+            logger.debug("ttrpc server: connection lost, dropping the response of stream %d", stream_id)
+            return
+        try:
+            out = self._session.send_response(stream_id, payload=payload, code=code, message=message)
+        except OversizedMessage as exc:
+            # The reply cannot go out; tell the caller why instead of leaving it waiting.
+            logger.error("ttrpc server: response of stream %d too large: %s", stream_id, exc.message)
+            out = self._session.send_response(stream_id, code=exc.code, message=exc.message)
+        self._write(out)
+
+    def _write(self, message: bytes) -> None:
+        try:
+            self._send(message)
+        except ConnectionClosed:
+            logger.debug("ttrpc server: channel closed, response dropped")
+        except Exception:
+            logger.exception("ttrpc server: cannot write a response")
+
+
+def _context(event: RequestReceived) -> CallContext:
+    request = event.request
+    # Like Go, only a positive timeout sets a deadline; 0 (and nonsense below it) means none.
+    deadline = None
+    if request.timeout_nano > 0:
+        deadline = asyncio.get_running_loop().time() + request.timeout_nano / _NANO
+    return CallContext(
+        service=request.service,
+        method=request.method,
+        stream_id=event.stream_id,
+        metadata=tuple((kv.key, kv.value) for kv in request.metadata),
+        timeout_nano=request.timeout_nano,
+        deadline=deadline,
+    )
+
+
+def _decode_payload(method: UnaryMethod[ReqT, Any], payload: bytes) -> ReqT:
+    try:
+        return method.request_type.FromString(payload)
+    except DecodeError as exc:
+        raise TtrpcError(Code.INTERNAL, f"ttrpc: error unmarshalling payload: {exc}") from exc
+
+
+async def _with_budget(reply: Awaitable[RespT], ctx: CallContext) -> RespT:
+    remaining = ctx.time_remaining()
+    if remaining is None:
+        return await reply
+    return await asyncio.wait_for(reply, remaining)
+
+
+# --- client --------------------------------------------------------------------------------------
+
+
+class Client:
+    """Makes calls on one channel; concurrent calls are matched to responses by stream id.
+
+    `close()` fails the pending calls and refuses new ones, then asks the channel's owner to close
+    (`close_channel`); `wait_closed()` returns once the channel reported `connection_lost` (at once
+    when there is no `close_channel`).
+    """
+
+    def __init__(self, send: Send, *, close_channel: CloseChannel | None = None) -> None:
+        self._send = send
+        self._close_channel = close_channel
+        self._session = ClientSession()
+        self._pending: dict[int, asyncio.Future[ResponseReceived]] = {}
+        # Why calls fail once the channel is gone: (message, underlying cause).
+        self._closed: tuple[str, BaseException | None] | None = None
+        self._lost = asyncio.Event()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    async def call(
+        self,
+        service: str,
+        method: str,
+        request: Message,
+        response_type: type[RespT],
+        *,
+        timeout: float | None = None,
+        metadata: Iterable[tuple[str, str]] = (),
+    ) -> RespT:
+        """One unary call.
+
+        Raises `TtrpcError` for a non-OK status (DEADLINE_EXCEEDED also when `timeout` runs out
+        here; a late response is then dropped), `OversizedMessage` when the request is too large
+        (nothing is written), `ConnectionClosed` when the channel is gone.
+        """
+        if self._closed is not None:
+            raise self._closed_error()
+        if timeout is not None and timeout <= 0:
+            raise TtrpcError(Code.DEADLINE_EXCEEDED, _DEADLINE_TEXT)
+        stream_id, future = self._start_call(service, method, request, timeout, metadata)
+        try:
+            response = await _wait_response(future, timeout)
+        finally:
+            self._forget(stream_id)
+        if response.code != Code.OK:
+            raise TtrpcError(response.code, response.message)
+        try:
+            return response_type.FromString(response.payload)
+        except DecodeError as exc:
+            raise TtrpcError(Code.INTERNAL, f"ttrpc: error unmarshalling response payload: {exc}") from exc
+
+    def _start_call(
+        self,
+        service: str,
+        method: str,
+        request: Message,
+        timeout: float | None,
+        metadata: Iterable[tuple[str, str]],
+    ) -> tuple[int, asyncio.Future[ResponseReceived]]:
+        # Allocating the id and writing happen with no await in between, so ids on the wire increase.
+        stream_id, message = self._session.send_request(
+            service, method, request.SerializeToString(), timeout_nano=_to_nano(timeout), metadata=metadata
+        )
+        future: asyncio.Future[ResponseReceived] = asyncio.get_running_loop().create_future()
+        self._pending[stream_id] = future
+        try:
+            self._send(message)
+        except BaseException:
+            self._forget(stream_id)
+            raise
+        return stream_id, future
+
+    def _forget(self, stream_id: int) -> None:
+        self._pending.pop(stream_id, None)
+        self._session.abandon(stream_id)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed is not None:
+            return
+        try:
+            events = self._session.receive_data(data)
+        except ProtocolError as exc:
+            logger.error("ttrpc client: peer broke the protocol, closing: %s", exc)
+            self._fail_all(f"ttrpc: closed: {exc}", exc)
+            self._close_owner()
+            return
+        for event in events:
+            self._dispatch(event)
+
+    def _dispatch(self, event: ResponseReceived | UnexpectedResponse) -> None:
+        if isinstance(event, UnexpectedResponse):
+            # Usually the answer to a call that already timed out here.
+            logger.info("ttrpc client: response on inactive stream %d dropped", event.stream_id)
+            return
+        future = self._pending.pop(event.stream_id, None)
+        if future is not None and not future.done():
+            future.set_result(event)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._fail_all("ttrpc: closed", exc)
+        self._lost.set()
+
+    def close(self) -> None:
+        """Fail pending calls with `ConnectionClosed`, refuse new ones and close the channel."""
+        self._fail_all("ttrpc: client closed", None)
+        self._close_owner()
+
+    async def wait_closed(self) -> None:
+        await self._lost.wait()
+
+    def _close_owner(self) -> None:
+        if self._close_channel is None:
+            self._lost.set()
+        else:
+            self._close_channel()
+
+    def _fail_all(self, message: str, cause: BaseException | None) -> None:
+        if self._closed is None:
+            self._closed = (message, cause)
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(self._closed_error())
+
+    def _closed_error(self) -> ConnectionClosed:
+        # A fresh exception each time: one instance raised in many tasks would pile up tracebacks.
+        assert self._closed is not None
+        message, cause = self._closed
+        error = ConnectionClosed(message)
+        error.__cause__ = cause
+        return error
+
+
+def _to_nano(timeout: float | None) -> int:
+    if timeout is None:
+        return 0
+    # At least 1 ns: 0 on the wire would mean "no deadline".
+    return max(1, int(timeout * _NANO))
+
+
+async def _wait_response(future: asyncio.Future[ResponseReceived], timeout: float | None) -> ResponseReceived:
+    if timeout is None:
+        return await future
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except asyncio.TimeoutError:
+        raise TtrpcError(Code.DEADLINE_EXCEEDED, _DEADLINE_TEXT) from None
+
+
+# --- plain unix sockets (no NRI mux) -------------------------------------------------------------
+
+R = TypeVar("R", bound=Receiver)
+
+
+class _ChannelProtocol(asyncio.Protocol, Generic[R]):
+    """Makes one socket connection a channel: each `send` is one `transport.write` of a message."""
+
+    def __init__(
+        self,
+        make_receiver: Callable[[Send, CloseChannel], R],
+        on_done: Callable[[_ChannelProtocol[R]], None] | None = None,
+    ) -> None:
+        self._make_receiver = make_receiver
+        self._on_done = on_done
+        self._transport: asyncio.Transport | None = None
+        self._receiver: R | None = None
+        self._done = asyncio.get_running_loop().create_future()
+        self._finishing: asyncio.Task[None] | None = None
+
+    @property
+    def receiver(self) -> R:
+        assert self._receiver is not None, "not connected yet"
+        return self._receiver
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._receiver = self._make_receiver(self._send, transport.close)
+
+    def _send(self, message: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionClosed()
+        self._transport.write(message)
+
+    def data_received(self, data: bytes) -> None:
+        self.receiver.data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.receiver.connection_lost(exc)
+        # Done once the receiver's handlers have wound down too.
+        self._finishing = asyncio.get_running_loop().create_task(self._finish())
+
+    async def _finish(self) -> None:
+        await self.receiver.wait_closed()
+        self._done.set_result(None)
+        if self._on_done is not None:
+            self._on_done(self)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._done)
+
+
+class UnixServer:
+    """A listening unix socket serving ttrpc; `close()` also drops the open connections."""
+
+    def __init__(self, server: asyncio.AbstractServer, connections: set[_ChannelProtocol[Server]]) -> None:
+        self._server = server
+        self._connections = connections
+
+    def close(self) -> None:
+        self._server.close()
+        for connection in list(self._connections):
+            connection.close()
+
+    async def wait_closed(self) -> None:
+        await self._server.wait_closed()
+        while self._connections:
+            await asyncio.wait([asyncio.ensure_future(c.wait_closed()) for c in list(self._connections)])
+
+    async def __aenter__(self) -> UnixServer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+        await self.wait_closed()
+
+
+async def serve_unix(path: str | os.PathLike[str], services: Services) -> UnixServer:
+    """Listen on a unix socket; every connection gets its own `Server` (plain ttrpc, no NRI mux)."""
+    connections: set[_ChannelProtocol[Server]] = set()
+
+    def make_server(send: Send, close: CloseChannel) -> Server:
+        return Server(services, send, close_channel=close)
+
+    def factory() -> _ChannelProtocol[Server]:
+        protocol = _ChannelProtocol(make_server, on_done=connections.discard)
+        connections.add(protocol)
+        return protocol
+
+    server = await asyncio.get_running_loop().create_unix_server(factory, os.fspath(path))
+    return UnixServer(server, connections)
+
+
+async def connect_unix(path: str | os.PathLike[str]) -> Client:
+    """Connect to a plain ttrpc server on a unix socket; `client.close()` closes the socket."""
+
+    def make_client(send: Send, close: CloseChannel) -> Client:
+        return Client(send, close_channel=close)
+
+    _, protocol = await asyncio.get_running_loop().create_unix_connection(
+        lambda: _ChannelProtocol(make_client), os.fspath(path)
+    )
+    return protocol.receiver

@@ -1,0 +1,418 @@
+"""Sans-I/O ttrpc: frame codec and the per-connection rules of both roles.
+
+Nothing here reads, writes, sleeps or knows about asyncio: bytes go in through `receive_data`,
+events and bytes to write come out. The asyncio edge lives in `aio.py`.
+
+Wire format (all integers big-endian)::
+
+    length u32 | stream_id u32 | type u8 | flags u8 | data (length bytes)
+
+`data` is a serialized `ttrpc.Request` (type 1) or `ttrpc.Response` (type 2). Only unary calls are
+supported: Data frames (type 3, streaming) are refused.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from google.protobuf.message import DecodeError
+
+from api.google.rpc import status_pb2
+from api.ttrpc import request_pb2
+from nri_plugin.ttrpc.errors import (
+    Code,
+    LocalProtocolError,
+    OversizedMessage,
+    RemoteProtocolError,
+)
+
+__all__ = [
+    "FLAG_NO_DATA",
+    "FLAG_REMOTE_CLOSED",
+    "FLAG_REMOTE_OPEN",
+    "HEADER_SIZE",
+    "MAX_DATA",
+    "MAX_STREAM_ID",
+    "NEED_DATA",
+    "ClientEvent",
+    "ClientSession",
+    "Frame",
+    "FrameDecoder",
+    "MessageType",
+    "OversizedFrame",
+    "RequestReceived",
+    "ResponseReceived",
+    "ServerSession",
+    "UnexpectedResponse",
+    "encode_frame",
+]
+
+HEADER_SIZE: Final = 10
+_HEADER = struct.Struct(">IIBB")
+
+# Largest frame data either side accepts or sends (Go ttrpc's messageLengthMax). It also bounds the
+# decoder's buffer: at most one header, one frame's data and one received chunk are ever held.
+MAX_DATA: Final = 4 << 20
+
+# Stream ids are u32 on the wire.
+MAX_STREAM_ID: Final = 0xFFFF_FFFF
+
+# Flags (meaning depends on the type). Unary calls, the only kind supported here, send 0.
+FLAG_REMOTE_CLOSED: Final = 0x01  # Request/Data: sender sends nothing more on this stream
+FLAG_REMOTE_OPEN: Final = 0x02  # Request: a streaming call, Data frames follow
+FLAG_NO_DATA: Final = 0x04  # Data: the frame carries no payload
+
+
+class MessageType(enum.IntEnum):
+    REQUEST = 1
+    RESPONSE = 2
+    DATA = 3
+
+
+_TYPES: Final = frozenset(MessageType)
+
+
+class _Sentinel(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+
+# Returned by `FrameDecoder.next_event` when no whole frame is buffered (also after a clean EOF).
+NEED_DATA: Final = _Sentinel.NEED_DATA
+
+# Status texts sent by the Go server for the same conditions; peers may log or compare them.
+_MSG_EVEN_ID = "StreamID must be odd for client initiated streams"
+_MSG_REUSED_ID = "StreamID cannot be re-used and must increment"
+_MSG_DATA_FRAME = "StreamID is no longer active"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Frame:
+    """One whole ttrpc message."""
+
+    stream_id: int
+    type: MessageType
+    flags: int
+    data: bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OversizedFrame:
+    """A header announced more than the decoder's limit; its data is being discarded unread."""
+
+    stream_id: int
+    type: MessageType
+    flags: int
+    length: int
+
+
+def encode_frame(stream_id: int, type: MessageType | int, flags: int, data: bytes) -> bytes:
+    """Header plus data; refuses data above `MAX_DATA`, like Go's sender, writing nothing."""
+    if len(data) > MAX_DATA:
+        raise OversizedMessage(len(data), MAX_DATA)
+    if not 0 <= stream_id <= MAX_STREAM_ID:
+        raise LocalProtocolError(f"stream id {stream_id} out of range")
+    if type not in _TYPES or not 0 <= flags <= 0xFF:
+        raise LocalProtocolError(f"bad frame type {type!r} or flags {flags!r}")
+    return _HEADER.pack(len(data), stream_id, type, flags) + data
+
+
+class FrameDecoder:
+    """Cuts a byte stream into `Frame`s.
+
+    `receive_data(b"")` means EOF: a frame cut short by it is a `RemoteProtocolError`. After any
+    `RemoteProtocolError` the decoder stays broken and raises the same error again.
+    """
+
+    def __init__(self, max_data: int = MAX_DATA) -> None:
+        self._max_data = max_data
+        self._buffer = bytearray()
+        # Bytes of an oversized frame still to drop as they arrive.
+        self._discard = 0
+        self._eof = False
+        self._error: RemoteProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held while waiting for the rest of a frame."""
+        return len(self._buffer)
+
+    def receive_data(self, data: bytes) -> None:
+        # Broken for good: keep nothing more of the stream.
+        self._check_not_broken()
+        if self._eof:
+            raise LocalProtocolError("receive_data after EOF")
+        if not data:
+            self._eof = True
+            return
+        if self._discard:
+            dropped = min(self._discard, len(data))
+            self._discard -= dropped
+            data = data[dropped:]
+        self._buffer += data
+
+    def next_event(self) -> Frame | OversizedFrame | Literal[_Sentinel.NEED_DATA]:
+        self._check_not_broken()
+        try:
+            return self._next_event()
+        except RemoteProtocolError as exc:
+            self._error = exc
+            raise
+
+    def _check_not_broken(self) -> None:
+        if self._error is not None:
+            raise RemoteProtocolError(f"stream already broken: {self._error}")
+
+    def _next_event(self) -> Frame | OversizedFrame | Literal[_Sentinel.NEED_DATA]:
+        if self._discard or len(self._buffer) < HEADER_SIZE:
+            return self._need_data()
+        length, stream_id, raw_type, flags = _HEADER.unpack_from(self._buffer)
+        if raw_type not in _TYPES:
+            raise RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
+        type_ = MessageType(raw_type)
+        if length > self._max_data:
+            self._start_discard(length)
+            return OversizedFrame(stream_id=stream_id, type=type_, flags=flags, length=length)
+        end = HEADER_SIZE + length
+        if len(self._buffer) < end:
+            return self._need_data()
+        with memoryview(self._buffer) as view:
+            data = bytes(view[HEADER_SIZE:end])
+        del self._buffer[:end]
+        return Frame(stream_id=stream_id, type=type_, flags=flags, data=data)
+
+    def _start_discard(self, length: int) -> None:
+        del self._buffer[:HEADER_SIZE]
+        dropped = min(length, len(self._buffer))
+        del self._buffer[:dropped]
+        self._discard = length - dropped
+
+    def _need_data(self) -> Literal[_Sentinel.NEED_DATA]:
+        if self._eof and (self._buffer or self._discard):
+            raise RemoteProtocolError("connection closed in the middle of a frame")
+        return NEED_DATA
+
+
+# --- events --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RequestReceived:
+    """A well-formed request on a fresh stream; answer it with `ServerSession.send_response`."""
+
+    stream_id: int
+    request: request_pb2.Request
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResponseReceived:
+    """The outcome of a pending call. `code` 0 is OK and then `payload` is the reply message."""
+
+    stream_id: int
+    code: int
+    message: str
+    payload: bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnexpectedResponse:
+    """A response for a stream with no pending call (finished, abandoned, never sent)."""
+
+    stream_id: int
+
+
+ClientEvent = ResponseReceived | UnexpectedResponse
+
+
+def _drain(decoder: FrameDecoder) -> Iterable[Frame | OversizedFrame]:
+    while (item := decoder.next_event()) is not NEED_DATA:
+        yield item
+
+
+def _response_message(stream_id: int, payload: bytes, code: int, message: str) -> bytes:
+    response = request_pb2.Response(payload=payload)
+    # Like Go, success leaves the status out: an empty OK response is 0 bytes of data.
+    if code != Code.OK:
+        response.status.CopyFrom(status_pb2.Status(code=code, message=message))
+    return encode_frame(stream_id, MessageType.RESPONSE, 0, response.SerializeToString())
+
+
+# --- server --------------------------------------------------------------------------------------
+
+
+class ServerSession:
+    """The server side of one ttrpc connection.
+
+    Enforces the client's stream id rules and answers what it refuses by itself (queued for
+    `messages_to_send`); requests that pass come out as `RequestReceived`, to be answered exactly
+    once with `send_response`.
+    """
+
+    def __init__(self, max_data: int = MAX_DATA) -> None:
+        self._decoder = FrameDecoder(max_data)
+        self._max_data = max_data
+        self._last_stream_id = 0
+        self._active: set[int] = set()
+        self._outbox: list[bytes] = []
+
+    @property
+    def active_streams(self) -> frozenset[int]:
+        """Streams received and not yet answered."""
+        return frozenset(self._active)
+
+    def receive_data(self, data: bytes) -> list[RequestReceived]:
+        self._decoder.receive_data(data)
+        events: list[RequestReceived] = []
+        for item in _drain(self._decoder):
+            event = self._handle(item)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def messages_to_send(self) -> list[bytes]:
+        """Replies the session made itself, each one whole ttrpc message; clears the queue."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def send_response(
+        self, stream_id: int, *, payload: bytes = b"", code: int = Code.OK, message: str = ""
+    ) -> bytes:
+        """Encode the single response of an active stream.
+
+        Raises `OversizedMessage` (the stream stays active, so it can still be answered with an
+        error) or `LocalProtocolError` for a stream that is not waiting for an answer.
+        """
+        if stream_id not in self._active:
+            raise LocalProtocolError(f"stream {stream_id} has no request waiting for a response")
+        out = _response_message(stream_id, payload, code, message)
+        self._active.discard(stream_id)
+        return out
+
+    def _reply(self, stream_id: int, code: Code, message: str) -> None:
+        self._outbox.append(_response_message(stream_id, b"", code, message))
+
+    def _handle(self, item: Frame | OversizedFrame) -> RequestReceived | None:
+        # A client never sends responses; Go's server skips them, so do we.
+        if item.type is MessageType.RESPONSE:
+            return None
+        if item.stream_id % 2 == 0:
+            self._reply(item.stream_id, Code.INVALID_ARGUMENT, _MSG_EVEN_ID)
+            return None
+        if isinstance(item, OversizedFrame):
+            # Answered on its stream; the connection stays usable (the data is skipped unread).
+            status = OversizedMessage(item.length, self._max_data)
+            self._reply(item.stream_id, Code.RESOURCE_EXHAUSTED, status.message)
+            return None
+        if item.type is MessageType.DATA:
+            # No streaming calls here, so no stream is ever open for Data frames.
+            self._reply(item.stream_id, Code.INVALID_ARGUMENT, _MSG_DATA_FRAME)
+            return None
+        return self._handle_request(item)
+
+    def _handle_request(self, frame: Frame) -> RequestReceived | None:
+        if frame.stream_id <= self._last_stream_id:
+            self._reply(frame.stream_id, Code.INVALID_ARGUMENT, _MSG_REUSED_ID)
+            return None
+        self._last_stream_id = frame.stream_id
+        try:
+            request = request_pb2.Request.FromString(frame.data)
+        except DecodeError as exc:
+            self._reply(frame.stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
+            return None
+        self._active.add(frame.stream_id)
+        return RequestReceived(stream_id=frame.stream_id, request=request)
+
+
+# --- client --------------------------------------------------------------------------------------
+
+
+class ClientSession:
+    """The client side of one ttrpc connection: numbers calls and matches responses to them."""
+
+    def __init__(self, max_data: int = MAX_DATA) -> None:
+        self._decoder = FrameDecoder(max_data)
+        self._max_data = max_data
+        # Go's client starts at 1 and steps by 2: client streams are odd and must increase.
+        self._next_stream_id = 1
+        self._pending: set[int] = set()
+
+    @property
+    def pending_streams(self) -> frozenset[int]:
+        return frozenset(self._pending)
+
+    def send_request(
+        self,
+        service: str,
+        method: str,
+        payload: bytes,
+        *,
+        timeout_nano: int = 0,
+        metadata: Iterable[tuple[str, str]] = (),
+    ) -> tuple[int, bytes]:
+        """Allocate the next stream id and encode the request; the caller must write it right away.
+
+        An `OversizedMessage` does not use up the id, so ids on the wire still increase by 2.
+        """
+        stream_id = self._next_stream_id
+        if stream_id > MAX_STREAM_ID:
+            raise LocalProtocolError("stream ids exhausted on this connection")
+        request = request_pb2.Request(
+            service=service,
+            method=method,
+            payload=payload,
+            timeout_nano=timeout_nano,
+            metadata=[request_pb2.KeyValue(key=k, value=v) for k, v in metadata],
+        )
+        out = encode_frame(stream_id, MessageType.REQUEST, 0, request.SerializeToString())
+        self._next_stream_id += 2
+        self._pending.add(stream_id)
+        return stream_id, out
+
+    def abandon(self, stream_id: int) -> None:
+        """Stop waiting for a call (timed out, cancelled); its response, if any, becomes unexpected."""
+        self._pending.discard(stream_id)
+
+    def receive_data(self, data: bytes) -> list[ClientEvent]:
+        self._decoder.receive_data(data)
+        events: list[ClientEvent] = []
+        for item in _drain(self._decoder):
+            event = self._handle(item)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _handle(self, item: Frame | OversizedFrame) -> ClientEvent | None:
+        # Server-initiated streams do not exist in ttrpc today; like Go, drop what is not a response.
+        if item.type is not MessageType.RESPONSE:
+            return None
+        if item.stream_id not in self._pending:
+            return UnexpectedResponse(stream_id=item.stream_id)
+        self._pending.discard(item.stream_id)
+        if isinstance(item, OversizedFrame):
+            status = OversizedMessage(item.length, self._max_data)
+            return ResponseReceived(
+                stream_id=item.stream_id, code=status.code, message=status.message, payload=b""
+            )
+        return _decode_response(item)
+
+
+def _decode_response(frame: Frame) -> ResponseReceived:
+    try:
+        response = request_pb2.Response.FromString(frame.data)
+    except DecodeError as exc:
+        # Only this call fails: the framing is intact, so the connection can go on.
+        return ResponseReceived(
+            stream_id=frame.stream_id,
+            code=Code.INTERNAL,
+            message=f"ttrpc: error unmarshalling response: {exc}",
+            payload=b"",
+        )
+    # An absent status, and a status with code 0, both mean OK (Go checks the code only if present).
+    code: int = Code.OK
+    message = ""
+    if response.HasField("status"):
+        code, message = response.status.code, response.status.message
+    return ResponseReceived(stream_id=frame.stream_id, code=code, message=message, payload=response.payload)

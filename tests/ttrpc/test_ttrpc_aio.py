@@ -1,0 +1,482 @@
+"""The asyncio Server and Client: over real unix sockets, plus a few in-memory channel cases."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import pytest_asyncio
+from google.protobuf.wrappers_pb2 import StringValue
+
+from api.ttrpc import request_pb2
+from nri_plugin.ttrpc import (
+    CallContext,
+    Client,
+    Code,
+    ConnectionClosed,
+    MessageType,
+    OversizedMessage,
+    Server,
+    Services,
+    TtrpcError,
+    UnaryMethod,
+    UnixServer,
+    connect_unix,
+    encode_frame,
+    serve_unix,
+)
+
+ECHO = "test.Echo"
+BIG = 5 << 20
+T = TypeVar("T")
+
+
+async def guard(awaitable: Awaitable[T]) -> T:
+    """Fail instead of hanging when something that must happen does not (not a timing check)."""
+    return await asyncio.wait_for(awaitable, 10)
+
+
+class EchoService:
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.blocked = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.contexts: list[CallContext] = []
+        self.relay_to: Client | None = None
+
+    async def echo(self, request: StringValue, ctx: CallContext) -> StringValue:
+        self.contexts.append(ctx)
+        return StringValue(value=request.value)
+
+    async def block(self, request: StringValue, ctx: CallContext) -> StringValue:
+        self.blocked.set()
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return StringValue(value=request.value)
+
+    async def fail(self, request: StringValue, ctx: CallContext) -> StringValue:
+        raise ValueError(request.value)
+
+    async def status(self, request: StringValue, ctx: CallContext) -> StringValue:
+        raise TtrpcError(Code.NOT_FOUND, request.value)
+
+    async def meta(self, request: StringValue, ctx: CallContext) -> StringValue:
+        return StringValue(value=";".join(f"{k}={v}" for k, v in ctx.metadata))
+
+    async def big(self, request: StringValue, ctx: CallContext) -> StringValue:
+        return StringValue(value="x" * BIG)
+
+    async def relay(self, request: StringValue, ctx: CallContext) -> StringValue:
+        assert self.relay_to is not None
+        return await self.relay_to.call(ECHO, "Block", request, StringValue)
+
+    def services(self) -> Services:
+        handlers: dict[str, Callable[[StringValue, CallContext], Awaitable[StringValue]]] = {
+            "Echo": self.echo,
+            "Block": self.block,
+            "Fail": self.fail,
+            "Status": self.status,
+            "Meta": self.meta,
+            "Big": self.big,
+            "Relay": self.relay,
+        }
+        return {ECHO: {name: UnaryMethod(StringValue, handler) for name, handler in handlers.items()}}
+
+
+@pytest.fixture
+def service() -> EchoService:
+    return EchoService()
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "ttrpc.sock"
+
+
+@pytest_asyncio.fixture
+async def server(service: EchoService, path: Path) -> AsyncIterator[UnixServer]:
+    async with await serve_unix(path, service.services()) as listening:
+        yield listening
+
+
+@pytest_asyncio.fixture
+async def client(server: UnixServer, path: Path) -> AsyncIterator[Client]:
+    connected = await connect_unix(path)
+    yield connected
+    connected.close()
+    await guard(connected.wait_closed())
+
+
+async def echo(client: Client, value: str, method: str = "Echo", **kwargs: Any) -> str:
+    reply = await client.call(ECHO, method, StringValue(value=value), StringValue, **kwargs)
+    return reply.value
+
+
+# --- raw peers -----------------------------------------------------------------------------------
+
+
+def raw_request(stream_id: int, method: str, payload: bytes = b"", timeout_nano: int = 0) -> bytes:
+    request = request_pb2.Request(service=ECHO, method=method, payload=payload, timeout_nano=timeout_nano)
+    return encode_frame(stream_id, MessageType.REQUEST, 0, request.SerializeToString())
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, request_pb2.Response]:
+    length, stream_id, type_, _ = struct.unpack(">IIBB", await guard(reader.readexactly(10)))
+    assert type_ == MessageType.RESPONSE
+    return stream_id, request_pb2.Response.FromString(await guard(reader.readexactly(length)))
+
+
+@pytest_asyncio.fixture
+async def raw(
+    server: UnixServer, path: Path
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_unix_connection(path)
+    yield reader, writer
+    writer.close()
+    await writer.wait_closed()
+
+
+# --- calls over a unix socket --------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_echo(client: Client, service: EchoService) -> None:
+    assert await echo(client, "hello") == "hello"
+    assert await echo(client, "") == ""
+    [first, second] = service.contexts
+    assert (first.service, first.method, first.stream_id, second.stream_id) == (ECHO, "Echo", 1, 3)
+    assert (first.timeout_nano, first.deadline, first.time_remaining()) == (0, None, None)
+
+
+@pytest.mark.asyncio
+async def test_concurrent_calls_answered_out_of_order(client: Client, service: EchoService) -> None:
+    slow = asyncio.create_task(echo(client, "slow", "Block"))
+    await guard(service.blocked.wait())
+    assert await echo(client, "fast") == "fast"
+    assert not slow.done()
+    service.gate.set()
+    assert await guard(slow) == "slow"
+
+
+@pytest.mark.asyncio
+async def test_many_concurrent_calls_are_matched(client: Client) -> None:
+    values = [f"v{i}" * i for i in range(30)]
+    assert await guard(asyncio.gather(*(echo(client, v) for v in values))) == values
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("service_name", "method", "text"),
+    [("test.Nope", "Echo", "service test.Nope"), (ECHO, "Nope", "method Nope")],
+)
+async def test_unknown_service_or_method_is_unimplemented(
+    client: Client, service_name: str, method: str, text: str
+) -> None:
+    with pytest.raises(TtrpcError) as info:
+        await client.call(service_name, method, StringValue(), StringValue)
+    assert (info.value.code, info.value.message) == (Code.UNIMPLEMENTED, text)
+    assert await echo(client, "still there") == "still there"
+
+
+@pytest.mark.asyncio
+async def test_handler_exception_is_unknown_and_logged(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(TtrpcError) as info:
+        await echo(client, "boom", "Fail")
+    assert (info.value.code, info.value.message) == (Code.UNKNOWN, "boom")
+    [record] = [r for r in caplog.records if r.name == "nri_plugin.ttrpc.aio"]
+    assert record.levelno == logging.ERROR
+    assert record.exc_info is not None
+
+
+@pytest.mark.asyncio
+async def test_ttrpc_error_passes_through(client: Client) -> None:
+    with pytest.raises(TtrpcError) as info:
+        await echo(client, "no such thing", "Status")
+    assert (info.value.code, info.value.message) == (Code.NOT_FOUND, "no such thing")
+
+
+@pytest.mark.asyncio
+async def test_metadata_is_tolerated_and_passed_on(client: Client) -> None:
+    metadata = [("traceparent", "00-abc-01"), ("k", "1"), ("k", "2")]
+    assert await echo(client, "", "Meta", metadata=metadata) == "traceparent=00-abc-01;k=1;k=2"
+
+
+@pytest.mark.asyncio
+async def test_client_timeout_is_sent_as_budget(client: Client, service: EchoService) -> None:
+    assert await echo(client, "x", timeout=30) == "x"
+    [ctx] = service.contexts
+    assert 0 < ctx.timeout_nano <= 30_000_000_000
+    assert ctx.deadline is not None
+    assert ctx.time_remaining() is not None
+
+
+@pytest.mark.asyncio
+async def test_call_over_budget_is_deadline_exceeded(client: Client, service: EchoService) -> None:
+    with pytest.raises(TtrpcError) as info:
+        await echo(client, "x", "Block", timeout=0.02)
+    assert info.value.code == Code.DEADLINE_EXCEEDED
+    await guard(service.cancelled.wait())
+    assert await echo(client, "after") == "after"
+
+
+@pytest.mark.asyncio
+async def test_server_enforces_timeout_nano(
+    raw: tuple[asyncio.StreamReader, asyncio.StreamWriter], service: EchoService
+) -> None:
+    reader, writer = raw
+    writer.write(raw_request(1, "Block", timeout_nano=20_000_000))
+    stream_id, response = await read_response(reader)
+    assert (stream_id, response.status.code) == (1, Code.DEADLINE_EXCEEDED)
+    assert response.status.message == "context deadline exceeded"
+    assert service.cancelled.is_set()
+
+
+@pytest.mark.asyncio
+async def test_undecodable_payload_is_internal(
+    raw: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    reader, writer = raw
+    writer.write(raw_request(1, "Echo", payload=b"\xff"))
+    _, response = await read_response(reader)
+    assert response.status.code == Code.INTERNAL
+    assert response.status.message.startswith("ttrpc: error unmarshalling payload: ")
+
+
+@pytest.mark.asyncio
+async def test_oversized_request_is_refused_by_the_client(client: Client, service: EchoService) -> None:
+    with pytest.raises(OversizedMessage) as info:
+        await echo(client, "x" * BIG)
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
+    assert await echo(client, "next") == "next"
+    assert [ctx.stream_id for ctx in service.contexts] == [1]
+
+
+@pytest.mark.asyncio
+async def test_oversized_response_becomes_resource_exhausted(client: Client) -> None:
+    with pytest.raises(TtrpcError) as info:
+        await echo(client, "", "Big")
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
+    assert info.value.message.startswith("message length ")
+    assert await echo(client, "next") == "next"
+
+
+@pytest.mark.asyncio
+async def test_oversized_data_from_a_raw_peer(raw: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    reader, writer = raw
+    writer.write(struct.pack(">IIBB", BIG, 1, MessageType.REQUEST, 0))
+    for _ in range(BIG // (1 << 20)):
+        writer.write(bytes(1 << 20))
+        await guard(writer.drain())
+    writer.write(raw_request(3, "Echo", StringValue(value="ok").SerializeToString()))
+    stream_id, response = await read_response(reader)
+    assert (stream_id, response.status.code) == (1, Code.RESOURCE_EXHAUSTED)
+    assert response.status.message == "message length 5242880 exceed maximum message size of 4194304"
+    stream_id, response = await read_response(reader)
+    assert (stream_id, response.HasField("status")) == (3, False)
+    assert StringValue.FromString(response.payload).value == "ok"
+
+
+@pytest.mark.asyncio
+async def test_protocol_violation_closes_the_connection(
+    raw: tuple[asyncio.StreamReader, asyncio.StreamWriter], client: Client
+) -> None:
+    reader, writer = raw
+    writer.write(struct.pack(">IIBB", 0, 1, 9, 0))
+    assert await guard(reader.read()) == b""
+    assert await echo(client, "other connections are fine") == "other connections are fine"
+
+
+@pytest.mark.asyncio
+async def test_handler_calling_out_does_not_block_the_receive_side(
+    tmp_path: Path, service: EchoService, client: Client
+) -> None:
+    backend = EchoService()
+    async with await serve_unix(tmp_path / "backend.sock", backend.services()):
+        service.relay_to = await connect_unix(tmp_path / "backend.sock")
+        relay = asyncio.create_task(echo(client, "relayed", "Relay"))
+        await guard(backend.blocked.wait())
+        # The Relay handler is waiting on the backend; this connection still serves requests.
+        assert await echo(client, "meanwhile") == "meanwhile"
+        assert not relay.done()
+        backend.gate.set()
+        assert await guard(relay) == "relayed"
+        service.relay_to.close()
+        await guard(service.relay_to.wait_closed())
+
+
+# --- connection loss and lifecycle ---------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_peer_closing_mid_request_fails_the_pending_call(path: Path) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(10)
+        writer.close()
+        await writer.wait_closed()
+
+    peer = await asyncio.start_unix_server(hang_up, path)
+    try:
+        client = await connect_unix(path)
+        with pytest.raises(ConnectionClosed):
+            await guard(echo(client, "x"))
+        with pytest.raises(ConnectionClosed):
+            await echo(client, "later calls fail at once")
+        await guard(client.wait_closed())
+    finally:
+        peer.close()
+        await peer.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_client_close_fails_pending_calls_and_cancels_handlers(
+    client: Client, service: EchoService
+) -> None:
+    pending = asyncio.create_task(echo(client, "x", "Block"))
+    await guard(service.blocked.wait())
+    client.close()
+    with pytest.raises(ConnectionClosed):
+        await guard(pending)
+    await guard(client.wait_closed())
+    await guard(service.cancelled.wait())
+    with pytest.raises(ConnectionClosed):
+        await echo(client, "closed")
+
+
+@pytest.mark.asyncio
+async def test_closing_the_unix_server_drops_its_connections(path: Path, service: EchoService) -> None:
+    async with await serve_unix(path, service.services()):
+        client = await connect_unix(path)
+        pending = asyncio.create_task(echo(client, "x", "Block"))
+        await guard(service.blocked.wait())
+    assert service.cancelled.is_set()
+    with pytest.raises(ConnectionClosed):
+        await guard(pending)
+    await guard(client.wait_closed())
+
+
+# --- in-memory channels --------------------------------------------------------------------------
+
+
+def decode_responses(messages: list[bytes]) -> list[tuple[int, int, str, bytes]]:
+    out = []
+    for message in messages:
+        length, stream_id, type_, _ = struct.unpack_from(">IIBB", message)
+        assert type_ == MessageType.RESPONSE
+        assert len(message) == 10 + length
+        response = request_pb2.Response.FromString(message[10:])
+        out.append((stream_id, response.status.code, response.status.message, response.payload))
+    return out
+
+
+def ok_response(stream_id: int, value: str) -> bytes:
+    response = request_pb2.Response(payload=StringValue(value=value).SerializeToString())
+    return encode_frame(stream_id, MessageType.RESPONSE, 0, response.SerializeToString())
+
+
+@pytest.mark.asyncio
+async def test_client_timeout_drops_the_late_response(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="nri_plugin.ttrpc.aio")
+    sent: list[bytes] = []
+    client = Client(sent.append)
+    with pytest.raises(TtrpcError) as info:
+        await echo(client, "a", timeout=0.01)
+    assert info.value.code == Code.DEADLINE_EXCEEDED
+    assert request_pb2.Request.FromString(sent[0][10:]).timeout_nano == 10_000_000
+    client.data_received(ok_response(1, "late"))
+    assert "inactive stream 1" in caplog.text
+    call = asyncio.create_task(echo(client, "b"))
+    await asyncio.sleep(0)  # the task's first step writes the request
+    assert len(sent) == 2
+    client.data_received(ok_response(3, "b"))
+    assert await guard(call) == "b"
+
+
+@pytest.mark.asyncio
+async def test_client_writes_nothing_for_an_oversized_request() -> None:
+    sent: list[bytes] = []
+    client = Client(sent.append)
+    with pytest.raises(OversizedMessage):
+        await echo(client, "x" * BIG)
+    with pytest.raises(TtrpcError):
+        await echo(client, "no time", timeout=0)
+    assert sent == []
+
+
+@pytest.mark.asyncio
+async def test_client_and_server_wired_back_to_back(service: EchoService) -> None:
+    server: Server | None = None
+    client = Client(lambda message: server.data_received(message) if server else None)
+    server = Server(service.services(), client.data_received)
+    assert await guard(echo(client, "direct")) == "direct"
+    with pytest.raises(TtrpcError) as info:
+        await guard(echo(client, "", "Nope"))
+    assert info.value.code == Code.UNIMPLEMENTED
+
+
+@pytest.mark.asyncio
+async def test_server_close_refuses_new_requests_and_waits_for_running_ones(service: EchoService) -> None:
+    sent: list[bytes] = []
+    server = Server(service.services(), sent.append)
+    server.data_received(raw_request(1, "Block", StringValue(value="x").SerializeToString()))
+    await guard(service.blocked.wait())
+    server.close()
+    server.data_received(raw_request(3, "Echo"))
+    assert decode_responses(sent) == [(3, Code.UNAVAILABLE, "ttrpc: server closed", b"")]
+    waiting = asyncio.create_task(server.wait_closed())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    service.gate.set()
+    await guard(waiting)
+    assert decode_responses(sent)[1] == (1, 0, "", StringValue(value="x").SerializeToString())
+
+
+@pytest.mark.asyncio
+async def test_nothing_is_written_after_the_connection_is_lost() -> None:
+    started = asyncio.Event()
+
+    async def stubborn(request: StringValue, ctx: CallContext) -> StringValue:
+        started.set()
+        with contextlib.suppress(asyncio.CancelledError):  # a bad handler that answers anyway
+            await asyncio.Event().wait()
+        return StringValue(value="late")
+
+    sent: list[bytes] = []
+    server = Server({ECHO: {"Stubborn": UnaryMethod(StringValue, stubborn)}}, sent.append)
+    server.data_received(raw_request(1, "Stubborn"))
+    await guard(started.wait())
+    server.connection_lost(None)
+    await guard(server.wait_closed())
+    server.data_received(raw_request(3, "Stubborn"))
+    assert sent == []
+
+
+@pytest.mark.asyncio
+async def test_server_protocol_error_asks_the_owner_to_close() -> None:
+    closed: list[bool] = []
+    server = Server({}, lambda message: None, close_channel=lambda: closed.append(True))
+    server.data_received(struct.pack(">IIBB", 0, 1, 7, 0))
+    assert closed == [True]
+
+
+@pytest.mark.asyncio
+async def test_client_protocol_error_fails_pending_calls() -> None:
+    closed: list[bool] = []
+    client = Client(lambda message: None, close_channel=lambda: closed.append(True))
+    call = asyncio.create_task(echo(client, "x"))
+    await asyncio.sleep(0)
+    client.data_received(struct.pack(">IIBB", 0, 1, 7, 0))
+    with pytest.raises(ConnectionClosed):
+        await guard(call)
+    assert closed == [True]
+    assert client.closed
