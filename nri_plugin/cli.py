@@ -27,8 +27,13 @@ def configure_logging(level: str) -> None:
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
     )
+
+
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    # Looked up at each use, not bound once: whoever replaces sys.stderr later is honoured.
+    return structlog.PrintLogger(sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:

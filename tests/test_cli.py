@@ -20,9 +20,22 @@ ROOT = Path(__file__).resolve().parent.parent
 GUARD = 20.0
 
 
-def test_version(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["version"]) == 0
-    assert capsys.readouterr().out.startswith("mixed-cpu-nri-plugin 0.")
+def test_version() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "nri_plugin.cli", "version"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        check=True,
+    )
+    assert result.stdout.startswith("mixed-cpu-nri-plugin 0.")
+
+
+def test_unknown_log_level_is_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown log level 'loud'"):
+        main(["--log-level", "loud", "version"])
 
 
 @pytest.mark.asyncio
