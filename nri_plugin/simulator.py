@@ -475,8 +475,11 @@ class RuntimeSimulator:
         adjust: api.ContainerAdjustment,
         updates: list[api.ContainerUpdate],
     ) -> None:
+        validators = self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT)
+        if not validators:
+            return
         consulted = [api.PluginInstance(name=p.name, index=p.index) for p in self.plugins]
-        for plugin in self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT):
+        for plugin in validators:
             request = api.ValidateContainerAdjustmentRequest(
                 pod=pod, container=pristine, adjust=adjust, update=updates, plugins=consulted
             )
