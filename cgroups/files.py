@@ -1,0 +1,347 @@
+"""Reading and writing cgroup files: CFS quota (v1 and v2) and `cpuset.cpus`.
+
+Rules kept by every function here:
+
+* a directory is reached from its hierarchy's mount point one component at a time with
+  ``O_NOFOLLOW``: a symlink below a mount point is refused (`CgroupPathError`); a real cgroup
+  filesystem has none, so one there is a fake tree or an attempt to leave the mount;
+* files are opened as they are, never created (no ``O_CREAT``): a missing file is `CgroupNotFound`;
+* values are written with one ``os.write`` on the open file; no shell, no subprocess;
+* errors are typed (see `errors.py`) and name the file, the value and, where it helps, the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Iterable
+from typing import Final, TypeVar
+
+from cgroups import cpuset
+from cgroups._text import quote
+from cgroups.errors import (
+    CgroupError,
+    CgroupNotFound,
+    CgroupPathError,
+    CgroupPermissionError,
+    CgroupValueError,
+    CgroupWriteRejected,
+)
+from cgroups.paths import CgroupDir, check_name
+from cgroups.quota import (
+    CpuQuota,
+    format_cfs_quota_us,
+    format_cpu_max,
+    parse_cfs_period_us,
+    parse_cfs_quota_us,
+    parse_cpu_max,
+)
+
+__all__ = [
+    "CFS_PERIOD_US",
+    "CFS_QUOTA_US",
+    "CPUSET_CPUS",
+    "CPU_MAX",
+    "MAX_READ",
+    "cgroup_exists",
+    "read_cpu_quota",
+    "read_cpuset",
+    "read_effective_cpuset",
+    "read_value",
+    "write_cpu_quota",
+    "write_cpuset",
+    "write_parent_child_quota",
+    "write_value",
+]
+
+CFS_QUOTA_US: Final = "cpu.cfs_quota_us"
+CFS_PERIOD_US: Final = "cpu.cfs_period_us"
+CPU_MAX: Final = "cpu.max"
+CPUSET_CPUS: Final = "cpuset.cpus"
+_EFFECTIVE_CPUS: Final = {1: "cpuset.effective_cpus", 2: "cpuset.cpus.effective"}
+
+# cgroup value files are small: the largest we read, a cpu list, stays under 25 KB even for 8192
+# CPUs listed one by one ("0,2,4,..."). Reading more than this means a wrong file.
+MAX_READ: Final = 64 * 1024
+
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_TRUNC does nothing on a cgroup filesystem but leaves only the new value in a fake tree's file.
+_WRITE_FLAGS: Final = os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_PERMISSION_ERRNOS: Final = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_PERMISSION_HINT: Final = (
+    "the plugin needs root (CAP_SYS_ADMIN) and the host's /sys/fs/cgroup mounted read-write"
+)
+
+# What the kernel means when it refuses a write, by file and errno (kernel/sched/core.c,
+# kernel/cgroup/cpuset.c). EACCES at write time (the open succeeded) is the v1 cpuset's "not a
+# subset of the parent", not a permission problem.
+_REJECT_HINTS: Final = {
+    (CFS_QUOTA_US, errno.EINVAL): (
+        "cgroup v1 refuses a quota above the parent's (raise the parent first, lower the child "
+        "first), a parent quota below a child's, and quotas under 1000 us"
+    ),
+    (CFS_PERIOD_US, errno.EINVAL): "the period must be 1000 to 1000000 us and keep children within it",
+    (CPU_MAX, errno.EINVAL): (
+        'cpu.max takes "max PERIOD" or "QUOTA PERIOD", quota >= 1000 us, period 1000 to 1000000 us'
+    ),
+    (CPUSET_CPUS, errno.EACCES): (
+        "cgroup v1 requires a cgroup's CPUs to be a subset of its parent's: widen the parent first"
+    ),
+    (CPUSET_CPUS, errno.EBUSY): "a child cgroup uses CPUs outside the new set: narrow the children first",
+    (CPUSET_CPUS, errno.EINVAL): "the list names CPUs that are offline or do not exist",
+    (CPUSET_CPUS, errno.ERANGE): "the list names CPUs that do not exist on this machine",
+    (CPUSET_CPUS, errno.ENOSPC): "the cgroup has tasks and would be left without CPUs",
+}
+_REJECT_ERRNOS: Final = frozenset(
+    {errno.EINVAL, errno.ERANGE, errno.EBUSY, errno.ENOSPC, errno.EACCES, errno.EDEADLK}
+)
+
+_T = TypeVar("_T")
+
+
+def _errno_name(code: int) -> str:
+    return errno.errorcode.get(code, str(code))
+
+
+def _open_error(exc: OSError, path: str, dir_fd: int | None = None, name: str = "") -> CgroupError:
+    code = exc.errno or 0
+    reason = f"{os.strerror(code)} ({_errno_name(code)})"
+    if code == errno.ENOENT:
+        return CgroupNotFound(
+            f"cannot open {path}: {reason}; the pod or container may be gone, or the controller is "
+            "not enabled for this cgroup",
+            path=path,
+            errno=code,
+        )
+    if code in _PERMISSION_ERRNOS:
+        return CgroupPermissionError(
+            f"cannot open {path}: {reason}; {_PERMISSION_HINT}", path=path, errno=code
+        )
+    if code in (errno.ELOOP, errno.ENOTDIR) and dir_fd is not None and _is_symlink(dir_fd, name):
+        return CgroupPathError(
+            f"refusing {path}: it is a symlink, and a cgroup filesystem has none (a fake tree, or an "
+            "attempt to leave the mount)",
+            input=path,
+            path=path,
+        )
+    if code == errno.EISDIR:
+        reason = "a directory where a cgroup file was expected"
+    return CgroupError(f"cannot open {path}: {reason}", path=path, errno=code)
+
+
+def _is_symlink(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _open_at(dir_fd: int, name: str, flags: int, path: str) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _open_error(exc, path, dir_fd, name) from exc
+
+
+def _open_dir(cgroup: CgroupDir) -> int:
+    """A descriptor for the cgroup's directory, reached without following any symlink below the
+    mount point. The mount point itself may be a symlink (``/sys/fs/cgroup/cpu`` ->
+    ``cpu,cpuacct``): it comes from the host's mount table, not from a runtime."""
+    mount = cgroup.hierarchy.mount_point
+    try:
+        fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _open_error(exc, mount) from exc
+    path = mount
+    try:
+        for part in cgroup.path.parts:
+            path = os.path.join(path, part)
+            next_fd = _open_at(fd, part, _DIR_FLAGS, path)
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_file(cgroup: CgroupDir, name: str, flags: int) -> int:
+    check_name(name, "cgroup file name")
+    dir_fd = _open_dir(cgroup)
+    try:
+        return _open_at(dir_fd, name, flags, os.path.join(cgroup.fs_path, name))
+    finally:
+        os.close(dir_fd)
+
+
+def _io_error(exc: OSError, path: str, action: str) -> CgroupError:
+    code = exc.errno or 0
+    reason = f"{os.strerror(code)} ({_errno_name(code)})"
+    if code == errno.EISDIR:
+        reason = "a directory where a cgroup file was expected"
+    return CgroupError(f"cannot {action} {path}: {reason}", path=path, errno=code)
+
+
+def _read_all(fd: int, path: str) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := os.read(fd, MAX_READ + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_READ:
+            raise CgroupError(f"{path} holds more than {MAX_READ} bytes; not a cgroup value file", path=path)
+    return b"".join(chunks)
+
+
+def read_value(cgroup: CgroupDir, name: str) -> str:
+    """The text of the cgroup file `name` in `cgroup`, as the kernel gives it (newline included)."""
+    path = os.path.join(cgroup.fs_path, name)
+    fd = _open_file(cgroup, name, _READ_FLAGS)
+    try:
+        data = _read_all(fd, path)
+    except OSError as exc:
+        raise _io_error(exc, path, "read") from exc
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise CgroupValueError(f"{path} holds non-ASCII bytes: {quote(repr(data))}", path=path) from None
+
+
+def _reject_error(exc: OSError, path: str, name: str, value: str) -> CgroupError:
+    code = exc.errno or 0
+    reason = f"{os.strerror(code)} ({_errno_name(code)})"
+    if code in _REJECT_ERRNOS:
+        hint = _REJECT_HINTS.get((name, code), "the kernel refused the value")
+        return CgroupWriteRejected(
+            f"writing {quote(value)} to {path} was rejected: {reason}; {hint}",
+            path=path,
+            value=value,
+            errno=code,
+        )
+    if code in _PERMISSION_ERRNOS:
+        return CgroupPermissionError(
+            f"writing {quote(value)} to {path} was refused: {reason}; {_PERMISSION_HINT}",
+            path=path,
+            errno=code,
+        )
+    return CgroupError(f"writing {quote(value)} to {path} failed: {reason}", path=path, errno=code)
+
+
+def write_value(cgroup: CgroupDir, name: str, value: str) -> None:
+    """Write `value` to the existing cgroup file `name` in `cgroup` with a single ``write``.
+
+    A newline is appended, as ``echo`` would: the kernel strips it, and it makes an empty value a
+    real write (a zero-byte write never reaches the kernel's handler).
+    """
+    path = os.path.join(cgroup.fs_path, name)
+    if not value.isascii() or not value.isprintable():
+        raise CgroupValueError(f"refusing to write {quote(value)} to {path}: not printable ASCII", path=path)
+    data = (value + "\n").encode("ascii")
+    fd = _open_file(cgroup, name, _WRITE_FLAGS)
+    try:
+        written = os.write(fd, data)
+    except OSError as exc:
+        raise _reject_error(exc, path, name, value) from exc
+    finally:
+        os.close(fd)
+    if written != len(data):
+        raise CgroupError(
+            f"short write of {quote(value)} to {path}: {written} of {len(data)} bytes", path=path
+        )
+
+
+def _parsed(cgroup: CgroupDir, name: str, parse: Callable[[str], _T]) -> _T:
+    text = read_value(cgroup, name)
+    try:
+        return parse(text)
+    except (CgroupValueError, cpuset.CpusetError) as exc:
+        path = os.path.join(cgroup.fs_path, name)
+        raise CgroupValueError(f"{path}: {exc}", path=path) from exc
+
+
+def cgroup_exists(cgroup: CgroupDir) -> bool:
+    """True when the cgroup's directory exists (reached without following symlinks)."""
+    try:
+        os.close(_open_dir(cgroup))
+    except CgroupNotFound:
+        return False
+    return True
+
+
+def read_cpu_quota(cgroup: CgroupDir) -> CpuQuota:
+    """The CFS limit: v1 ``cpu.cfs_quota_us`` + ``cpu.cfs_period_us``, v2 ``cpu.max``."""
+    if cgroup.version == 2:
+        return _parsed(cgroup, CPU_MAX, parse_cpu_max)
+    quota = _parsed(cgroup, CFS_QUOTA_US, parse_cfs_quota_us)
+    period = _parsed(cgroup, CFS_PERIOD_US, parse_cfs_period_us)
+    try:
+        return CpuQuota(quota, period)
+    except CgroupValueError as exc:
+        raise CgroupValueError(f"{cgroup.fs_path}: {exc}", path=cgroup.fs_path) from exc
+
+
+def _write_quota(cgroup: CgroupDir, quota: CpuQuota) -> None:
+    if cgroup.version == 2:
+        write_value(cgroup, CPU_MAX, format_cpu_max(quota))
+    else:
+        write_value(cgroup, CFS_QUOTA_US, format_cfs_quota_us(quota.quota))
+
+
+def write_cpu_quota(cgroup: CgroupDir, quota: int | None) -> CpuQuota:
+    """Set the CFS quota (microseconds per period, None = unlimited), keeping the current period.
+
+    v1 writes ``cpu.cfs_quota_us`` only. v2 writes ``"QUOTA PERIOD"`` to ``cpu.max`` with the
+    period just read. Returns the limit written. The quota is checked before anything is written.
+    """
+    new = read_cpu_quota(cgroup).with_quota(quota)
+    _write_quota(cgroup, new)
+    return new
+
+
+def write_parent_child_quota(
+    parent: CgroupDir, child: CgroupDir, *, parent_quota: int | None, child_quota: int | None
+) -> None:
+    """Set a parent's and a descendant's CFS quota in the order the kernel accepts.
+
+    cgroup v1 refuses (EINVAL) a child quota above its parent's at any moment, so when the
+    parent's limit goes up (or stays) it is written first, and when it goes down the child is
+    written first. On v2 nothing is refused but the same order avoids a moment of throttling.
+    Both quotas are checked and both cgroups read before anything is written. When the second
+    write fails the first stays: either way the tree is left in a state the kernel accepted.
+    """
+    if parent.hierarchy != child.hierarchy or not child.path.is_below(parent.path):
+        raise CgroupPathError(f"{child} is not below {parent}", input=child.fs_path, path=child.fs_path)
+    current = read_cpu_quota(parent)
+    new_parent = current.with_quota(parent_quota)
+    new_child = read_cpu_quota(child).with_quota(child_quota)
+    if _as_limit(new_parent.quota) >= _as_limit(current.quota):
+        _write_quota(parent, new_parent)
+        _write_quota(child, new_child)
+    else:
+        _write_quota(child, new_child)
+        _write_quota(parent, new_parent)
+
+
+def _as_limit(quota: int | None) -> float:
+    return float("inf") if quota is None else quota
+
+
+def read_cpuset(cgroup: CgroupDir) -> frozenset[int]:
+    """The CPUs in ``cpuset.cpus`` (v1 and v2; empty on v2 means "inherit the parent's")."""
+    return _parsed(cgroup, CPUSET_CPUS, cpuset.parse)
+
+
+def read_effective_cpuset(cgroup: CgroupDir) -> frozenset[int]:
+    """The CPUs the cgroup may really use: v1 ``cpuset.effective_cpus``, v2 ``cpuset.cpus.effective``."""
+    return _parsed(cgroup, _EFFECTIVE_CPUS[cgroup.version], cpuset.parse)
+
+
+def write_cpuset(cgroup: CgroupDir, cpus: Iterable[int]) -> None:
+    """Write `cpus` to ``cpuset.cpus`` in canonical form (`cpuset.CpusetError` for bad ids, before
+    anything is written). On v1 the CPUs must lie within the parent's."""
+    write_value(cgroup, CPUSET_CPUS, cpuset.format(cpus))
