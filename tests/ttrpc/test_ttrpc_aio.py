@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -480,3 +481,66 @@ async def test_client_protocol_error_fails_pending_calls() -> None:
         await guard(call)
     assert closed == [True]
     assert client.closed
+
+
+@pytest.mark.asyncio
+async def test_handler_that_never_waits_is_answered_inside_data_received() -> None:
+    """Eager start: no task, no event-loop turn between the request and its response."""
+    sent: list[bytes] = []
+    server = Server(EchoService().services(), sent.append)
+    server.data_received(raw_request(1, "Echo", StringValue(value="now").SerializeToString()))
+    assert decode_responses(sent) == [(1, 0, "", StringValue(value="now").SerializeToString())]
+
+
+@pytest.mark.asyncio
+async def test_handler_suspending_after_an_eager_start_keeps_its_context() -> None:
+    """A handler started eagerly and resumed in a task sees one context throughout (tokens stay valid)."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+    release = asyncio.Event()
+    seen: list[str] = []
+
+    async def handler(request: StringValue, ctx: CallContext) -> StringValue:
+        token = var.set(request.value)
+        await release.wait()  # suspends: the rest runs in a task
+        await asyncio.sleep(0)  # a bare yield, also handed through
+        seen.append(var.get())
+        var.reset(token)  # would raise if the task ran in another context
+        return StringValue(value=var.get())
+
+    sent: list[bytes] = []
+    server = Server({ECHO: {"Ctx": UnaryMethod(StringValue, handler)}}, sent.append)
+    server.data_received(raw_request(1, "Ctx", StringValue(value="a").SerializeToString()))
+    server.data_received(raw_request(3, "Ctx", StringValue(value="b").SerializeToString()))
+    assert sent == []
+    assert var.get() == "unset"  # nothing leaked into the receiving side's context
+    release.set()
+    await guard(server.wait_closed())
+    assert sorted(seen) == ["a", "b"]
+    assert sorted(decode_responses(sent)) == [
+        (1, 0, "", StringValue(value="unset").SerializeToString()),
+        (3, 0, "", StringValue(value="unset").SerializeToString()),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_exception_after_suspension_and_budget_after_eager_start() -> None:
+    async def fails_later(request: StringValue, ctx: CallContext) -> StringValue:
+        await asyncio.sleep(0)
+        raise ValueError("broke after waiting")
+
+    async def too_slow(request: StringValue, ctx: CallContext) -> StringValue:
+        await asyncio.Event().wait()
+        return StringValue()
+
+    sent: list[bytes] = []
+    services = {
+        ECHO: {"Fails": UnaryMethod(StringValue, fails_later), "Slow": UnaryMethod(StringValue, too_slow)}
+    }
+    server = Server(services, sent.append)
+    server.data_received(raw_request(1, "Fails"))
+    server.data_received(raw_request(3, "Slow", timeout_nano=20_000_000))
+    await guard(server.wait_closed())
+    assert sorted(decode_responses(sent)) == [
+        (1, Code.UNKNOWN, "broke after waiting", b""),
+        (3, Code.DEADLINE_EXCEEDED, "context deadline exceeded", b""),
+    ]
