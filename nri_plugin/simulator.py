@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -149,6 +150,11 @@ class RuntimeSimulator:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._new_trunk, self.socket_path)
         os.chmod(self.socket_path, 0o600)
+
+    async def adopt(self, sock: socket.socket) -> None:
+        """Serve a plugin on an already connected socket, as runtimes do for plugins they launch
+        themselves (one end of a socketpair, handed to the plugin as fd 3)."""
+        await asyncio.get_running_loop().create_unix_connection(self._new_trunk, sock=sock)
 
     async def close(self) -> None:
         """Stop listening and close every plugin connection (a runtime shutdown)."""

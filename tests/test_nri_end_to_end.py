@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
+import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from nri_plugin.ttrpc import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import ClientSession, ResponseReceived
 
+ROOT = Path(__file__).resolve().parent.parent
 # Guards against a hung test only; nothing here measures time.
 GUARD = 10.0
 
@@ -506,3 +509,47 @@ def test_identity_from_environment_and_argv() -> None:
 def test_plugin_without_handlers_is_refused() -> None:
     with pytest.raises(StubError, match="no NRI handler"):
         Stub(object(), name="x", index="10")
+
+
+LAUNCHED_PLUGIN = """
+import asyncio, sys
+sys.path.insert(0, {root!r})
+from api.nri import api_pb2 as api
+from nri_plugin.stub import Stub
+
+class Plugin:
+    async def create_container(self, pod, container):
+        response = api.CreateContainerResponse()
+        response.adjust.env.add(key="LAUNCHED", value="yes")
+        return response
+
+asyncio.run(Stub(Plugin()).run())
+"""
+
+
+@pytest.mark.asyncio
+async def test_plugin_launched_by_the_runtime_uses_the_inherited_socket(tmp_path: Path) -> None:
+    """Pre-launched plugins get one end of a socketpair and only the three NRI_* variables."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    script = LAUNCHED_PLUGIN.format(root=str(ROOT))
+    # Runtimes use fd 3; any inherited fd number named by NRI_PLUGIN_SOCKET works the same.
+    fd = str(theirs.fileno())
+    env = {"NRI_PLUGIN_NAME": "05-launched", "NRI_PLUGIN_IDX": "05", "NRI_PLUGIN_SOCKET": fd}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, env=env, pass_fds=[theirs.fileno()], stderr=asyncio.subprocess.PIPE
+    )
+    theirs.close()
+    sim = RuntimeSimulator(tmp_path / "unused.sock")
+    try:
+        await sim.adopt(ours)
+        [plugin] = await sim.wait_for_plugins(1, GUARD)
+        assert plugin.full_name == "05-launched"  # the old "NN-name" form of the name is stripped
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        result = await sim.create_container(make_container(pod, 1))
+        assert env_of(result.container)["LAUNCHED"] == "yes"
+    finally:
+        await sim.close()
+        # A launched plugin cannot reconnect: the runtime closing fd 3 ends it.
+        _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+    assert proc.returncode == 0, stderr.decode()
