@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 from hypothesis import given
 from hypothesis import strategies as st
+from vectors import VECTOR_DIR, load_frames, requires_vectors, vector_names
 
 from nri_plugin.mux import (
     FIRST_FRAME_MAX,
@@ -32,8 +33,6 @@ from nri_plugin.mux import (
     open_unix,
 )
 from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
-
-VECTORS_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vectors"
 
 # Only a guard against a hung test; nothing here asserts on elapsed time.
 HANG_GUARD = 60.0
@@ -321,22 +320,16 @@ def test_decode_data_after_eof_is_a_local_error() -> None:
 # Vectors captured from the Go implementation
 
 
-def load_vector(path: Path) -> list[bytes]:
-    """Each non-comment, non-blank line is the hex of one mux frame."""
-    lines = (line.strip() for line in path.read_text().splitlines())
-    return [bytes.fromhex(line) for line in lines if line and not line.startswith("#")]
-
-
 def vector_params() -> list[Any]:
-    files = sorted(VECTORS_DIR.glob("*.hex")) if VECTORS_DIR.is_dir() else []
-    if not files:
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no vectors in {VECTORS_DIR}"))]
-    return [pytest.param(path, id=path.stem) for path in files]
+    names = vector_names()
+    if not names:
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no vectors in {VECTOR_DIR}"))]
+    return [pytest.param(name, id=name.removesuffix(".hex")) for name in names]
 
 
-@pytest.mark.parametrize("path", vector_params())
-def test_vector_decodes_and_encodes_like_go(path: Path) -> None:
-    frames = load_vector(path)
+@pytest.mark.parametrize("name", vector_params())
+def test_vector_decodes_and_encodes_like_go(name: str) -> None:
+    frames = load_frames(name)
     assert frames
     decoded = decode_chunks([b"".join(frames)])
     assert [raw_frame(f.conn_id, f.payload) for f in decoded] == frames
@@ -345,10 +338,9 @@ def test_vector_decodes_and_encodes_like_go(path: Path) -> None:
     assert encode(conn_id, message) == frames
 
 
+@requires_vectors
 def test_vectors_include_go_split_messages() -> None:
-    if not VECTORS_DIR.is_dir():
-        pytest.skip(f"no vectors in {VECTORS_DIR}")
-    split = {path.name[:2] for path in VECTORS_DIR.glob("*.hex") if len(load_vector(path)) > 1}
+    split = {name[:2] for name in vector_names() if len(load_frames(name)) > 1}
     assert {"13", "14", "28"} <= split
 
 

@@ -7,10 +7,10 @@ written by the capture tool, so it is an independent check of what our decoder r
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from google.protobuf import empty_pb2
+from vectors import comment_lines, requires_vectors, ttrpc_message, vector_names
 
 from api.ttrpc import request_pb2
 from nri_plugin.ttrpc.aio import CallContext, Server, UnaryMethod
@@ -23,45 +23,35 @@ from nri_plugin.ttrpc.protocol import (
     encode_frame,
 )
 
-VECTORS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "vectors"
-pytestmark = pytest.mark.skipif(not VECTORS.is_dir(), reason=f"Go wire vectors not found at {VECTORS}")
+pytestmark = requires_vectors
 
-MUX_HEADER = 8
 PLUGIN = "nri.pkg.api.v1alpha1.Plugin"
-
-
-def _files() -> list[str]:
-    return sorted(p.name for p in VECTORS.glob("*.hex")) if VECTORS.is_dir() else []
-
-
-def _lines(name: str) -> list[str]:
-    return [line.strip() for line in (VECTORS / name).read_text().splitlines() if line.strip()]
 
 
 def load_message(name: str) -> bytes:
     """The ttrpc message of a vector: its mux frame payloads, concatenated."""
-    frames = [bytes.fromhex(line) for line in _lines(name) if not line.startswith("#")]
-    return b"".join(frame[MUX_HEADER:] for frame in frames)
+    return ttrpc_message(name)[1]
 
 
 def header_note(name: str) -> tuple[int, int]:
     """(stream id, type) from the capture tool's `# ttrpc header:` line."""
-    note = next(line for line in _lines(name) if line.startswith("# ttrpc header:"))
+    note = next(line for line in comment_lines(name) if line.startswith("ttrpc header:"))
     match = re.search(r"stream (\d+), type (\d+)", note)
     assert match
     return int(match[1]), int(match[2])
 
 
 def envelope_note(name: str) -> str:
-    return next(line for line in _lines(name) if line.startswith(("# ttrpc.Request:", "# ttrpc.Response:")))
+    envelopes = ("ttrpc.Request:", "ttrpc.Response:")
+    return next(line for line in comment_lines(name) if line.startswith(envelopes))
 
 
 def requests() -> list[str]:
-    return [n for n in _files() if "ttrpc.Request:" in "".join(_lines(n))]
+    return [n for n in vector_names() if "ttrpc.Request:" in "".join(comment_lines(n))]
 
 
 def responses() -> list[str]:
-    return [n for n in _files() if "ttrpc.Response:" in "".join(_lines(n))]
+    return [n for n in vector_names() if "ttrpc.Response:" in "".join(comment_lines(n))]
 
 
 def client_at(stream_id: int) -> ClientSession:
