@@ -32,7 +32,12 @@ PACKAGE = "nri.pkg.api.v1alpha1"
 
 def _generated_files(base: Path) -> dict[str, bytes]:
     api = base / "api"
-    files = [*api.rglob("*_pb2.py"), *api.rglob("*_pb2.pyi")]
+    files = [
+        *api.rglob("*_pb2.py"),
+        *api.rglob("*_pb2.pyi"),
+        *api.rglob("*_pb2_grpc.py"),
+        *api.rglob("*_pb2_grpc.pyi"),
+    ]
     return {p.relative_to(base).as_posix(): p.read_bytes() for p in files}
 
 

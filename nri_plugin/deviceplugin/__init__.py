@@ -1,0 +1,52 @@
+"""Kubernetes device plugin for the shared-CPUs resource, run in the daemon's asyncio loop.
+
+A pod asks for shared CPUs with ``resources.requests`` (and ``limits``)
+``{"workload.openshift.io/enable-shared-cpus": 1}`` per container. This package makes kubelet count
+that resource and proves each real request to the NRI side:
+
+* :class:`DevicePluginConfig` (``config``): the ``[device_plugin]`` table, frozen and validated;
+  ``DevicePluginConfig.from_table(mapping)`` raises :class:`DevicePluginConfigError` naming the key and
+  the fix. ``enabled = false`` for clusters whose kubelet advertises the resource itself.
+* :class:`HostKey` (``marker``): the node's 32-byte marker secret, ``HostKey.load_or_create(state_dir)``
+  (file ``device-plugin-hmac.key``, mode 0600, created once, stable across restarts; a file with the
+  wrong owner, mode or size raises :class:`HostKeyError`). ``key.sign(device_id) -> str`` makes the
+  value of the :data:`ANNOTATION_KEY` container annotation; ``key.verify(value) -> device_id | None``
+  (constant-time) and ``key.verify_annotations(annotations)`` check one.
+* :class:`DevicePluginServer` (``server``): ``async with DevicePluginServer(config, key) as plugin``
+  serves ``v1beta1.DevicePlugin`` on ``plugin_dir/endpoint`` (0600), registers with kubelet, re-creates
+  the socket and registers again after kubelet restarts, and pushes a new device count on
+  ``plugin.reconfigure(config)``. ``plugin.registered``, ``plugin.open_streams`` and
+  ``await plugin.wait_registered()`` are for readiness.
+
+What the NRI side must do with a container's annotations (the policy's part): take
+``key.verify_annotations(container.annotations)`` as the only proof that the container requested the
+resource; refuse it when it returns None (absent, unsigned or forged) or when another live container
+already holds the same device id (a replayed marker), and free the id when that container is removed.
+Kubelet gives one device to one container at a time, so a device id held twice is never legitimate.
+"""
+
+from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, KEY_FILE_NAME, HostKey, HostKeyError
+from nri_plugin.deviceplugin.server import (
+    API_VERSION,
+    AllocationError,
+    DevicePluginServer,
+    SharedCpusServicer,
+    allocate,
+    device_ids,
+)
+
+__all__ = [
+    "ANNOTATION_KEY",
+    "API_VERSION",
+    "KEY_FILE_NAME",
+    "AllocationError",
+    "DevicePluginConfig",
+    "DevicePluginConfigError",
+    "DevicePluginServer",
+    "HostKey",
+    "HostKeyError",
+    "SharedCpusServicer",
+    "allocate",
+    "device_ids",
+]
