@@ -1,0 +1,334 @@
+"""The daemon's TOML configuration: loading, validation, and the one error type callers handle.
+
+Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is required::
+
+    shared_cpuset = "0-1"                  # the node's shared CPU pool (Linux cpu list)
+
+    plugin_name = "mixed-cpu"              # NRI plugin name; NRI_PLUGIN_NAME and --nri-plugin-name win
+    plugin_index = "10"                    # two digits; NRI_PLUGIN_IDX and --nri-plugin-index win
+    nri_socket = "/var/run/nri/nri.sock"   # --socket wins
+    cgroup_root = "/sys/fs/cgroup"         # where the host's cgroup tree is mounted
+    cgroup_version = "auto"                # auto (from mountinfo) | v1 (<root>/cpu, <root>/cpuset) | v2
+    sysfs_root = "/sys"                    # online CPUs: <sysfs_root>/devices/system/cpu/online
+    state_dir = "/var/lib/mixed-cpu-nri"   # pod quota bookkeeping and the device plugin's marker key
+    log_level = "info"                     # debug | info | warning | error; --log-level wins
+    log_format = "console"                 # console | json
+
+    [trusted_sources]                      # what proves that a container asked for shared CPUs
+    device_plugin_marker = true            # our device plugin's signed allocation marker
+    pod_annotation = false                 # cpu-shared.crio.io/<container>: enable (OpenShift admission)
+
+    [device_plugin]                        # see nri_plugin.deviceplugin.config
+    enabled = true
+
+Every problem is a `ConfigError` whose one-line message names the file, the key, what is wrong and
+how to fix it. Unknown keys are errors too: a misspelt key must not silently fall back to a default.
+`parse_config` checks a parsed document; `load_config` reads the file, parses it and checks it
+against the machine (every shared CPU online).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import cgroups
+from cgroups import CgroupLayout, CgroupMode, CgroupModeError, CpusetError, Hierarchy
+from cgroups.mode import DEFAULT_CGROUP_ROOT, DEFAULT_MOUNTINFO
+from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "Config",
+    "ConfigError",
+    "build_layout",
+    "load_config",
+    "online_cpus",
+    "parse_config",
+]
+
+DEFAULT_CONFIG_PATH: Final = "/etc/mixed-cpu-nri/config.toml"
+DEFAULT_STATE_DIR: Final = "/var/lib/mixed-cpu-nri"
+DEFAULT_NRI_SOCKET: Final = "/var/run/nri/nri.sock"
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+LOG_FORMATS: Final = ("console", "json")
+CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
+ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
+
+_INDEX: Final = re.compile(r"[0-9]{2}")
+_NAME: Final = re.compile(r"[A-Za-z0-9_.+-]+")
+_SOURCES_TABLE: Final = "trusted_sources"
+_DEVICE_PLUGIN_TABLE: Final = "device_plugin"
+_EXAMPLE: Final = 'e.g. shared_cpuset = "0-1"'
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used. The message is one line: file, key, problem, fix."""
+
+
+def _show(value: object) -> str:
+    """A value as the user would write it in TOML, cut short and with no raw control characters."""
+    text = json.dumps(value) if isinstance(value, (str, bool, int, float)) else repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A validated configuration. Paths are absolute and normalized."""
+
+    shared_cpuset: frozenset[int]
+    plugin_name: str = "mixed-cpu"
+    plugin_index: str = "10"
+    nri_socket: str = DEFAULT_NRI_SOCKET
+    cgroup_root: str = DEFAULT_CGROUP_ROOT
+    cgroup_version: str = "auto"
+    sysfs_root: str = "/sys"
+    state_dir: str = DEFAULT_STATE_DIR
+    trust_device_plugin_marker: bool = True
+    trust_pod_annotation: bool = False
+    log_level: str = "info"
+    log_format: str = "console"
+    device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
+    source: str = "<config>"
+
+    @property
+    def shared_cpuset_text(self) -> str:
+        return cgroups.format_cpuset(self.shared_cpuset)
+
+
+# Top-level keys and the checker for each (tables are handled apart).
+_PATH_KEYS: Final = ("nri_socket", "cgroup_root", "sysfs_root", "state_dir")
+_TOP_KEYS: Final = (
+    "shared_cpuset",
+    "plugin_name",
+    "plugin_index",
+    *_PATH_KEYS,
+    "cgroup_version",
+    "log_level",
+    "log_format",
+    _SOURCES_TABLE,
+    _DEVICE_PLUGIN_TABLE,
+)
+_SOURCE_KEYS: Final = {
+    "device_plugin_marker": "trust_device_plugin_marker",
+    "pod_annotation": "trust_pod_annotation",
+}
+
+
+class _Checker:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {key}: {problem}")
+
+    def string(self, key: str, value: object) -> str:
+        if not isinstance(value, str):
+            raise self.error(key, f"must be a string, not {type(value).__name__} {_show(value)}")
+        return value
+
+    def boolean(self, key: str, value: object) -> bool:
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, not {_show(value)}")
+        return value
+
+    def choice(self, key: str, value: object, choices: tuple[str, ...]) -> str:
+        text = self.string(key, value)
+        if text not in choices:
+            raise self.error(key, f"{_show(text)} is not one of {', '.join(choices)}")
+        return text
+
+    def path(self, key: str, value: object) -> str:
+        text = self.string(key, value)
+        if not text or "\0" in text or not text.startswith("/"):
+            raise self.error(key, f"{_show(text)} must be an absolute path (starting with '/')")
+        return os.path.normpath(text)
+
+    def unknown(
+        self, table: Mapping[str, Any], known: tuple[str, ...] | Mapping[str, str], where: str
+    ) -> None:
+        extra = sorted(set(table) - set(known))
+        if extra:
+            raise self.error(f"{where}{extra[0]}", f"unknown key (a typo?); known keys: {', '.join(known)}")
+
+
+def _shared_cpuset(check: _Checker, value: object) -> frozenset[int]:
+    text = check.string("shared_cpuset", value)
+    try:
+        cpus = cgroups.parse_cpuset(text)
+    except CpusetError as exc:
+        raise check.error("shared_cpuset", f"{exc}") from None
+    if not cpus:
+        raise check.error(
+            "shared_cpuset",
+            f"is empty; list the node's shared CPUs, {_EXAMPLE} (they must also be in kubelet's "
+            "reservedSystemCPUs so they are never handed out exclusively)",
+        )
+    return cpus
+
+
+def _plugin_index(check: _Checker, value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 99:
+        return f"{value:02d}"
+    if isinstance(value, str) and _INDEX.fullmatch(value):
+        return value
+    raise check.error(
+        "plugin_index", f'{_show(value)} is invalid; use exactly two digits, e.g. plugin_index = "10"'
+    )
+
+
+def _plugin_name(check: _Checker, value: object) -> str:
+    text = check.string("plugin_name", value)
+    if not _NAME.fullmatch(text):
+        raise check.error(
+            "plugin_name", f'{_show(text)} is invalid; use letters, digits and _ . + - only, e.g. "mixed-cpu"'
+        )
+    return text
+
+
+def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Config:
+    """Check a parsed TOML document and build the `Config`; no file or machine access."""
+    check = _Checker(source)
+    check.unknown(document, _TOP_KEYS, "")
+    if "shared_cpuset" not in document:
+        raise check.error("shared_cpuset", f"is required; set the node's shared CPUs, {_EXAMPLE}")
+    values: dict[str, Any] = {
+        "source": source,
+        "shared_cpuset": _shared_cpuset(check, document["shared_cpuset"]),
+    }
+    if "plugin_name" in document:
+        values["plugin_name"] = _plugin_name(check, document["plugin_name"])
+    if "plugin_index" in document:
+        values["plugin_index"] = _plugin_index(check, document["plugin_index"])
+    for key in _PATH_KEYS:
+        if key in document:
+            values[key] = check.path(key, document[key])
+    if "cgroup_version" in document:
+        values["cgroup_version"] = check.choice("cgroup_version", document["cgroup_version"], CGROUP_VERSIONS)
+    if "log_level" in document:
+        values["log_level"] = check.choice("log_level", document["log_level"], LOG_LEVELS)
+    if "log_format" in document:
+        values["log_format"] = check.choice("log_format", document["log_format"], LOG_FORMATS)
+
+    sources = document.get(_SOURCES_TABLE, {})
+    if not isinstance(sources, Mapping):
+        raise check.error(_SOURCES_TABLE, f"must be a table ([{_SOURCES_TABLE}]), not {_show(sources)}")
+    check.unknown(sources, _SOURCE_KEYS, f"{_SOURCES_TABLE}.")
+    for key, attribute in _SOURCE_KEYS.items():
+        if key in sources:
+            values[attribute] = check.boolean(f"{_SOURCES_TABLE}.{key}", sources[key])
+
+    table = document.get(_DEVICE_PLUGIN_TABLE, {})
+    try:
+        values["device_plugin"] = DevicePluginConfig.from_table(table)
+    except DevicePluginConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+    config = Config(**values)
+    if not config.trust_device_plugin_marker and not config.trust_pod_annotation:
+        raise check.error(
+            _SOURCES_TABLE,
+            "no request source is trusted, so no container could ever get shared CPUs; set "
+            f"{_SOURCES_TABLE}.device_plugin_marker = true (our device plugin) or "
+            f"{_SOURCES_TABLE}.pod_annotation = true (OpenShift's admission plugin)",
+        )
+    if not config.device_plugin.enabled and not config.trust_pod_annotation:
+        raise check.error(
+            f"{_SOURCES_TABLE}.pod_annotation",
+            "is false while [device_plugin] enabled = false, so nothing can prove a request: "
+            "enable the device plugin, or set pod_annotation = true where an admission plugin "
+            "adds cpu-shared.crio.io/<container> annotations",
+        )
+    return config
+
+
+def online_cpus(sysfs_root: str) -> frozenset[int]:
+    """The online CPUs listed in ``<sysfs_root>/devices/system/cpu/online``; `ConfigError` if unreadable."""
+    path = os.path.join(sysfs_root, ONLINE_CPUS_FILE)
+    try:
+        with open(path, encoding="ascii") as file:
+            text = file.read(65536)
+        return cgroups.parse_cpuset(text)
+    except (OSError, UnicodeDecodeError, CpusetError) as exc:
+        raise ConfigError(
+            f"sysfs_root: cannot read the online CPUs from {path}: {exc}; set sysfs_root to where the "
+            "host's /sys is mounted"
+        ) from None
+
+
+def check_machine(config: Config) -> None:
+    """Check the configuration against this machine: every shared CPU online, some CPU left over."""
+    online = online_cpus(config.sysfs_root)
+    offline = config.shared_cpuset - online
+    if offline:
+        raise ConfigError(
+            f"{config.source}: shared_cpuset: CPUs {cgroups.format_cpuset(offline)} are not online "
+            f"(online: {cgroups.format_cpuset(online) or 'none'}, from "
+            f"{os.path.join(config.sysfs_root, ONLINE_CPUS_FILE)}); list online CPUs only"
+        )
+    if not online - config.shared_cpuset:
+        raise ConfigError(
+            f"{config.source}: shared_cpuset: {config.shared_cpuset_text} is every online CPU, which leaves "
+            "none to be exclusive; keep the shared pool to a few CPUs"
+        )
+
+
+def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bool = True) -> Config:
+    """Read, parse and validate the TOML file at `path` (and check it against the machine)."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as file:
+            data = file.read(1 << 20)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{source}: no such file; create it with at least shared_cpuset set ({_EXAMPLE}), "
+            "or pass --config PATH"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read the config file: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+        document = tomllib.loads(text)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not UTF-8 text; save the config file as UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}; fix the syntax there") from None
+    config = parse_config(document, source=source)
+    if check:
+        check_machine(config)
+    return config
+
+
+def build_layout(config: Config, *, mountinfo_path: str = DEFAULT_MOUNTINFO) -> CgroupLayout:
+    """The cgroup layout the plugin works in: detected from mountinfo, or forced by cgroup_version."""
+    root = config.cgroup_root
+    if config.cgroup_version != "auto":
+        if config.cgroup_version == "v1":
+            cpu, cpuset = Hierarchy(1, os.path.join(root, "cpu")), Hierarchy(1, os.path.join(root, "cpuset"))
+            layout = CgroupLayout(CgroupMode.V1, cpu, cpuset)
+        else:
+            layout = CgroupLayout(CgroupMode.V2, Hierarchy(2, root), Hierarchy(2, root))
+        for hierarchy in (layout.cpu, layout.cpuset):
+            if not os.path.isdir(hierarchy.mount_point):
+                raise ConfigError(
+                    f"{config.source}: cgroup_root: {hierarchy.mount_point} is not a directory, but "
+                    f'cgroup_version = "{config.cgroup_version}" expects one; fix cgroup_root, or set '
+                    'cgroup_version = "auto" to detect the mounts'
+                )
+        return layout
+    try:
+        return cgroups.read_layout(mountinfo_path=mountinfo_path, root=root)
+    except CgroupModeError as exc:
+        raise ConfigError(
+            f'{config.source}: cgroup_root: {exc}; or set cgroup_version = "v1" or "v2" to skip detection'
+        ) from None

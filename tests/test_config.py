@@ -1,0 +1,283 @@
+"""The TOML config: every wrong value is one ConfigError line naming the key; the CLI exits 2 on it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cgroups import CgroupMode
+from nri_plugin.config import Config, ConfigError, build_layout, load_config, parse_config
+from nri_plugin.deviceplugin.config import DevicePluginConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    """A fake sysfs with CPUs 0-7 online."""
+    online = tmp_path / "sys" / "devices" / "system" / "cpu"
+    online.mkdir(parents=True)
+    (online / "online").write_text("0-7\n")
+    return tmp_path / "sys"
+
+
+def write(tmp_path: Path, text: str, sysfs: Path | None = None) -> Path:
+    path = tmp_path / "config.toml"
+    header = f'sysfs_root = "{sysfs}"\n' if sysfs is not None else ""
+    path.write_text(header + text)
+    return path
+
+
+def test_minimal_config_takes_the_defaults(tmp_path: Path, sysfs: Path) -> None:
+    config = load_config(write(tmp_path, 'shared_cpuset = "3,4"\n', sysfs))
+    assert config == Config(
+        shared_cpuset=frozenset({3, 4}), sysfs_root=str(sysfs), source=str(tmp_path / "config.toml")
+    )
+    assert config.shared_cpuset_text == "3-4"
+    assert (config.plugin_name, config.plugin_index) == ("mixed-cpu", "10")
+    assert config.nri_socket == "/var/run/nri/nri.sock"
+    assert config.cgroup_root == "/sys/fs/cgroup"
+    assert config.state_dir == "/var/lib/mixed-cpu-nri"
+    assert config.trust_device_plugin_marker is True
+    assert config.trust_pod_annotation is False
+    assert (config.log_level, config.log_format) == ("info", "console")
+    assert config.device_plugin == DevicePluginConfig()
+
+
+def test_every_key(tmp_path: Path, sysfs: Path) -> None:
+    config = load_config(
+        write(
+            tmp_path,
+            """
+shared_cpuset = "0-1"
+plugin_name = "shared-cpus"
+plugin_index = 5
+nri_socket = "/run/nri//nri.sock"
+cgroup_root = "/host/sys/fs/cgroup/"
+cgroup_version = "v2"
+state_dir = "/var/lib/x"
+log_level = "debug"
+log_format = "json"
+
+[trusted_sources]
+device_plugin_marker = false
+pod_annotation = true
+
+[device_plugin]
+enabled = false
+""",
+            sysfs,
+        )
+    )
+    assert config.plugin_index == "05"
+    assert config.nri_socket == "/run/nri/nri.sock"  # normalized
+    assert config.cgroup_root == "/host/sys/fs/cgroup"
+    assert config.cgroup_version == "v2"
+    assert (config.trust_device_plugin_marker, config.trust_pod_annotation) == (False, True)
+    assert config.device_plugin.enabled is False
+    assert (config.log_level, config.log_format) == ("debug", "json")
+
+
+WRONG = [
+    ("", "shared_cpuset: is required", "e.g. shared_cpuset"),
+    ('shared_cpuset = ""', "shared_cpuset: is empty", "list the node's shared CPUs"),
+    ('shared_cpuset = "0-x"', 'shared_cpuset: invalid cpu list "0-x"', 'expected e.g. "0-3,8"'),
+    ('shared_cpuset = "3-1"', "shared_cpuset: invalid cpu list", "is reversed"),
+    ('shared_cpuset = "1,,2"', "shared_cpuset: invalid cpu list", "empty item"),
+    ('shared_cpuset = " 1, 2"', "shared_cpuset: invalid cpu list", "whitespace"),
+    ("shared_cpuset = 3", "shared_cpuset: must be a string, not int", "3"),
+    (
+        'shared_cpuset = "0-1"\nshared_cpus = "2"',
+        "shared_cpus: unknown key (a typo?)",
+        "known keys: shared_cpuset",
+    ),
+    (
+        'shared_cpuset = "0"\nplugin_index = "7"',
+        "plugin_index:",
+        'exactly two digits, e.g. plugin_index = "10"',
+    ),
+    ('shared_cpuset = "0"\nplugin_index = 100', "plugin_index:", "exactly two digits"),
+    ('shared_cpuset = "0"\nplugin_index = true', "plugin_index:", "exactly two digits"),
+    ('shared_cpuset = "0"\nplugin_name = "mixed cpu"', "plugin_name:", "letters, digits and _ . + - only"),
+    ('shared_cpuset = "0"\nstate_dir = "var/lib/x"', "state_dir:", "must be an absolute path"),
+    ('shared_cpuset = "0"\nnri_socket = 5', "nri_socket: must be a string", "int"),
+    ('shared_cpuset = "0"\ncgroup_root = ""', "cgroup_root:", "absolute path"),
+    ('shared_cpuset = "0"\ncgroup_version = "v3"', "cgroup_version:", "not one of auto, v1, v2"),
+    ('shared_cpuset = "0"\nlog_level = "loud"', "log_level:", "not one of debug, info, warning, error"),
+    ('shared_cpuset = "0"\nlog_format = "xml"', "log_format:", "not one of console, json"),
+    ('shared_cpuset = "0"\ntrusted_sources = 1', "trusted_sources: must be a table", "[trusted_sources]"),
+    (
+        'shared_cpuset = "0"\n[trusted_sources]\npod_anotation = true',
+        "trusted_sources.pod_anotation: unknown key",
+        "known keys: device_plugin_marker, pod_annotation",
+    ),
+    (
+        'shared_cpuset = "0"\n[trusted_sources]\npod_annotation = "yes"',
+        "trusted_sources.pod_annotation:",
+        "must be true or false",
+    ),
+    (
+        'shared_cpuset = "0"\n[trusted_sources]\ndevice_plugin_marker = false',
+        "trusted_sources: no request source",
+        "pod_annotation = true",
+    ),
+    (
+        'shared_cpuset = "0"\n[device_plugin]\nenabled = false',
+        "trusted_sources.pod_annotation: is false while",
+        "enable the device plugin",
+    ),
+    (
+        'shared_cpuset = "0"\n[device_plugin]\ncount = 3',
+        "[device_plugin] unknown key(s) 'count'",
+        "device_count",
+    ),
+    (
+        'shared_cpuset = "0"\n[device_plugin]\ndevice_count = 0',
+        "[device_plugin] device_count = 0",
+        "between 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "fix"), WRONG, ids=[f"{i}-{w[1].split(':')[0]}" for i, w in enumerate(WRONG)]
+)
+def test_wrong_values_name_the_key_and_the_fix(
+    tmp_path: Path, sysfs: Path, text: str, key: str, fix: str
+) -> None:
+    path = write(tmp_path, text + "\n", sysfs)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert key in message
+    assert fix in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("shared", "problem"),
+    [
+        ("6-9", "CPUs 8-9 are not online (online: 0-7"),
+        ("0-7", "0-7 is every online CPU, which leaves none to be exclusive"),
+    ],
+)
+def test_shared_cpus_must_be_online_and_leave_some_over(
+    tmp_path: Path, sysfs: Path, shared: str, problem: str
+) -> None:
+    with pytest.raises(ConfigError, match="shared_cpuset: ") as info:
+        load_config(write(tmp_path, f'shared_cpuset = "{shared}"\n', sysfs))
+    assert problem in str(info.value)
+
+
+def test_unreadable_sysfs_names_sysfs_root(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"sysfs_root: cannot read the online CPUs from .*/nowhere/devices"):
+        load_config(write(tmp_path, f'shared_cpuset = "0"\nsysfs_root = "{tmp_path}/nowhere"\n'))
+
+
+def test_syntax_errors_missing_file_and_encoding(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"not valid TOML: .*line 2.*; fix the syntax there"):
+        load_config(write(tmp_path, 'shared_cpuset = "0"\nplugin_name = \n'))
+    with pytest.raises(ConfigError, match=r"no such file; create it with at least shared_cpuset"):
+        load_config(tmp_path / "absent.toml")
+    (tmp_path / "latin1.toml").write_bytes(b'shared_cpuset = "0" # caf\xe9\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(tmp_path / "latin1.toml")
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load_config(tmp_path)  # a directory
+
+
+def test_parse_config_alone_needs_no_machine() -> None:
+    config = parse_config({"shared_cpuset": "100-101"}, source="inline")
+    assert config.shared_cpuset == {100, 101}
+    assert config.source == "inline"
+
+
+def test_layout_forced_or_detected(tmp_path: Path) -> None:
+    base = {"shared_cpuset": "0"}
+    (tmp_path / "cpu").mkdir()
+    with pytest.raises(
+        ConfigError, match=r"cgroup_root: .*/cpuset is not a directory, but cgroup_version = \"v1\""
+    ):
+        build_layout(parse_config({**base, "cgroup_root": str(tmp_path), "cgroup_version": "v1"}))
+    (tmp_path / "cpuset").mkdir()
+    v1 = build_layout(parse_config({**base, "cgroup_root": str(tmp_path), "cgroup_version": "v1"}))
+    assert (v1.mode, v1.cpu.mount_point, v1.cpuset.mount_point) == (
+        CgroupMode.V1,
+        str(tmp_path / "cpu"),
+        str(tmp_path / "cpuset"),
+    )
+    v2 = build_layout(parse_config({**base, "cgroup_root": str(tmp_path), "cgroup_version": "v2"}))
+    assert (v2.mode, v2.cpu.version, v2.cpu.mount_point) == (CgroupMode.V2, 2, str(tmp_path))
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        f"30 20 0:26 / {tmp_path}/cpu rw - cgroup cgroup rw,cpu,cpuacct\n"
+        f"31 20 0:27 / {tmp_path}/cpuset rw - cgroup cgroup rw,cpuset\n"
+    )
+    detected = build_layout(
+        parse_config({**base, "cgroup_root": str(tmp_path)}), mountinfo_path=str(mountinfo)
+    )
+    assert detected.mode is CgroupMode.V1
+    assert detected.cpuset.mount_point == str(tmp_path / "cpuset")
+    mountinfo.write_text("")
+    with pytest.raises(ConfigError, match=r"cgroup_root: no cgroup filesystem is mounted"):
+        build_layout(parse_config({**base, "cgroup_root": str(tmp_path)}), mountinfo_path=str(mountinfo))
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nri_plugin.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, "no such file; create it with at least"),
+        ('shared_cpuset = "0-x"\n', 'shared_cpuset: invalid cpu list "0-x"'),
+        ('shared_cpuset = "0"\nstate_dirr = "/x"\n', "state_dirr: unknown key (a typo?)"),
+        (
+            'shared_cpuset = "0"\ncgroup_version = "v1"\ncgroup_root = "/nonexistent"\n',
+            "cgroup_root: /nonexistent/cpu",
+        ),
+    ],
+    ids=["missing-file", "bad-cpuset", "unknown-key", "missing-cgroup-root"],
+)
+def test_cli_exits_2_with_one_line(tmp_path: Path, sysfs: Path, text: str | None, expected: str) -> None:
+    path = tmp_path / "config.toml"
+    if text is not None:
+        write(tmp_path, text, sysfs)
+    result = _run_cli("run", "--config", str(path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {path}: ")
+    assert expected in lines[0]
+    assert result.stdout == ""
+
+
+def test_cli_unusable_state_dir_exits_2(tmp_path: Path, sysfs: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "device-plugin-hmac.key").write_bytes(b"short")
+    os.chmod(state / "device-plugin-hmac.key", 0o600)
+    path = write(
+        tmp_path,
+        f'shared_cpuset = "0"\nstate_dir = "{state}"\ncgroup_version = "v2"\ncgroup_root = "{tmp_path}"\n',
+        sysfs,
+    )
+    result = _run_cli("run", "--config", str(path))
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {path}: state_dir: ")
+    assert "5 bytes, a marker secret is 32" in line
