@@ -1,0 +1,395 @@
+"""The mixed-CPU policy: pure functions from NRI objects and bookkeeping to decisions. No I/O.
+
+Who gets shared CPUs: a container whose request is *proven* by a trusted source (`check_request`):
+
+* the device plugin's allocation marker in ``container.annotations`` — verified with the node's
+  `HostKey`; a forged value is refused, and so is a valid one whose device id another live container
+  (another slot, see `nri_plugin.state`) holds: a replay;
+* when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
+  that OpenShift's admission plugin adds.
+
+An ``OPENSHIFT_SHARED_CPUS`` / ``OPENSHIFT_ISOLATED_CPUS`` variable in the container's env is never
+proof: anyone writing a pod spec can set it.
+
+What a proven container gets (`plan_create`): cpus = exclusive | shared; CFS quota = n(cpus) * its
+period (an unlimited quota stays unlimited); both sets in its environment, canonical, replacing what
+the pod author set. Only the fields that change are set in the adjustment. Its pod's quota gains
+n(shared) * the pod's period (`pod_quota_target`). A requesting container that has no exclusive CPUs
+(not Guaranteed, a fractional CPU request, an empty cpuset, a cpuset inside the shared pool) or a
+node with an empty shared pool is a `PolicyError` whose message says why and how to fix the pod spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from api.nri import api_pb2 as api
+from cgroups import CpusetError, format_cpuset, parse_cpuset
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY as MARKER_ANNOTATION
+from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.state import Slot
+
+__all__ = [
+    "DEFAULT_CFS_PERIOD",
+    "ISOLATED_ENV",
+    "MARKER_ANNOTATION",
+    "POD_ANNOTATION_PREFIX",
+    "SHARED_ENV",
+    "CreatePlan",
+    "PolicyError",
+    "Proof",
+    "RequestCheck",
+    "SyncPlan",
+    "baseline_from_pod_resources",
+    "check_request",
+    "container_slot",
+    "describe",
+    "exclusive_cpus",
+    "plan_create",
+    "plan_sync",
+    "plan_update",
+    "pod_key",
+    "pod_quota_target",
+]
+
+SHARED_ENV: Final = "OPENSHIFT_SHARED_CPUS"
+ISOLATED_ENV: Final = "OPENSHIFT_ISOLATED_CPUS"
+POD_ANNOTATION_PREFIX: Final = "cpu-shared.crio.io/"
+POD_ANNOTATION_VALUE: Final = "enable"
+REQUEST_RESOURCE: Final = "workload.openshift.io/enable-shared-cpus"
+# The kernel's default CFS period, used when neither the request nor the container carries one.
+DEFAULT_CFS_PERIOD: Final = 100_000
+# kubelet maps milli-CPUs to shares as milli * 1024 / 1000: whole CPUs are multiples of 1024.
+SHARES_PER_CPU: Final = 1024
+
+_GUARANTEED_FIX: Final = (
+    "give every container of the pod CPU and memory limits equal to its requests (Guaranteed QoS) "
+    "and this container a whole number of CPUs"
+)
+
+
+class PolicyError(Exception):
+    """A request for shared CPUs that cannot be honoured; the message says why and what to fix.
+
+    `kind` is ``"pod-spec"`` when the pod spec must change, ``"node"`` when the node's setup must.
+    """
+
+    def __init__(self, message: str, *, kind: Literal["pod-spec", "node"] = "pod-spec") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# -- identities --------------------------------------------------------------------------------------
+
+
+def pod_key(pod: api.PodSandbox) -> str:
+    """How the books name a pod: its UID (stable across sandbox re-creation), else the sandbox id."""
+    return pod.uid or pod.id
+
+
+def container_slot(pod: api.PodSandbox, container: api.Container) -> Slot:
+    return Slot(pod_key(pod), container.name or container.id)
+
+
+def describe(pod: api.PodSandbox, container: api.Container | None = None) -> str:
+    """``namespace/pod/container`` for messages."""
+    text = f"{pod.namespace or '-'}/{pod.name or pod.id}"
+    return f"{text}/{container.name or container.id}" if container is not None else text
+
+
+# -- proof of request ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Proof:
+    """Why we believe the container asked for shared CPUs."""
+
+    source: Literal["device-plugin", "pod-annotation"]
+    device: str | None = None
+
+    def __str__(self) -> str:
+        return f"device-plugin marker ({self.device})" if self.device else "pod annotation"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCheck:
+    """The outcome of `check_request`: a proof, or none. `refusals` say which evidence was refused
+    as forged or replayed (worth a warning); `notes` what else was ignored and why."""
+
+    proof: Proof | None
+    notes: tuple[str, ...] = ()
+    refusals: tuple[str, ...] = ()
+
+
+def check_request(
+    pod: api.PodSandbox,
+    container: api.Container,
+    *,
+    marker_key: HostKey | None,
+    trust_pod_annotation: bool,
+    device_holders: Mapping[str, Slot],
+) -> RequestCheck:
+    """Does a trusted source prove that this container asked for shared CPUs?
+
+    `marker_key` is None when the device-plugin marker is not a trusted source. `device_holders`
+    maps the device ids of live shared containers to their slots.
+    """
+    notes: list[str] = []
+    refusals: list[str] = []
+    slot = container_slot(pod, container)
+    marker = container.annotations.get(MARKER_ANNOTATION)
+    if marker is not None:
+        if marker_key is None:
+            notes.append("device-plugin marker ignored: trusted_sources.device_plugin_marker is false")
+        else:
+            device = marker_key.verify(marker)
+            holder = device_holders.get(device) if device is not None else None
+            if device is None:
+                refusals.append(
+                    f"refused the {MARKER_ANNOTATION} annotation: it was not signed with this node's key "
+                    "(forged, or copied from another node)"
+                )
+            elif holder is not None and holder != slot:
+                refusals.append(
+                    f"refused the {MARKER_ANNOTATION} annotation: device {device} is already held by "
+                    f"container {holder} (a replayed marker)"
+                )
+            else:
+                return RequestCheck(Proof("device-plugin", device), tuple(notes), tuple(refusals))
+    annotation_key = POD_ANNOTATION_PREFIX + container.name
+    annotation = pod.annotations.get(annotation_key)
+    if annotation is not None:
+        if not trust_pod_annotation:
+            notes.append(f"pod annotation {annotation_key} ignored: trusted_sources.pod_annotation is false")
+        elif annotation != POD_ANNOTATION_VALUE:
+            notes.append(
+                f"pod annotation {annotation_key}={annotation!r} ignored: the value must be 'enable'"
+            )
+        else:
+            return RequestCheck(Proof("pod-annotation"), tuple(notes), tuple(refusals))
+    names = {entry.partition("=")[0] for entry in container.env}
+    for name in (SHARED_ENV, ISOLATED_ENV):
+        if name in names:
+            notes.append(
+                f"{name} in the container's env is not a request: env set in a pod spec proves nothing"
+            )
+    return RequestCheck(None, tuple(notes), tuple(refusals))
+
+
+# -- eligibility and container values ---------------------------------------------------------------
+
+
+def _cpus(text: str, what: str, who: str) -> frozenset[int]:
+    try:
+        return parse_cpuset(text)
+    except CpusetError as exc:
+        raise PolicyError(f"{who}: the runtime sent a malformed {what}: {exc}", kind="node") from None
+
+
+def exclusive_cpus(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> frozenset[int]:
+    """The exclusive CPUs of a requesting container; `PolicyError` when it has none or the node
+    has no shared CPUs."""
+    who = f"container {describe(pod, container)} asks for shared CPUs"
+    if not shared:
+        raise PolicyError(
+            f"{who} but the node's shared CPU pool is empty; set shared_cpuset in the plugin's config, "
+            f"or remove the {REQUEST_RESOURCE} request from the pod spec",
+            kind="node",
+        )
+    parent = pod.linux.cgroup_parent.lower()
+    for qos in ("burstable", "besteffort"):
+        if qos in parent:
+            raise PolicyError(
+                f"{who} but its pod is not Guaranteed (QoS class {qos.capitalize()}), so it has no exclusive "
+                f"CPUs; {_GUARANTEED_FIX}"
+            )
+    cpu = container.linux.resources.cpu
+    if cpu.HasField("shares") and cpu.shares.value % SHARES_PER_CPU:
+        raise PolicyError(
+            f"{who} but its CPU request is fractional ({cpu.shares.value} CPU shares, about "
+            f"{cpu.shares.value / SHARES_PER_CPU:.2f} CPUs), so it has no exclusive CPUs; request a whole "
+            'number of CPUs equal to the limit, e.g. cpu: "2"'
+        )
+    cpus = _cpus(cpu.cpus, "cpuset", f"container {describe(pod, container)}")
+    if not cpus:
+        raise PolicyError(
+            f"{who} but has no exclusive CPUs (its cpuset is empty); exclusive CPUs come from kubelet's "
+            f"static CPU manager policy: {_GUARANTEED_FIX}"
+        )
+    exclusive = cpus - shared
+    if not exclusive:
+        raise PolicyError(
+            f"{who} but has no exclusive CPUs: all its CPUs ({format_cpuset(cpus)}) are in the shared pool "
+            f"({format_cpuset(shared)}); {_GUARANTEED_FIX}, on a kubelet whose reservedSystemCPUs include "
+            "the shared pool"
+        )
+    return exclusive
+
+
+def _period(*candidates: api.LinuxCPU) -> int:
+    for cpu in candidates:
+        if cpu.HasField("period") and cpu.period.value > 0:
+            return min(cpu.period.value, 1_000_000)
+    return DEFAULT_CFS_PERIOD
+
+
+def _limited(cpu: api.LinuxCPU) -> bool | None:
+    """True: a quota is set; False: unlimited (-1); None: no quota given (absent or 0)."""
+    if not cpu.HasField("quota") or cpu.quota.value == 0:
+        return None
+    return cpu.quota.value > 0
+
+
+def _env(adjust: api.ContainerAdjustment, shared: frozenset[int], exclusive: frozenset[int]) -> None:
+    adjust.env.add(key=SHARED_ENV, value=format_cpuset(shared))
+    adjust.env.add(key=ISOLATED_ENV, value=format_cpuset(exclusive))
+
+
+@dataclass(frozen=True, slots=True)
+class CreatePlan:
+    """What a shared container gets at creation."""
+
+    exclusive: frozenset[int]
+    cpus: frozenset[int]
+    quota: int | None  # the container's new quota; None: unlimited, left alone
+    period: int
+    adjustment: api.ContainerAdjustment
+
+
+def plan_create(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> CreatePlan:
+    """The CreateContainer adjustment of a proven container; `PolicyError` if it cannot have one."""
+    exclusive = exclusive_cpus(shared, pod, container)
+    cpus = exclusive | shared
+    cpu = container.linux.resources.cpu
+    period = _period(cpu)
+    quota = len(cpus) * period if _limited(cpu) else None
+    adjust = api.ContainerAdjustment()
+    text = format_cpuset(cpus)
+    if text != cpu.cpus:
+        adjust.linux.resources.cpu.cpus = text
+    if quota is not None and quota != cpu.quota.value:
+        adjust.linux.resources.cpu.quota.value = quota
+    _env(adjust, shared, exclusive)
+    return CreatePlan(exclusive, cpus, quota, period, adjust)
+
+
+def plan_update(
+    shared: frozenset[int],
+    pod: api.PodSandbox,
+    container: api.Container,
+    requested: api.LinuxResources,
+    exclusive: frozenset[int],
+) -> api.ContainerUpdate:
+    """The UpdateContainer answer for a shared container: the requested cpus | shared (an empty
+    requested cpuset keeps the current one), and the quota raised to match unless unlimited.
+
+    Only cpus and quota are set: the runtime merges them over the requested resources.
+    """
+    who = f"container {describe(pod, container)}"
+    current_cpu = container.linux.resources.cpu
+    wanted = _cpus(requested.cpu.cpus, "requested cpuset", who)
+    if not wanted:
+        wanted = _cpus(current_cpu.cpus, "cpuset", who) or exclusive
+    cpus = wanted | shared
+    update = api.ContainerUpdate(container_id=container.id)
+    update.linux.resources.cpu.cpus = format_cpuset(cpus)
+    limited = _limited(requested.cpu)
+    if limited is None:
+        limited = _limited(current_cpu)
+    if limited:
+        update.linux.resources.cpu.quota.value = len(cpus) * _period(requested.cpu, current_cpu)
+    return update
+
+
+@dataclass(frozen=True, slots=True)
+class SyncPlan:
+    """An existing shared container, as found at Synchronize."""
+
+    exclusive: frozenset[int]
+    cpus: frozenset[int]
+    update: api.ContainerUpdate | None  # None: it already has what it should
+    env_stale: bool  # its environment does not show the current sets (a restart would fix it)
+    applied_shared: int  # how many of its CPUs are beyond its exclusive ones (already given shared)
+
+
+def _env_value(container: api.Container, name: str) -> str | None:
+    value = None
+    for entry in container.env:
+        key, sep, rest = entry.partition("=")
+        if sep and key == name:
+            value = rest
+    return value
+
+
+def _parse_or_empty(text: str | None) -> frozenset[int]:
+    try:
+        return parse_cpuset(text or "")
+    except CpusetError:
+        return frozenset()
+
+
+def plan_sync(
+    shared: frozenset[int],
+    pod: api.PodSandbox,
+    container: api.Container,
+    recorded_exclusive: frozenset[int] = frozenset(),
+) -> SyncPlan:
+    """Bring an existing proven container to the current shared set.
+
+    Its exclusive CPUs are, in order of trust: those the books recorded at creation; those in the
+    ``OPENSHIFT_ISOLATED_CPUS`` we injected (only CPUs it really has count); its CPUs minus the shared
+    pool, old (from ``OPENSHIFT_SHARED_CPUS``) and current.
+    """
+    who = f"container {describe(pod, container)}"
+    cpu = container.linux.resources.cpu
+    current = _cpus(cpu.cpus, "cpuset", who)
+    exclusive = recorded_exclusive & current
+    if not exclusive:
+        exclusive = _parse_or_empty(_env_value(container, ISOLATED_ENV)) & current
+    if not exclusive:
+        exclusive = current - shared - _parse_or_empty(_env_value(container, SHARED_ENV))
+    if not exclusive:
+        exclusive = current - shared
+    # The same checks as at creation, on the exclusive CPUs found.
+    probe = api.Container()
+    probe.CopyFrom(container)
+    probe.linux.resources.cpu.cpus = format_cpuset(exclusive)
+    exclusive = exclusive_cpus(shared, pod, probe)
+    cpus = exclusive | shared
+    quota = len(cpus) * _period(cpu) if _limited(cpu) else None
+    update = api.ContainerUpdate(container_id=container.id)
+    if cpus != current:
+        update.linux.resources.cpu.cpus = format_cpuset(cpus)
+    if quota is not None and quota != cpu.quota.value:
+        update.linux.resources.cpu.quota.value = quota
+    changed = update.linux.resources.cpu.cpus != "" or update.linux.resources.cpu.HasField("quota")
+    env_stale = _env_value(container, SHARED_ENV) != format_cpuset(shared) or _env_value(
+        container, ISOLATED_ENV
+    ) != format_cpuset(exclusive)
+    return SyncPlan(exclusive, cpus, update if changed else None, env_stale, len(current - exclusive))
+
+
+# -- pod quota -----------------------------------------------------------------------------------------
+
+
+def pod_quota_target(baseline: int | None, period: int, shared_counts: Iterable[int]) -> int | None:
+    """baseline + sum of n(shared) * period; None (unlimited) stays None."""
+    if baseline is None:
+        return None
+    return baseline + sum(shared_counts) * period
+
+
+def baseline_from_pod_resources(pod: api.PodSandbox, period: int) -> int | None:
+    """The pod's own quota from ``pod_resources`` (+ ``pod_overhead``) in microseconds per `period`
+    (the pod cgroup's), or None when the runtime did not send a limited quota."""
+    linux = pod.linux
+    if not linux.HasField("pod_resources") or not _limited(linux.pod_resources.cpu):
+        return None
+    total = 0
+    for cpu in (linux.pod_resources.cpu, linux.pod_overhead.cpu):
+        if _limited(cpu):
+            own_period = cpu.period.value if cpu.HasField("period") and cpu.period.value > 0 else period
+            total += -(-cpu.quota.value * period // own_period)  # rounded up into the pod's period
+    return total

@@ -1,0 +1,288 @@
+"""Pod quota bookkeeping: what the plugin added to each pod's CFS quota, and for whom.
+
+The model (`Books`) is plain data with pure operations; `StateStore` keeps it in a JSON file in the
+state dir (written atomically: temporary file, fsync, rename), so a restarted plugin knows each pod's
+own quota without guessing.
+
+Per pod (keyed by pod UID, or the sandbox id when the runtime sends no UID):
+
+* ``baseline``: the pod's own CFS quota in microseconds per ``period`` (None: unlimited), taken from
+  ``PodSandbox.linux.pod_resources`` when the runtime sends it, else from the pod cgroup the first
+  time a shared container of the pod is seen;
+* ``containers``: one *slot* per container **name**, holding the live shared container of that name:
+  its id, the number of shared CPUs it was given (its contribution is that many CPUs, i.e.
+  ``shared_cpus * period`` microseconds), its exclusive CPUs, and the device id of the marker that
+  proved its request.
+
+Target pod quota = baseline + sum of contributions; unlimited stays unlimited.
+
+Why slots are keyed by container name: kubelet never runs two instances of one container of a pod at
+once, so a new container id under a name that is already held means the old instance is dead. A
+restart therefore *replaces* the old contribution instead of adding to it, whatever order the
+runtime reports ``create(new)``, ``stop(old)`` and ``remove(old)`` in; and ``stop``/``remove`` of a
+container id only release the slot if that id still holds it. Device ids are held by slots too:
+a marker whose device id another slot holds is a replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
+
+import structlog
+
+__all__ = ["STATE_FILE_NAME", "STATE_VERSION", "Books", "ContainerRecord", "PodRecord", "Slot", "StateStore"]
+
+log = structlog.get_logger("nri_plugin.state")
+
+STATE_FILE_NAME: Final = "pod-quotas.json"
+STATE_VERSION: Final = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One container of one pod, across restarts: the pod key and the container's name."""
+
+    pod: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.pod}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerRecord:
+    """The live shared container holding a slot."""
+
+    id: str
+    shared_cpus: int
+    exclusive: str = ""  # canonical cpu list
+    device: str | None = None
+
+
+@dataclass(slots=True)
+class PodRecord:
+    """One pod's quota bookkeeping."""
+
+    cgroup_parent: str
+    baseline: int | None  # microseconds per period; None = unlimited
+    period: int
+    baseline_source: str = "first-seen"  # pod-resources | first-seen | rebuilt
+    containers: dict[str, ContainerRecord] = field(default_factory=dict)
+
+    @property
+    def contribution(self) -> int:
+        """Microseconds per period added for the live shared containers."""
+        return sum(record.shared_cpus for record in self.containers.values()) * self.period
+
+    def target(self) -> int | None:
+        """The pod's quota as it should be: baseline + contributions; None when unlimited."""
+        return None if self.baseline is None else self.baseline + self.contribution
+
+    def copy(self) -> PodRecord:
+        return replace(self, containers=dict(self.containers))
+
+
+class Books:
+    """Every pod the plugin has raised (or may have to lower), with an index by container id."""
+
+    def __init__(self, pods: dict[str, PodRecord] | None = None) -> None:
+        self.pods: dict[str, PodRecord] = pods if pods is not None else {}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Books) and self.pods == other.pods
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Books({self.pods!r})"
+
+    def copy(self) -> Books:
+        return Books({key: record.copy() for key, record in self.pods.items()})
+
+    def slots(self) -> Iterator[tuple[Slot, ContainerRecord]]:
+        for key, pod in self.pods.items():
+            for name, record in pod.containers.items():
+                yield Slot(key, name), record
+
+    def holder(self, slot: Slot) -> ContainerRecord | None:
+        pod = self.pods.get(slot.pod)
+        return pod.containers.get(slot.name) if pod is not None else None
+
+    def find(self, container_id: str) -> tuple[Slot, ContainerRecord] | None:
+        """The slot the container id holds, if any."""
+        for slot, record in self.slots():
+            if record.id == container_id:
+                return slot, record
+        return None
+
+    def device_holders(self) -> dict[str, Slot]:
+        """Device id -> the slot holding it (for replay refusal)."""
+        return {record.device: slot for slot, record in self.slots() if record.device is not None}
+
+    def hold(self, slot: Slot, record: ContainerRecord) -> ContainerRecord | None:
+        """Give the slot to `record` (its pod must be known). Returns the record it replaced, if any."""
+        pod = self.pods[slot.pod]
+        previous = pod.containers.get(slot.name)
+        pod.containers[slot.name] = record
+        return previous
+
+    def displace(self, slot: Slot, container_id: str) -> ContainerRecord | None:
+        """A container named like the slot is being created: an older instance holding it is dead."""
+        pod = self.pods.get(slot.pod)
+        if pod is None:
+            return None
+        previous = pod.containers.get(slot.name)
+        if previous is None or previous.id == container_id:
+            return None
+        del pod.containers[slot.name]
+        return previous
+
+    def release(self, container_id: str) -> Slot | None:
+        """The container stopped or went away: free its slot if it still holds one."""
+        found = self.find(container_id)
+        if found is None:
+            return None
+        slot, _ = found
+        del self.pods[slot.pod].containers[slot.name]
+        return slot
+
+    # -- JSON ------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "pods": {
+                key: {
+                    "cgroup_parent": pod.cgroup_parent,
+                    "baseline": pod.baseline,
+                    "period": pod.period,
+                    "baseline_source": pod.baseline_source,
+                    "target": pod.target(),
+                    "containers": {
+                        name: {
+                            "id": record.id,
+                            "shared_cpus": record.shared_cpus,
+                            "contribution": record.shared_cpus * pod.period,
+                            "exclusive": record.exclusive,
+                            "device": record.device,
+                        }
+                        for name, record in pod.containers.items()
+                    },
+                }
+                for key, pod in self.pods.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> Books:
+        """Rebuild from `to_json` output; ValueError (with the reason) for anything else."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        if data.get("version") != STATE_VERSION:
+            raise ValueError(f"state version {data.get('version')!r}, expected {STATE_VERSION}")
+        pods = data.get("pods")
+        if not isinstance(pods, dict):
+            raise ValueError('"pods" is not an object')
+        books = cls()
+        for key, raw in pods.items():
+            books.pods[_text(key, "pod key")] = _pod_from_json(raw)
+        return books
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} {value!r} is not a string")
+    return value
+
+
+def _int(value: object, what: str, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{what} {value!r} is not an integer >= {minimum}")
+    return value
+
+
+def _pod_from_json(raw: object) -> PodRecord:
+    if not isinstance(raw, dict):
+        raise ValueError("a pod entry is not an object")
+    baseline = raw.get("baseline")
+    containers = raw.get("containers")
+    if not isinstance(containers, dict):
+        raise ValueError('"containers" is not an object')
+    pod = PodRecord(
+        cgroup_parent=_text(raw.get("cgroup_parent"), "cgroup_parent"),
+        baseline=None if baseline is None else _int(baseline, "baseline", 1),
+        period=_int(raw.get("period"), "period", 1),
+        baseline_source=_text(raw.get("baseline_source", "first-seen"), "baseline_source"),
+    )
+    for name, entry in containers.items():
+        if not isinstance(entry, dict):
+            raise ValueError("a container entry is not an object")
+        device = entry.get("device")
+        pod.containers[_text(name, "container name")] = ContainerRecord(
+            id=_text(entry.get("id"), "container id"),
+            shared_cpus=_int(entry.get("shared_cpus"), "shared_cpus", 0),
+            exclusive=_text(entry.get("exclusive", ""), "exclusive"),
+            device=None if device is None else _text(device, "device"),
+        )
+    return pod
+
+
+class StateStore:
+    """`Books` in ``<state_dir>/pod-quotas.json``."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, name: str = STATE_FILE_NAME, fsync: bool = True
+    ) -> None:
+        self.directory = os.fspath(directory)
+        self.path = os.path.join(self.directory, name)
+        self.fsync = fsync
+
+    def load(self) -> Books:
+        """The saved books; empty books (and a warning) when the file is missing, corrupt or old."""
+        try:
+            with open(self.path, "rb") as file:
+                data = file.read()
+        except FileNotFoundError:
+            return Books()
+        except OSError as exc:
+            log.warning(
+                "cannot read the state file; starting with empty books", path=self.path, error=str(exc)
+            )
+            return Books()
+        try:
+            return Books.from_json(json.loads(data))
+        except (ValueError, UnicodeDecodeError) as exc:
+            log.warning(
+                "state file is corrupt or from another version; starting with empty books "
+                "(pod quotas are rebuilt at the next synchronization)",
+                path=self.path,
+                error=str(exc),
+            )
+            return Books()
+
+    def save(self, books: Books) -> None:
+        """Replace the file atomically. Raises OSError when it cannot (the caller rolls back)."""
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        data = json.dumps(books.to_json(), indent=1, sort_keys=True).encode() + b"\n"
+        tmp = os.path.join(self.directory, f".{os.path.basename(self.path)}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise

@@ -1,0 +1,298 @@
+"""Pod quota bookkeeping: the books' slot rules, the state file, and pod quotas over long event runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import structlog
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mixedcpu_support import (
+    PERIOD,
+    FakeCgroups,
+    Naming,
+    apply_adjustment,
+    make_container,
+    make_plugin,
+    make_pod,
+    marker,
+)
+
+from api.nri import api_pb2 as api
+from nri_plugin.state import STATE_FILE_NAME, Books, ContainerRecord, PodRecord, Slot, StateStore
+
+CGROUPFS = Naming("containerd", "cgroupfs")
+
+
+def _books() -> Books:
+    books = Books({"pod-a": PodRecord("/kubepods/poda", 300_000, PERIOD)})
+    books.hold(Slot("pod-a", "fwd"), ContainerRecord("fwd-1", 2, "4-5", "shared-cpus-0"))
+    books.hold(Slot("pod-a", "log"), ContainerRecord("log-1", 2, "6", None))
+    return books
+
+
+def test_target_is_baseline_plus_contributions() -> None:
+    books = _books()
+    assert books.pods["pod-a"].contribution == 400_000
+    assert books.pods["pod-a"].target() == 700_000
+    books.pods["pod-a"].baseline = None
+    assert books.pods["pod-a"].target() is None  # unlimited stays unlimited
+
+
+def test_restart_replaces_the_slot_and_old_events_are_no_ops() -> None:
+    books = _books()
+    old = books.displace(Slot("pod-a", "fwd"), "fwd-2")
+    assert old is not None
+    assert old.id == "fwd-1"
+    books.hold(Slot("pod-a", "fwd"), ContainerRecord("fwd-2", 2, "4-5", "shared-cpus-0"))
+    assert books.release("fwd-1") is None  # the dead instance no longer holds anything
+    assert books.pods["pod-a"].target() == 700_000
+    assert books.release("fwd-2") == Slot("pod-a", "fwd")
+    assert books.release("fwd-2") is None
+    assert books.pods["pod-a"].target() == 500_000
+
+
+def test_same_id_does_not_displace_itself() -> None:
+    books = _books()
+    assert books.displace(Slot("pod-a", "fwd"), "fwd-1") is None
+    assert books.displace(Slot("pod-b", "fwd"), "x") is None  # unknown pod
+
+
+def test_device_holders_and_find() -> None:
+    books = _books()
+    assert books.device_holders() == {"shared-cpus-0": Slot("pod-a", "fwd")}
+    found = books.find("log-1")
+    assert found is not None
+    assert found[0] == Slot("pod-a", "log")
+    assert books.find("nope") is None
+
+
+def test_state_file_round_trip(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    books = _books()
+    store.save(books)
+    assert store.load() == books
+    data = json.loads((tmp_path / STATE_FILE_NAME).read_text())
+    assert data["version"] == 1
+    assert data["pods"]["pod-a"]["target"] == 700_000
+    assert data["pods"]["pod-a"]["containers"]["fwd"]["contribution"] == 200_000
+    assert (tmp_path / STATE_FILE_NAME).stat().st_mode & 0o777 == 0o600
+    assert sorted(os.listdir(tmp_path)) == [STATE_FILE_NAME]  # no temporary file left behind
+
+
+def test_missing_state_file_is_empty_books(tmp_path: Path) -> None:
+    assert StateStore(tmp_path / "not-yet").load() == Books()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\xff\xfe",
+        b"[]",
+        b'{"version": 0, "pods": {}}',
+        b'{"version": 1, "pods": []}',
+        b'{"version": 1, "pods": {"p": {"cgroup_parent": "/x", "baseline": "lots", "period": 100000, '
+        b'"containers": {}}}}',
+        b'{"version": 1, "pods": {"p": {"cgroup_parent": "/x", "baseline": 1, "period": 100000, '
+        b'"containers": {"c": {"id": 7, "shared_cpus": 1}}}}}',
+    ],
+    ids=["syntax", "binary", "not-object", "old-version", "pods-list", "bad-baseline", "bad-id"],
+)
+def test_corrupt_or_old_state_file_resets_with_a_warning(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / STATE_FILE_NAME).write_bytes(content)
+    with structlog.testing.capture_logs() as logs:
+        assert StateStore(tmp_path).load() == Books()
+    [entry] = logs
+    assert entry["log_level"] == "warning"
+    assert "starting with empty books" in entry["event"]
+
+
+def test_failed_save_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = StateStore(tmp_path)
+    store.save(_books())
+    before = (tmp_path / STATE_FILE_NAME).read_bytes()
+
+    def no_space(*_args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_space)
+    books = _books()
+    books.release("fwd-1")
+    with pytest.raises(OSError, match="No space left"):
+        store.save(books)
+    assert (tmp_path / STATE_FILE_NAME).read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == [STATE_FILE_NAME]
+
+
+# -- a model of kubelet restarting containers, against the plugin and a fake pod cgroup -------------------
+
+NAMES = ("a", "b", "c")
+SHARED = frozenset({0, 1})
+BASELINE = 600_000
+
+event = st.one_of(
+    st.tuples(st.just("restart"), st.sampled_from(NAMES), st.booleans()),  # new before old stops?
+    st.tuples(st.just("stop"), st.sampled_from(NAMES), st.just(False)),
+    st.tuples(st.just("remove"), st.sampled_from(NAMES), st.just(False)),
+    st.tuples(st.just("replay"), st.sampled_from(NAMES), st.just(False)),
+    st.tuples(st.just("plugin-restart"), st.just(""), st.just(False)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(event, max_size=25), st.booleans())
+def test_pod_quota_never_grows_beyond_live_shared_containers(
+    events: list[tuple[str, str, bool]], keep_state: bool
+) -> None:
+    asyncio.run(_run_model(events, keep_state))
+
+
+async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tree = FakeCgroups(root / "cgroup")
+        plugin, key = make_plugin(root / "state", tree.layout, SHARED)
+        pod = make_pod(CGROUPFS)
+        tree.add_pod(pod, BASELINE)
+        devices = {name: f"shared-cpus-{i}" for i, name in enumerate(NAMES)}
+        cpus = {"a": "2-3", "b": "4-5", "c": "6-7"}
+        live: dict[str, api.Container] = {}  # name -> the running instance
+        dead: dict[str, list[api.Container]] = {name: [] for name in NAMES}  # stopped, not removed
+        counter = 0
+        for kind, name, new_first in events:
+            if kind == "restart":
+                counter += 1
+                new = make_container(
+                    CGROUPFS,
+                    pod,
+                    f"{name}-{counter}",
+                    name,
+                    cpus=cpus[name],
+                    annotations=marker(key, devices[name]),
+                )
+                old = live.pop(name, None)
+                if old is not None and not new_first:
+                    await plugin.stop_container(pod, old)
+                reply = await plugin.create_container(pod, new)
+                assert reply is not None
+                apply_adjustment(new, reply.adjust)
+                new.state = api.CONTAINER_RUNNING
+                live[name] = new
+                if old is not None:
+                    if new_first:
+                        await plugin.stop_container(pod, old)
+                    old.state = api.CONTAINER_STOPPED
+                    dead[name].append(old)
+            elif kind == "stop" and name in live:
+                old = live.pop(name)
+                await plugin.stop_container(pod, old)
+                old.state = api.CONTAINER_STOPPED
+                dead[name].append(old)
+            elif kind == "remove" and dead[name]:
+                await plugin.remove_container(pod, dead[name].pop(0))
+            elif kind == "replay":
+                # Another pod's container presents this name's marker: refused while the device is held.
+                thief_pod = make_pod(CGROUPFS, "9999-0000")
+                tree.add_pod(thief_pod, 100_000)
+                thief = make_container(
+                    CGROUPFS, thief_pod, f"thief-{counter}", "x", annotations=marker(key, devices[name])
+                )
+                reply = await plugin.create_container(thief_pod, thief)
+                assert (reply is None) == (name in live)
+                if reply is not None:
+                    await plugin.stop_container(thief_pod, thief)
+                    await plugin.remove_container(thief_pod, thief)
+                await plugin.remove_pod_sandbox(thief_pod)
+            elif kind == "plugin-restart":
+                if not keep_state:
+                    Path(plugin.store.path).unlink(missing_ok=True)  # noqa: ASYNC240
+                plugin, _ = make_plugin(root / "state", tree.layout, SHARED)
+                containers = [*live.values(), *(c for group in dead.values() for c in group)]
+                updates = await plugin.synchronize([pod], containers)
+                assert list(updates) == []  # everything already had its shared CPUs
+            assert tree.pod_quota(pod) == BASELINE + len(live) * len(SHARED) * PERIOD, (kind, name)
+
+
+# -- the plugin's use of the state file ----------------------------------------------------------------
+
+
+def _shared(
+    pod: api.PodSandbox, cid: str, key: object, device: str = "shared-cpus-0", **kw: object
+) -> api.Container:
+    return make_container(CGROUPFS, pod, cid, "main", annotations=marker(key, device), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_baselines_are_written_at_once_slot_changes_soon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nri_plugin.mixedcpu as mixedcpu
+
+    monkeypatch.setattr(mixedcpu, "FLUSH_DELAY", 0.01)
+    tree = FakeCgroups(tmp_path / "cgroup")
+    plugin, key = make_plugin(tmp_path / "state", tree.layout, SHARED)
+    pod = make_pod(CGROUPFS)
+    tree.add_pod(pod, 300_000)
+    await plugin.create_container(pod, _shared(pod, "c1", key))
+    saved = plugin.store.load()
+    assert saved.pods[pod.uid].baseline == 300_000  # a new baseline: on disk before the reply
+    assert saved.pods[pod.uid].containers["main"].id == "c1"
+    await plugin.create_container(pod, _shared(pod, "c2", key))  # a restart: only the slot changes
+    assert plugin.store.load().pods[pod.uid].containers["main"].id == "c1"
+    await asyncio.sleep(0.05)
+    assert plugin.store.load().pods[pod.uid].containers["main"].id == "c2"
+    await plugin.create_container(pod, _shared(pod, "c3", key))
+    await plugin.shutdown()  # the runtime's Shutdown (and the CLI at exit) flush what is waiting
+    assert plugin.store.load() == plugin.books
+    await plugin.remove_pod_sandbox(pod)
+    assert plugin.books == Books()
+    assert plugin.store.load() == Books()
+
+
+@pytest.mark.asyncio
+async def test_replayed_marker_at_synchronize_keeps_the_known_holder(tmp_path: Path) -> None:
+    tree = FakeCgroups(tmp_path / "cgroup")
+    plugin, key = make_plugin(tmp_path / "state", tree.layout, SHARED)
+    pod, thief_pod = make_pod(CGROUPFS), make_pod(CGROUPFS, "9-9", name="thief")
+    tree.add_pod(pod, 300_000)
+    tree.add_pod(thief_pod, 100_000)
+    owner = _shared(pod, "owner", key)
+    owner.created_at = 2
+    reply = await plugin.create_container(pod, owner)
+    assert reply is not None
+    apply_adjustment(owner, reply.adjust).state = api.CONTAINER_RUNNING
+    # An older container that shows up with the same (valid) marker: refused, the holder keeps it.
+    thief = _shared(thief_pod, "thief", key, state=api.CONTAINER_RUNNING)
+    thief.created_at = 1
+    restarted, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)
+    updates = await restarted.synchronize([pod, thief_pod], [thief, owner])
+    assert list(updates) == []
+    assert restarted.books.device_holders() == {"shared-cpus-0": Slot(pod.uid, "main")}
+    assert tree.pod_quota(thief_pod) == 100_000
+    assert tree.pod_quota(pod) == 500_000
+
+
+@pytest.mark.asyncio
+async def test_unreadable_pod_cgroup_at_synchronize_is_guessed_later(tmp_path: Path) -> None:
+    tree = FakeCgroups(tmp_path / "cgroup")
+    plugin, key = make_plugin(tmp_path / "state", tree.layout, SHARED)
+    pod = make_pod(CGROUPFS)
+    running = _shared(pod, "c1", key, cpus="0-1,4-5", quota=400_000, state=api.CONTAINER_RUNNING)
+    with structlog.testing.capture_logs() as logs:
+        assert list(await plugin.synchronize([pod], [running])) == []
+    assert any(e["event"] == "cannot bring the pod quota to its target" for e in logs)
+    # It still counts as shared: kubelet's update keeps the shared CPUs.
+    requested = api.LinuxResources()
+    requested.cpu.cpus = "4-5"
+    [update] = await plugin.update_container(pod, running, requested)
+    assert update.linux.resources.cpu.cpus == "0-1,4-5"
+    # The pod cgroup shows up already raised: its own quota is guessed as current - our share.
+    tree.add_pod(pod, 500_000)
+    await plugin.stop_container(pod, running)
+    assert tree.pod_quota(pod) == 300_000

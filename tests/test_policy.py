@@ -1,0 +1,645 @@
+"""The mixed-CPU policy: the upstream oracle cases that apply to a plugin, and the pure functions.
+
+The oracle rows come from the behaviour reference (§3, T* upstream tests, D* derived examples). Rows
+marked "-fixed" expect the corrected behaviour where the upstream code is wrong. Each row runs the
+real plugin object against a fake cgroup v1 tree (no NRI transport: see test_mixedcpu_end_to_end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
+
+from api.nri import api_pb2 as api
+from cgroups import format_cpuset, parse_cpuset
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.policy import (
+    ISOLATED_ENV,
+    SHARED_ENV,
+    PolicyError,
+    baseline_from_pod_resources,
+    check_request,
+    container_slot,
+    exclusive_cpus,
+    plan_create,
+    plan_sync,
+    plan_update,
+    pod_quota_target,
+)
+from nri_plugin.state import Slot
+from nri_plugin.ttrpc import Code, TtrpcError
+
+CGROUPFS = Naming("containerd", "cgroupfs")
+KEY = HostKey(b"k" * 32)
+
+
+def adjusted_env(adjust: api.ContainerAdjustment) -> dict[str, str]:
+    return {e.key: e.value for e in adjust.env}
+
+
+# -- the oracle table: CreateContainer ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateCase:
+    shared: str
+    cpus: str
+    quota: int | None = 200_000
+    shares: int | None = 2048
+    request: str = "marker"  # marker | annotation | none
+    trust_annotation: bool = False
+    env: tuple[str, ...] = ()
+    qos: str = ""
+    pod_quota: int | None = 400_000
+    # expected
+    error: str | None = None
+    code: int = Code.INVALID_ARGUMENT
+    cpus_out: str | None = None  # None: the adjustment does not set cpus
+    quota_out: int | None = None  # None: the adjustment does not set the quota
+    env_out: dict[str, str] = field(default_factory=dict)
+    pod_after: int | None = None  # the pod's quota afterwards (None: unlimited)
+    untouched: bool = False  # no adjustment at all
+
+
+CREATE_CASES = [
+    pytest.param(
+        CreateCase(
+            "3,4",
+            "1-2",
+            quota=None,
+            request="annotation",
+            trust_annotation=True,
+            cpus_out="1-4",
+            env_out={ISOLATED_ENV: "1-2", SHARED_ENV: "3-4"},
+            pod_after=600_000,
+        ),
+        id="T3-HPT-precreate-env-and-union",
+    ),
+    pytest.param(
+        CreateCase("3,4", "1-2", request="none", untouched=True, pod_after=400_000),
+        id="T5-HPT-no-request-no-env",
+    ),
+    pytest.param(
+        CreateCase(
+            "3,4",
+            "",
+            request="annotation",
+            trust_annotation=True,
+            error="has no exclusive CPUs (its cpuset is empty)",
+            pod_after=400_000,
+        ),
+        id="T6-HPT-request-without-cpus-fails",
+    ),
+    pytest.param(
+        CreateCase("3,4", "", request="none", untouched=True, pod_after=400_000),
+        id="T7-HPT-no-cpus-no-request-no-error",
+    ),
+    pytest.param(
+        CreateCase(
+            "",
+            "1-2",
+            request="annotation",
+            trust_annotation=True,
+            error="shared CPU pool is empty",
+            code=Code.FAILED_PRECONDITION,
+            pod_after=400_000,
+        ),
+        id="T8-HPT-empty-shared-set-fails",
+    ),
+    pytest.param(
+        CreateCase(
+            "", "0,1", error="shared CPU pool is empty", code=Code.FAILED_PRECONDITION, pod_after=400_000
+        ),
+        id="T1-T2-HPT-setSharedCPUs-empty-shared",
+    ),
+    pytest.param(
+        CreateCase("0,5,7-10", "1,2", quota=20_000, request="none", untouched=True, pod_after=400_000),
+        id="T18-GNT-pod-without-request-no-adjustment",
+    ),
+    pytest.param(
+        CreateCase(
+            "3,4",
+            "5,6",
+            cpus_out="3-6",
+            quota_out=400_000,
+            env_out={ISOLATED_ENV: "5-6", SHARED_ENV: "3-4"},
+            pod_quota=200_000,
+            pod_after=400_000,
+        ),
+        id="T26-ENH-worked-example",
+    ),
+    pytest.param(
+        CreateCase(
+            "2-3",
+            "4-5",
+            cpus_out="2-5",
+            quota_out=400_000,
+            env_out={ISOLATED_ENV: "4-5", SHARED_ENV: "2-3"},
+            pod_quota=400_000,
+            pod_after=600_000,
+        ),
+        id="D1-v1-pod-raised-by-n-shared-times-period",
+    ),
+    pytest.param(
+        CreateCase(
+            "2-3",
+            "4-5",
+            pod_quota=None,
+            cpus_out="2-5",
+            quota_out=400_000,
+            env_out={ISOLATED_ENV: "4-5", SHARED_ENV: "2-3"},
+            pod_after=None,
+        ),
+        id="D2-fixed-unlimited-pod-stays-unlimited",
+    ),
+    pytest.param(
+        CreateCase(
+            "2-3",
+            "4-5",
+            quota=-1,
+            cpus_out="2-5",
+            env_out={ISOLATED_ENV: "4-5", SHARED_ENV: "2-3"},
+            pod_after=600_000,
+        ),
+        id="D2-fixed-unlimited-container-stays-unlimited",
+    ),
+    pytest.param(
+        CreateCase(
+            "2-3", "4-6", shares=2355, error="CPU request is fractional (2355 CPU shares", pod_after=400_000
+        ),
+        id="D7-fixed-fractional-request-fails-instead-of-silence",
+    ),
+    pytest.param(
+        CreateCase(
+            "2-3", "4-5", qos="burstable", error="not Guaranteed (QoS class Burstable)", pod_after=400_000
+        ),
+        id="E13-fixed-burstable-request-fails",
+    ),
+    pytest.param(
+        CreateCase("2-3", "2-3", error="all its CPUs (2-3) are in the shared pool (2-3)", pod_after=400_000),
+        id="E6-cpus-inside-shared-pool-fail",
+    ),
+    pytest.param(
+        CreateCase(
+            "0-63",
+            "4-5",
+            request="none",
+            env=("OPENSHIFT_SHARED_CPUS=0-63",),
+            untouched=True,
+            pod_after=400_000,
+        ),
+        id="D11-fixed-env-is-never-proof",
+    ),
+    pytest.param(
+        CreateCase(
+            "0-1",
+            "4-5",
+            cpus_out="0-1,4-5",
+            quota_out=400_000,
+            env_out={ISOLATED_ENV: "4-5", SHARED_ENV: "0-1"},
+            pod_quota=200_000,
+            pod_after=400_000,
+        ),
+        id="D12-GNT-union-and-quota-pod-raised-not-overwritten",
+    ),
+    pytest.param(
+        CreateCase(
+            "3-4",
+            "1-2",
+            env=("OPENSHIFT_SHARED_CPUS=0-63", "OPENSHIFT_ISOLATED_CPUS=9"),
+            cpus_out="1-4",
+            quota_out=400_000,
+            env_out={ISOLATED_ENV: "1-2", SHARED_ENV: "3-4"},
+            pod_after=600_000,
+        ),
+        id="T36-env-replaces-author-values",
+    ),
+    pytest.param(
+        CreateCase(
+            "3,4", "1-2", request="annotation", trust_annotation=False, untouched=True, pod_after=400_000
+        ),
+        id="E14-annotation-untrusted-by-config-ignored",
+    ),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", CREATE_CASES)
+async def test_oracle_create(tmp_path: Path, case: CreateCase) -> None:
+    tree = FakeCgroups(tmp_path / "cgroup")
+    plugin, key = make_plugin(
+        tmp_path / "state", tree.layout, parse_cpuset(case.shared), trust_pod_annotation=case.trust_annotation
+    )
+    pod = make_pod(CGROUPFS, qos=case.qos)
+    if case.request == "annotation":
+        pod.annotations["cpu-shared.crio.io/cnt1"] = "enable"
+    tree.add_pod(pod, case.pod_quota)
+    container = make_container(
+        CGROUPFS,
+        pod,
+        "c1",
+        "cnt1",
+        cpus=case.cpus,
+        quota=case.quota,
+        shares=case.shares,
+        env=case.env,
+        annotations=marker(key) if case.request == "marker" else None,
+    )
+    if case.error is not None:
+        with pytest.raises(TtrpcError) as info:
+            await plugin.create_container(pod, container)
+        assert case.error in info.value.message
+        assert info.value.code == case.code
+        assert tree.pod_quota(pod) == case.pod_after
+        assert plugin.books.find("c1") is None
+        return
+    reply = await plugin.create_container(pod, container)
+    assert tree.pod_quota(pod) == case.pod_after
+    if case.untouched:
+        assert reply is None
+        return
+    assert reply is not None
+    assert not reply.update, "never an update for the container being created"
+    cpu = reply.adjust.linux.resources.cpu
+    assert cpu.cpus == (case.cpus_out or "")
+    assert cpu.HasField("quota") == (case.quota_out is not None)
+    if case.quota_out is not None:
+        assert cpu.quota.value == case.quota_out
+    # Only the fields we change: no period, shares, memory, mems.
+    assert not cpu.HasField("period")
+    assert not cpu.HasField("shares")
+    assert not cpu.mems
+    assert not reply.adjust.linux.resources.HasField("memory")
+    assert adjusted_env(reply.adjust) == case.env_out
+
+
+# -- the oracle table: UpdateContainer ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpdateCase:
+    shared: str
+    requested: str
+    shared_container: bool = True
+    env: tuple[str, ...] = ()
+    requested_quota: int | None = None
+    expect_cpus: str | None = None  # None: no update at all
+    expect_quota: int | None = None
+
+
+UPDATE_CASES = [
+    pytest.param(UpdateCase("2-3", "0-1", expect_cpus="0-3", expect_quota=400_000), id="D8-union-re-added"),
+    pytest.param(
+        UpdateCase("2-3", "", expect_cpus="0-3", expect_quota=400_000), id="D9-fixed-empty-keeps-exclusive"
+    ),
+    pytest.param(UpdateCase("2-3", "0-1", shared_container=False), id="D10-not-shared-no-update"),
+    pytest.param(
+        UpdateCase("2-3", "0-1", shared_container=False, env=("OPENSHIFT_SHARED_CPUS=0-63",)),
+        id="D11-fixed-env-never-proof-on-update",
+    ),
+    pytest.param(
+        UpdateCase("2-3", "0-1", requested_quota=200_000, expect_cpus="0-3", expect_quota=400_000),
+        id="CRI-O-update-quota-kept-raised",
+    ),
+    pytest.param(
+        UpdateCase("2-3", "0-1", requested_quota=-1, expect_cpus="0-3"), id="update-unlimited-stays"
+    ),
+    pytest.param(
+        UpdateCase("2-3", "0", expect_cpus="0,2-3", expect_quota=300_000), id="OCPBUGS-25926-kubelet-shrinks"
+    ),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", UPDATE_CASES)
+async def test_oracle_update(tmp_path: Path, case: UpdateCase) -> None:
+    tree = FakeCgroups(tmp_path / "cgroup")
+    plugin, key = make_plugin(tmp_path / "state", tree.layout, parse_cpuset(case.shared))
+    pod = make_pod(CGROUPFS)
+    tree.add_pod(pod, 200_000)
+    container = make_container(
+        CGROUPFS,
+        pod,
+        "c1",
+        cpus="0-1",
+        env=case.env,
+        annotations=marker(key) if case.shared_container else None,
+    )
+    reply = await plugin.create_container(pod, container)
+    if reply is not None:  # what the runtime keeps after applying the adjustment
+        container.linux.resources.cpu.cpus = reply.adjust.linux.resources.cpu.cpus
+        container.linux.resources.cpu.quota.value = reply.adjust.linux.resources.cpu.quota.value
+    requested = api.LinuxResources()
+    requested.cpu.cpus = case.requested
+    if case.requested_quota is not None:
+        requested.cpu.quota.value = case.requested_quota
+        requested.cpu.period.value = PERIOD
+    updates = await plugin.update_container(pod, container, requested)
+    if case.expect_cpus is None:
+        assert list(updates) == []
+        return
+    [update] = updates
+    assert update.container_id == "c1"
+    cpu = update.linux.resources.cpu
+    assert cpu.cpus == case.expect_cpus
+    assert cpu.HasField("quota") == (case.expect_quota is not None)
+    if case.expect_quota is not None:
+        assert cpu.quota.value == case.expect_quota
+    assert not cpu.HasField("period")
+    assert not update.linux.resources.HasField("memory")
+
+
+# -- the oracle table: pod quota across a pod's life ---------------------------------------------------
+
+LIFECYCLES = [
+    # (steps, pod quota after each step); pod starts at 400000 (two 2-CPU containers), S = 2-3.
+    pytest.param(["create a1"], [600_000], id="D1-one-shared-container"),
+    pytest.param(["create a1", "create b1"], [600_000, 800_000], id="D3-each-shared-container-adds"),
+    pytest.param(
+        ["create a1", "stop a1", "create a2", "remove a1"],
+        [600_000, 400_000, 600_000, 600_000],
+        id="D4-fixed-restart-does-not-leak",
+    ),
+    pytest.param(
+        ["create a1", "create a2", "stop a1", "remove a1"],
+        [600_000, 600_000, 600_000, 600_000],
+        id="D4-fixed-restart-new-before-old-stops",
+    ),
+    pytest.param(["create a1", "create a1"], [600_000, 600_000], id="idempotent-same-create-twice"),
+    pytest.param(
+        ["create a1", "stop a1", "stop a1", "remove a1"],
+        [600_000, 400_000, 400_000, 400_000],
+        id="idempotent-stop-twice-then-remove",
+    ),
+    pytest.param(
+        ["create a1", "create b1", "remove b1", "remove a1"],
+        [600_000, 800_000, 600_000, 400_000],
+        id="remove-lowers-back",
+    ),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("steps", "quotas"), LIFECYCLES)
+async def test_oracle_pod_quota_lifecycle(tmp_path: Path, steps: list[str], quotas: list[int]) -> None:
+    tree = FakeCgroups(tmp_path / "cgroup")
+    plugin, key = make_plugin(tmp_path / "state", tree.layout, frozenset({2, 3}))
+    pod = make_pod(CGROUPFS)
+    tree.add_pod(pod, 400_000)
+    devices = {"a": "shared-cpus-0", "b": "shared-cpus-1"}
+    containers: dict[str, api.Container] = {}
+    for step, expected in zip(steps, quotas, strict=True):
+        action, cid = step.split()
+        if action == "create":
+            name = cid[0]
+            containers[cid] = make_container(
+                CGROUPFS,
+                pod,
+                cid,
+                name,
+                cpus="4-5" if name == "a" else "6-7",
+                annotations=marker(key, devices[name]),
+            )
+            await plugin.create_container(pod, containers[cid])
+        elif action == "stop":
+            await plugin.stop_container(pod, containers[cid])
+        else:
+            await plugin.remove_container(pod, containers[cid])
+        assert tree.pod_quota(pod) == expected, step
+
+
+# -- proof of request ------------------------------------------------------------------------------------
+
+
+def _request(
+    annotations: dict[str, str] | None = None,
+    pod_annotations: dict[str, str] | None = None,
+    env: tuple[str, ...] = (),
+    name: str = "main",
+) -> tuple[api.PodSandbox, api.Container]:
+    pod = make_pod(CGROUPFS)
+    pod.annotations.update(pod_annotations or {})
+    return pod, make_container(CGROUPFS, pod, "c1", name, env=env, annotations=annotations)
+
+
+def test_signed_marker_proves_a_request() -> None:
+    pod, container = _request(marker(KEY, "shared-cpus-7"))
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is not None
+    assert (check.proof.source, check.proof.device) == ("device-plugin", "shared-cpus-7")
+    assert check.refusals == ()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "v1:shared-cpus-0:" + "A" * 43,  # right shape, wrong MAC
+        HostKey(b"x" * 32).sign("shared-cpus-0"),  # another node's key
+        KEY.sign("shared-cpus-0").replace("shared-cpus-0", "shared-cpus-1"),  # MAC of another device
+        "enable",
+        "",
+    ],
+    ids=["wrong-mac", "other-node-key", "device-swapped", "plain-word", "empty"],
+)
+def test_forged_marker_is_refused(value: str) -> None:
+    pod, container = _request({ANNOTATION_KEY: value})
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is None
+    assert "not signed with this node's key" in check.refusals[0]
+
+
+def test_replayed_marker_is_refused_but_a_restart_of_the_holder_is_not() -> None:
+    pod, container = _request(marker(KEY, "shared-cpus-3"))
+    other = Slot("other-pod", "main")
+    check = check_request(
+        pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={"shared-cpus-3": other}
+    )
+    assert check.proof is None
+    assert "already held by container other-pod/main (a replayed marker)" in check.refusals[0]
+    # The same slot (same pod, same container name: a restart) may present its device again.
+    same = container_slot(pod, container)
+    check = check_request(
+        pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={"shared-cpus-3": same}
+    )
+    assert check.proof is not None
+
+
+def test_marker_ignored_when_its_source_is_not_trusted() -> None:
+    pod, container = _request(marker(KEY))
+    check = check_request(pod, container, marker_key=None, trust_pod_annotation=False, device_holders={})
+    assert check.proof is None
+    assert "device_plugin_marker is false" in check.notes[0]
+
+
+@pytest.mark.parametrize(
+    ("annotations", "trusted", "proven"),
+    [
+        ({"cpu-shared.crio.io/main": "enable"}, True, True),
+        ({"cpu-shared.crio.io/main": "enable"}, False, False),
+        ({"cpu-shared.crio.io/main": "true"}, True, False),  # E15: only "enable"
+        ({"cpu-shared.crio.io/other": "enable"}, True, False),  # another container's
+        ({"cpu-shared.crio.io": "enable"}, True, False),  # no pod-level form
+    ],
+    ids=["enable", "untrusted", "E15-value-true", "other-container", "E-pod-level-key"],
+)
+def test_pod_annotation_source(annotations: dict[str, str], trusted: bool, proven: bool) -> None:
+    pod, container = _request(pod_annotations=annotations)
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=trusted, device_holders={})
+    assert (check.proof is not None) == proven
+
+
+def test_env_is_never_proof_and_is_noted() -> None:
+    pod, container = _request(env=("OPENSHIFT_SHARED_CPUS=0-63", "OPENSHIFT_ISOLATED_CPUS=4"))
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=True, device_holders={})
+    assert check.proof is None
+    assert any("env set in a pod spec proves nothing" in note for note in check.notes)
+
+
+def test_forged_marker_does_not_hide_a_trusted_annotation() -> None:
+    pod, container = _request({ANNOTATION_KEY: "forged"}, {"cpu-shared.crio.io/main": "enable"})
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=True, device_holders={})
+    assert check.proof is not None
+    assert check.proof.source == "pod-annotation"
+    assert check.refusals
+
+
+# -- pure planning functions ---------------------------------------------------------------------------------
+
+
+def test_malformed_cpuset_from_the_runtime_is_a_clear_error() -> None:
+    pod = make_pod(CGROUPFS)
+    container = make_container(CGROUPFS, pod, "c1", cpus="4-x")
+    with pytest.raises(PolicyError, match=r'runtime sent a malformed cpuset: invalid cpu list "4-x"') as info:
+        exclusive_cpus(frozenset({0}), pod, container)
+    assert info.value.kind == "node"
+
+
+def test_create_sets_only_what_changes() -> None:
+    pod = make_pod(CGROUPFS)
+    # Already holding the union and the right quota: only the env is set.
+    container = make_container(CGROUPFS, pod, "c1", cpus="0-1,4-5", quota=400_000)
+    plan = plan_create(frozenset({0, 1}), pod, container)
+    assert plan.exclusive == {4, 5}
+    assert plan.adjustment.linux.resources.cpu.cpus == ""
+    assert not plan.adjustment.linux.resources.cpu.HasField("quota")
+    assert adjusted_env(plan.adjustment) == {SHARED_ENV: "0-1", ISOLATED_ENV: "4-5"}
+
+
+def test_create_keeps_the_containers_own_period() -> None:
+    pod = make_pod(CGROUPFS)
+    container = make_container(CGROUPFS, pod, "c1", cpus="4-5", quota=100_000, period=50_000)
+    plan = plan_create(frozenset({0, 1}), pod, container)
+    assert plan.adjustment.linux.resources.cpu.quota.value == 4 * 50_000  # D5-fixed: period not reset
+    assert not plan.adjustment.linux.resources.cpu.HasField("period")
+
+
+def test_update_quota_falls_back_to_the_containers_current_quota() -> None:
+    pod = make_pod(CGROUPFS)
+    limited = make_container(CGROUPFS, pod, "c1", cpus="0-1,4-5", quota=400_000)
+    unlimited = make_container(CGROUPFS, pod, "c2", cpus="0-1,4-5", quota=-1)
+    requested = api.LinuxResources()
+    requested.cpu.cpus = "4-5"
+    requested.cpu.quota.value = 0  # how containerd relays kubelet's "no quota in this update"
+    assert (
+        plan_update(
+            frozenset({0, 1}), pod, limited, requested, frozenset({4, 5})
+        ).linux.resources.cpu.quota.value
+        == 400_000
+    )
+    update = plan_update(frozenset({0, 1}), pod, unlimited, requested, frozenset({4, 5}))
+    assert not update.linux.resources.cpu.HasField("quota")
+    bad = api.LinuxResources()
+    bad.cpu.cpus = "4,,5"
+    with pytest.raises(PolicyError, match="malformed requested cpuset"):
+        plan_update(frozenset({0, 1}), pod, limited, bad, frozenset({4, 5}))
+
+
+def test_pod_quota_target() -> None:
+    assert pod_quota_target(300_000, 100_000, [2, 2]) == 700_000
+    assert pod_quota_target(None, 100_000, [2]) is None
+    assert pod_quota_target(300_000, 50_000, []) == 300_000
+
+
+def test_baseline_from_pod_resources() -> None:
+    pod = make_pod(CGROUPFS)
+    assert baseline_from_pod_resources(pod, PERIOD) is None
+    pod.linux.pod_resources.cpu.quota.value = 300_000
+    pod.linux.pod_resources.cpu.period.value = 100_000
+    assert baseline_from_pod_resources(pod, PERIOD) == 300_000
+    assert baseline_from_pod_resources(pod, 50_000) == 150_000  # in the pod cgroup's period
+    pod.linux.pod_overhead.cpu.quota.value = 25_000
+    assert baseline_from_pod_resources(pod, PERIOD) == 325_000
+    pod.linux.pod_resources.cpu.quota.value = -1
+    assert baseline_from_pod_resources(pod, PERIOD) is None
+
+
+@pytest.mark.parametrize(
+    ("cpus", "env", "recorded", "exclusive", "update_cpus", "stale"),
+    [
+        ("4-5", (), "", "4-5", "0-1,4-5", True),  # plugin started late: nothing applied yet
+        ("0-1,4-5", ("OPENSHIFT_SHARED_CPUS=0-1", "OPENSHIFT_ISOLATED_CPUS=4-5"), "", "4-5", None, False),
+        ("0-1,4-5", ("OPENSHIFT_SHARED_CPUS=0-1", "OPENSHIFT_ISOLATED_CPUS=4-5"), "4-5", "4-5", None, False),
+        # shared_cpuset changed from 0-1 to 0-2: found from the env we injected
+        ("0-1,4-5", ("OPENSHIFT_SHARED_CPUS=0-1", "OPENSHIFT_ISOLATED_CPUS=4-5"), "", "4-5", "0-2,4-5", True),
+        # ... or from the books when the env is gone
+        ("0-1,4-5", (), "4-5", "4-5", "0-2,4-5", True),
+    ],
+    ids=[
+        "started-late",
+        "already-done",
+        "already-done-recorded",
+        "shared-changed-env",
+        "shared-changed-books",
+    ],
+)
+def test_plan_sync(
+    cpus: str, env: tuple[str, ...], recorded: str, exclusive: str, update_cpus: str | None, stale: bool
+) -> None:
+    shared = frozenset({0, 1, 2}) if update_cpus and "0-2" in update_cpus else frozenset({0, 1})
+    pod = make_pod(CGROUPFS)
+    container = make_container(
+        CGROUPFS,
+        pod,
+        "c1",
+        cpus=cpus,
+        quota=200_000 if update_cpus else len(parse_cpuset(cpus)) * PERIOD,
+        env=env,
+    )
+    plan = plan_sync(shared, pod, container, parse_cpuset(recorded))
+    assert format_cpuset(plan.exclusive) == exclusive
+    assert plan.env_stale == stale
+    if update_cpus is None:
+        assert plan.update is None
+    else:
+        assert plan.update is not None
+        assert plan.update.linux.resources.cpu.cpus == update_cpus
+        assert plan.update.linux.resources.cpu.quota.value == len(parse_cpuset(update_cpus)) * PERIOD
+
+
+cpu_ids = st.frozensets(st.integers(0, 63), max_size=12)
+
+
+@given(shared=cpu_ids.filter(bool), exclusive=cpu_ids.filter(bool), period=st.integers(1_000, 1_000_000))
+def test_create_plan_properties(shared: frozenset[int], exclusive: frozenset[int], period: int) -> None:
+    pod = make_pod(CGROUPFS)
+    container = make_container(
+        CGROUPFS, pod, "c1", cpus=format_cpuset(exclusive), quota=len(exclusive) * period, period=period
+    )
+    if not exclusive - shared:
+        with pytest.raises(PolicyError):
+            plan_create(shared, pod, container)
+        return
+    plan = plan_create(shared, pod, container)
+    assert plan.exclusive == exclusive - shared
+    assert plan.cpus == exclusive | shared
+    assert plan.quota == len(exclusive | shared) * period
+    env = adjusted_env(plan.adjustment)
+    assert env == {SHARED_ENV: format_cpuset(shared), ISOLATED_ENV: format_cpuset(exclusive - shared)}
+    assert parse_cpuset(env[ISOLATED_ENV]) | parse_cpuset(env[SHARED_ENV]) == plan.cpus
+    text = plan.adjustment.linux.resources.cpu.cpus
+    assert text in ("", format_cpuset(plan.cpus))
