@@ -528,7 +528,11 @@ class RuntimeSimulator:
                         _merge_resources(applied, update.linux.resources, claims, plugin.full_name)
                     else:
                         others.append(update)
-            _set_resources(container, applied)
+            # Runtimes change only what the update carries: kubelet's CPU manager sends a cpuset
+            # alone, and the container keeps its quota and period.
+            merged = _copy(container.linux.resources)
+            _merge_resources(merged, applied, {}, "")
+            _set_resources(container, merged)
             for update in others:
                 self._apply_update(update, source="UpdateContainer")
             return applied

@@ -1,0 +1,211 @@
+"""Helpers for the mixed-CPU plugin tests: fake cgroup trees, runtime naming, pods and containers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api.nri import api_pb2 as api
+from cgroups import (
+    CgroupDir,
+    CgroupLayout,
+    CgroupMode,
+    Hierarchy,
+    container_cgroup_path,
+    pod_cgroup_path,
+    read_cpu_quota,
+    write_cpu_quota,
+)
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.mixedcpu import MixedCpuPlugin
+from nri_plugin.state import StateStore
+from nri_plugin.stub import Stub
+
+PERIOD = 100_000
+GUARD = 10.0
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How a runtime with a cgroup driver names pod and container cgroups in NRI."""
+
+    runtime: str  # containerd | cri-o
+    driver: str  # cgroupfs | systemd
+
+    @property
+    def id(self) -> str:
+        return f"{self.runtime}-{self.driver}"
+
+    def pod_parent(self, uid: str, qos: str = "") -> str:
+        if self.driver == "systemd":
+            level = f"kubepods-{qos}" if qos else "kubepods"
+            short = f"{level}-pod{uid.replace('-', '_')}.slice"
+            if self.runtime == "cri-o":
+                return short  # CRI-O keeps the base name only
+            parents = "/kubepods.slice" + (f"/kubepods-{qos}.slice" if qos else "")
+            return f"{parents}/{short}"  # containerd passes kubelet's expanded form
+        return f"/kubepods/{qos}/pod{uid}" if qos else f"/kubepods/pod{uid}"
+
+    def container_path(self, pod: api.PodSandbox, cid: str) -> str:
+        if self.driver == "systemd":
+            prefix = "crio" if self.runtime == "cri-o" else "cri-containerd"
+            return f"{pod.linux.cgroup_parent.rsplit('/', 1)[-1]}:{prefix}:{cid}"
+        name = f"crio-{cid}" if self.runtime == "cri-o" else cid
+        return f"{pod.linux.cgroup_parent}/{name}"
+
+
+NAMINGS = [Naming(r, d) for r in ("containerd", "cri-o") for d in ("cgroupfs", "systemd")]
+
+
+class FakeCgroups:
+    """A cgroup tree in a temporary directory, laid out as a v1 (cpu, cpuset) or v2 host."""
+
+    def __init__(self, root: Path, version: int = 1) -> None:
+        self.version = version
+        if version == 1:
+            cpu, cpuset = root / "cpu", root / "cpuset"
+            cpu.mkdir(parents=True, exist_ok=True)
+            cpuset.mkdir(parents=True, exist_ok=True)
+            self.layout = CgroupLayout(CgroupMode.V1, Hierarchy(1, str(cpu)), Hierarchy(1, str(cpuset)))
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            self.layout = CgroupLayout(CgroupMode.V2, Hierarchy(2, str(root)), Hierarchy(2, str(root)))
+
+    def _make(self, cgroup: CgroupDir, quota: int | None, period: int) -> None:
+        os.makedirs(cgroup.fs_path, exist_ok=True)
+        if self.version == 1:
+            Path(cgroup.fs_path, "cpu.cfs_quota_us").write_text(f"{-1 if quota is None else quota}\n")
+            Path(cgroup.fs_path, "cpu.cfs_period_us").write_text(f"{period}\n")
+        else:
+            Path(cgroup.fs_path, "cpu.max").write_text(f"{'max' if quota is None else quota} {period}\n")
+
+    def pod_dir(self, pod: api.PodSandbox) -> CgroupDir:
+        return self.layout.cpu.dir(pod_cgroup_path(pod.linux.cgroup_parent))
+
+    def container_dir(self, container: api.Container) -> CgroupDir:
+        return self.layout.cpu.dir(container_cgroup_path(container.linux.cgroups_path))
+
+    def add_pod(self, pod: api.PodSandbox, quota: int | None, period: int = PERIOD) -> CgroupDir:
+        cgroup = self.pod_dir(pod)
+        self._make(cgroup, quota, period)
+        return cgroup
+
+    def pod_quota(self, pod: api.PodSandbox) -> int | None:
+        return read_cpu_quota(self.pod_dir(pod)).quota
+
+    def pod_text(self, pod: api.PodSandbox) -> str:
+        name = "cpu.cfs_quota_us" if self.version == 1 else "cpu.max"
+        return Path(self.pod_dir(pod).fs_path, name).read_text()
+
+    def run_container(self, container: api.Container) -> CgroupDir:
+        """What the runtime does after CreateContainer: make the container cgroup with its quota."""
+        cgroup = self.container_dir(container)
+        cpu = container.linux.resources.cpu
+        self._make(cgroup, None, cpu.period.value or PERIOD)
+        if cpu.HasField("quota") and cpu.quota.value > 0:
+            write_cpu_quota(cgroup, cpu.quota.value)
+        return cgroup
+
+    def remove_container(self, container: api.Container) -> None:
+        """What the runtime does at RemoveContainer: delete the container cgroup."""
+        path = Path(self.container_dir(container).fs_path)
+        for name in os.listdir(path):
+            (path / name).unlink()
+        path.rmdir()
+
+
+def make_pod(naming: Naming, uid: str = "0000-1111", *, qos: str = "", name: str = "app") -> api.PodSandbox:
+    pod = api.PodSandbox(id=f"sandbox-{uid}", uid=uid, name=name, namespace="ns")
+    pod.linux.cgroup_parent = naming.pod_parent(uid, qos)
+    return pod
+
+
+def make_container(
+    naming: Naming,
+    pod: api.PodSandbox,
+    cid: str,
+    name: str = "main",
+    *,
+    cpus: str = "4-5",
+    quota: int | None = 200_000,
+    shares: int | None = 2048,
+    period: int | None = PERIOD,
+    env: tuple[str, ...] = (),
+    annotations: dict[str, str] | None = None,
+    state: int = api.CONTAINER_UNKNOWN,
+) -> api.Container:
+    container = api.Container(
+        id=cid,
+        pod_sandbox_id=pod.id,
+        name=name,
+        env=["PATH=/bin", *env],
+        annotations=annotations,
+        state=state,
+    )
+    container.linux.cgroups_path = naming.container_path(pod, cid)
+    cpu = container.linux.resources.cpu
+    cpu.cpus = cpus
+    if quota is not None:
+        cpu.quota.value = quota
+    if period is not None:
+        cpu.period.value = period
+    if shares is not None:
+        cpu.shares.value = shares
+    return container
+
+
+def marker(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:
+    return {ANNOTATION_KEY: key.sign(device)}
+
+
+def make_plugin(
+    state_dir: Path,
+    layout: CgroupLayout,
+    shared: frozenset[int] = frozenset({0, 1}),
+    *,
+    trust_pod_annotation: bool = False,
+    trust_marker: bool = True,
+) -> tuple[MixedCpuPlugin, HostKey]:
+    key = HostKey.load_or_create(state_dir)
+    plugin = MixedCpuPlugin(
+        shared=shared,
+        layout=layout,
+        store=StateStore(state_dir, fsync=False),
+        marker_key=key if trust_marker else None,
+        trust_pod_annotation=trust_pod_annotation,
+    )
+    return plugin, key
+
+
+@contextlib.asynccontextmanager
+async def plugin_running(plugin: object, socket: Path, **options: Any) -> AsyncIterator[Stub]:
+    import asyncio
+
+    stub = Stub(plugin, name="mixed-cpu", index="10", socket_path=str(socket), reconnect=False, **options)
+    task = asyncio.ensure_future(stub.run())
+    try:
+        yield stub
+    finally:
+        stub.stop()
+        await asyncio.wait_for(task, GUARD)
+
+
+def apply_adjustment(container: api.Container, adjust: api.ContainerAdjustment | None) -> api.Container:
+    """What the runtime does with our adjustment: the container as it then runs."""
+    if adjust is None:
+        return container
+    cpu = adjust.linux.resources.cpu
+    if cpu.cpus:
+        container.linux.resources.cpu.cpus = cpu.cpus
+    if cpu.HasField("quota"):
+        container.linux.resources.cpu.quota.value = cpu.quota.value
+    names = {e.key for e in adjust.env}
+    env = [e for e in container.env if e.partition("=")[0] not in names]
+    env += [f"{e.key}={e.value}" for e in adjust.env]
+    del container.env[:]
+    container.env.extend(env)
+    return container
