@@ -25,7 +25,6 @@ import structlog
 
 from api.nri import api_pb2 as api
 from nri_plugin import mux
-from nri_plugin.demo import SHARED_CPUS, DemoPlugin
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PLUGIN_SERVICE, Stub
 from nri_plugin.ttrpc import Server
@@ -113,12 +112,27 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def fake_node(root: Path) -> tuple[str, str]:
+    """A cgroup v1 tree holding the benchmark pods' cgroups (quota: 5 containers x 2 CPUs), and a
+    state dir; returns both paths."""
+    for n in range(1000):
+        uid = realistic_pod(n).uid
+        pod_dir = root / "cgroup" / "cpu" / "kubepods" / f"pod{uid}"
+        pod_dir.mkdir(parents=True, exist_ok=True)
+        (pod_dir / "cpu.cfs_quota_us").write_text("1000000\n")
+        (pod_dir / "cpu.cfs_period_us").write_text("100000\n")
+    (root / "cgroup" / "cpuset").mkdir(parents=True, exist_ok=True)
+    (root / "state").mkdir(exist_ok=True)
+    return str(root / "cgroup"), str(root / "state")
+
+
 class PluginProcess:
     def __init__(self, socket_path: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+        cgroup_root, state_dir = fake_node(Path(socket_path).parent)
         self.started = time.perf_counter()
         child = os.environ.get("BENCH_CHILD", str(HERE / "plugin_child.py"))  # e.g. a profiling wrapper
-        self.proc = subprocess.Popen([sys.executable, child, socket_path], env=env)
+        self.proc = subprocess.Popen([sys.executable, child, socket_path, cgroup_root, state_dir], env=env)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -210,7 +224,14 @@ class _CapturingTransport(asyncio.Transport):
 
 async def plugin_processing(calls: int) -> tuple[str, str, str]:
     """The plugin's own work per CreateContainer, bytes in to bytes out, with no socket or peer."""
-    stub = Stub(DemoPlugin(SHARED_CPUS), name="bench", index="10", socket_path="/nonexistent")
+    from plugin_child import bench_plugin
+
+    with tempfile.TemporaryDirectory(prefix="nri-bench-") as tmp:
+        return await _plugin_processing(calls, bench_plugin(*fake_node(Path(tmp))))
+
+
+async def _plugin_processing(calls: int, plugin: object) -> tuple[str, str, str]:
+    stub = Stub(plugin, name="bench", index="10", socket_path="/nonexistent")
     trunk = mux.Trunk()
     transport = _CapturingTransport()
     trunk.connection_made(transport)

@@ -1,24 +1,47 @@
-"""The plugin process the benchmarks measure: the stub with the demo policy, on a given socket.
+"""The plugin process the benchmarks measure: the stub with the real mixed-CPU plugin, on a given socket.
 
-Usage: python bench/plugin_child.py SOCKET
+Usage: python bench/plugin_child.py SOCKET CGROUP_ROOT STATE_DIR
+
+CGROUP_ROOT holds a fake cgroup v1 tree (``cpu/`` and ``cpuset/``) that the benchmark prepared;
+containers prove their request with the pod annotation (trusted here), so no device plugin is needed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 import structlog
 
-from nri_plugin.demo import SHARED_CPUS, DemoPlugin
+from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.mixedcpu import MixedCpuPlugin
+from nri_plugin.state import StateStore
 from nri_plugin.stub import Stub
 
+SHARED_CPUS = frozenset({0, 1})
 
-async def main(socket_path: str) -> None:
+
+def bench_plugin(cgroup_root: str, state_dir: str) -> MixedCpuPlugin:
+    layout = CgroupLayout(
+        CgroupMode.V1,
+        Hierarchy(1, os.path.join(cgroup_root, "cpu")),
+        Hierarchy(1, os.path.join(cgroup_root, "cpuset")),
+    )
+    return MixedCpuPlugin(
+        shared=SHARED_CPUS,
+        layout=layout,
+        store=StateStore(state_dir),
+        marker_key=None,
+        trust_pod_annotation=True,
+    )
+
+
+async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
     stub = Stub(
-        DemoPlugin(SHARED_CPUS),
+        bench_plugin(cgroup_root, state_dir),
         name="bench",
         index="10",
         socket_path=socket_path,
@@ -32,4 +55,4 @@ async def main(socket_path: str) -> None:
 
 if __name__ == "__main__":
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))

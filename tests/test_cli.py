@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from api.nri import api_pb2 as api
 from nri_plugin.cli import main
 from nri_plugin.demo import run_demo
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.simulator import RuntimeSimulator, env_of
 
 ROOT = Path(__file__).resolve().parent.parent
 GUARD = 20.0
@@ -39,22 +41,67 @@ def test_unknown_log_level_is_refused() -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("runtime", "version"), [("containerd", "v2.3.4"), ("cri-o", "v1.36.3")])
-async def test_demo_shows_what_the_plugin_did(runtime: str, version: str) -> None:
+@pytest.mark.parametrize(
+    ("runtime", "version", "pod_cgroup"),
+    [
+        ("containerd", "v2.3.4", "/kubepods/pod2222-aaaa"),
+        ("cri-o", "v1.36.3", "/kubepods.slice/kubepods-pod2222_aaaa.slice"),
+    ],
+)
+async def test_demo_shows_what_the_plugin_did(runtime: str, version: str, pod_cgroup: str) -> None:
     out = io.StringIO()
     assert await run_demo(out, runtime_name=runtime, runtime_version=version) == 0
     text = out.getvalue()
     assert f"NRI runtime simulator: {runtime} {version}" in text
-    assert "plugin 10-mixed-cpu registered, subscribed to CREATE_CONTAINER, UPDATE_CONTAINER" in text
+    assert "node: CPUs 0-7, shared pool 0-1 (from config.toml), cgroup v1 tree in " in text
+    assert (
+        "plugin 10-mixed-cpu registered, subscribed to REMOVE_POD_SANDBOX, CREATE_CONTAINER, "
+        "UPDATE_CONTAINER, STOP_CONTAINER, REMOVE_CONTAINER"
+    ) in text
     assert "synchronized: 1 pod(s), 1 container(s)" in text
-    # The requesting container gets the shared CPUs and both sets in its environment...
-    assert "after:  cpus=0-1,2-3" in text
-    assert "OPENSHIFT_SHARED_CPUS=0-1 OPENSHIFT_ISOLATED_CPUS=2-3" in text
-    # ...the other one is left alone, and kubelet's update keeps the shared CPUs.
-    sidecar = text.split("packet-fwd/sidecar")[1]
-    assert "after:  cpus=2-3    quota=200000  env: -" in sidecar
-    assert "applied: cpus=0-1,2-3" in text
-    assert "0 failed; plugin still connected: True" in text
+    assert f"pod telco/packet-fwd (Guaranteed), cgroup {pod_cgroup}\n  pod quota 300000 per 100000 us" in text
+    # The requesting container: exclusive + shared CPUs, the quota for all of them, both sets in its
+    # environment, and its pod's quota raised by two CPUs.
+    fwd = text.split("packet-fwd/fwd (asks for shared CPUs: device-plugin marker for shared-cpus-0)")[1]
+    assert fwd.startswith(
+        "\n  before: cpus=4-5         quota=200000  env: -"
+        "\n  after:  cpus=0-1,4-5     quota=400000  env: "
+        "OPENSHIFT_SHARED_CPUS=0-1 OPENSHIFT_ISOLATED_CPUS=4-5"
+        "\n  pod quota: 300000 -> 500000\n"
+    )
+    # The sidecar sets OPENSHIFT_SHARED_CPUS itself: no proof, left exactly as it was.
+    sidecar = text.split("packet-fwd/sidecar (no request;")[1]
+    assert "\n  before: cpus=6           quota=100000  env: OPENSHIFT_SHARED_CPUS=0-7" in sidecar
+    assert "\n  after:  cpus=6           quota=100000  env: OPENSHIFT_SHARED_CPUS=0-7" in sidecar
+    assert "\n  pod quota: 500000 -> 500000\n" in sidecar
+    # A Burstable pod's request fails with the reason and the fix.
+    assert (
+        "  FAILED: container batch/report/report asks for shared CPUs but its pod is not Guaranteed "
+        "(QoS class Burstable), so it has no exclusive CPUs; give every container of the pod CPU and "
+        "memory limits equal to its requests"
+    ) in text
+    # kubelet's exclusive-only update keeps the shared CPUs and the raised quota.
+    assert "UpdateContainerResources(fwd, cpus=4-5)\n  applied: cpus=0-1,4-5 quota=400000\n" in text
+    # A restart does not grow the pod quota; removal brings it back.
+    restart = text.split("fwd restarts:")[1]
+    assert "  after:  cpus=0-1,4-5     quota=400000  env: OPENSHIFT_SHARED_CPUS=0-1" in restart
+    assert "  pod quota: 500000 -> 300000 -> 500000 -> 500000\n" in restart
+    assert "StopContainer, RemoveContainer fwd-2\n  pod quota: 500000 -> 300000\n" in text
+    assert "11 NRI exchanges, 1 failed (the Burstable request); plugin still connected: True" in text
+
+
+def write_config(tmp_path: Path) -> Path:
+    online = tmp_path / "sys" / "devices" / "system" / "cpu"
+    online.mkdir(parents=True)
+    (online / "online").write_text("0-3\n")
+    (tmp_path / "cgroup" / "cpu").mkdir(parents=True)
+    (tmp_path / "cgroup" / "cpuset").mkdir(parents=True)
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'shared_cpuset = "0-1"\nsysfs_root = "{tmp_path}/sys"\nstate_dir = "{tmp_path}/state"\n'
+        f'cgroup_root = "{tmp_path}/cgroup"\ncgroup_version = "v1"\n'
+    )
+    return config
 
 
 @pytest.mark.asyncio
@@ -71,8 +118,8 @@ async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, signum: int) -> 
             "run",
             "--socket",
             str(socket_path),
-            "--shared-cpus",
-            "0-1",
+            "--config",
+            str(write_config(tmp_path)),
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE,
@@ -102,8 +149,8 @@ def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path) -> None:
             "run",
             "--socket",
             str(tmp_path / "x.sock"),
-            "--shared-cpus",
-            "0",
+            "--config",
+            str(write_config(tmp_path)),
             "--nri-plugin-index",
             "7",
         ],
@@ -119,3 +166,58 @@ def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path) -> None:
         "error: plugin index '7' is invalid: use exactly two digits, "
         "e.g. --nri-plugin-index 10 or NRI_PLUGIN_IDX=10"
     ]
+
+
+@pytest.mark.asyncio
+async def test_run_serves_the_policy_from_its_config(tmp_path: Path) -> None:
+    """The daemon as deployed: config file, cgroup tree, state dir, marker key, NRI socket."""
+    config = write_config(tmp_path)
+    pod_dir = tmp_path / "cgroup" / "cpu" / "kubepods" / "pod1234"
+    pod_dir.mkdir(parents=True)
+    (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
+    (pod_dir / "cpu.cfs_period_us").write_text("100000\n")
+    socket_path = tmp_path / "nri.sock"
+    async with RuntimeSimulator(socket_path) as sim:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "nri_plugin.cli",
+            "run",
+            "--config",
+            str(config),
+            "--socket",
+            str(socket_path),
+            "--nri-plugin-index",
+            "42",
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            [plugin] = await sim.wait_for_plugins(1, GUARD)
+            assert plugin.full_name == "42-mixed-cpu"
+            key = HostKey.load_or_create(tmp_path / "state")  # the daemon made it at start
+            pod = api.PodSandbox(id="s1", uid="1234", name="p", namespace="ns")
+            pod.linux.cgroup_parent = "/kubepods/pod1234"
+            await sim.run_pod_sandbox(pod)
+            container = api.Container(id="c1", pod_sandbox_id="s1", name="main")
+            container.annotations[ANNOTATION_KEY] = key.sign("shared-cpus-0")
+            container.linux.cgroups_path = "/kubepods/pod1234/c1"
+            container.linux.resources.cpu.cpus = "2-3"
+            container.linux.resources.cpu.quota.value = 200000
+            container.linux.resources.cpu.period.value = 100000
+            result = await sim.create_container(container)
+            assert result.container.linux.resources.cpu.cpus == "0-3"
+            assert result.container.linux.resources.cpu.quota.value == 400000
+            assert env_of(result.container)["OPENSHIFT_ISOLATED_CPUS"] == "2-3"
+            assert (pod_dir / "cpu.cfs_quota_us").read_text() == "400000\n"
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0, stderr.decode()
+    assert b"shared CPUs given" in stderr
+    assert (tmp_path / "state" / "pod-quotas.json").exists()
