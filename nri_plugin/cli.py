@@ -16,6 +16,8 @@ from nri_plugin import __version__
 from nri_plugin.config import DEFAULT_CONFIG_PATH
 
 if TYPE_CHECKING:
+    from nri_plugin.config import Config
+    from nri_plugin.deviceplugin.marker import HostKey
     from nri_plugin.stub import Stub
 
 
@@ -152,18 +154,30 @@ def _run(args: argparse.Namespace) -> int:
             if on
         ],
     )
-    return asyncio.run(_serve(stub))
+    return asyncio.run(_serve(stub, config, plugin.marker_key))
 
 
-async def _serve(stub: Stub) -> int:
+async def _serve(stub: Stub, config: Config, key: HostKey | None) -> int:
+    """The NRI plugin and, when enabled, the kubelet device plugin, in one loop until signalled.
+
+    The device plugin runs beside the NRI side, not in front of it: while kubelet is away (or refuses
+    us) it keeps retrying on its own, and the NRI side goes on serving the runtime.
+    """
+    from nri_plugin.deviceplugin import DevicePluginServer
     from nri_plugin.stub import StubError, run_until_signalled
 
+    device_plugin = None
+    if config.device_plugin.enabled and key is not None:
+        device_plugin = DevicePluginServer(config.device_plugin, key)
+        await device_plugin.start()
     try:
         await run_until_signalled(stub)
     except StubError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if device_plugin is not None:
+            await device_plugin.close()
         flush = getattr(stub.plugin, "flush", None)
         if callable(flush):
             try:

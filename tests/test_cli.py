@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,7 +93,17 @@ async def test_demo_shows_what_the_plugin_did(runtime: str, version: str, pod_cg
     assert "11 NRI exchanges, 1 failed (the Burstable request); plugin still connected: True" in text
 
 
-def write_config(tmp_path: Path) -> Path:
+@pytest.fixture
+def device_plugins() -> Iterator[Path]:
+    """kubelet's device-plugin directory for the daemon; no kubelet listens there.
+
+    Outside tmp_path, which can be longer than a unix socket path may be (107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_config(tmp_path: Path, device_plugins: Path) -> Path:
     online = tmp_path / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-3\n")
@@ -100,13 +113,14 @@ def write_config(tmp_path: Path) -> Path:
     config.write_text(
         f'shared_cpuset = "0-1"\nsysfs_root = "{tmp_path}/sys"\nstate_dir = "{tmp_path}/state"\n'
         f'cgroup_root = "{tmp_path}/cgroup"\ncgroup_version = "v1"\n'
+        f'[device_plugin]\nplugin_dir = "{device_plugins}"\n'
     )
     return config
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, signum: int) -> None:
+async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, device_plugins: Path, signum: int) -> None:
     socket_path = tmp_path / "nri.sock"
     async with RuntimeSimulator(socket_path) as sim:
         proc = await asyncio.create_subprocess_exec(
@@ -119,7 +133,7 @@ async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, signum: int) -> 
             "--socket",
             str(socket_path),
             "--config",
-            str(write_config(tmp_path)),
+            str(write_config(tmp_path, device_plugins)),
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE,
@@ -140,7 +154,7 @@ async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, signum: int) -> 
     assert any(r.event == "drop" and r.detail == "connection closed" for r in sim.records)
 
 
-def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path) -> None:
+def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path, device_plugins: Path) -> None:
     result = subprocess.run(
         [
             sys.executable,
@@ -150,7 +164,7 @@ def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path) -> None:
             "--socket",
             str(tmp_path / "x.sock"),
             "--config",
-            str(write_config(tmp_path)),
+            str(write_config(tmp_path, device_plugins)),
             "--nri-plugin-index",
             "7",
         ],
@@ -169,9 +183,9 @@ def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_run_serves_the_policy_from_its_config(tmp_path: Path) -> None:
+async def test_run_serves_the_policy_from_its_config(tmp_path: Path, device_plugins: Path) -> None:
     """The daemon as deployed: config file, cgroup tree, state dir, marker key, NRI socket."""
-    config = write_config(tmp_path)
+    config = write_config(tmp_path, device_plugins)
     pod_dir = tmp_path / "cgroup" / "cpu" / "kubepods" / "pod1234"
     pod_dir.mkdir(parents=True)
     (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
