@@ -8,8 +8,8 @@ Who gets shared CPUs: a container whose request is *proven* by a trusted source 
 * when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
   that OpenShift's admission plugin adds.
 
-An ``OPENSHIFT_SHARED_CPUS`` / ``OPENSHIFT_ISOLATED_CPUS`` variable in the container's env is never
-proof: anyone writing a pod spec can set it.
+An ``OPENSHIFT_SHARED_CPUS`` / ``OPENSHIFT_ISOLATED_CPUS`` (or the older ``OPENSHIFT_MUTUAL_CPUS``)
+variable in the container's env is never proof: anyone writing a pod spec can set it.
 
 What a proven container gets (`plan_create`): cpus = exclusive | shared; CFS quota = n(cpus) * its
 period (an unlimited quota stays unlimited); both sets in its environment, canonical, replacing what
@@ -34,6 +34,7 @@ from nri_plugin.state import Slot
 __all__ = [
     "DEFAULT_CFS_PERIOD",
     "ISOLATED_ENV",
+    "LEGACY_SHARED_ENV",
     "MARKER_ANNOTATION",
     "POD_ANNOTATION_PREFIX",
     "SHARED_ENV",
@@ -56,6 +57,9 @@ __all__ = [
 
 SHARED_ENV: Final = "OPENSHIFT_SHARED_CPUS"
 ISOLATED_ENV: Final = "OPENSHIFT_ISOLATED_CPUS"
+# The variable the first OpenShift mixed-CPU device plugins put in a container's env; pod specs written
+# for them may still set it. Never proof either, and never set by us: only noted.
+LEGACY_SHARED_ENV: Final = "OPENSHIFT_MUTUAL_CPUS"
 POD_ANNOTATION_PREFIX: Final = "cpu-shared.crio.io/"
 POD_ANNOTATION_VALUE: Final = "enable"
 REQUEST_RESOURCE: Final = "workload.openshift.io/enable-shared-cpus"
@@ -170,7 +174,7 @@ def check_request(
         else:
             return RequestCheck(Proof("pod-annotation"), tuple(notes), tuple(refusals))
     names = {entry.partition("=")[0] for entry in container.env}
-    for name in (SHARED_ENV, ISOLATED_ENV):
+    for name in (SHARED_ENV, ISOLATED_ENV, LEGACY_SHARED_ENV):
         if name in names:
             notes.append(
                 f"{name} in the container's env is not a request: env set in a pod spec proves nothing"

@@ -500,6 +500,16 @@ def test_env_is_never_proof_and_is_noted() -> None:
     assert any("env set in a pod spec proves nothing" in note for note in check.notes)
 
 
+def test_legacy_mutual_cpus_env_is_not_proof_and_is_noted() -> None:
+    # The first OpenShift mixed-CPU plugins' variable: ignoring it silently left no trace of why.
+    pod, container = _request(env=("OPENSHIFT_MUTUAL_CPUS=0-1",))
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=True, device_holders={})
+    assert check.proof is None
+    assert check.notes == (
+        "OPENSHIFT_MUTUAL_CPUS in the container's env is not a request: env set in a pod spec proves nothing",
+    )
+
+
 def test_forged_marker_does_not_hide_a_trusted_annotation() -> None:
     pod, container = _request({ANNOTATION_KEY: "forged"}, {"cpu-shared.crio.io/main": "enable"})
     check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=True, device_holders={})
