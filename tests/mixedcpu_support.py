@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from nri_plugin.stub import Stub
 
 PERIOD = 100_000
 GUARD = 10.0
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -183,8 +187,6 @@ def make_plugin(
 
 @contextlib.asynccontextmanager
 async def plugin_running(plugin: object, socket: Path, **options: Any) -> AsyncIterator[Stub]:
-    import asyncio
-
     stub = Stub(plugin, name="mixed-cpu", index="10", socket_path=str(socket), reconnect=False, **options)
     task = asyncio.ensure_future(stub.run())
     try:
@@ -209,3 +211,38 @@ def apply_adjustment(container: api.Container, adjust: api.ContainerAdjustment |
     del container.env[:]
     container.env.extend(env)
     return container
+
+
+# -- the daemon as a subprocess ----------------------------------------------------------------------------
+
+
+def write_daemon_config(directory: Path, plugin_dir: Path) -> Path:
+    """A config file for ``run`` in ``directory``: shared CPUs 0-1 of online 0-3 (a fake sysfs file), a
+    fake cgroup v1 tree (``cgroup/cpu``, ``cgroup/cpuset``), the state dir ``state``, and kubelet's
+    device-plugin directory ``plugin_dir`` (keep it short: unix socket paths are limited to 107 bytes)."""
+    online = directory / "sys" / "devices" / "system" / "cpu"
+    online.mkdir(parents=True)
+    (online / "online").write_text("0-3\n")
+    (directory / "cgroup" / "cpu").mkdir(parents=True)
+    (directory / "cgroup" / "cpuset").mkdir(parents=True)
+    config = directory / "config.toml"
+    config.write_text(
+        f'shared_cpuset = "0-1"\nsysfs_root = "{directory}/sys"\nstate_dir = "{directory}/state"\n'
+        f'cgroup_root = "{directory}/cgroup"\ncgroup_version = "v1"\n'
+        f'[device_plugin]\nplugin_dir = "{plugin_dir}"\n'
+    )
+    return config
+
+
+async def start_daemon(*args: str) -> asyncio.subprocess.Process:
+    """``python -m nri_plugin.cli *args`` from this source tree; stdout and stderr are pipes."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "nri_plugin.cli",
+        *args,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mixedcpu_support import ROOT, start_daemon, write_daemon_config
 
 from api.nri import api_pb2 as api
 from nri_plugin.cli import main
@@ -21,7 +22,6 @@ from nri_plugin.demo import run_demo
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.simulator import RuntimeSimulator, env_of
 
-ROOT = Path(__file__).resolve().parent.parent
 GUARD = 20.0
 
 
@@ -103,41 +103,19 @@ def device_plugins() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def write_config(tmp_path: Path, device_plugins: Path) -> Path:
-    online = tmp_path / "sys" / "devices" / "system" / "cpu"
-    online.mkdir(parents=True)
-    (online / "online").write_text("0-3\n")
-    (tmp_path / "cgroup" / "cpu").mkdir(parents=True)
-    (tmp_path / "cgroup" / "cpuset").mkdir(parents=True)
-    config = tmp_path / "config.toml"
-    config.write_text(
-        f'shared_cpuset = "0-1"\nsysfs_root = "{tmp_path}/sys"\nstate_dir = "{tmp_path}/state"\n'
-        f'cgroup_root = "{tmp_path}/cgroup"\ncgroup_version = "v1"\n'
-        f'[device_plugin]\nplugin_dir = "{device_plugins}"\n'
-    )
-    return config
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, device_plugins: Path, signum: int) -> None:
     socket_path = tmp_path / "nri.sock"
     async with RuntimeSimulator(socket_path) as sim:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "nri_plugin.cli",
+        proc = await start_daemon(
             "--log-level",
             "info",
             "run",
             "--socket",
             str(socket_path),
             "--config",
-            str(write_config(tmp_path, device_plugins)),
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            str(write_daemon_config(tmp_path, device_plugins)),
         )
         try:
             [plugin] = await sim.wait_for_plugins(1, GUARD)
@@ -164,7 +142,7 @@ def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path, device_plugins: 
             "--socket",
             str(tmp_path / "x.sock"),
             "--config",
-            str(write_config(tmp_path, device_plugins)),
+            str(write_daemon_config(tmp_path, device_plugins)),
             "--nri-plugin-index",
             "7",
         ],
@@ -185,28 +163,15 @@ def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path, device_plugins: 
 @pytest.mark.asyncio
 async def test_run_serves_the_policy_from_its_config(tmp_path: Path, device_plugins: Path) -> None:
     """The daemon as deployed: config file, cgroup tree, state dir, marker key, NRI socket."""
-    config = write_config(tmp_path, device_plugins)
+    config = write_daemon_config(tmp_path, device_plugins)
     pod_dir = tmp_path / "cgroup" / "cpu" / "kubepods" / "pod1234"
     pod_dir.mkdir(parents=True)
     (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
     (pod_dir / "cpu.cfs_period_us").write_text("100000\n")
     socket_path = tmp_path / "nri.sock"
     async with RuntimeSimulator(socket_path) as sim:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "nri_plugin.cli",
-            "run",
-            "--config",
-            str(config),
-            "--socket",
-            str(socket_path),
-            "--nri-plugin-index",
-            "42",
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+        proc = await start_daemon(
+            "run", "--config", str(config), "--socket", str(socket_path), "--nri-plugin-index", "42"
         )
         try:
             [plugin] = await sim.wait_for_plugins(1, GUARD)
