@@ -23,20 +23,19 @@ from pathlib import Path
 
 import pytest
 import structlog
+from kernel_support import require_v1_layout
 from mixedcpu_support import GUARD, Naming, make_container, make_plugin, make_pod, marker, plugin_running
 
 from api.nri import api_pb2 as api
 from cgroups import (
     CgroupDir,
     CgroupLayout,
-    CgroupModeError,
     CgroupPath,
     CgroupWriteRejected,
     container_cgroup_path,
     pod_cgroup_path,
     read_cpu_quota,
     read_cpuset,
-    read_layout,
     read_value,
     write_cpu_quota,
     write_cpuset,
@@ -47,20 +46,6 @@ from nri_plugin.simulator import RuntimeSimulator
 
 PERIOD = 100_000
 NAMING = Naming("containerd", "cgroupfs")
-
-
-def _v1_layout() -> CgroupLayout:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create cgroups")
-    try:
-        layout = read_layout()
-    except CgroupModeError as exc:
-        pytest.skip(f"no usable cgroup mounts: {exc}")
-    if layout.cpu.version != 1 or layout.cpuset.version != 1:
-        pytest.skip(f"cpu and cpuset are not both cgroup v1 hierarchies here ({layout})")
-    if len(read_cpuset(layout.cpuset.dir(CgroupPath()))) < 2:
-        pytest.skip("needs at least two CPUs in the root cpuset")
-    return layout
 
 
 @dataclass
@@ -146,7 +131,7 @@ def _remove_tree(root: str) -> None:
 
 @pytest.fixture
 def kernel() -> Iterator[Kernel]:
-    layout = _v1_layout()
+    layout = require_v1_layout(min_cpus=2)
     top = f"mixed-cpu-test-{os.getpid()}-{secrets.token_hex(4)}"
     cpus = sorted(read_cpuset(layout.cpuset.dir(CgroupPath())))
     try:

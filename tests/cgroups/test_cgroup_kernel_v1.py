@@ -15,36 +15,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from kernel_support import require_v1_layout
 
 from cgroups import (
     CgroupDir,
-    CgroupLayout,
-    CgroupModeError,
     CgroupPath,
     CgroupWriteRejected,
     CpuQuota,
     Hierarchy,
     read_cpu_quota,
     read_cpuset,
-    read_layout,
     read_value,
     write_cpu_quota,
     write_cpuset,
     write_parent_child_quota,
     write_value,
 )
-
-
-def _v1_layout() -> CgroupLayout:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create cgroups")
-    try:
-        layout = read_layout()
-    except CgroupModeError as exc:
-        pytest.skip(f"no usable cgroup mounts: {exc}")
-    if layout.cpu.version != 1 or layout.cpuset.version != 1:
-        pytest.skip(f"cpu and cpuset are not both cgroup v1 hierarchies here ({layout})")
-    return layout
 
 
 @dataclass(frozen=True)
@@ -72,12 +58,12 @@ def _scratch(hierarchy: Hierarchy) -> Iterator[Scratch]:
 
 @pytest.fixture
 def cpu_tree() -> Iterator[Scratch]:
-    yield from _scratch(_v1_layout().cpu)
+    yield from _scratch(require_v1_layout().cpu)
 
 
 @pytest.fixture
 def cpuset_tree() -> Iterator[Scratch]:
-    layout = _v1_layout()
+    layout = require_v1_layout()
     root = layout.cpuset.dir(CgroupPath())
     if len(read_cpuset(root)) < 2:
         pytest.skip("needs at least two CPUs in the root cpuset")
