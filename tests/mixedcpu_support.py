@@ -187,7 +187,15 @@ def make_plugin(
 
 @contextlib.asynccontextmanager
 async def plugin_running(plugin: object, socket: Path, **options: Any) -> AsyncIterator[Stub]:
-    stub = Stub(plugin, name="mixed-cpu", index="10", socket_path=str(socket), reconnect=False, **options)
+    """A stub serving `plugin` on `socket` for the body of the `with`; `options` go to `Stub`."""
+    defaults = {
+        "name": "mixed-cpu",
+        "index": "10",
+        "reconnect": False,
+        "backoff_initial": 0.01,
+        "backoff_max": 0.05,
+    }
+    stub = Stub(plugin, socket_path=str(socket), **{**defaults, **options})
     task = asyncio.ensure_future(stub.run())
     try:
         yield stub

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mixedcpu_support import plugin_running as running_stub
 
 from api.nri import api_pb2 as api
 from nri_plugin import mux
@@ -88,17 +89,9 @@ def make_container(pod: api.PodSandbox, n: int, cpus: str = "2-3") -> api.Contai
     return container
 
 
-@contextlib.asynccontextmanager
-async def plugin_running(plugin: object, socket: Path, **options: Any) -> AsyncIterator[Stub]:
-    options.setdefault("backoff_initial", 0.01)
-    options.setdefault("backoff_max", 0.05)
-    stub = Stub(plugin, name="test", index="10", socket_path=str(socket), **options)
-    task = asyncio.ensure_future(stub.run())
-    try:
-        yield stub
-    finally:
-        stub.stop()
-        await asyncio.wait_for(task, GUARD)
+def plugin_running(plugin: object, socket: Path, **options: Any) -> AbstractAsyncContextManager[Stub]:
+    """The stub as a daemon runs it here: name "test", reconnecting after a runtime restart."""
+    return running_stub(plugin, socket, **{"name": "test", "reconnect": True, **options})
 
 
 @pytest.fixture
