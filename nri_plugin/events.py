@@ -11,6 +11,9 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable
+from typing import Any
+
+from api.nri import api_pb2 as api
 
 
 class Event(enum.IntEnum):
@@ -51,19 +54,39 @@ VALID_EVENTS_V0_9 = (1 << 11) - 1
 VALID_EVENTS_CRIO_1_33 = (1 << 13) - 1
 VALID_EVENTS_V0_10 = (1 << 14) - 1
 
-# Events that NRI v0.12 runtimes send through a dedicated method and older ones through StateChange.
-STATE_CHANGE_EVENTS = frozenset(
-    {
-        Event.RUN_POD_SANDBOX,
-        Event.STOP_POD_SANDBOX,
-        Event.REMOVE_POD_SANDBOX,
-        Event.POST_CREATE_CONTAINER,
-        Event.START_CONTAINER,
-        Event.POST_START_CONTAINER,
-        Event.POST_UPDATE_CONTAINER,
-        Event.REMOVE_CONTAINER,
-        Event.POST_UPDATE_POD_SANDBOX,
-    }
+# Events that NRI v0.12 runtimes send through a dedicated method (name, request and response type here),
+# and older runtimes, or a plugin answering 12 to that method, through StateChange.
+DEDICATED_METHODS: dict[Event, tuple[str, type[Any], type[Any]]] = {
+    Event.RUN_POD_SANDBOX: ("RunPodSandbox", api.RunPodSandboxRequest, api.RunPodSandboxResponse),
+    Event.STOP_POD_SANDBOX: ("StopPodSandbox", api.StopPodSandboxRequest, api.StopPodSandboxResponse),
+    Event.REMOVE_POD_SANDBOX: ("RemovePodSandbox", api.RemovePodSandboxRequest, api.RemovePodSandboxResponse),
+    Event.POST_UPDATE_POD_SANDBOX: (
+        "PostUpdatePodSandbox",
+        api.PostUpdatePodSandboxRequest,
+        api.PostUpdatePodSandboxResponse,
+    ),
+    Event.POST_CREATE_CONTAINER: (
+        "PostCreateContainer",
+        api.PostCreateContainerRequest,
+        api.PostCreateContainerResponse,
+    ),
+    Event.START_CONTAINER: ("StartContainer", api.StartContainerRequest, api.StartContainerResponse),
+    Event.POST_START_CONTAINER: (
+        "PostStartContainer",
+        api.PostStartContainerRequest,
+        api.PostStartContainerResponse,
+    ),
+    Event.POST_UPDATE_CONTAINER: (
+        "PostUpdateContainer",
+        api.PostUpdateContainerRequest,
+        api.PostUpdateContainerResponse,
+    ),
+    Event.REMOVE_CONTAINER: ("RemoveContainer", api.RemoveContainerRequest, api.RemoveContainerResponse),
+}
+STATE_CHANGE_EVENTS = frozenset(DEDICATED_METHODS)
+# Events about a pod as a whole: their requests carry no container.
+POD_EVENTS = frozenset(
+    {Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX, Event.REMOVE_POD_SANDBOX, Event.POST_UPDATE_POD_SANDBOX}
 )
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")

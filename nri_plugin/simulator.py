@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 from api.nri import api_pb2 as api
 from nri_plugin import mux
 from nri_plugin.events import (
+    DEDICATED_METHODS,
     STATE_CHANGE_EVENTS,
     Event,
     events_in,
@@ -406,7 +407,7 @@ class RuntimeSimulator:
         for plugin in self._subscribers(event):
             ident = container.id if container is not None else pod.id
             if self.dedicated_rpcs and not plugin.uses_state_change:
-                method, request_type, response_type = _DEDICATED[event]
+                method, request_type, response_type = DEDICATED_METHODS[event]
                 request = request_type(pod=pod, container=container) if container else request_type(pod=pod)
                 try:
                     await self._call(plugin, method, request, response_type, container=ident)
@@ -588,34 +589,6 @@ class _Link:
 class _Dropped(Exception):
     """The plugin failed fatally during a multi-step exchange."""
 
-
-_DEDICATED: dict[Event, tuple[str, type[Any], type[Any]]] = {
-    Event.RUN_POD_SANDBOX: ("RunPodSandbox", api.RunPodSandboxRequest, api.RunPodSandboxResponse),
-    Event.STOP_POD_SANDBOX: ("StopPodSandbox", api.StopPodSandboxRequest, api.StopPodSandboxResponse),
-    Event.REMOVE_POD_SANDBOX: ("RemovePodSandbox", api.RemovePodSandboxRequest, api.RemovePodSandboxResponse),
-    Event.POST_UPDATE_POD_SANDBOX: (
-        "PostUpdatePodSandbox",
-        api.PostUpdatePodSandboxRequest,
-        api.PostUpdatePodSandboxResponse,
-    ),
-    Event.POST_CREATE_CONTAINER: (
-        "PostCreateContainer",
-        api.PostCreateContainerRequest,
-        api.PostCreateContainerResponse,
-    ),
-    Event.START_CONTAINER: ("StartContainer", api.StartContainerRequest, api.StartContainerResponse),
-    Event.POST_START_CONTAINER: (
-        "PostStartContainer",
-        api.PostStartContainerRequest,
-        api.PostStartContainerResponse,
-    ),
-    Event.POST_UPDATE_CONTAINER: (
-        "PostUpdateContainer",
-        api.PostUpdateContainerRequest,
-        api.PostUpdateContainerResponse,
-    ),
-    Event.REMOVE_CONTAINER: ("RemoveContainer", api.RemoveContainerRequest, api.RemoveContainerResponse),
-}
 
 _CpuScalar = Literal["shares", "quota", "period", "realtime_runtime", "realtime_period"]
 _CPU_SCALARS: tuple[_CpuScalar, ...] = ("shares", "quota", "period", "realtime_runtime", "realtime_period")

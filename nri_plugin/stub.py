@@ -43,7 +43,15 @@ import structlog
 
 from api.nri import api_pb2 as api
 from nri_plugin import mux
-from nri_plugin.events import STATE_CHANGE_EVENTS, Event, events_in, mask_of, valid_events
+from nri_plugin.events import (
+    DEDICATED_METHODS,
+    POD_EVENTS,
+    STATE_CHANGE_EVENTS,
+    Event,
+    events_in,
+    mask_of,
+    valid_events,
+)
 from nri_plugin.ttrpc import CallContext, Client, ConnectionClosed, Server, TtrpcError, UnaryMethod
 
 log = structlog.get_logger("nri_plugin.stub")
@@ -74,39 +82,6 @@ EVENT_HANDLERS: dict[str, Event] = {
     "validate_container_adjustment": Event.VALIDATE_CONTAINER_ADJUSTMENT,
 }
 HANDLER_OF_EVENT = {event: name for name, event in EVENT_HANDLERS.items()}
-POD_EVENTS = frozenset(
-    {Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX, Event.REMOVE_POD_SANDBOX, Event.POST_UPDATE_POD_SANDBOX}
-)
-
-# Dedicated NRI v0.12 method → the event it carries (all of them StateChange events before v0.12).
-DEDICATED_METHODS: dict[str, tuple[Event, type[Any], type[Any]]] = {
-    "RunPodSandbox": (Event.RUN_POD_SANDBOX, api.RunPodSandboxRequest, api.RunPodSandboxResponse),
-    "StopPodSandbox": (Event.STOP_POD_SANDBOX, api.StopPodSandboxRequest, api.StopPodSandboxResponse),
-    "RemovePodSandbox": (Event.REMOVE_POD_SANDBOX, api.RemovePodSandboxRequest, api.RemovePodSandboxResponse),
-    "PostUpdatePodSandbox": (
-        Event.POST_UPDATE_POD_SANDBOX,
-        api.PostUpdatePodSandboxRequest,
-        api.PostUpdatePodSandboxResponse,
-    ),
-    "PostCreateContainer": (
-        Event.POST_CREATE_CONTAINER,
-        api.PostCreateContainerRequest,
-        api.PostCreateContainerResponse,
-    ),
-    "StartContainer": (Event.START_CONTAINER, api.StartContainerRequest, api.StartContainerResponse),
-    "PostStartContainer": (
-        Event.POST_START_CONTAINER,
-        api.PostStartContainerRequest,
-        api.PostStartContainerResponse,
-    ),
-    "PostUpdateContainer": (
-        Event.POST_UPDATE_CONTAINER,
-        api.PostUpdateContainerRequest,
-        api.PostUpdateContainerResponse,
-    ),
-    "RemoveContainer": (Event.REMOVE_CONTAINER, api.RemoveContainerRequest, api.RemoveContainerResponse),
-}
-assert {event for event, _, _ in DEDICATED_METHODS.values()} == STATE_CHANGE_EVENTS
 
 _INDEX = re.compile(r"^[0-9]{2}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -361,7 +336,7 @@ class Stub:
         for method, (handler, request_type, impl) in wanted.items():
             if handler in self.handlers:
                 methods[method] = UnaryMethod(request_type, impl)
-        for method, (event, request_type, response_type) in DEDICATED_METHODS.items():
+        for event, (method, request_type, response_type) in DEDICATED_METHODS.items():
             if HANDLER_OF_EVENT[event] in self.handlers:
                 methods[method] = UnaryMethod(request_type, self._dedicated(event, response_type))
         return methods
