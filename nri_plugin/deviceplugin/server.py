@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import os
 import random
 import stat
@@ -50,6 +51,21 @@ if TYPE_CHECKING:
     from grpc.aio import ServicerContext
 
 log = structlog.get_logger("nri_plugin.deviceplugin")
+
+
+class _CancelledRpcFilter(logging.Filter):
+    """Drop grpc's error report for an RPC that was cancelled.
+
+    grpc.aio logs, with a traceback, every servicer task that ends in CancelledError. Ours end so only
+    when the server stops (a ListAndWatch that kubelet opened while we were shutting down, say): a
+    normal part of a clean shutdown, not an error an operator should see.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+logging.getLogger("grpc._cython.cygrpc").addFilter(_CancelledRpcFilter())
 
 API_VERSION = "v1beta1"  # what Register announces; the only version kubelet supports
 HEALTHY = "Healthy"

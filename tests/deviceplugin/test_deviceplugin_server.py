@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import socket
 import stat
@@ -403,3 +404,16 @@ async def test_grpc_method_paths_are_kubelets(kubelet: FakeKubelet, plugin: Devi
     assert api.DESCRIPTOR.services_by_name["Registration"].methods_by_name["Register"].full_name == (
         "v1beta1.Registration.Register"
     )
+
+
+def test_grpc_report_of_a_cancelled_rpc_is_dropped_and_other_errors_kept() -> None:
+    """A clean shutdown may cancel an RPC that kubelet opened meanwhile; grpc's traceback for it is noise."""
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return grpc_log.makeRecord(
+            grpc_log.name, logging.ERROR, __file__, 0, "rpc failed", (), (type(exc), exc, None)
+        )
+
+    assert not grpc_log.filter(record(asyncio.CancelledError()))
+    assert grpc_log.filter(record(RuntimeError("a real handler error")))
