@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import functools
 import os
 import random
@@ -85,7 +84,6 @@ HANDLER_OF_EVENT = {event: name for name, event in EVENT_HANDLERS.items()}
 
 _INDEX = re.compile(r"^[0-9]{2}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
-_in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("nri_in_handler", default=False)
 
 
 class StubError(Exception):
@@ -343,17 +341,19 @@ class Stub:
 
     async def _call(self, name: str, *args: Any) -> Any:
         """Run one plugin handler, marking the stub busy so unsolicited updates wait for the reply."""
-        self._busy += 1
-        self._idle.clear()
-        token = _in_handler.set(True)
+        self._add_busy(1)
         try:
             handler: Callable[..., Awaitable[Any]] = getattr(self.plugin, name)
             return await handler(*args)
         finally:
-            _in_handler.reset(token)
-            self._busy -= 1
-            if not self._busy:
-                self._idle.set()
+            self._add_busy(-1)
+
+    def _add_busy(self, delta: int) -> None:
+        self._busy += delta
+        if self._busy:
+            self._idle.clear()
+        else:
+            self._idle.set()
 
     async def _configure(self, request: api.ConfigureRequest, _ctx: object) -> api.ConfigureResponse:
         accepted = valid_events(
@@ -412,11 +412,7 @@ class Stub:
         if in_progress == self._sync_busy:
             return
         self._sync_busy = in_progress
-        self._busy += 1 if in_progress else -1
-        if self._busy:
-            self._idle.clear()
-        else:
-            self._idle.set()
+        self._add_busy(1 if in_progress else -1)
 
     async def _shutdown(self, _request: api.Empty, _ctx: object) -> api.Empty:
         if _has(self.plugin, "shutdown"):
@@ -506,11 +502,6 @@ async def run_until_signalled(stub: Stub) -> None:
     finally:
         for signum in signals:
             loop.remove_signal_handler(signum)
-
-
-def in_handler() -> bool:
-    """True while running inside a plugin handler (where awaiting runtime calls would deadlock)."""
-    return _in_handler.get()
 
 
 def _has(plugin: object, name: str) -> bool:
