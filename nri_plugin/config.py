@@ -12,7 +12,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     sysfs_root = "/sys"                    # online CPUs: <sysfs_root>/devices/system/cpu/online
     state_dir = "/var/lib/mixed-cpu-nri"   # pod quota bookkeeping and the device plugin's marker key
     log_level = "info"                     # debug | info | warning | error; --log-level wins
-    log_format = "console"                 # console | json
+    log_format = "auto"                    # auto (JSON when stderr is not a terminal) | console | json
+    metrics_address = "127.0.0.1:8891"     # host:port of /metrics, /healthz, /readyz; "" turns it off
 
     [trusted_sources]                      # what proves that a container asked for shared CPUs
     device_plugin_marker = true            # our device plugin's signed allocation marker
@@ -61,7 +62,8 @@ DEFAULT_CONFIG_PATH: Final = "/etc/mixed-cpu-nri/config.toml"
 DEFAULT_STATE_DIR: Final = "/var/lib/mixed-cpu-nri"
 DEFAULT_NRI_SOCKET: Final = "/var/run/nri/nri.sock"
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
-LOG_FORMATS: Final = ("console", "json")
+LOG_FORMATS: Final = ("auto", "console", "json")
+DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:8891"
 CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
 
@@ -97,7 +99,8 @@ class Config:
     trust_device_plugin_marker: bool = True
     trust_pod_annotation: bool = False
     log_level: str = "info"
-    log_format: str = "console"
+    log_format: str = "auto"
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     source: str = "<config>"
 
@@ -116,6 +119,7 @@ _TOP_KEYS: Final = (
     "cgroup_version",
     "log_level",
     "log_format",
+    "metrics_address",
     _SOURCES_TABLE,
     _DEVICE_PLUGIN_TABLE,
 )
@@ -196,6 +200,31 @@ def _plugin_name(check: _Checker, value: object) -> str:
     return text
 
 
+def _metrics_address(check: _Checker, value: object) -> str:
+    """``host:port`` (``[v6]:port`` for IPv6), or "" for no metrics/probe endpoint. Port 0 picks a free
+    port (the daemon logs the one it bound)."""
+    text = check.string("metrics_address", value)
+    if text == "":
+        return text
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if (
+        not sep
+        or not host
+        or not port.isdigit()
+        or not 0 <= int(port) < 65536
+        or any(c.isspace() or c in "/[]" for c in host)
+        or not host.isprintable()
+    ):
+        raise check.error(
+            "metrics_address",
+            f'{_show(text)} is not host:port; use e.g. "127.0.0.1:8891" (or "[::1]:8891"), or "" to turn '
+            "metrics and probes off",
+        )
+    return text
+
+
 def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Config:
     """Check a parsed TOML document and build the `Config`; no file or machine access."""
     check = _Checker(source)
@@ -219,6 +248,8 @@ def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Co
         values["log_level"] = check.choice("log_level", document["log_level"], LOG_LEVELS)
     if "log_format" in document:
         values["log_format"] = check.choice("log_format", document["log_format"], LOG_FORMATS)
+    if "metrics_address" in document:
+        values["metrics_address"] = _metrics_address(check, document["metrics_address"])
 
     sources = document.get(_SOURCES_TABLE, {})
     if not isinstance(sources, Mapping):

@@ -44,7 +44,8 @@ def test_minimal_config_takes_the_defaults(tmp_path: Path, sysfs: Path) -> None:
     assert config.state_dir == "/var/lib/mixed-cpu-nri"
     assert config.trust_device_plugin_marker is True
     assert config.trust_pod_annotation is False
-    assert (config.log_level, config.log_format) == ("info", "console")
+    assert (config.log_level, config.log_format) == ("info", "auto")
+    assert config.metrics_address == "127.0.0.1:8891"
     assert config.device_plugin == DevicePluginConfig()
 
 
@@ -62,6 +63,7 @@ cgroup_version = "v2"
 state_dir = "/var/lib/x"
 log_level = "debug"
 log_format = "json"
+metrics_address = "[::1]:9100"
 
 [trusted_sources]
 device_plugin_marker = false
@@ -80,6 +82,7 @@ enabled = false
     assert (config.trust_device_plugin_marker, config.trust_pod_annotation) == (False, True)
     assert config.device_plugin.enabled is False
     assert (config.log_level, config.log_format) == ("debug", "json")
+    assert config.metrics_address == "[::1]:9100"
 
 
 WRONG = [
@@ -108,7 +111,12 @@ WRONG = [
     ('shared_cpuset = "0"\ncgroup_root = ""', "cgroup_root:", "absolute path"),
     ('shared_cpuset = "0"\ncgroup_version = "v3"', "cgroup_version:", "not one of auto, v1, v2"),
     ('shared_cpuset = "0"\nlog_level = "loud"', "log_level:", "not one of debug, info, warning, error"),
-    ('shared_cpuset = "0"\nlog_format = "xml"', "log_format:", "not one of console, json"),
+    ('shared_cpuset = "0"\nlog_format = "xml"', "log_format:", "not one of auto, console, json"),
+    ('shared_cpuset = "0"\nmetrics_address = "8891"', "metrics_address:", "is not host:port"),
+    ('shared_cpuset = "0"\nmetrics_address = "localhost:"', "metrics_address:", '"" to turn'),
+    ('shared_cpuset = "0"\nmetrics_address = "localhost:99999"', "metrics_address:", "is not host:port"),
+    ('shared_cpuset = "0"\nmetrics_address = "a b:80"', "metrics_address:", "is not host:port"),
+    ('shared_cpuset = "0"\nmetrics_address = 8891', "metrics_address: must be a string", "int"),
     ('shared_cpuset = "0"\ntrusted_sources = 1', "trusted_sources: must be a table", "[trusted_sources]"),
     (
         'shared_cpuset = "0"\n[trusted_sources]\npod_anotation = true',
