@@ -1,0 +1,823 @@
+"""What ships under packaging/: the image recipe, the kustomize base and overlays, the Helm chart, the
+runtime drop-ins, the systemd unit and the runtime-launched wrapper.
+
+The manifests are checked against the daemon itself: the config each one carries must pass
+`parse_config`, and the DaemonSet must mount exactly the paths that config names (the NRI socket's
+directory, the cgroup root, kubelet's device-plugin directory, the state dir) and probe the port it
+listens on. Rendering uses the real tools when they are present: ``kubectl kustomize`` for the
+overlays, ``helm`` ($HELM or on PATH) for the chart. .ci/run installs Helm and sets
+MIXED_CPU_REQUIRE_HELM=1, which turns a missing Helm into a failure instead of a skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import configparser
+import json
+import os
+import posixpath
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.parse
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from mixedcpu_support import ROOT, write_daemon_config
+
+from nri_plugin.config import DEFAULT_CONFIG_PATH, DEFAULT_NRI_SOCKET, DEFAULT_STATE_DIR, Config, parse_config
+from nri_plugin.deviceplugin.config import DEFAULT_PLUGIN_DIR
+from nri_plugin.simulator import RuntimeSimulator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10 only
+    import tomli as tomllib
+
+PACKAGING = ROOT / "packaging"
+KUSTOMIZE = PACKAGING / "kubernetes"
+OVERLAYS = ("containerd", "cri-o", "openshift")
+CHART = PACKAGING / "helm" / "mixed-cpu-nri-plugin"
+RUNTIME = PACKAGING / "runtime"
+UNIT = PACKAGING / "systemd" / "mixed-cpu-nri-plugin.service"
+LAUNCHED = PACKAGING / "nri-launched"
+CONFIG_DIR = posixpath.dirname(DEFAULT_CONFIG_PATH)
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+[CONSOLE_SCRIPT] = PYPROJECT["project"]["scripts"]
+HOST_VENV = "/opt/mixed-cpu-nri-plugin"  # where the image and the host install both put the venv
+GUARD = 20.0
+TOLERATION_KEY = "tolerate-missing-nri-plugins.noderesource.dev"
+
+Doc = dict[str, Any]
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def load_documents(text: str) -> list[Doc]:
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+
+
+def one(docs: list[Doc], kind: str) -> Doc:
+    found = [doc for doc in docs if doc["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def config_of(docs: list[Doc]) -> Config:
+    """The daemon's config carried by the rendered ConfigMap, checked by the daemon's own parser."""
+    config_map = one(docs, "ConfigMap")
+    return parse_config(tomllib.loads(config_map["data"]["config.toml"]), source="ConfigMap")
+
+
+def metrics_host_port(config: Config) -> tuple[str, int]:
+    host, _, port = config.metrics_address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_daemonset(docs: list[Doc]) -> Doc:
+    """The invariants every rendering of the DaemonSet keeps; returns the DaemonSet."""
+    config = config_of(docs)
+    config_map = one(docs, "ConfigMap")
+    ds = one(docs, "DaemonSet")
+    pod = ds["spec"]["template"]
+    spec = pod["spec"]
+    [container] = spec["containers"]
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["nodeSelector"]["kubernetes.io/os"] == "linux"
+    assert spec["tolerations"], "node-level infrastructure: tolerate taints"
+    assert pod["metadata"]["annotations"][TOLERATION_KEY] == "true"
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+
+    # The command reads the mounted ConfigMap's config.toml.
+    args = container["args"]
+    assert args[0] == "run"
+    assert args[args.index("--config") + 1] == DEFAULT_CONFIG_PATH
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    config_volume = volumes[mounts[CONFIG_DIR]["name"]]
+    assert config_volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert mounts[CONFIG_DIR]["readOnly"] is True
+
+    # Host paths: directories only, each mounted where the config expects it.
+    host_paths = {v["hostPath"]["path"]: v for v in volumes.values() if "hostPath" in v}
+    for path, volume in host_paths.items():
+        assert not path.endswith(".sock"), f"{path}: mount the directory, not the socket file"
+        assert volume["hostPath"]["type"] in ("Directory", "DirectoryOrCreate"), path
+
+    def mounted_at(host_path: str) -> Doc:
+        name = host_paths[host_path]["name"]
+        [mount] = [m for m in container["volumeMounts"] if m["name"] == name]
+        return mount
+
+    nri_dir = posixpath.dirname(config.nri_socket)
+    assert mounted_at("/var/run/nri")["mountPath"] == nri_dir == "/var/run/nri"
+    assert host_paths["/var/run/nri"]["hostPath"]["type"] == "Directory", "made by the runtime (0700)"
+    assert mounted_at("/sys/fs/cgroup")["mountPath"] == config.cgroup_root
+    assert not mounted_at("/sys/fs/cgroup").get("readOnly", False), "the plugin writes cgroup files"
+    state = mounted_at(config.state_dir)
+    assert state["mountPath"] == config.state_dir
+    assert not state.get("readOnly", False)
+    assert host_paths[config.state_dir]["hostPath"]["type"] == "DirectoryOrCreate"
+    if config.device_plugin.enabled:
+        plugin_dir = str(config.device_plugin.plugin_dir)
+        assert mounted_at(plugin_dir)["mountPath"] == plugin_dir
+    else:
+        assert str(DEFAULT_PLUGIN_DIR) not in host_paths
+
+    # Least privilege: root for the root-owned host objects, and nothing else.
+    security = container["securityContext"]
+    assert security["runAsUser"] == 0
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert "/tmp" in mounts, "a writable /tmp beside the read-only root filesystem"
+
+    resources = container["resources"]
+    assert set(resources["requests"]) >= {"cpu", "memory"}
+    assert "memory" in resources["limits"]
+    assert "cpu" not in resources["limits"], "CFS throttling would delay NRI replies"
+
+    # Probes reach the address the daemon listens on.
+    host_network = spec.get("hostNetwork", False)
+    if config.metrics_address:
+        host, port = metrics_host_port(config)
+        [port_spec] = container["ports"]
+        assert port_spec["containerPort"] == port
+        for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+            http = container[probe]["httpGet"]
+            assert http["path"] == path
+            assert http["port"] in (port, port_spec["name"])
+            if host_network:
+                # kubelet runs in the host's network namespace: it can reach the node's loopback.
+                assert host == http["host"] == "127.0.0.1"
+            else:
+                # kubelet probes the pod IP: a loopback listener inside the pod would never answer.
+                assert "host" not in http
+                assert host in ("0.0.0.0", "::"), host
+        if not host_network and "prometheus.io/port" in pod["metadata"]["annotations"]:
+            assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    else:
+        assert "livenessProbe" not in container
+        assert "readinessProbe" not in container
+    return ds
+
+
+# -- kustomize ---------------------------------------------------------------------------------------
+
+
+def kustomize_files() -> list[Path]:
+    return sorted(p for p in KUSTOMIZE.rglob("*") if p.is_file())
+
+
+def test_every_kustomize_file_parses() -> None:
+    for path in kustomize_files():
+        if path.suffix == ".toml":
+            parse_config(tomllib.loads(path.read_text()), source=str(path))
+            continue
+        assert path.suffix == ".yaml", path
+        docs = load_documents(path.read_text())
+        assert docs, path
+        for doc in docs:
+            if isinstance(doc, list):  # a JSON 6902 patch
+                assert all({"op", "path"} <= set(op) for op in doc), path
+            else:
+                assert {"apiVersion", "kind"} <= set(doc), path
+
+
+def test_kustomizations_name_files_that_exist() -> None:
+    for kustomization in KUSTOMIZE.rglob("kustomization.yaml"):
+        doc = yaml.safe_load(kustomization.read_text())
+        here = kustomization.parent
+        named = list(doc.get("resources", []))
+        named += [p["path"] for p in doc.get("patches", []) if "path" in p]
+        named += [f for gen in doc.get("configMapGenerator", []) for f in gen.get("files", [])]
+        for name in named:
+            assert (here / name).exists(), f"{kustomization}: {name}"
+
+
+def test_base_config_and_namespace() -> None:
+    base = KUSTOMIZE / "base"
+    config = parse_config(tomllib.loads((base / "config.toml").read_text()))
+    assert config.trust_device_plugin_marker
+    assert config.device_plugin.enabled
+    assert not config.trust_pod_annotation
+    labels = yaml.safe_load((base / "namespace.yaml").read_text())["metadata"]["labels"]
+    # hostPath volumes are outside the baseline and restricted Pod Security levels.
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+KUBECTL = shutil.which("kubectl")
+
+
+def kustomize(overlay: str) -> list[Doc]:
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
+    result = subprocess.run(
+        [KUBECTL, "kustomize", str(KUSTOMIZE / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return load_documents(result.stdout)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_overlay_renders_a_working_daemonset(overlay: str) -> None:
+    docs = kustomize(overlay)
+    ds = check_daemonset(docs)
+    namespace = one(docs, "Namespace")["metadata"]["name"]
+    assert ds["metadata"]["namespace"] == namespace
+    assert one(docs, "ConfigMap")["metadata"]["namespace"] == namespace
+    security = ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    if overlay == "containerd":
+        assert "seLinuxOptions" not in security
+    else:
+        assert security["seLinuxOptions"] == {"type": "spc_t"}
+    assert config_of(docs).trust_pod_annotation == (overlay == "openshift")
+
+
+def check_openshift_scc(docs: list[Doc], ds: Doc) -> None:
+    """The SCC admits exactly this pod, and the pod's service account may use it."""
+    scc = one(docs, "SecurityContextConstraints")
+    assert "namespace" not in scc["metadata"], "an SCC is cluster-scoped"
+    spec = ds["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    assert scc["allowPrivilegedContainer"] is False
+    assert scc["allowPrivilegeEscalation"] is False
+    assert scc["allowHostDirVolumePlugin"] is True
+    assert scc["allowHostNetwork"] is spec.get("hostNetwork", False)
+    assert scc["requiredDropCapabilities"] == ["ALL"]
+    assert scc["allowedCapabilities"] == []
+    assert scc["runAsUser"]["type"] == "RunAsAny"  # uid 0
+    assert scc["seLinuxContext"]["type"] == "RunAsAny"  # spc_t
+    assert container["securityContext"]["seLinuxOptions"] == {"type": "spc_t"}
+    kinds = {"hostPath" if "hostPath" in v else "configMap" if "configMap" in v else "emptyDir"
+             for v in spec["volumes"]}
+    assert kinds <= set(scc["volumes"])
+    role = one(docs, "ClusterRole")
+    [rule] = role["rules"]
+    assert rule["resources"] == ["securitycontextconstraints"]
+    assert rule["verbs"] == ["use"]
+    assert rule["resourceNames"] == [scc["metadata"]["name"]]
+    binding = one(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    namespace = ds["metadata"]["namespace"]
+    account = {"kind": "ServiceAccount", "name": spec["serviceAccountName"], "namespace": namespace}
+    assert binding["subjects"] == [account]
+
+
+def test_kustomize_openshift_overlay_grants_its_scc() -> None:
+    docs = kustomize("openshift")
+    check_openshift_scc(docs, one(docs, "DaemonSet"))
+    labels = one(docs, "Namespace")["metadata"]["labels"]
+    assert labels["security.openshift.io/scc.podSecurityLabelSync"] == "false"
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+# -- Helm --------------------------------------------------------------------------------------------
+
+
+def values() -> Doc:
+    doc: Doc = yaml.safe_load((CHART / "values.yaml").read_text())
+    return doc
+
+
+def template_files() -> list[Path]:
+    return sorted((CHART / "templates").iterdir())
+
+
+def test_chart_metadata() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == CHART.name
+    assert chart["appVersion"] == PYPROJECT["project"]["version"]
+    assert (CHART / "README.md").is_file()
+
+
+def test_every_template_action_is_closed() -> None:
+    for path in template_files():
+        text = path.read_text()
+        assert text.count("{{") == text.count("}}"), path
+        for action in re.findall(r"\{\{-?(.*?)-?\}\}", text, flags=re.S):
+            assert "{{" not in action, f"{path}: nested action {action!r}"
+        # Every block opened is closed.
+        opened = len(re.findall(r"\{\{-?\s*(?:if|with|range|define)\b", text))
+        assert opened == len(re.findall(r"\{\{-?\s*end\b", text)), path
+
+
+def lookup(doc: Any, dotted: str) -> bool:
+    for key in dotted.split("."):
+        if not isinstance(doc, Mapping) or key not in doc:
+            return False
+        doc = doc[key]
+    return True
+
+
+def test_every_value_a_template_uses_is_defined() -> None:
+    defined = values()
+    used = set()
+    for path in template_files():
+        used |= set(re.findall(r"\.Values\.([A-Za-z0-9_.]+)", path.read_text()))
+    assert used
+    missing = sorted(name for name in used if not lookup(defined, name.rstrip(".")))
+    assert not missing, f"used by templates but not in values.yaml: {missing}"
+
+
+def test_values_and_schema_agree() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["additionalProperties"] is False
+    assert set(values()) == set(schema["properties"])
+    assert set(schema["required"]) <= set(values())
+    assert values()["runtime"] in schema["properties"]["runtime"]["enum"]
+    # The chart's defaults are the daemon's defaults where both have one.
+    defaults = values()
+    assert posixpath.join(defaults["hostPaths"]["nriSocketDir"], "nri.sock") == DEFAULT_NRI_SOCKET
+    assert defaults["hostPaths"]["stateDir"] == DEFAULT_STATE_DIR
+    assert defaults["devicePlugin"]["hostPath"] == str(DEFAULT_PLUGIN_DIR)
+    assert defaults["tolerateMissingPluginsAnnotation"] == TOLERATION_KEY
+
+
+def helm_binary() -> str:
+    helm = os.environ.get("HELM") or shutil.which("helm")
+    if helm is None or not os.access(helm, os.X_OK):
+        if os.environ.get("MIXED_CPU_REQUIRE_HELM") == "1":
+            pytest.fail("MIXED_CPU_REQUIRE_HELM=1 but no helm: set HELM or put helm on PATH")
+        pytest.skip("helm is not installed (.ci/run installs it; or set HELM): cannot render the chart")
+    return helm
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [helm_binary(), *args], capture_output=True, text=True, timeout=GUARD, check=False
+    )
+
+
+def helm_template(*sets: str) -> list[Doc]:
+    args = ["template", "rel", str(CHART), "--namespace", "nri-test"]
+    for item in sets:
+        args += ["--set", item]
+    result = helm(*args)
+    assert result.returncode == 0, result.stderr
+    return load_documents(result.stdout)
+
+
+def test_helm_lint_is_clean() -> None:
+    result = helm("lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_helm_default_render_matches_the_kustomize_base() -> None:
+    docs = helm_template()
+    ds = check_daemonset(docs)
+    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "DaemonSet"}
+    assert ds["metadata"]["namespace"] == "nri-test"
+    config = config_of(docs)
+    assert config.shared_cpuset_text == values()["sharedCpuset"]
+    assert not config.trust_pod_annotation
+    assert config.device_plugin.enabled
+    # The chart's containerd flavour and the kustomize containerd overlay run the same pod.
+    if KUBECTL is not None:
+        kustomized = one(kustomize("containerd"), "DaemonSet")["spec"]["template"]["spec"]
+        spec = ds["spec"]["template"]["spec"]
+        assert spec["containers"][0]["securityContext"] == kustomized["containers"][0]["securityContext"]
+        assert spec["containers"][0]["resources"] == kustomized["containers"][0]["resources"]
+        host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+        assert host_paths == {v["hostPath"]["path"] for v in kustomized["volumes"] if "hostPath" in v}
+
+
+def test_helm_render_with_other_values() -> None:
+    docs = helm_template(
+        "runtime=openshift",
+        "trustedSources.podAnnotation=true",
+        "devicePlugin.enabled=false",
+        "hostNetwork=true",
+        "metrics.port=9100",
+        "sharedCpuset=2-3",
+        "plugin.index=42",
+        "logLevel=debug",
+        "image.tag=test",
+    )
+    ds = check_daemonset(docs)
+    check_openshift_scc(docs, ds)
+    config = config_of(docs)
+    assert config.shared_cpuset_text == "2-3"
+    assert config.plugin_index == "42"
+    assert config.log_level == "debug"
+    assert config.trust_pod_annotation
+    assert not config.device_plugin.enabled
+    assert config.metrics_address == "127.0.0.1:9100"
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["containers"][0]["image"].endswith(":test")
+
+
+def test_helm_render_without_metrics_has_no_probes() -> None:
+    docs = helm_template("metrics.enabled=false", "runtime=cri-o", "metrics.bindHost=::")
+    ds = check_daemonset(docs)
+    assert config_of(docs).metrics_address == ""
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    assert "ports" not in container
+    assert container["securityContext"]["seLinuxOptions"] == {"type": "spc_t"}
+    assert not [d for d in docs if d["kind"] == "SecurityContextConstraints"]
+
+
+def test_helm_ipv6_bind_address() -> None:
+    assert config_of(helm_template("metrics.bindHost=::")).metrics_address == "[::]:8891"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "runtime=docker",
+        "sharedCpuset=0-1\\,x",
+        "plugin.index=7",
+        "metrics.port=0",
+        "hostPaths.stateDir=state",
+    ],
+)
+def test_helm_schema_rejects_bad_values(bad: str) -> None:
+    result = helm("template", "rel", str(CHART), "--set", bad)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+
+
+# -- the image -----------------------------------------------------------------------------------------
+
+
+def dockerfile_stages() -> tuple[dict[str, str], list[tuple[str, list[tuple[str, str]]]]]:
+    """(global ARG defaults, [(FROM image after ARG expansion, [(instruction, arguments)])])."""
+    lines: list[str] = []
+    pending = ""
+    for raw in (PACKAGING / "Dockerfile").read_text().splitlines():
+        if raw.lstrip().startswith("#") or not raw.strip():
+            continue
+        if raw.endswith("\\"):
+            pending += raw[:-1] + " "
+            continue
+        lines.append(pending + raw)
+        pending = ""
+    args: dict[str, str] = {}
+    stages: list[tuple[str, list[tuple[str, str]]]] = []
+    for line in lines:
+        instruction, _, rest = line.strip().partition(" ")
+        instruction = instruction.upper()
+        if instruction == "ARG" and not stages:
+            name, _, default = rest.partition("=")
+            args[name] = default
+        elif instruction == "FROM":
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], rest)
+            stages.append((image, []))
+        else:
+            assert stages, f"{instruction} before the first FROM"
+            stages[-1][1].append((instruction, rest))
+    return args, stages
+
+
+def test_dockerfile_builds_a_venv_and_runs_it_without_a_shell() -> None:
+    _, stages = dockerfile_stages()
+    assert len(stages) == 2
+    (build_image, build), (final_image, final) = stages
+    assert build_image.split()[-2:] == ["AS", "build"]
+    assert build_image.startswith("debian:bookworm")  # Debian 12, as the final image
+    assert final_image == "gcr.io/distroless/python3-debian12"
+    # The venv is made by Debian 12's /usr/bin/python3.11, the interpreter the distroless image runs.
+    runs = " ".join(rest for instruction, rest in build if instruction == "RUN")
+    assert f"/usr/bin/python3.11 -m venv {HOST_VENV}" in runs
+    # The final stage only copies: it has no shell to RUN anything with.
+    assert {instruction for instruction, _ in final} <= {"COPY", "ENV", "ENTRYPOINT", "CMD", "LABEL", "USER"}
+    copies = [rest for instruction, rest in final if instruction == "COPY"]
+    assert copies == [f"--from=build {HOST_VENV} {HOST_VENV}"]
+    entrypoint = json.loads(next(rest for instruction, rest in final if instruction == "ENTRYPOINT"))
+    assert entrypoint == [f"{HOST_VENV}/bin/python", f"{HOST_VENV}/bin/{CONSOLE_SCRIPT}"]
+    cmd = json.loads(next(rest for instruction, rest in final if instruction == "CMD"))
+    assert cmd == ["run", "--config", DEFAULT_CONFIG_PATH]
+    assert ("USER", "nonroot") not in final
+
+
+def copied_sources() -> list[str]:
+    _, stages = dockerfile_stages()
+    sources = []
+    for instruction, rest in stages[0][1]:
+        if instruction == "COPY" and not rest.startswith("--from"):
+            sources += rest.split()[:-1]
+    return sources
+
+
+def test_dockerfile_copies_what_the_package_needs() -> None:
+    sources = copied_sources()
+    for source in sources:
+        assert (ROOT / source).exists(), source
+    assert {"pyproject.toml", PYPROJECT["project"]["readme"]} <= set(sources)
+    for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert pattern.rstrip("*") in sources, f"package {pattern} is not copied into the image"
+    ignore = (PACKAGING / "Dockerfile.dockerignore").read_text().splitlines()
+    assert ignore[ignore.index("*") :].count("*") == 1
+    for source in sources:
+        assert f"!{source}" in ignore or f"!{source}/" in ignore, f"{source} is excluded from the context"
+
+
+def test_the_copied_sources_build_a_wheel_with_the_console_script(tmp_path: Path) -> None:
+    """What the image's pip install does, from just the files the Dockerfile copies."""
+    pytest.importorskip("setuptools")  # the build backend (grpcio-tools, a test dependency, needs it too)
+    src = tmp_path / "src"
+    src.mkdir()
+    for source in copied_sources():
+        origin = ROOT / source
+        if origin.is_dir():
+            shutil.copytree(origin, src / source, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(origin, src / source)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+         str(tmp_path / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    [wheel] = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        assert f"{CONSOLE_SCRIPT} = nri_plugin.cli:main" in archive.read(entry_points).decode()
+    assert "nri_plugin/cli.py" in names
+    assert "cgroups/__init__.py" in names
+    assert any(n.startswith("api/nri/") and n.endswith("_pb2.py") for n in names)
+
+
+# -- runtime drop-ins --------------------------------------------------------------------------------
+
+NRI_TABLE = "io.containerd.nri.v1.nri"
+CONTAINERD_KEYS = {
+    "disable",
+    "disable_connections",
+    "socket_path",
+    "plugin_path",
+    "plugin_config_path",
+    "plugin_registration_timeout",
+    "plugin_request_timeout",
+}
+CRIO_NRI_KEYS = {
+    "enable_nri",
+    "nri_listen",
+    "nri_disable_connections",
+    "nri_plugin_dir",
+    "nri_plugin_config_dir",
+    "nri_plugin_registration_timeout",
+    "nri_plugin_request_timeout",
+}
+
+
+def walk(doc: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in doc.items():
+        if isinstance(value, Mapping):
+            yield from walk(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def uncommented(path: Path) -> dict[str, Any]:
+    """The drop-in with its commented-out optional block switched on: that block must parse too."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.startswith("# [") or (line.startswith("#   ") and "=" in line and "'" not in line) or (
+            line.startswith("# nri_")
+        ):
+            line = line[2:]
+        lines.append(line)
+    return tomllib.loads("\n".join(lines))
+
+
+@pytest.mark.parametrize(("name", "version"), [("config-1.7.toml", 2), ("config-2.x.toml", 3)])
+def test_containerd_dropin(name: str, version: int) -> None:
+    path = RUNTIME / "containerd" / name
+    doc = tomllib.loads(path.read_text())
+    assert doc["version"] == version
+    table = doc["plugins"][NRI_TABLE]
+    assert set(table) == CONTAINERD_KEYS
+    assert table["disable"] is False
+    assert table["disable_connections"] is False
+    assert table["socket_path"] == DEFAULT_NRI_SOCKET
+    assert table["plugin_path"] == "/opt/nri/plugins"
+    assert table["plugin_config_path"] == "/etc/nri/conf.d"
+    assert table["plugin_registration_timeout"] == "5s"
+    assert table["plugin_request_timeout"] == "2s"
+    # The timeouts are read in that table only: nowhere else.
+    for key, _ in walk(doc):
+        if key.endswith("_timeout"):
+            assert key.startswith(f"plugins.{NRI_TABLE}."), key
+    if version == 3:
+        validator = uncommented(path)["plugins"][NRI_TABLE]["default_validator"]
+        assert validator == {
+            "enable": True,
+            "required_plugins": [],
+            "tolerate_missing_plugins_annotation": TOLERATION_KEY,
+        }
+
+
+def test_crio_dropin() -> None:
+    path = RUNTIME / "cri-o" / "10-nri.conf"
+    doc = tomllib.loads(path.read_text())
+    assert set(doc) == {"crio"}
+    assert set(doc["crio"]) == {"nri"}
+    table = doc["crio"]["nri"]
+    assert set(table) == CRIO_NRI_KEYS
+    assert table["enable_nri"] is True
+    assert table["nri_disable_connections"] is False
+    assert table["nri_listen"] == DEFAULT_NRI_SOCKET
+    validator = uncommented(path)["crio"]["nri"]["default_validator"]
+    assert validator == {
+        "nri_enable_default_validator": True,
+        "nri_validator_required_plugins": [],
+        "nri_validator_tolerate_missing_plugins_annotation": TOLERATION_KEY,
+    }
+
+
+def test_openshift_crio_dropin_and_its_machineconfig_agree() -> None:
+    dropin = RUNTIME / "openshift" / "99-mixed-cpu-nri.conf"
+    doc = tomllib.loads(dropin.read_text())
+    assert doc["crio"]["nri"] == {"enable_nri": True}
+    [workload] = doc["crio"]["runtime"]["workloads"].values()
+    assert workload["activation_annotation"]
+    assert workload["allowed_annotations"] == ["cpu-shared.crio.io"]
+    # CRI-O's own shared-CPU feature stays off, or shared CPUs would be applied twice.
+    assert "shared_cpuset" not in doc["crio"]["runtime"]
+
+    [machine_config] = load_documents((RUNTIME / "openshift" / "machineconfig-crio.yaml").read_text())
+    assert machine_config["kind"] == "MachineConfig"
+    [file] = machine_config["spec"]["config"]["storage"]["files"]
+    assert file["path"] == f"/etc/crio/crio.conf.d/{dropin.name}"
+    assert file["mode"] == 0o644
+    header, _, data = file["contents"]["source"].partition(",")
+    assert header.startswith("data:")
+    assert not header.endswith(";base64")
+    assert urllib.parse.unquote(data) == dropin.read_text()
+
+
+# -- systemd ------------------------------------------------------------------------------------------
+
+
+def unit() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keep the keys' case
+    parser.read_string(UNIT.read_text())
+    return parser
+
+
+def test_unit_runs_the_console_script() -> None:
+    service = unit()["Service"]
+    command = shlex.split(service["ExecStart"])
+    assert command == [f"{HOST_VENV}/bin/{CONSOLE_SCRIPT}", "run", "--config", DEFAULT_CONFIG_PATH]
+    assert service["Restart"] == "always"
+    assert set(unit()["Unit"]["After"].split()) >= {"containerd.service", "crio.service"}
+    assert unit()["Install"]["WantedBy"] == "multi-user.target"
+    # The state dir is systemd's StateDirectory (under /var/lib), writable despite ProtectSystem.
+    assert service["StateDirectory"] == posixpath.relpath(DEFAULT_STATE_DIR, "/var/lib")
+    assert service["ProtectSystem"] == "strict"
+    assert str(DEFAULT_PLUGIN_DIR) in service["ReadWritePaths"].split()
+    # Either of these would make /sys/fs/cgroup read-only; the plugin writes there.
+    for key in ("ProtectControlGroups", "ProtectKernelTunables"):
+        assert service.get(key, "no") == "no", key
+    assert service["CapabilityBoundingSet"] == ""
+
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
+def test_unit_passes_systemd_analyze(tmp_path: Path) -> None:
+    # verify also checks that ExecStart exists; it does not on a test machine, so point it elsewhere.
+    text = UNIT.read_text()
+    assert text.count(f"ExecStart={HOST_VENV}/bin/{CONSOLE_SCRIPT}") == 1
+    copy = tmp_path / UNIT.name
+    copy.write_text(text.replace(f"ExecStart={HOST_VENV}/bin/{CONSOLE_SCRIPT}", "ExecStart=/bin/true"))
+    assert SYSTEMD_ANALYZE is not None
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", "--man=no", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert not result.stderr.strip(), "systemd-analyze warned about the unit"
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "security", "--offline=true", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        check=False,
+    )
+    if result.returncode != 0 and "--offline" in result.stderr:
+        return  # systemd older than 250
+    [level] = re.findall(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert float(level) < 4.0, result.stdout
+
+
+# -- runtime-launched mode ------------------------------------------------------------------------------
+
+
+def wrapper_defaults() -> dict[str, str]:
+    return dict(re.findall(r'^\w+="\$\{(\w+):-([^}]+)\}"$', (LAUNCHED / "10-mixed-cpu").read_text(), re.M))
+
+
+def test_launched_files_match_the_daemon() -> None:
+    wrapper = LAUNCHED / "10-mixed-cpu"
+    assert os.access(wrapper, os.X_OK), "the runtime starts only executable files"
+    subprocess.run(["sh", "-n", str(wrapper)], check=True, timeout=GUARD)
+    index, _, name = wrapper.name.partition("-")
+    default = parse_config({"shared_cpuset": "0"})
+    assert (index, name) == (default.plugin_index, default.plugin_name)
+    defaults = wrapper_defaults()
+    assert defaults["MIXED_CPU_NRI_PLUGIN"] == shlex.split(unit()["Service"]["ExecStart"])[0]
+    assert defaults["MIXED_CPU_NRI_CONFIG"] == DEFAULT_CONFIG_PATH
+    conf = LAUNCHED / f"{wrapper.name}.conf"
+    assert tomllib.loads(conf.read_text()) == {}
+
+
+@pytest.mark.asyncio
+async def test_the_runtime_can_launch_the_wrapper(tmp_path: Path) -> None:
+    """As containerd and CRI-O start a pre-installed plugin: no arguments, a socketpair end as fd 3, and
+    only the NRI_PLUGIN_* variables (plus, here, the wrapper's three test overrides)."""
+    script = Path(sys.executable).parent / CONSOLE_SCRIPT
+    if not script.exists():
+        pytest.skip(f"{script} is not installed (pip install -e .)")
+    plugin_dir = Path("/tmp") / f"dp-{os.getpid()}-launch"
+    plugin_dir.mkdir()
+    config = write_daemon_config(tmp_path, plugin_dir, metrics_address="")
+    log = tmp_path / "plugin.log"
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {
+        "NRI_PLUGIN_NAME": "mixed-cpu",
+        "NRI_PLUGIN_IDX": "10",
+        "NRI_PLUGIN_SOCKET": "3",
+        "MIXED_CPU_NRI_PLUGIN": str(script),
+        "MIXED_CPU_NRI_CONFIG": str(config),
+        "MIXED_CPU_NRI_LOG": str(log),
+    }
+    # The socket arrives as fd 3, as with Go's exec.Cmd ExtraFiles; the wrapper gets no arguments.
+    trampoline = "import os, sys; os.dup2(int(sys.argv[1]), 3); os.execv(sys.argv[2], sys.argv[2:])"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        trampoline,
+        str(theirs.fileno()),
+        str(LAUNCHED / "10-mixed-cpu"),
+        env=env,
+        pass_fds=(theirs.fileno(),),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    theirs.close()
+    sim = RuntimeSimulator(tmp_path / "unused.sock")
+    try:
+        await sim.adopt(ours)
+        waiting = asyncio.ensure_future(sim.wait_for_plugins(1, GUARD))
+        exited = asyncio.ensure_future(proc.wait())
+        await asyncio.wait([waiting, exited], return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            waiting.cancel()
+            log_text = log.read_text() if log.exists() else "(no log)"
+            log_text += (await proc.stderr.read()).decode() if proc.stderr else ""
+            pytest.fail(f"the wrapper exited with {proc.returncode}: {log_text}")
+        exited.cancel()
+        [plugin] = waiting.result()
+        assert plugin.full_name == "10-mixed-cpu"
+        await sim.close()  # the runtime goes away: a launched plugin does not reconnect, it exits
+        _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        shutil.rmtree(plugin_dir, ignore_errors=True)
+    assert stderr == b"", "the runtime discards the plugin's output: everything goes to the log file"
+    text = log.read_text()
+    assert "registered with the runtime" in text
+    assert "Traceback" not in text
+
+
+# -- docs ----------------------------------------------------------------------------------------------
+
+
+def test_deploy_doc_names_files_that_exist() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    named = set(re.findall(r"\bpackaging/[\w./-]+\w", text))
+    assert named
+    for name in sorted(named):
+        assert (ROOT / name).exists(), name
