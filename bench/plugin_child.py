@@ -4,6 +4,10 @@ Usage: python bench/plugin_child.py SOCKET CGROUP_ROOT STATE_DIR
 
 CGROUP_ROOT holds a fake cgroup v1 tree (``cpu/`` and ``cpuset/``) that the benchmark prepared;
 containers prove their request with the pod annotation (trusted here), so no device plugin is needed.
+
+Experiment knobs (environment): BENCH_UVLOOP=1 runs the stub on uvloop's event loop (when
+installed); BENCH_LOG=info (or debug, warning) configures logging as ``run`` does (JSON on stderr, which
+the benchmark sends to /dev/null) instead of dropping everything below error level.
 """
 
 from __future__ import annotations
@@ -53,6 +57,21 @@ async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
     await stub.run()
 
 
+def configure_logging() -> None:
+    level = os.environ.get("BENCH_LOG", "error")
+    if level == "error":
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    else:
+        from nri_plugin.cli import configure_logging as production_logging
+
+        production_logging(level, "json")
+
+
 if __name__ == "__main__":
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
+    configure_logging()
+    if os.environ.get("BENCH_UVLOOP") == "1":
+        import uvloop
+
+        uvloop.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
+    else:
+        asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))

@@ -1,0 +1,511 @@
+"""All NRI benchmarks in one run; prints a markdown table with each number next to its target.
+
+Usage: python bench/run_all.py [--quick] [--repeat N] [--calls N]
+
+The runtime simulator (nri_plugin/simulator.py) runs in this process; the plugin, the stub with the real
+mixed-CPU policy, runs in a child process (bench/plugin_child.py) on a fake cgroup v1 node, so each side
+has its own interpreter as on a node, with a unix socket between them. Each round starts a fresh plugin
+and measures, in order:
+
+* start → registered + synchronized: from spawning the plugin's process to the end of its (empty)
+  Synchronize, interpreter start-up and imports included;
+* idle RSS (VmRSS of the plugin's process, after a second of idling);
+* a burst of 200 container creations issued at once (40 new pods, 5 containers each, one in five asks
+  for shared CPUs, so 40 pod quotas are raised and 40 state-file saves happen), twice:
+  - through the simulator's `create_container`, which, like containerd/nri's `Adaptation`, holds one
+    lock across a whole event: the 200 calls queue and reach the plugin one at a time. Latency is
+    counted from the burst's start to each creation's answer, queueing included;
+  - pipelined: 200 CreateContainer requests sent at once on the plugin's connection, none waiting for
+    another (the plugin's worst case; no NRI runtime does this today). Each request's 2 s budget starts
+    when it is sent, so the max latency is compared with that budget directly;
+* RSS after the bursts;
+* CreateContainer round trips, one at a time (after 200 unmeasured ones): p50, p99, max, and the CPU
+  time each side spent per call (the plugin's from /proc/<pid>/task/*/schedstat);
+* RSS after all those creations;
+* Synchronize of 1,000 pods / 5,000 containers (one container in five asks for shared CPUs) to a freshly
+  started plugin: a first start (the asking containers not shared yet: updates to send, pod quotas to
+  raise), then restarts over the node it left (books on disk, containers already shared) with lean
+  objects in one message and realistic ones (labels, annotations, mounts, env; they do not fit in one
+  4 MiB ttrpc message) at the 4 MiB limit and in 1 MiB messages; after the last, the burst of 200
+  through the runtime's lock again, onto a plugin whose books hold those 1,000 pods; and the largest
+  RSS right after a Synchronize;
+* the plugin's own processing per CreateContainer in this process, bytes in to bytes out, with no
+  socket or peer.
+
+With --repeat N (default 3) each row shows the median of the N rounds and, in brackets, their range
+(a count shows its worst round); "met?" judges the median. A burst "meets" its target when all are
+answered and the max is at most 0.2 s, a tenth of the 2 s budget. --quick runs a small smoke version
+(300 round trips, 200 pods, one round) in a few seconds. See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import gc
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from google.protobuf.internal import api_implementation
+from workload import (
+    CONTAINERS_PER_POD,
+    PluginProcess,
+    already_shared,
+    fake_node,
+    lean_container,
+    lean_pod,
+    percentile,
+    realistic_container,
+    realistic_pod,
+)
+
+from api.nri import api_pb2 as api
+from nri_plugin import mux
+from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.stub import PLUGIN_SERVICE, Stub
+from nri_plugin.ttrpc import Server
+from nri_plugin.ttrpc.protocol import ClientSession
+
+MB = 1_000_000 / (1 << 20)  # one MB in MiB
+RSS_TARGET = "≤ 50 MB (47.7 MiB)"
+BURST_MAX_OK_MS = 200.0  # "well under the 2 s budget": a tenth of it
+
+
+def rss_ok(mib: float) -> bool:
+    return mib <= 50 * MB
+
+
+def _show(value: float, unit: str) -> str:
+    if unit == "µs":
+        return f"{value:.0f} µs"
+    if unit == "ms":
+        return f"{value:.1f} ms" if value < 10 else f"{value:.0f} ms"
+    if unit.startswith("/"):  # a count out of a total: "200/200"
+        return f"{value:.0f}{unit}"
+    return f"{value:.1f} {unit}"
+
+
+@dataclass
+class Measure:
+    """One row of the table: one or more named values (parts), a sample of each per round, and how
+    to judge them. Each part shows the median of the rounds and, with several rounds, their range;
+    a count out of a total (unit "/N") shows its worst round instead."""
+
+    label: str
+    units: dict[str, str]  # part name ("" for a row's only value) -> unit: µs, ms, MiB, /N
+    target: str
+    ok: Callable[[dict[str, float]], bool] | None = None
+    section: float = 0  # rows are shown by section, then in the order they were first added
+    samples: list[dict[str, float]] = field(default_factory=list)
+
+    def values(self) -> dict[str, float]:
+        found = {}
+        for name, unit in self.units.items():
+            column = [sample[name] for sample in self.samples]
+            found[name] = min(column) if unit.startswith("/") else statistics.median(column)
+        return found
+
+    def cells(self) -> tuple[str, str, str, str]:
+        values = self.values()
+        shown = []
+        for name, unit in self.units.items():
+            text = _show(values[name], unit)
+            column = [sample[name] for sample in self.samples]
+            if len(column) > 1 and not unit.startswith("/"):
+                text += f" ({_show(min(column), unit).split()[0]}-{_show(max(column), unit)})"
+            shown.append(f"{name} {text}" if name else text)
+        met = "—" if self.ok is None else ("yes" if self.ok(values) else "**no**")
+        return self.label, ", ".join(shown), self.target, met
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: dict[str, Measure] = {}
+
+    def add(
+        self,
+        label: str,
+        value: float,
+        unit: str,
+        target: str = "—",
+        ok: Callable[[float], bool] | None = None,
+        *,
+        section: float = 0,
+    ) -> None:
+        """A row with one value."""
+        check = None if ok is None else (lambda values: ok(values[""]))
+        self.add_parts(label, {"": (value, unit)}, target, check, section=section)
+
+    def add_parts(
+        self,
+        label: str,
+        parts: dict[str, tuple[float, str]],
+        target: str = "—",
+        ok: Callable[[dict[str, float]], bool] | None = None,
+        *,
+        section: float = 0,
+    ) -> None:
+        """A row with several named values, e.g. ``{"max": (98.0, "ms"), ...}``."""
+        units = {name: unit for name, (_, unit) in parts.items()}
+        row = self.rows.setdefault(label, Measure(label, units, target, ok, section))
+        row.samples.append({name: value for name, (value, _) in parts.items()})
+
+    def markdown(self) -> str:
+        lines = ["| measure | result | target | met? |", "|---|---|---|---|"]
+        rows = sorted(self.rows.values(), key=lambda row: row.section)  # stable: insertion order kept
+        lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Settings:
+    calls: int
+    burst: int
+    sync_pods: int
+    idle_seconds: float
+    repeat: int
+
+
+# -- one round: a plugin serving creations ------------------------------------------------------------
+
+
+async def creations_round(table: Table, settings: Settings, node: Path) -> None:
+    socket_path = str(node / "nri.sock")
+    burst_pods = settings.burst // CONTAINERS_PER_POD
+    cgroup_root, state_dir = fake_node(node, max(settings.sync_pods, 1 + 2 * burst_pods))
+    async with RuntimeSimulator(socket_path) as sim:
+        plugin = PluginProcess(socket_path, cgroup_root, state_dir)
+        try:
+            await sim.wait_for_plugins(1, timeout=30)
+            registered = time.perf_counter() - plugin.started
+            table.add(
+                "start → registered + synchronized", registered * 1e3, "ms", "≤ 1 s", lambda v: v <= 1e3
+            )
+            await asyncio.sleep(settings.idle_seconds)
+            table.add("idle plugin RSS", plugin.rss_mib(), "MiB", RSS_TARGET, rss_ok)
+            await burst_through_runtime(table, sim, settings.burst, first_pod=1)
+            await burst_pipelined(table, sim, settings.burst, first_pod=1 + burst_pods)
+            table.add("plugin RSS after the bursts", plugin.rss_mib(), "MiB", RSS_TARGET, rss_ok, section=1.5)
+            await round_trips(table, sim, plugin, settings.calls)
+            table.add(
+                f"plugin RSS after {settings.calls + 200 + 2 * settings.burst:,} creations",
+                plugin.rss_mib(),
+                "MiB",
+                RSS_TARGET,
+                rss_ok,
+                section=2.5,
+            )
+        finally:
+            plugin.stop()
+
+
+async def burst_through_runtime(
+    table: Table, sim: RuntimeSimulator, count: int, first_pod: int, how: str = "through the runtime's lock"
+) -> None:
+    """`count` creations at once through the simulator, which serializes them as containerd/nri does."""
+    containers = await _burst_containers(sim, count, first_pod)
+    finished: list[float] = []
+    answered = 0
+
+    async def create(container: api.Container) -> None:
+        nonlocal answered
+        await sim.create_container(container)
+        finished.append(time.perf_counter())
+        answered += 1
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(create(c) for c in containers), return_exceptions=True)
+    total = time.perf_counter() - started
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        print(f"burst: {len(errors)} creation(s) failed, first: {errors[0]!r}", file=sys.stderr)
+    _burst_rows(table, how, [t - started for t in finished], answered, count, total)
+
+
+async def burst_pipelined(table: Table, sim: RuntimeSimulator, count: int, first_pod: int) -> None:
+    """`count` CreateContainer requests in flight at once on the plugin's connection."""
+    containers = await _burst_containers(sim, count, first_pod)
+    connection = sim.plugins[0]
+    finished: list[float] = []
+    answered = 0
+
+    async def create(container: api.Container) -> None:
+        nonlocal answered
+        request = api.CreateContainerRequest(pod=sim.pods[container.pod_sandbox_id], container=container)
+        await connection.client.call(
+            PLUGIN_SERVICE,
+            "CreateContainer",
+            request,
+            api.CreateContainerResponse,
+            timeout=sim.request_timeout,
+        )
+        finished.append(time.perf_counter())
+        answered += 1
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(create(c) for c in containers), return_exceptions=True)
+    total = time.perf_counter() - started
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        print(f"pipelined burst: {len(errors)} request(s) failed, first: {errors[0]!r}", file=sys.stderr)
+    _burst_rows(table, "pipelined, all in flight", [t - started for t in finished], answered, count, total)
+
+
+async def _burst_containers(sim: RuntimeSimulator, count: int, first_pod: int) -> list[api.Container]:
+    containers = []
+    for i in range(count):
+        p = first_pod + i // CONTAINERS_PER_POD
+        if i % CONTAINERS_PER_POD == 0:
+            await sim.run_pod_sandbox(realistic_pod(p))
+        n = p * CONTAINERS_PER_POD + i % CONTAINERS_PER_POD
+        containers.append(realistic_container(sim.pods[f"{p:064x}"], n, state=api.CONTAINER_UNKNOWN))
+    return containers
+
+
+def _burst_rows(
+    table: Table, how: str, latencies: list[float], answered: int, count: int, total: float
+) -> None:
+    ms = [s * 1e3 for s in latencies] or [float("inf")]
+    table.add_parts(
+        f"burst of {count} creations, {how}",
+        {
+            "answered": (answered, f"/{count}"),
+            "max": (max(ms), "ms"),
+            "p99": (percentile(ms, 0.99), "ms"),
+            "all done in": (total * 1e3, "ms"),
+        },
+        f"all answered, max ≪ 2 s (≤ {BURST_MAX_OK_MS / 1e3:g} s)",
+        lambda v: v["answered"] == count and v["max"] <= BURST_MAX_OK_MS,
+        section=1,
+    )
+
+
+async def round_trips(table: Table, sim: RuntimeSimulator, plugin: PluginProcess, calls: int) -> None:
+    """CreateContainer round trips one after the other: 200 to warm up, then `calls` timed ones."""
+    pod = realistic_pod(0)
+    await sim.run_pod_sandbox(pod)
+    # Built beforehand so that the simulator's CPU time below is its own. Ids apart from the bursts'.
+    containers = [
+        realistic_container(pod, 1_000_000 + n, state=api.CONTAINER_UNKNOWN) for n in range(calls + 200)
+    ]
+    for container in containers[:200]:
+        await sim.create_container(container)
+        del sim.containers[container.id]
+    samples: list[float] = []
+    gc.collect()
+    plugin_cpu, own_cpu, wall = plugin.cpu_ns(), time.process_time_ns(), time.perf_counter()
+    for container in containers[200:]:
+        started = time.perf_counter()
+        await sim.create_container(container)
+        samples.append(time.perf_counter() - started)
+        del sim.containers[container.id]
+    wall = time.perf_counter() - wall
+    plugin_cpu, own_cpu = plugin.cpu_ns() - plugin_cpu, time.process_time_ns() - own_cpu
+    us = [s * 1e6 for s in samples]
+    table.add(
+        f"CreateContainer round trip p50 ({calls:,} calls)",
+        statistics.median(us),
+        "µs",
+        "≤ 150 µs",
+        lambda v: v <= 150,
+        section=2,
+    )
+    table.add(
+        "CreateContainer round trip p99", percentile(us, 0.99), "µs", "≤ 1 ms", lambda v: v <= 1000, section=2
+    )
+    table.add(
+        "CreateContainer round trip max", max(us) / 1e3, "ms", "< 2 s budget", lambda v: v < 2000, section=2
+    )
+    table.add_parts(
+        "  where a round trip's time goes (means)",
+        {
+            "wall": (wall / calls * 1e6, "µs"),
+            "plugin CPU": (plugin_cpu / calls / 1e3, "µs"),
+            "simulator CPU": (own_cpu / calls / 1e3, "µs"),
+        },
+        section=2,
+    )
+
+
+# -- Synchronize --------------------------------------------------------------------------------------
+
+
+async def synchronize_round(table: Table, settings: Settings, node: Path) -> None:
+    """A plugin (re)started on a node with the pods and containers: first a first start, where the
+    containers that ask are not shared yet (1 in 5: cpusets and quotas to update, every pod quota
+    to raise), then restarts of the plugin over the node as that first one left it (books on disk, pod
+    quotas raised, containers already shared), with objects of three sizes and two message limits."""
+    pods, containers = settings.sync_pods, settings.sync_pods * CONTAINERS_PER_POD
+    what = f"Synchronize {pods:,} pods / {containers:,} containers"
+    made_shared = f"first start ({pods:,} containers made shared)"
+    variants = (
+        (made_shared, realistic_pod, realistic_container, 4 << 20),
+        ("plugin restart, lean objects", lean_pod, _shared(lean_container), 4 << 20),
+        ("plugin restart", realistic_pod, _shared(realistic_container), 4 << 20),
+        ("plugin restart", realistic_pod, _shared(realistic_container), 1 << 20),
+    )
+    cgroup_root, state_dir = fake_node(node, pods + settings.burst // CONTAINERS_PER_POD)
+    largest_rss = 0.0
+    for label, make_pod, make_container, limit in variants:
+        sim = RuntimeSimulator(str(node / "nri.sock"), max_message_size=limit, request_timeout=10.0)
+        for n in range(pods):
+            pod = make_pod(n)
+            sim.add_pod(pod)
+            for c in range(CONTAINERS_PER_POD):
+                sim.add_container(make_container(pod, n * CONTAINERS_PER_POD + c))
+        size = api.SynchronizeRequest(pods=sim.pods.values(), containers=sim.containers.values()).ByteSize()
+        async with sim:
+            plugin = PluginProcess(sim.socket_path, cgroup_root, state_dir)
+            try:
+                await sim.wait_for_plugins(1, timeout=60)
+                largest_rss = max(largest_rss, plugin.rss_mib())
+                if limit == 1 << 20:  # the last one: a burst onto a node full of shared pods
+                    how = f"through the runtime's lock, onto {pods:,} shared pods (after that Synchronize)"
+                    await burst_through_runtime(table, sim, settings.burst, pods, how)
+            finally:
+                plugin.stop()
+        messages = len(sim.sync_chunks)
+        plural = "s" if messages > 1 else ""
+        table.add(
+            f"{what}, {label}: {size / 1e6:.1f} MB in {messages} message{plural} of ≤ {limit >> 20} MiB",
+            sim.sync_seconds[-1] * 1e3,
+            "ms",
+            "≤ 300 ms",
+            lambda v: v <= 300,
+            section=3,
+        )
+    table.add(
+        f"plugin RSS after Synchronize of {containers:,} containers (largest)",
+        largest_rss,
+        "MiB",
+        RSS_TARGET,
+        rss_ok,
+        section=3.5,
+    )
+
+
+def _shared(
+    make: Callable[[api.PodSandbox, int], api.Container],
+) -> Callable[[api.PodSandbox, int], api.Container]:
+    return lambda pod, n: already_shared(make(pod, n))
+
+
+# -- the plugin's own processing, in this process -----------------------------------------------------
+
+
+class _CapturingTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += 1
+
+    def writelines(self, list_of_data: object) -> None:
+        self.written += 1
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def plugin_processing(table: Table, calls: int, node: Path) -> None:
+    """The plugin's work per CreateContainer, bytes in to bytes out, with no socket or peer."""
+    from plugin_child import bench_plugin
+
+    stub = Stub(bench_plugin(*fake_node(node, 1)), name="bench", index="10", socket_path="/nonexistent")
+    trunk = mux.Trunk()
+    transport = _CapturingTransport()
+    trunk.connection_made(transport)
+    server = Server({PLUGIN_SERVICE: stub._methods()}, functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
+    trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
+    pod = realistic_pod(0)
+    session = ClientSession()
+    frames = []
+    for n in range(calls):
+        request = api.CreateContainerRequest(pod=pod, container=realistic_container(pod, n))
+        _, message = session.send_request(
+            PLUGIN_SERVICE, "CreateContainer", request.SerializeToString(), timeout_nano=2_000_000_000
+        )
+        frames.append(b"".join(mux.encode(mux.PLUGIN_SERVICE_CONN, message)))
+    started = time.perf_counter()
+    for frame in frames:
+        trunk.data_received(frame)
+    elapsed = time.perf_counter() - started
+    assert transport.written == calls, "every request must be answered without waiting"
+    table.add(
+        "  plugin's own processing per CreateContainer (in-process, no socket)",
+        elapsed / calls * 1e6,
+        "µs",
+        section=2,
+    )
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+
+async def run(settings: Settings) -> Table:
+    table = Table()
+    with tempfile.TemporaryDirectory(prefix="nri-bench-") as tmp:
+        node = Path(tmp)
+        for _ in range(settings.repeat):
+            await creations_round(table, settings, node)
+            await synchronize_round(table, settings, node)
+            await plugin_processing(table, settings.calls, node)
+    return table
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{os.cpu_count()} CPUs ({model}), Linux {platform.release()}, Python {platform.python_version()}, "
+        f"protobuf {api_implementation.Type()} backend; load average {load}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small smoke run (seconds, not minutes)")
+    parser.add_argument("--repeat", type=int, default=None, help="rounds; rows show medians (default 3)")
+    parser.add_argument("--calls", type=int, default=None, help="timed CreateContainer round trips (10000)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        settings = Settings(calls=300, burst=200, sync_pods=200, idle_seconds=0.2, repeat=1)
+    else:
+        settings = Settings(calls=10_000, burst=200, sync_pods=1000, idle_seconds=1.0, repeat=3)
+    if args.repeat is not None:
+        settings = Settings(**{**settings.__dict__, "repeat": max(1, args.repeat)})
+    if args.calls is not None:
+        settings = Settings(**{**settings.__dict__, "calls": max(1, args.calls)})
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    before = machine()
+    started = time.perf_counter()
+    table = asyncio.run(run(settings))
+    print(f"Machine: {before}")
+    print(
+        f"Rounds: {settings.repeat} (median, range in brackets); took {time.perf_counter() - started:.0f} s; "
+        f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print()
+    print(table.markdown())
+
+
+if __name__ == "__main__":
+    main()

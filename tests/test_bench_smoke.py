@@ -1,0 +1,58 @@
+"""`bench/run_all.py --quick` runs to the end and prints every row of its table.
+
+Only that: no number is judged here (timings belong to the benchmark, not to the test suite), so a
+slow or noisy machine cannot fail it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Every measure the table must show, by the start of its label.
+EXPECTED_ROWS = (
+    "start → registered + synchronized",
+    "idle plugin RSS",
+    "burst of 200 creations, through the runtime's lock",
+    "burst of 200 creations, pipelined, all in flight",
+    "burst of 200 creations, through the runtime's lock, onto",
+    "plugin RSS after the bursts",
+    "CreateContainer round trip p50",
+    "CreateContainer round trip p99",
+    "CreateContainer round trip max",
+    "where a round trip's time goes",
+    "plugin's own processing per CreateContainer",
+    "plugin RSS after",
+    "Synchronize 200 pods / 1,000 containers, first start",
+    "Synchronize 200 pods / 1,000 containers, plugin restart, lean objects",
+    "Synchronize 200 pods / 1,000 containers, plugin restart: 1.5 MB in 1 message",
+    "Synchronize 200 pods / 1,000 containers, plugin restart: 1.5 MB in 2 messages",
+    "plugin RSS after Synchronize",
+)
+
+
+def test_quick_benchmark_prints_every_row() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run_all.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    header, body = rows[0], rows[1:]
+    assert header == "| measure | result | target | met? |"
+    labels = [row.split(" | ")[0].removeprefix("| ").strip() for row in body]
+    for expected in EXPECTED_ROWS:
+        assert any(label.startswith(expected) for label in labels), f"no row {expected!r} in:\n{done.stdout}"
+    assert len(body) == len(EXPECTED_ROWS), done.stdout
+    for row in body:
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert len(cells) == 4, row
+        assert cells[1], row  # a result
+        assert cells[3] in {"yes", "**no**", "—"}, row
