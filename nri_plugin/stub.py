@@ -34,9 +34,10 @@ import re
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -88,6 +89,17 @@ _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 class StubError(Exception):
     """The stub cannot run as configured (bad identity, no plugin handlers, ...)."""
+
+
+class StubObserver(Protocol):
+    """Told of every request the stub answers and of every lost connection (`nri_plugin.metrics`)."""
+
+    def request_done(self, event: str, outcome: str, seconds: float) -> None:
+        """`event`: ``configure``, ``synchronize``, ``shutdown``, a handler name (``create_container``)
+        or ``unknown``; `outcome`: ``ok``, ``error`` or ``cancelled``."""
+
+    def reconnecting(self) -> None:
+        """The connection to the runtime was lost; the stub connects again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,9 +175,12 @@ class Stub:
         backoff_initial: float = 0.1,
         backoff_max: float = 5.0,
         environ: dict[str, str] | None = None,
+        observer: StubObserver | None = None,
     ) -> None:
         env = os.environ if environ is None else environ
         self.plugin = plugin
+        # Read when a connection starts: set it before `run()`.
+        self.observer = observer
         self.identity = resolve_identity(name, index, environ=dict(env))
         self.socket_path = socket_path
         self.inherited_fd = _inherited_fd(env)
@@ -218,6 +233,8 @@ class Stub:
             if self._stopping.is_set() or not self.reconnect:
                 return
             log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=delay)
+            if self.observer is not None:
+                self.observer.reconnecting()
             await self._sleep(delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, self.backoff_max)
 
@@ -337,6 +354,12 @@ class Stub:
         for event, (method, request_type, response_type) in DEDICATED_METHODS.items():
             if HANDLER_OF_EVENT[event] in self.handlers:
                 methods[method] = UnaryMethod(request_type, self._dedicated(event, response_type))
+        if self.observer is not None:
+            for method, unary in list(methods.items()):
+                label = _state_change_label if method == "StateChange" else _METHOD_LABELS[method]
+                methods[method] = UnaryMethod(
+                    unary.request_type, _observed(self.observer, label, unary.handler)
+                )
         return methods
 
     async def _call(self, name: str, *args: Any) -> Any:
@@ -382,6 +405,7 @@ class Stub:
             await self._call("configure", request)
         log.info(
             "configured",
+            event_name="Configure",
             runtime=request.runtime_name,
             runtime_version=request.runtime_version,
             nri_version=request.NRI_version or "unknown",
@@ -404,7 +428,13 @@ class Stub:
             updates = await self._call("synchronize", pods, containers) or ()
         self.synchronizations += 1
         self.ready.set()
-        log.info("synchronized", pods=len(pods), containers=len(containers), updates=len(updates))
+        log.info(
+            "synchronized",
+            event_name="Synchronize",
+            pods=len(pods),
+            containers=len(containers),
+            updates=len(updates),
+        )
         return api.SynchronizeResponse(update=updates)
 
     def _busy_sync(self, in_progress: bool) -> None:
@@ -502,6 +532,50 @@ async def run_until_signalled(stub: Stub) -> None:
     finally:
         for signum in signals:
             loop.remove_signal_handler(signum)
+
+
+# What `StubObserver.request_done` is told for each Plugin method (StateChange: its event's handler).
+_METHOD_LABELS: dict[str, str] = {
+    "Configure": "configure",
+    "Synchronize": "synchronize",
+    "Shutdown": "shutdown",
+    "CreateContainer": "create_container",
+    "UpdateContainer": "update_container",
+    "StopContainer": "stop_container",
+    "UpdatePodSandbox": "update_pod_sandbox",
+    "ValidateContainerAdjustment": "validate_container_adjustment",
+    **{method: HANDLER_OF_EVENT[event] for event, (method, _, _) in DEDICATED_METHODS.items()},
+}
+_EVENT_LABELS: dict[int, str] = {int(event): name for event, name in HANDLER_OF_EVENT.items()}
+
+
+def _state_change_label(request: api.StateChangeEvent) -> str:
+    return _EVENT_LABELS.get(request.event, "unknown")
+
+
+def _observed(
+    observer: StubObserver,
+    label: str | Callable[[Any], str],
+    handler: Callable[[Any, CallContext], Awaitable[Any]],
+) -> Callable[[Any, CallContext], Awaitable[Any]]:
+    """`handler`, timed and reported to `observer`. A coroutine awaiting another: the handler still
+    starts at once, without a task of its own (see `nri_plugin.ttrpc.aio.Server`)."""
+
+    async def handle(request: Any, ctx: CallContext) -> Any:
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            reply = await handler(request, ctx)
+            outcome = "ok"
+            return reply
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            event = label if isinstance(label, str) else label(request)
+            observer.request_done(event, outcome, time.perf_counter() - started)
+
+    return handle
 
 
 def _has(plugin: object, name: str) -> bool:

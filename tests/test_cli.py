@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import logging
 import os
 import shutil
 import signal
@@ -38,9 +40,91 @@ def test_version() -> None:
     assert result.stdout.startswith("mixed-cpu-nri-plugin 0.")
 
 
-def test_unknown_log_level_is_refused() -> None:
-    with pytest.raises(SystemExit, match="unknown log level 'loud'"):
-        main(["--log-level", "loud", "version"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--log-level", "loud", "version"], "argument --log-level: invalid choice: 'loud'"),
+        (["run", "--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+        ([], "the following arguments are required: COMMAND"),
+        (["serve"], "argument COMMAND: invalid choice: 'serve'"),
+        (["check", "--kubeconfig", "x"], "unrecognized arguments: --kubeconfig x"),
+        (["demo", "--runtime", "docker"], "argument --runtime: invalid choice: 'docker'"),
+    ],
+    ids=[
+        "log-level",
+        "log-level-after-command",
+        "no-command",
+        "unknown-command",
+        "unknown-option",
+        "runtime",
+    ],
+)
+def test_argument_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    assert line.startswith(f"error: {message}"), line
+    assert line.endswith("--help'"), line  # names the help to read
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("command", "words"),
+    [
+        ([], ["run", "check", "demo", "version", "--log-level"]),
+        (["run"], ["--config", "--socket", "--nri-plugin-index", "SIGUSR1", "Exit status"]),
+        (["check"], ["--config", "--kubelet-config", "reservedSystemCPUs", "Exit status: 0"]),
+        (["demo"], ["--runtime", "simulator"]),
+        (["version"], ["Print the version"]),
+    ],
+    ids=["top", "run", "check", "demo", "version"],
+)
+def test_every_command_has_help(
+    capsys: pytest.CaptureFixture[str], command: list[str], words: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: mixed-cpu-nri-plugin {' '.join(command)}".rstrip())
+    for word in words:
+        assert word in out
+
+
+def test_log_level_after_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["version", "--log-level", "debug"]) == 0
+    assert capsys.readouterr().out.startswith("mixed-cpu-nri-plugin 0.")
+    assert logging.getLogger().level == logging.DEBUG
+    assert main(["--log-level", "error", "version"]) == 0
+    assert logging.getLogger().level == logging.ERROR
+
+
+def test_an_unexpected_error_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("the disk\nis on fire")
+
+    monkeypatch.setattr("nri_plugin.check.run_checks", broken)
+    assert main(["check", "--config", str(tmp_path / "c.toml")]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        "error: unexpected RuntimeError: the disk is on fire; run again with --log-level debug to log the "
+        "traceback, and report it"
+    ]
+    assert out == ""
+    # With debug logging, the traceback is logged too (stderr is no terminal here: a JSON line).
+    assert main(["check", "--log-level", "debug", "--config", str(tmp_path / "c.toml")]) == 1
+    logged, error = capsys.readouterr().err.splitlines()
+    entry = json.loads(logged)
+    assert (entry["level"], entry["msg"]) == ("debug", "unexpected error")
+    assert "Traceback" in entry["exception"]
+    assert 'raise RuntimeError("the disk\\nis on fire")' in entry["exception"]
+    assert error.startswith("error: unexpected RuntimeError: the disk is on fire;")
 
 
 @pytest.mark.asyncio
@@ -58,8 +142,8 @@ async def test_demo_shows_what_the_plugin_did(runtime: str, version: str, pod_cg
     assert f"NRI runtime simulator: {runtime} {version}" in text
     assert "node: CPUs 0-7, shared pool 0-1 (from config.toml), cgroup v1 tree in " in text
     assert (
-        "plugin 10-mixed-cpu registered, subscribed to REMOVE_POD_SANDBOX, CREATE_CONTAINER, "
-        "UPDATE_CONTAINER, STOP_CONTAINER, REMOVE_CONTAINER"
+        "plugin 10-mixed-cpu registered, subscribed to STOP_POD_SANDBOX, REMOVE_POD_SANDBOX, "
+        "CREATE_CONTAINER, UPDATE_CONTAINER, STOP_CONTAINER, REMOVE_CONTAINER"
     ) in text
     assert "synchronized: 1 pod(s), 1 container(s)" in text
     assert f"pod telco/packet-fwd (Guaranteed), cgroup {pod_cgroup}\n  pod quota 300000 per 100000 us" in text

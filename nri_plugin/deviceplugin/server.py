@@ -37,7 +37,7 @@ import os
 import random
 import stat
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import structlog
@@ -180,7 +180,7 @@ class SharedCpusServicer(api_grpc.DevicePluginServicer):
     ) -> AsyncIterator[api.ListAndWatchResponse]:
         token = self._stream_token()
         self.open_streams += 1
-        log.debug("ListAndWatch opened", devices=len(self._board.ids))
+        log.debug("ListAndWatch opened", event_name="ListAndWatch", devices=len(self._board.ids))
         try:
             while not self._closing.is_set():
                 changed = self._board.changed
@@ -188,7 +188,7 @@ class SharedCpusServicer(api_grpc.DevicePluginServicer):
                 await _first_of(changed, self._closing)
         finally:
             self.open_streams -= 1
-            log.debug("ListAndWatch ended")
+            log.debug("ListAndWatch ended", event_name="ListAndWatch")
             self._on_stream_end(token)
 
     async def Allocate(
@@ -199,10 +199,14 @@ class SharedCpusServicer(api_grpc.DevicePluginServicer):
                 request, known=self._board.known, key=self.key, resource_name=self.resource_name
             )
         except AllocationError as exc:
-            log.warning("Allocate refused", reason=str(exc))
+            log.warning("Allocate refused", event_name="Allocate", reason=str(exc))
             await context.abort(exc.code, str(exc))
             raise  # abort() raises; this only tells type checkers so
-        log.info("Allocate", devices=[list(c.devices_ids) for c in request.container_requests])
+        log.info(
+            "Allocate",
+            event_name="Allocate",
+            devices=[list(c.devices_ids) for c in request.container_requests],
+        )
         return response
 
     async def GetPreferredAllocation(
@@ -252,6 +256,13 @@ async def _first_of(*events: asyncio.Event) -> None:
             waiter.cancel()
 
 
+class RegistrationObserver(Protocol):
+    """Told of every registration attempt's outcome (`nri_plugin.metrics`)."""
+
+    def registration_done(self, outcome: str) -> None:
+        """`outcome`: ``ok``, or ``failed`` (kubelet refused, or our socket could not be served)."""
+
+
 class DevicePluginServer:
     """Serves and registers the device plugin, and keeps it registered across kubelet restarts.
 
@@ -269,8 +280,10 @@ class DevicePluginServer:
         register_timeout: float = REGISTER_TIMEOUT,
         backoff_initial: float = BACKOFF_INITIAL,
         backoff_max: float = BACKOFF_MAX,
+        observer: RegistrationObserver | None = None,
     ) -> None:
         self._config = config
+        self.observer = observer
         self.key = key
         self.check_interval = check_interval
         self.register_timeout = register_timeout
@@ -365,6 +378,8 @@ class DevicePluginServer:
             error = await self._serve(config)
             if error is None:
                 error = await self._register(config)
+            if self.observer is not None:
+                self.observer.registration_done("ok" if error is None else "failed")
             if error is None:
                 loop = asyncio.get_running_loop()
                 since = loop.time()

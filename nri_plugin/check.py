@@ -1,0 +1,395 @@
+"""``mixed-cpu-nri-plugin check``: is the config right, and is this node ready for the daemon?
+
+Each check returns a `Finding` (OK, WARN or FAIL, what was seen, and for WARN and FAIL how to fix
+it); `run_checks` gathers them into a `Report` that renders as text, one line per check. Nothing is
+changed on the node: files are read and stat'ed, never written, and no socket is connected to (a
+connection to the NRI socket that never registers would show up in the runtime's log).
+
+What is checked:
+
+* the config file loads (the same `ConfigError` line ``run`` would stop with);
+* the shared CPUs are online and leave some CPUs over;
+* the NRI socket exists and is a socket;
+* the cgroup mode (v1, hybrid, v2) and the hierarchies that serve ``cpu`` and ``cpuset``;
+* kubelet's cgroup driver, from the top cgroup kubelet made: ``kubepods.slice`` (systemd) or
+  ``kubepods`` (cgroupfs), compared with the ``cgroupDriver`` of kubelet's config when given;
+* the state directory is writable (or can be created);
+* kubelet's device-plugin directory is there and ours to write, when the device plugin is enabled;
+* with kubelet's config file (``KubeletConfiguration`` YAML): ``reservedSystemCPUs`` holds the shared
+  CPUs (else kubelet may hand them out as exclusive CPUs), and ``cpuManagerPolicy`` is ``static``
+  (else no container has exclusive CPUs, and none can ask for shared ones).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import yaml
+
+import cgroups
+from cgroups import CgroupLayout, CgroupMode, CpusetError
+from cgroups.mode import DEFAULT_MOUNTINFO
+from nri_plugin.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    build_layout,
+    check_machine,
+    load_config,
+    online_cpus,
+)
+from nri_plugin.deviceplugin.config import DevicePluginConfig
+
+__all__ = [
+    "Finding",
+    "Report",
+    "Status",
+    "check_cgroup_driver",
+    "check_cgroups",
+    "check_device_plugin_dir",
+    "check_kubelet_config",
+    "check_nri_socket",
+    "check_shared_cpus",
+    "check_state_dir",
+    "drivers_in",
+    "run_checks",
+]
+
+SYSTEMD_TOP: Final = "kubepods.slice"
+CGROUPFS_TOP: Final = "kubepods"
+KUBELET_CONFIG_HINT: Final = "kubelet's --config file, often /var/lib/kubelet/config.yaml"
+_TOPIC_WIDTH: Final = 22
+_NRI_FIX: Final = (
+    "enable NRI in the runtime and restart it: containerd 1.7 needs "
+    '[plugins."io.containerd.nri.v1.nri"] disable = false in /etc/containerd/config.toml (2.x has it '
+    "on by default), CRI-O [crio.nri] enable_nri = true in a /etc/crio/crio.conf.d/ drop-in; in a pod, "
+    "mount the host's /var/run/nri directory; or set nri_socket to the runtime's socket_path"
+)
+
+
+class Status(enum.Enum):
+    OK = "OK"
+    WARN = "WARN"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's outcome: `detail` says what was seen, `fix` what to do about a WARN or FAIL."""
+
+    status: Status
+    topic: str
+    detail: str
+    fix: str = ""
+
+
+def _ok(topic: str, detail: str) -> Finding:
+    return Finding(Status.OK, topic, detail)
+
+
+def _warn(topic: str, detail: str, fix: str) -> Finding:
+    return Finding(Status.WARN, topic, detail, fix)
+
+
+def _fail(topic: str, detail: str, fix: str = "") -> Finding:
+    return Finding(Status.FAIL, topic, detail, fix)
+
+
+@dataclass(frozen=True)
+class Report:
+    config_path: str
+    findings: tuple[Finding, ...]
+
+    def count(self, status: Status) -> int:
+        return sum(1 for f in self.findings if f.status is status)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when nothing failed (warnings alone included), else 1."""
+        return 1 if self.count(Status.FAIL) else 0
+
+    def render(self) -> str:
+        """The report as text: a heading, one line per check (a fix below it), a summary line."""
+        lines = [f"mixed-cpu-nri-plugin check of {self.config_path}"]
+        for finding in self.findings:
+            lines.append(f"{finding.status.value:<5} {finding.topic:<{_TOPIC_WIDTH}} {finding.detail}")
+            if finding.fix:
+                lines.append(f"{'':<5} {'':<{_TOPIC_WIDTH}} fix: {finding.fix}")
+        ok, warn, fail = (self.count(s) for s in Status)
+        verdict = "not ready: fix each FAIL above" if fail else "ready"
+        lines.append(f"{ok} OK, {warn} WARN, {fail} FAIL: {verdict}")
+        return "\n".join(lines)
+
+
+# -- one check each --------------------------------------------------------------------------------
+
+
+def check_shared_cpus(config: Config) -> Finding:
+    topic = "shared CPUs"
+    try:
+        check_machine(config)
+        online = online_cpus(config.sysfs_root)
+    except ConfigError as exc:
+        return _fail(topic, str(exc))
+    left = cgroups.format_cpuset(online - config.shared_cpuset)
+    return _ok(topic, f"{config.shared_cpuset_text} online; {left} left for exclusive CPUs")
+
+
+def check_nri_socket(path: str) -> Finding:
+    topic = "NRI socket"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return _fail(topic, f"{path} does not exist", _NRI_FIX)
+    except OSError as exc:
+        return _fail(topic, f"cannot look at {path}: {exc.strerror}", "run check as root, like the daemon")
+    if not stat.S_ISSOCK(mode):
+        return _fail(
+            topic,
+            f"{path} is not a socket",
+            "set nri_socket to the runtime's NRI socket (containerd's and CRI-O's default is "
+            "/var/run/nri/nri.sock)",
+        )
+    return _ok(topic, f"{path} is a socket")
+
+
+def _describe_layout(layout: CgroupLayout) -> str:
+    if layout.mode is CgroupMode.V2:
+        return f"v2 (unified) at {layout.cpu.mount_point}"
+    kind = "v1" if layout.mode is CgroupMode.V1 else "hybrid (v1 controllers beside a v2 tree)"
+    return f"{kind}: cpu at {layout.cpu.mount_point}, cpuset at {layout.cpuset.mount_point}"
+
+
+def check_cgroups(
+    config: Config, mountinfo_path: str = DEFAULT_MOUNTINFO
+) -> tuple[Finding, CgroupLayout | None]:
+    topic = "cgroups"
+    try:
+        layout = build_layout(config, mountinfo_path=mountinfo_path)
+    except ConfigError as exc:
+        return _fail(topic, str(exc)), None
+    how = (
+        f"from {mountinfo_path}"
+        if config.cgroup_version == "auto"
+        else f'cgroup_version = "{config.cgroup_version}"'
+    )
+    return _ok(topic, f"{_describe_layout(layout)} ({how})"), layout
+
+
+def drivers_in(names: Iterable[str]) -> tuple[str, ...]:
+    """The cgroup drivers whose kubelet top cgroup is among `names` (the entries of a hierarchy's
+    root): ``systemd`` for ``kubepods.slice``, ``cgroupfs`` for ``kubepods``."""
+    present = set(names)
+    return tuple(
+        driver for driver, top in (("systemd", SYSTEMD_TOP), ("cgroupfs", CGROUPFS_TOP)) if top in present
+    )
+
+
+def check_cgroup_driver(layout: CgroupLayout, kubelet_driver: str | None = None) -> Finding:
+    """Which driver made the pod cgroups the cpu hierarchy holds; `kubelet_driver` is kubelet's
+    ``cgroupDriver`` setting, when its config was read."""
+    topic = "cgroup driver"
+    where = layout.cpu.mount_point
+    try:
+        found = drivers_in(os.listdir(where))
+    except OSError as exc:
+        return _fail(topic, f"cannot list {where}: {exc.strerror}", "run check as root, like the daemon")
+    if not found:
+        return _warn(
+            topic,
+            f"neither {SYSTEMD_TOP} nor {CGROUPFS_TOP} in {where}",
+            "start kubelet on this node (it makes them), or point cgroup_root at the host's cgroup tree",
+        )
+    if len(found) > 1 and kubelet_driver not in found:
+        return _warn(
+            topic,
+            f"both {SYSTEMD_TOP} (systemd) and {CGROUPFS_TOP} (cgroupfs) in {where}",
+            "one is left over from a change of driver; pass --kubelet-config to tell which kubelet uses",
+        )
+    driver = kubelet_driver if kubelet_driver in found else found[0]
+    top = SYSTEMD_TOP if driver == "systemd" else CGROUPFS_TOP
+    if kubelet_driver is not None and kubelet_driver != driver:
+        return _warn(
+            topic,
+            f"{top} in {where} was made by the {driver} driver, but kubelet's cgroupDriver is "
+            f"{kubelet_driver}",
+            "the runtime's and kubelet's cgroup drivers must agree (containerd SystemdCgroup, CRI-O "
+            "cgroup_manager); fix the one that differs and restart it",
+        )
+    return _ok(topic, f"{driver} ({top} in {where})")
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_state_dir(path: str) -> Finding:
+    topic = "state directory"
+    fix = "run the daemon as root, or point state_dir at a directory only root can write"
+    if os.path.isdir(path):
+        if os.access(path, os.W_OK | os.X_OK):
+            return _ok(topic, f"{path} is writable")
+        return _fail(topic, f"{path} is not writable by uid {os.geteuid()}", fix)
+    if os.path.lexists(path):
+        return _fail(topic, f"{path} is not a directory", "point state_dir at a directory")
+    parent = _nearest_existing(path)
+    if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+        return _ok(topic, f"{path} does not exist yet; the daemon will create it")
+    return _fail(topic, f"{path} does not exist, and {parent} is not a writable directory", fix)
+
+
+def check_device_plugin_dir(device_plugin: DevicePluginConfig) -> Finding:
+    topic = "device-plugin dir"
+    if not device_plugin.enabled:
+        return _ok(topic, "not used: [device_plugin] enabled = false (kubelet must advertise the resource)")
+    directory = str(device_plugin.plugin_dir)
+    if not os.path.isdir(directory):
+        return _fail(
+            topic,
+            f"{directory} is not a directory",
+            "set [device_plugin] plugin_dir to kubelet's device-plugin directory; in a pod, mount the "
+            "host's /var/lib/kubelet/device-plugins (the directory, not the socket files)",
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return _fail(
+            topic,
+            f"{directory} is not writable by uid {os.geteuid()}",
+            "run the daemon as root (kubelet makes the directory root-only)",
+        )
+    kubelet = str(device_plugin.kubelet_socket)
+    try:
+        is_socket = stat.S_ISSOCK(os.stat(kubelet).st_mode)
+    except OSError:
+        is_socket = False
+    if not is_socket:
+        return _warn(
+            topic,
+            f"no kubelet socket {kubelet}",
+            "start kubelet; the daemon registers with it once the socket appears",
+        )
+    return _ok(topic, f"{directory} is writable, kubelet listens on {kubelet}")
+
+
+# -- kubelet's config file -----------------------------------------------------------------------------
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        return f"{exc.problem or exc.context} at line {exc.problem_mark.line + 1}"
+    return " ".join(str(exc).split())
+
+
+def _load_kubelet_config(path: str) -> Mapping[str, Any] | Finding:
+    topic = "kubelet config"
+    fix = f"pass {KUBELET_CONFIG_HINT}"
+    try:
+        with open(path, encoding="utf-8") as file:
+            document = yaml.safe_load(file)
+    except OSError as exc:
+        return _fail(topic, f"cannot read {path}: {exc.strerror}", fix)
+    except UnicodeDecodeError:
+        return _fail(topic, f"{path} is not UTF-8 text", fix)
+    except yaml.YAMLError as exc:
+        return _fail(topic, f"{path} is not valid YAML: {_yaml_problem(exc)}", fix)
+    if not isinstance(document, Mapping):
+        return _fail(topic, f"{path} is not a KubeletConfiguration (a YAML mapping)", fix)
+    kind = document.get("kind", "KubeletConfiguration")
+    if kind != "KubeletConfiguration":
+        return _fail(topic, f"{path} is a {kind}, not a KubeletConfiguration", fix)
+    return document
+
+
+def _reserved_cpus(path: str, document: Mapping[str, Any], shared: frozenset[int]) -> Finding:
+    topic = "kubelet reserved CPUs"
+    shared_text = cgroups.format_cpuset(shared)
+    add = (
+        f'set reservedSystemCPUs: "{shared_text}" (or a superset) in {path} and restart kubelet, so it '
+        "never gives the shared CPUs to a container as exclusive CPUs"
+    )
+    value = document.get("reservedSystemCPUs")
+    if value is None or value == "":
+        return _warn(topic, f"{path} sets no reservedSystemCPUs", add)
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        if not isinstance(text, str):
+            raise CpusetError(f"{value!r} is not a cpu list")
+        reserved = cgroups.parse_cpuset(text)
+    except CpusetError as exc:
+        return _fail(topic, f"{path}: reservedSystemCPUs: {exc}", f"fix reservedSystemCPUs in {path}")
+    outside = shared - reserved
+    if outside:
+        return _warn(
+            topic,
+            f"reservedSystemCPUs {cgroups.format_cpuset(reserved)} leave out the shared CPUs "
+            f"{cgroups.format_cpuset(outside)}",
+            add,
+        )
+    return _ok(
+        topic, f"reservedSystemCPUs {cgroups.format_cpuset(reserved)} hold the shared CPUs {shared_text}"
+    )
+
+
+def _cpu_manager(path: str, document: Mapping[str, Any]) -> Finding:
+    topic = "kubelet CPU manager"
+    policy = document.get("cpuManagerPolicy") or "none"
+    if policy != "static":
+        return _warn(
+            topic,
+            f"cpuManagerPolicy is {policy}, so no container has exclusive CPUs to add shared ones to",
+            f"set cpuManagerPolicy: static in {path} (kubelet then needs its cpu_manager_state removed "
+            "and a restart)",
+        )
+    return _ok(topic, "cpuManagerPolicy is static")
+
+
+def check_kubelet_config(path: str, shared: frozenset[int]) -> tuple[list[Finding], str | None]:
+    """The reserved-CPU and CPU-manager findings from kubelet's config file, and its cgroupDriver
+    (None when the file does not say or cannot be read)."""
+    document = _load_kubelet_config(path)
+    if isinstance(document, Finding):
+        return [document], None
+    driver = document.get("cgroupDriver")
+    return [_reserved_cpus(path, document, shared), _cpu_manager(path, document)], (
+        driver if isinstance(driver, str) else None
+    )
+
+
+# -- all of them ---------------------------------------------------------------------------------------
+
+
+def run_checks(
+    config_path: str = DEFAULT_CONFIG_PATH,
+    *,
+    kubelet_config: str | None = None,
+    mountinfo_path: str = DEFAULT_MOUNTINFO,
+) -> Report:
+    """Every check, in the order a newcomer would fix them. A config that does not load stops the
+    report there: the other checks need its paths."""
+    try:
+        config = load_config(config_path, check=False)
+    except ConfigError as exc:
+        return Report(config_path, (_fail("config", str(exc)),))
+    findings = [
+        _ok("config", f'{config.source} is valid; shared_cpuset = "{config.shared_cpuset_text}"'),
+        check_shared_cpus(config),
+        check_nri_socket(config.nri_socket),
+    ]
+    cgroup_finding, layout = check_cgroups(config, mountinfo_path)
+    findings.append(cgroup_finding)
+    kubelet_findings: list[Finding] = []
+    kubelet_driver = None
+    if kubelet_config is not None:
+        kubelet_findings, kubelet_driver = check_kubelet_config(kubelet_config, config.shared_cpuset)
+    if layout is not None:
+        findings.append(check_cgroup_driver(layout, kubelet_driver))
+    findings.append(check_state_dir(config.state_dir))
+    findings.append(check_device_plugin_dir(config.device_plugin))
+    findings.extend(kubelet_findings)
+    return Report(config.source, tuple(findings))

@@ -1,0 +1,199 @@
+"""The daemon's log lines: structlog and stdlib logging (grpc, asyncio) through one handler on stderr.
+
+Formats:
+
+* ``json``: one JSON object per line, for log collectors;
+* ``console``: aligned text for a person at a terminal (coloured there, unless ``NO_COLOR`` is set);
+* ``auto`` (the default): ``console`` when stderr is a terminal, ``json`` when it is not (a pod, a
+  systemd unit, a pipe).
+
+Both kinds of logger pass through the same handler and the same renderer, so a grpc warning is a
+JSON line like ours. The message is under ``msg``. A line about an NRI or kubelet request names the
+request under ``event`` (``CreateContainer``, ``Synchronize``, ``Allocate`` ...), and a line about a
+container also carries ``namespace``, ``pod`` and ``container``. structlog keeps its ``event``
+argument for the message, so callers pass the request's name as ``event_name=`` (`EVENT_NAME`) and
+the renderer moves it to ``event``.
+
+One threshold, the root logger's level, filters both kinds of logger, so it can change at run time:
+`toggle_debug` (SIGUSR1 in the daemon, see `debug_toggle_on_sigusr1`) switches debug on and back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator, MutableMapping
+from typing import Any, Final, TextIO
+
+import structlog
+
+__all__ = [
+    "EVENT_NAME",
+    "FORMATS",
+    "LEVELS",
+    "configure_logging",
+    "debug_toggle_on_sigusr1",
+    "resolve_format",
+    "toggle_debug",
+]
+
+LEVELS: Final = ("debug", "info", "warning", "error")
+FORMATS: Final = ("auto", "console", "json")
+# The keyword a caller names its NRI or kubelet request with; rendered as "event".
+EVENT_NAME: Final = "event_name"
+MESSAGE_KEY: Final = "msg"
+# JSON keys put first, in this order, so a line reads left to right: when, how bad, who, what.
+_LEADING_KEYS: Final = ("timestamp", "level", "logger", MESSAGE_KEY, "event")
+
+log = structlog.get_logger("nri_plugin.logs")
+
+
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to `target`, or, when that is None, to whatever ``sys.stderr`` is at each record (so
+    whoever replaces sys.stderr later, a test's capture for one, is honoured)."""
+
+    def __init__(self, target: TextIO | None) -> None:
+        super().__init__(target if target is not None else sys.stderr)
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Called with the handler's lock held.
+        self.stream = self.target if self.target is not None else sys.stderr
+        super().emit(record)
+
+
+class _Settings:
+    """What `configure_logging` set last: the level `toggle_debug` returns to, and our handler."""
+
+    base_level: int = logging.INFO
+    handler: _Handler | None = None
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (OSError, ValueError):  # a closed or detached stream
+        return False
+
+
+def resolve_format(log_format: str, stream: TextIO | None = None) -> str:
+    """``console`` or ``json``: `log_format` itself, or for ``auto`` what suits `stream` (stderr
+    when None): console on a terminal, JSON anywhere else."""
+    if log_format not in FORMATS:
+        raise ValueError(f"unknown log format {log_format!r}: use {', '.join(FORMATS)}")
+    if log_format != "auto":
+        return log_format
+    return "console" if _is_terminal(stream if stream is not None else sys.stderr) else "json"
+
+
+def _level_number(level: str) -> int:
+    if level not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}: use {', '.join(LEVELS)}")
+    number = logging.getLevelName(level.upper())
+    assert isinstance(number, int)
+    return number
+
+
+def _leading_keys_first(
+    _logger: object, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    ordered = {key: event_dict.pop(key) for key in _LEADING_KEYS if key in event_dict}
+    ordered.update(event_dict)
+    return ordered
+
+
+def _renderer_chain(rendered: str, colors: bool) -> list[structlog.types.Processor]:
+    common: list[structlog.types.Processor] = [
+        structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+        structlog.processors.EventRenamer(MESSAGE_KEY, replace_by=EVENT_NAME),
+    ]
+    if rendered == "json":
+        return [
+            *common,
+            structlog.processors.format_exc_info,
+            _leading_keys_first,
+            structlog.processors.JSONRenderer(),
+        ]
+    return [*common, structlog.dev.ConsoleRenderer(colors=colors, event_key=MESSAGE_KEY)]
+
+
+def configure_logging(level: str, log_format: str = "auto", *, stream: TextIO | None = None) -> str:
+    """Send every log line, structlog's and stdlib's, to `stream` (stderr when None) at `level` and
+    above, in `log_format` (see the module docstring). Returns the format used, console or json.
+
+    May be called again: the new settings replace the old ones. Raises ValueError for an unknown
+    level or format.
+    """
+    threshold = _level_number(level)
+    rendered = resolve_format(log_format, stream)
+    colors = (
+        rendered == "console"
+        and _is_terminal(stream if stream is not None else sys.stderr)
+        and "NO_COLOR" not in os.environ
+    )
+    timestamper = structlog.processors.TimeStamper(fmt="iso")
+    handler = _Handler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=_renderer_chain(rendered, colors),
+            # What a stdlib record (grpc, asyncio, our ttrpc and mux modules) gets before rendering.
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.add_log_level,
+                timestamper,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    if _Settings.handler is not None:
+        root.removeHandler(_Settings.handler)
+    root.addHandler(handler)
+    root.setLevel(threshold)
+    _Settings.handler = handler
+    _Settings.base_level = threshold
+    structlog.configure(
+        processors=[
+            # The root logger's level decides, read at each call: toggle_debug takes effect at once.
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.add_logger_name,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            timestamper,
+            structlog.processors.StackInfoRenderer(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    return rendered
+
+
+def toggle_debug() -> str:
+    """Debug on if it is off, else back to the configured level (info if that was debug). Logs the
+    change while debug is still on, so the line shows at any level. Returns the new level's name."""
+    root = logging.getLogger()
+    if root.getEffectiveLevel() > logging.DEBUG:
+        root.setLevel(logging.DEBUG)
+        log.info("debug logging on; send SIGUSR1 again to turn it off")
+        return "debug"
+    back = _Settings.base_level if _Settings.base_level > logging.DEBUG else logging.INFO
+    name = logging.getLevelName(back).lower()
+    log.info(f"debug logging off; level back to {name}")
+    root.setLevel(back)
+    return name
+
+
+@contextlib.contextmanager
+def debug_toggle_on_sigusr1(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """While the body runs, SIGUSR1 toggles debug logging (see `toggle_debug`)."""
+    loop.add_signal_handler(signal.SIGUSR1, toggle_debug)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGUSR1)

@@ -1,0 +1,168 @@
+"""Prometheus metrics of the daemon, in a registry of their own.
+
+One `Metrics` object per daemon (tests make as many as they like: nothing goes to prometheus_client's
+global registry); ``metrics.attach(stub, device_plugin)`` wires it. It is the observer the other parts
+report to, and none of them imports this module: the stub calls ``request_done`` and
+``reconnecting`` (`nri_plugin.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed``
+(`nri_plugin.mixedcpu.CgroupObserver`), the device plugin ``registration_done``
+(`nri_plugin.deviceplugin.server.RegistrationObserver`). Gauges are read from their owners when
+scraped (``track``): the shared-container count from the plugin's books, readiness from the stub and
+the device plugin, so they cannot drift from what they describe and cost nothing per request.
+
+| metric | type | labels | meaning |
+|---|---|---|---|
+| `mixed_cpu_nri_requests_total` | counter | `event`, `outcome` | NRI requests answered |
+| `mixed_cpu_nri_request_duration_seconds` | histogram | `event` | time to answer one, 100 µs to 2 s |
+| `mixed_cpu_shared_containers` | gauge | | containers holding the shared CPUs now |
+| `mixed_cpu_cgroup_write_failures_total` | counter | `kind` | pod cgroup quota writes that failed |
+| `mixed_cpu_nri_reconnects_total` | counter | | connections to the runtime lost (then retried) |
+| `mixed_cpu_device_plugin_registrations_total` | counter | `outcome` | registrations with kubelet |
+| `mixed_cpu_nri_ready` | gauge | | 1 while registered with the runtime and synchronized |
+| `mixed_cpu_kubelet_registered` | gauge | | 1 while kubelet holds our registration (0 when off) |
+
+Labels:
+
+* `event`: `configure`, `synchronize` (each chunk of a chunked one), `shutdown`, or the plugin
+  handler an event goes to (`create_container`, `update_container`, `stop_container`,
+  `remove_container`, `remove_pod_sandbox`, ...), whether it came on its own method or in a
+  StateChange; `unknown` for a StateChange event number we do not know.
+* `outcome` of a request: `ok` (answered), `error` (the runtime got an error status, e.g. a
+  container refused for a wrong request), `cancelled` (the connection closed or the runtime's
+  deadline passed first). Of a registration: `ok`, or `failed` (kubelet refused, or our socket
+  could not be served).
+* `kind`: `pod_quota_raise` (at a creation, which is then refused; or at Synchronize),
+  `pod_quota_lower` (retried later; on cgroup v1 a few are normal right after a container stops),
+  `pod_quota_restore` (putting the pod quota back after a failed creation). A write the kernel
+  took but that reads back different counts too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from nri_plugin.deviceplugin import DevicePluginServer
+    from nri_plugin.stub import Stub
+
+__all__ = ["DURATION_BUCKETS", "WRITE_FAILURE_KINDS", "Metrics"]
+
+# From 100 µs (a cheap event) to 2 s, the runtime's default request deadline.
+DURATION_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0
+)
+WRITE_FAILURE_KINDS = ("pod_quota_raise", "pod_quota_lower", "pod_quota_restore")
+REGISTRATION_OUTCOMES = ("ok", "failed")
+
+
+class Metrics:
+    """The daemon's metrics; see the module docstring for the list."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "mixed_cpu_nri_requests",
+            "NRI requests answered, by event and outcome.",
+            ["event", "outcome"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "mixed_cpu_nri_request_duration_seconds",
+            "Time to answer an NRI request, by event.",
+            ["event"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.shared_containers = Gauge(
+            "mixed_cpu_shared_containers", "Containers holding the shared CPUs.", registry=r
+        )
+        self.write_failures = Counter(
+            "mixed_cpu_cgroup_write_failures",
+            "Pod cgroup quota writes that failed, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.reconnects = Counter(
+            "mixed_cpu_nri_reconnects", "Connections to the runtime lost and reconnected.", registry=r
+        )
+        self.registrations = Counter(
+            "mixed_cpu_device_plugin_registrations",
+            "Device plugin registrations with kubelet, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.nri_ready = Gauge(
+            "mixed_cpu_nri_ready", "1 while registered with the runtime and synchronized.", registry=r
+        )
+        self.kubelet_registered = Gauge(
+            "mixed_cpu_kubelet_registered", "1 while registered with kubelet.", registry=r
+        )
+        for kind in WRITE_FAILURE_KINDS:
+            self.write_failures.labels(kind)
+        for outcome in REGISTRATION_OUTCOMES:
+            self.registrations.labels(outcome)
+        # Label lookups take a lock and build tuples; a request pays a dict lookup instead.
+        self._request_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+
+    def attach(self, stub: Stub, device_plugin: DevicePluginServer | None = None) -> None:
+        """Observe the daemon's parts: the stub, its plugin (when it is the mixed-CPU one), the device
+        plugin. Before ``stub.run()``: the stub reads its observer when a connection starts."""
+        from nri_plugin.mixedcpu import MixedCpuPlugin
+
+        stub.observer = self
+        self.track(nri_ready=stub.ready.is_set)
+        plugin = stub.plugin
+        if isinstance(plugin, MixedCpuPlugin):
+            plugin.observer = self
+            self.track(shared_containers=lambda: plugin.shared_containers)
+        if device_plugin is not None:
+            device_plugin.observer = self
+            self.track(kubelet_registered=lambda: device_plugin.registered)
+
+    # -- what the parts report (the observer protocols) ------------------------------------------------
+
+    def request_done(self, event: str, outcome: str, seconds: float) -> None:
+        children = self._request_children.get((event, outcome))
+        if children is None:
+            children = (self.requests.labels(event, outcome), self.duration.labels(event))
+            self._request_children[(event, outcome)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def reconnecting(self) -> None:
+        self.reconnects.inc()
+
+    def cgroup_write_failed(self, kind: str) -> None:
+        self.write_failures.labels(kind).inc()
+
+    def registration_done(self, outcome: str) -> None:
+        self.registrations.labels(outcome).inc()
+
+    # -- gauges read at scrape time --------------------------------------------------------------------
+
+    def track(
+        self,
+        *,
+        shared_containers: Callable[[], int] | None = None,
+        nri_ready: Callable[[], bool] | None = None,
+        kubelet_registered: Callable[[], bool] | None = None,
+    ) -> None:
+        """Read these gauges from their owners whenever the metrics are rendered."""
+        for gauge, read in (
+            (self.shared_containers, shared_containers),
+            (self.nri_ready, nri_ready),
+            (self.kubelet_registered, kubelet_registered),
+        ):
+            if read is not None:
+                gauge.set_function(_as_float(read))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (serve as ``CONTENT_TYPE_LATEST``)."""
+        return generate_latest(self.registry)
+
+
+def _as_float(read: Callable[[], int] | Callable[[], bool]) -> Callable[[], float]:
+    return lambda: float(read())

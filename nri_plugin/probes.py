@@ -1,0 +1,279 @@
+"""``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1, served on the daemon's own event loop.
+
+* ``GET /metrics``: the Prometheus text exposition (`nri_plugin.metrics.Metrics.render`).
+* ``GET /healthz``: 200 ``ok`` whenever the loop answers at all. Because it is served on the loop
+  that also serves NRI, a wedged loop fails liveness instead of looking healthy from another thread.
+* ``GET /readyz``: 200 ``ok`` when registered and synchronized with the runtime and, with the device
+  plugin on, registered with kubelet; otherwise 503 and one line saying what is missing.
+
+Deliberately small: one request per connection (``Connection: close``), GET and HEAD only (405 for
+other methods), no request body read, the request head limited to `MAX_HEAD` bytes (431) and
+`READ_TIMEOUT` seconds (408), anything unparsable answered 400, at most `MAX_CONNECTIONS` at once
+(503 beyond). A client sending garbage costs one short-lived task, never the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from nri_plugin.deviceplugin import DevicePluginServer
+    from nri_plugin.stub import Stub
+
+__all__ = ["MAX_HEAD", "ProbeError", "ProbeServer", "parse_address", "readiness"]
+
+log = structlog.get_logger("nri_plugin.probes")
+
+MAX_HEAD = 8 * 1024  # request line and headers, in bytes
+READ_TIMEOUT = 5.0  # seconds to send the request head, and to take the answer
+MAX_CONNECTIONS = 32
+# After an error answer, what the client may still be sending is read and dropped (this much, for at
+# most this long) before the socket closes: closing on unread data would reset the connection, and
+# the client could lose the answer.
+LINGER_BYTES = 64 * 1024
+LINGER_TIME = 1.0
+PATHS = ("/metrics", "/healthz", "/readyz")
+
+_TEXT = "text/plain; charset=utf-8"
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VERSION = re.compile(r"HTTP/1\.[01]")
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+class ProbeError(Exception):
+    """The endpoint cannot be served (address in use, unknown host, ...); one line for the operator."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` → (host, port). Port 0 asks for any free port."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ProbeError(
+            f'metrics address {text!r} is not host:port; use e.g. "127.0.0.1:8891" or "[::1]:8891"'
+        )
+    return host, int(port)
+
+
+def readiness(stub: Stub, device_plugin: DevicePluginServer | None) -> Callable[[], str | None]:
+    """What ``/readyz`` asks: None when ready, else what is missing."""
+
+    def check() -> str | None:
+        missing = []
+        if not stub.ready.is_set():
+            missing.append("not registered with the runtime (NRI) yet")
+        if device_plugin is not None and device_plugin.config.enabled and not device_plugin.registered:
+            missing.append("not registered with kubelet yet")
+        return "; ".join(missing) or None
+
+    return check
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ProbeServer:
+    """The HTTP endpoint; ``async with ProbeServer(address, metrics=..., readiness=...) as server``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        metrics: Callable[[], bytes],
+        readiness: Callable[[], str | None],
+    ) -> None:
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self._metrics = metrics
+        self._readiness = readiness
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    @property
+    def bound(self) -> list[str]:
+        """Where it listens, as ``host:port`` / ``[v6]:port`` (with the real port when 0 was asked)."""
+        if self._server is None:
+            return []
+        names = []
+        for sock in self._server.sockets:
+            host, port = sock.getsockname()[:2]
+            names.append(f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}")
+        return names
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._handlers)
+
+    async def start(self) -> None:
+        """Listen; `ProbeError` with one line if that is not possible."""
+        try:
+            self._server = await asyncio.start_server(
+                self._handle, self.host, self.port, limit=MAX_HEAD, reuse_address=True
+            )
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
+            raise ProbeError(
+                f"cannot serve metrics and probes on {self.address}: {reason}; set metrics_address to a "
+                'free host:port, or "" to turn them off'
+            ) from None
+        log.info("serving metrics and probes", address=" ".join(self.bound), paths=" ".join(PATHS))
+
+    async def close(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await server.wait_closed()
+
+    async def __aenter__(self) -> ProbeServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    # -- one connection ------------------------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            if len(self._handlers) > MAX_CONNECTIONS:
+                status, head_only, body, kind = 503, False, b"busy: too many connections\n", _TEXT
+            else:
+                status, head_only, body, kind = await self._answer(reader)
+            writer.write(_response(status, body, kind, head_only))
+            await asyncio.wait_for(writer.drain(), READ_TIMEOUT)
+            if status >= 400 and writer.can_write_eof():
+                writer.write_eof()
+                await asyncio.wait_for(_discard(reader, LINGER_BYTES), LINGER_TIME)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._handlers.discard(task)
+            writer.close()
+            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                await writer.wait_closed()
+
+    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bool, bytes, str]:
+        """(status, HEAD?, body, content type) for the request on `reader`."""
+        try:
+            try:
+                head = await asyncio.wait_for(_read_head(reader), READ_TIMEOUT)
+            except asyncio.TimeoutError:
+                raise _Refused(408, f"request head not received within {READ_TIMEOUT:g} s") from None
+            method, path = _parse(head)
+            if method not in ("GET", "HEAD"):
+                raise _Refused(405, f"{method} not allowed: use GET (or HEAD)")
+            status, body, kind = self._route(path)
+            return status, method == "HEAD", body, kind
+        except _Refused as exc:
+            log.debug("probe request refused", status=exc.status, reason=str(exc))
+            return exc.status, False, f"{exc}\n".encode(), _TEXT
+
+    def _route(self, path: str) -> tuple[int, bytes, str]:
+        if path == "/healthz":
+            return 200, b"ok\n", _TEXT
+        if path == "/readyz":
+            missing = self._readiness()
+            if missing:
+                return 503, f"not ready: {missing}\n".encode(), _TEXT
+            return 200, b"ok\n", _TEXT
+        if path == "/metrics":
+            try:
+                return 200, self._metrics(), CONTENT_TYPE_LATEST
+            except Exception as exc:  # a metric's reader failed: say so, keep serving
+                log.error("cannot render the metrics", error=str(exc))
+                return 500, f"cannot render the metrics: {exc}\n".encode(), _TEXT
+        raise _Refused(404, f"no such path {path!r}; try {', '.join(PATHS)}")
+
+
+async def _discard(reader: asyncio.StreamReader, limit: int) -> None:
+    while limit > 0:
+        data = await reader.read(min(limit, 16 * 1024))
+        if not data:
+            return
+        limit -= len(data)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> list[str]:
+    """The request line and header lines, without line ends. Raises `_Refused`."""
+    lines: list[str] = []
+    size = 0
+    while True:
+        try:
+            raw = await reader.readline()
+        except ValueError:  # one line longer than the reader's limit (MAX_HEAD)
+            raise _Refused(431, f"request head larger than {MAX_HEAD} bytes") from None
+        size += len(raw)
+        if size > MAX_HEAD:
+            raise _Refused(431, f"request head larger than {MAX_HEAD} bytes")
+        if not raw.endswith(b"\n"):
+            if not lines and not raw:
+                raise asyncio.IncompleteReadError(b"", None)  # connected and left: nothing to answer
+            raise _Refused(400, "connection closed before the end of the request head")
+        line = raw.rstrip(b"\r\n").decode("latin-1")
+        if not line:
+            if lines:
+                return lines
+            continue  # blank lines before the request line are allowed (RFC 9112 2.2)
+        lines.append(line)
+
+
+def _parse(lines: list[str]) -> tuple[str, str]:
+    """(method, path) of a request head. Raises `_Refused` (400)."""
+    parts = lines[0].split(" ")
+    if (
+        len(parts) != 3
+        or not _TOKEN.fullmatch(parts[0])
+        or not _VERSION.fullmatch(parts[2])
+        or not parts[1].startswith("/")
+        or not parts[1].isprintable()
+        or not parts[1].isascii()
+    ):
+        raise _Refused(400, "malformed request line; expected e.g. GET /metrics HTTP/1.1")
+    for line in lines[1:]:
+        name, colon, _ = line.partition(":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise _Refused(400, "malformed header line")
+    method, target = parts[0], parts[1]
+    return method, target.partition("?")[0]
+
+
+def _response(status: int, body: bytes, kind: str, head_only: bool) -> bytes:
+    extra = "Allow: GET, HEAD\r\n" if status == 405 else ""
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
+        f"Content-Type: {kind}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        f"{extra}"
+        "Cache-Control: no-store\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + (b"" if head_only else body)

@@ -1,0 +1,417 @@
+"""``mixed-cpu-nri-plugin check``: a readable report of the config and the node, exit 0 or 1.
+
+Each test builds a node in a temporary directory: a fake sysfs (CPUs 0-7 online), a cgroup tree,
+a real unix socket for the runtime's NRI socket and for kubelet's device-plugin socket, and kubelet
+config files; then runs the command as the console script does (`nri_plugin.cli.main`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.check import Status, check_cgroup_driver, drivers_in, run_checks
+from nri_plugin.cli import main
+
+
+@dataclass
+class Node:
+    """The paths of a fake node; `config` is written by `write_config`."""
+
+    root: Path
+    sockets: list[socket.socket]
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def nri_socket(self) -> Path:
+        return self.root / "nri" / "nri.sock"
+
+    @property
+    def cgroup(self) -> Path:
+        return self.root / "cgroup"
+
+    @property
+    def plugin_dir(self) -> Path:
+        return self.root / "dp"
+
+    def listen(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(path))
+        server.listen()
+        self.sockets.append(server)
+
+    def write_config(self, extra: str = "", *, shared: str = "0-1", cgroup_version: str = "v2") -> Path:
+        self.config.write_text(
+            f'shared_cpuset = "{shared}"\n'
+            f'sysfs_root = "{self.root}/sys"\n'
+            f'nri_socket = "{self.nri_socket}"\n'
+            f'cgroup_root = "{self.cgroup}"\n'
+            f'cgroup_version = "{cgroup_version}"\n'
+            f'state_dir = "{self.root}/state"\n'
+            f"{extra}"
+            f'[device_plugin]\nplugin_dir = "{self.plugin_dir}"\n'
+        )
+        return self.config
+
+    def kubelet_config(self, text: str) -> Path:
+        path = self.root / "kubelet.yaml"
+        path.write_text(text)
+        return path
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    """A node ready for the daemon: NRI on, kubelet running with the systemd driver, cgroup v2.
+
+    Under /tmp, not tmp_path: a unix socket path must fit in 107 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="chk-", dir="/tmp"))
+    made = Node(root, [])
+    online = root / "sys" / "devices" / "system" / "cpu"
+    online.mkdir(parents=True)
+    (online / "online").write_text("0-7\n")
+    (made.cgroup / "kubepods.slice").mkdir(parents=True)
+    made.listen(made.nri_socket)
+    made.listen(made.plugin_dir / "kubelet.sock")
+    made.write_config()
+    yield made
+    for server in made.sockets:
+        server.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
+    """Run ``check`` through the CLI: its exit status and the report's lines on stdout."""
+    status = main(["check", *args])
+    out, err = capsys.readouterr()
+    assert err == ""
+    return status, out.splitlines()
+
+
+def line_of(lines: list[str], topic: str) -> str:
+    [line] = [line for line in lines if line[6:].startswith(topic)]
+    return line
+
+
+def fix_of(lines: list[str], topic: str) -> str:
+    following = lines[lines.index(line_of(lines, topic)) + 1]
+    assert following.lstrip().startswith("fix: "), following
+    return following.lstrip()[len("fix: ") :]
+
+
+KUBELET_OK = """\
+kind: KubeletConfiguration
+cgroupDriver: systemd
+cpuManagerPolicy: static
+reservedSystemCPUs: "0-1,7"
+"""
+
+
+def test_a_ready_node_is_all_ok(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    kubelet = node.kubelet_config(KUBELET_OK)
+    status, lines = check(capsys, "--config", str(node.config), "--kubelet-config", str(kubelet))
+    r = node.root
+    assert lines == [
+        f"mixed-cpu-nri-plugin check of {node.config}",
+        f'OK    config                 {node.config} is valid; shared_cpuset = "0-1"',
+        "OK    shared CPUs            0-1 online; 2-7 left for exclusive CPUs",
+        f"OK    NRI socket             {r}/nri/nri.sock is a socket",
+        f'OK    cgroups                v2 (unified) at {r}/cgroup (cgroup_version = "v2")',
+        f"OK    cgroup driver          systemd (kubepods.slice in {r}/cgroup)",
+        f"OK    state directory        {r}/state does not exist yet; the daemon will create it",
+        f"OK    device-plugin dir      {r}/dp is writable, kubelet listens on {r}/dp/kubelet.sock",
+        "OK    kubelet reserved CPUs  reservedSystemCPUs 0-1,7 hold the shared CPUs 0-1",
+        "OK    kubelet CPU manager    cpuManagerPolicy is static",
+        "9 OK, 0 WARN, 0 FAIL: ready",
+    ]
+    assert status == 0
+
+
+def test_the_console_script_prints_the_report(node: Node) -> None:
+    script = Path(sys.executable).with_name("mixed-cpu-nri-plugin")
+    if not script.exists():
+        pytest.skip(f"the console script is not installed next to {sys.executable}")
+    os.remove(node.nri_socket)
+    result = subprocess.run(
+        [str(script), "check", "--config", str(node.config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr == ""
+    assert f"FAIL  NRI socket             {node.nri_socket} does not exist" in result.stdout.splitlines()
+    assert result.stdout.splitlines()[-1] == "6 OK, 0 WARN, 1 FAIL: not ready: fix each FAIL above"
+
+
+@pytest.mark.parametrize(
+    ("text", "status", "detail", "fix"),
+    [
+        (
+            'reservedSystemCPUs: "0"\ncpuManagerPolicy: static\n',
+            "WARN",
+            "reservedSystemCPUs 0 leave out the shared CPUs 1",
+            'set reservedSystemCPUs: "0-1" (or a superset) in {path} and restart kubelet',
+        ),
+        (
+            "cpuManagerPolicy: static\n",
+            "WARN",
+            "{path} sets no reservedSystemCPUs",
+            'set reservedSystemCPUs: "0-1" (or a superset) in {path}',
+        ),
+        (
+            "reservedSystemCPUs: 1\ncpuManagerPolicy: static\n",  # YAML reads a lone CPU as a number
+            "WARN",
+            "reservedSystemCPUs 1 leave out the shared CPUs 0",
+            "set reservedSystemCPUs",
+        ),
+        (
+            'reservedSystemCPUs: "0-1,x"\n',
+            "FAIL",
+            '{path}: reservedSystemCPUs: invalid cpu list "0-1,x"',
+            "fix reservedSystemCPUs in {path}",
+        ),
+    ],
+    ids=["outside", "missing-key", "number", "bad-list"],
+)
+def test_kubelet_reserved_cpus(
+    node: Node, capsys: pytest.CaptureFixture[str], text: str, status: str, detail: str, fix: str
+) -> None:
+    kubelet = node.kubelet_config(text)
+    code, lines = check(capsys, "--config", str(node.config), "--kubelet-config", str(kubelet))
+    line = line_of(lines, "kubelet reserved CPUs")
+    assert line.startswith(f"{status:<5} ")
+    assert detail.format(path=kubelet) in line
+    assert fix.format(path=kubelet) in fix_of(lines, "kubelet reserved CPUs")
+    assert code == (1 if status == "FAIL" else 0)  # a warning alone still exits 0
+
+
+def test_kubelet_without_the_static_cpu_manager_is_a_warning(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kubelet = node.kubelet_config('reservedSystemCPUs: "0-1"\n')
+    code, lines = check(capsys, "--config", str(node.config), "--kubelet-config", str(kubelet))
+    assert line_of(lines, "kubelet CPU manager").startswith(
+        "WARN  kubelet CPU manager    cpuManagerPolicy is none, so no container has exclusive CPUs"
+    )
+    assert fix_of(lines, "kubelet CPU manager").startswith(f"set cpuManagerPolicy: static in {kubelet}")
+    assert lines[-1] == "8 OK, 1 WARN, 0 FAIL: ready"
+    assert code == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        (None, "cannot read {path}: No such file or directory"),
+        (
+            "reservedSystemCPUs: [0, 1\n",
+            "{path} is not valid YAML: expected ',' or ']', but got '<stream end>'",
+        ),
+        ("- 0-1\n", "{path} is not a KubeletConfiguration (a YAML mapping)"),
+        ("kind: Pod\n", "{path} is a Pod, not a KubeletConfiguration"),
+    ],
+    ids=["missing", "invalid-yaml", "a-list", "another-kind"],
+)
+def test_unusable_kubelet_config_fails_with_one_line(
+    node: Node, capsys: pytest.CaptureFixture[str], text: str | None, detail: str
+) -> None:
+    kubelet = node.root / "kubelet.yaml"
+    if text is not None:
+        kubelet.write_text(text)
+    code, lines = check(capsys, "--config", str(node.config), "--kubelet-config", str(kubelet))
+    line = line_of(lines, "kubelet config")
+    assert line.startswith(f"FAIL  kubelet config         {detail.format(path=kubelet)}")
+    assert (
+        fix_of(lines, "kubelet config") == "pass kubelet's --config file, often /var/lib/kubelet/config.yaml"
+    )
+    assert code == 1
+
+
+def test_a_wrong_config_is_the_one_failure_reported(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    node.config.write_text('shared_cpuset = "0-1"\nstate_dirr = "/x"\n')
+    code, lines = check(capsys, "--config", str(node.config))
+    assert lines[1].startswith(
+        f"FAIL  config                 {node.config}: state_dirr: unknown key (a typo?)"
+    )
+    assert lines[2:] == ["0 OK, 0 WARN, 1 FAIL: not ready: fix each FAIL above"]
+    assert code == 1
+    missing = node.root / "absent.toml"
+    code, lines = check(capsys, "--config", str(missing))
+    assert lines[1] == (
+        f"FAIL  config                 {missing}: no such file; create it with at least shared_cpuset set "
+        '(e.g. shared_cpuset = "0-1"), or pass --config PATH'
+    )
+    assert code == 1
+
+
+@pytest.mark.parametrize(
+    ("shared", "detail"),
+    [
+        ("0-1,9", "shared_cpuset: CPUs 9 are not online (online: 0-7"),
+        ("0-7", "shared_cpuset: 0-7 is every online CPU, which leaves none to be exclusive"),
+    ],
+)
+def test_shared_cpus_must_be_online_with_some_left(
+    node: Node, capsys: pytest.CaptureFixture[str], shared: str, detail: str
+) -> None:
+    node.write_config(shared=shared)
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "shared CPUs").startswith(f"FAIL  shared CPUs            {node.config}: {detail}")
+    assert code == 1
+
+
+def test_nri_socket_missing_or_not_a_socket(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    os.remove(node.nri_socket)
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "NRI socket") == f"FAIL  NRI socket             {node.nri_socket} does not exist"
+    fix = fix_of(lines, "NRI socket")
+    assert '[plugins."io.containerd.nri.v1.nri"] disable = false' in fix
+    assert "[crio.nri] enable_nri = true" in fix
+    assert code == 1
+    node.nri_socket.write_text("")
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "NRI socket") == f"FAIL  NRI socket             {node.nri_socket} is not a socket"
+    assert code == 1
+
+
+def _mountinfo(node: Node, text: str) -> Path:
+    path = node.root / "mountinfo"
+    path.write_text(text.replace("ROOT", str(node.cgroup)))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("mountinfo", "controllers", "detail"),
+    [
+        (
+            "30 20 0:26 / ROOT rw - cgroup2 cgroup2 rw,nsdelegate\n",
+            "cpuset cpu io memory pids\n",
+            "v2 (unified) at ROOT (from MOUNTINFO)",
+        ),
+        (
+            "30 20 0:26 / ROOT/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+            "31 20 0:27 / ROOT/cpuset rw - cgroup cgroup rw,cpuset\n",
+            None,
+            "v1: cpu at ROOT/cpu,cpuacct, cpuset at ROOT/cpuset (from MOUNTINFO)",
+        ),
+        (
+            "29 20 0:22 / ROOT/unified rw - cgroup2 cgroup2 rw,nsdelegate\n"
+            "30 20 0:26 / ROOT/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+            "31 20 0:27 / ROOT/cpuset rw - cgroup cgroup rw,cpuset\n",
+            None,
+            "hybrid (v1 controllers beside a v2 tree): cpu at ROOT/cpu,cpuacct, cpuset at ROOT/cpuset "
+            "(from MOUNTINFO)",
+        ),
+    ],
+    ids=["v2", "v1", "hybrid"],
+)
+def test_cgroup_mode_detected_from_mountinfo(
+    node: Node, capsys: pytest.CaptureFixture[str], mountinfo: str, controllers: str | None, detail: str
+) -> None:
+    node.write_config(cgroup_version="auto")
+    path = _mountinfo(node, mountinfo)
+    if controllers is not None:
+        (node.cgroup / "cgroup.controllers").write_text(controllers)
+    else:
+        (node.cgroup / "cpu,cpuacct" / "kubepods").mkdir(parents=True)
+    code, lines = check(capsys, "--config", str(node.config), "--mountinfo", str(path))
+    expected = detail.replace("ROOT", str(node.cgroup)).replace("MOUNTINFO", str(path))
+    assert line_of(lines, "cgroups") == f"OK    cgroups                {expected}"
+    driver = "systemd (kubepods.slice" if controllers else "cgroupfs (kubepods"
+    assert line_of(lines, "cgroup driver").startswith(f"OK    cgroup driver          {driver}")
+    assert code == 0
+
+
+def test_cgroup_mode_not_detected_fails(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    node.write_config(cgroup_version="auto")
+    path = _mountinfo(node, "30 20 0:26 / /elsewhere rw - cgroup2 cgroup2 rw\n")
+    code, lines = check(capsys, "--config", str(node.config), "--mountinfo", str(path))
+    assert line_of(lines, "cgroups").startswith(
+        f"FAIL  cgroups                {node.config}: cgroup_root: no cgroup filesystem is mounted at or "
+        f'below "{node.cgroup}"'
+    )
+    assert not [line for line in lines if "cgroup driver" in line]  # nothing to look in
+    assert code == 1
+
+
+def test_drivers_in_a_hierarchy_root() -> None:
+    assert drivers_in(["kubepods.slice", "system.slice", "user.slice"]) == ("systemd",)
+    assert drivers_in(["kubepods", "system.slice"]) == ("cgroupfs",)
+    assert drivers_in(["kubepods", "kubepods.slice"]) == ("systemd", "cgroupfs")
+    assert drivers_in(["kubepods-besteffort.slice", "init.scope"]) == ()
+
+
+@pytest.mark.parametrize(
+    ("tops", "kubelet", "status", "detail"),
+    [
+        ((), None, Status.WARN, "neither kubepods.slice nor kubepods in ROOT"),
+        (("kubepods",), None, Status.OK, "cgroupfs (kubepods in ROOT)"),
+        (("kubepods", "kubepods.slice"), None, Status.WARN, "both kubepods.slice (systemd) and kubepods"),
+        (("kubepods", "kubepods.slice"), "cgroupfs", Status.OK, "cgroupfs (kubepods in ROOT)"),
+        (("kubepods",), "systemd", Status.WARN, "but kubelet's cgroupDriver is systemd"),
+    ],
+    ids=["none", "cgroupfs", "both", "both-kubelet-says", "disagree"],
+)
+def test_cgroup_driver(
+    tmp_path: Path, tops: tuple[str, ...], kubelet: str | None, status: Status, detail: str
+) -> None:
+    for top in tops:
+        (tmp_path / top).mkdir()
+    layout = CgroupLayout(CgroupMode.V2, Hierarchy(2, str(tmp_path)), Hierarchy(2, str(tmp_path)))
+    finding = check_cgroup_driver(layout, kubelet)
+    assert finding.status is status
+    assert detail.replace("ROOT", str(tmp_path)) in finding.detail
+    assert bool(finding.fix) == (status is not Status.OK)
+
+
+def test_state_dir(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    state = node.root / "state"
+    state.mkdir()
+    _, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "state directory") == f"OK    state directory        {state} is writable"
+    state.rmdir()
+    state.write_text("")
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "state directory") == f"FAIL  state directory        {state} is not a directory"
+    assert code == 1
+
+
+def test_device_plugin_dir(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    os.remove(node.plugin_dir / "kubelet.sock")
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "device-plugin dir") == (
+        f"WARN  device-plugin dir      no kubelet socket {node.plugin_dir}/kubelet.sock"
+    )
+    assert code == 0
+    shutil.rmtree(node.plugin_dir)
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "device-plugin dir") == (
+        f"FAIL  device-plugin dir      {node.plugin_dir} is not a directory"
+    )
+    assert "mount the host's /var/lib/kubelet/device-plugins" in fix_of(lines, "device-plugin dir")
+    assert code == 1
+    # Without the device plugin, kubelet's directory is not needed.
+    node.write_config("[trusted_sources]\npod_annotation = true\n")
+    with node.config.open("a") as file:
+        file.write("enabled = false\n")
+    report = run_checks(str(node.config))
+    [finding] = [f for f in report.findings if f.topic == "device-plugin dir"]
+    assert (finding.status, finding.detail) == (
+        Status.OK,
+        "not used: [device_plugin] enabled = false (kubelet must advertise the resource)",
+    )
+    assert report.exit_code == 0

@@ -1,0 +1,340 @@
+"""Log lines: JSON off a terminal and text on one, stdlib loggers in the same format, the fields of a
+line about a container, and SIGUSR1 turning debug logging on and off at run time."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import structlog
+from mixedcpu_support import (
+    PERIOD,
+    FakeCgroups,
+    Naming,
+    make_container,
+    make_plugin,
+    make_pod,
+    marker,
+    start_daemon,
+    write_daemon_config,
+)
+
+from api.nri import api_pb2 as api
+from nri_plugin.logs import configure_logging, debug_toggle_on_sigusr1, resolve_format, toggle_debug
+from nri_plugin.simulator import RuntimeSimulator
+
+GUARD = 20.0
+log = structlog.get_logger("nri_plugin.test")
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """Each test configures logging its own way; leave the process as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_json_lines_for_structlog_and_stdlib_loggers() -> None:
+    out = io.StringIO()
+    assert configure_logging("info", "json", stream=out) == "json"
+    log.info("shared CPUs given", event_name="CreateContainer", cpus="0-3", count=2)
+    log.debug("not at info")
+    logging.getLogger("grpc._cython.cygrpc").warning("grpc says %s", "hello")
+    logging.getLogger("grpc._cython.cygrpc").debug("not at info either")
+    try:
+        raise ValueError("bad value")
+    except ValueError:
+        log.exception("it failed")
+    ours, grpc, failure = json_lines(out.getvalue())
+    assert list(ours)[:5] == ["timestamp", "level", "logger", "msg", "event"]
+    assert {k: v for k, v in ours.items() if k != "timestamp"} == {
+        "level": "info",
+        "logger": "nri_plugin.test",
+        "msg": "shared CPUs given",
+        "event": "CreateContainer",
+        "cpus": "0-3",
+        "count": 2,
+    }
+    assert ours["timestamp"].endswith("Z")
+    assert {k: v for k, v in grpc.items() if k != "timestamp"} == {
+        "level": "warning",
+        "logger": "grpc._cython.cygrpc",
+        "msg": "grpc says hello",
+    }
+    assert (failure["level"], failure["msg"]) == ("error", "it failed")
+    assert failure["exception"].startswith("Traceback (most recent call last):")
+    assert failure["exception"].endswith("ValueError: bad value")
+
+
+def test_console_lines_are_text() -> None:
+    out = io.StringIO()
+    assert configure_logging("warning", "console", stream=out) == "console"
+    log.warning("cannot lower the pod quota", event_name="StopContainer", pod="app")
+    log.info("not at warning")
+    logging.getLogger("asyncio").error("loop trouble")
+    ours, theirs = out.getvalue().splitlines()
+    when, rest = ours.split(" ", 1)
+    assert when.endswith("Z")  # an ISO timestamp
+    assert rest.startswith("[warning  ] cannot lower the pod quota")
+    assert rest.endswith("[nri_plugin.test] event=StopContainer pod=app")
+    assert "\x1b[" not in ours  # no colours off a terminal
+    assert theirs.split(" ", 1)[1].startswith("[error    ] loop trouble")
+
+
+def test_auto_is_console_on_a_terminal_and_json_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_format("auto", FakeTerminal()) == "console"
+    assert resolve_format("auto", io.StringIO()) == "json"
+    assert resolve_format("json", FakeTerminal()) == "json"
+    assert resolve_format("console", io.StringIO()) == "console"
+    with pytest.raises(ValueError, match="unknown log format 'xml'"):
+        resolve_format("xml")
+    # A real terminal as stderr: a pseudo-terminal whose other end we read.
+    leader, follower = os.openpty()
+    with open(follower, "w", encoding="utf-8") as terminal, open(leader, "rb", buffering=0) as screen:
+        monkeypatch.setattr("sys.stderr", terminal)
+        monkeypatch.setenv("NO_COLOR", "1")
+        assert configure_logging("info", "auto") == "console"
+        log.info("hello terminal", pod="app")
+        terminal.flush()
+        shown = screen.read(4096).decode()
+    assert "[info     ] hello terminal" in shown
+    assert "pod=app" in shown
+    assert not shown.startswith("{")
+    # The same call with stderr a pipe-like stream: JSON.
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stderr", out)
+    assert configure_logging("info", "auto") == "json"
+    log.info("hello pipe")
+    [line] = json_lines(out.getvalue())
+    assert line["msg"] == "hello pipe"
+
+
+def test_unknown_level_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown log level 'loud': use debug, info, warning, error"):
+        configure_logging("loud", "json")
+
+
+def test_toggle_debug_for_both_kinds_of_logger() -> None:
+    out = io.StringIO()
+    configure_logging("warning", "json", stream=out)
+    stdlib = logging.getLogger("nri_plugin.ttrpc.aio")
+    log.debug("hidden 1")
+    stdlib.debug("hidden 2")
+    assert toggle_debug() == "debug"
+    log.debug("shown 1")
+    stdlib.debug("shown 2")
+    assert toggle_debug() == "warning"
+    log.debug("hidden 3")
+    stdlib.debug("hidden 4")
+    log.warning("still shown")
+    assert [(e["level"], e["msg"]) for e in json_lines(out.getvalue())] == [
+        ("info", "debug logging on; send SIGUSR1 again to turn it off"),
+        ("debug", "shown 1"),
+        ("debug", "shown 2"),
+        ("info", "debug logging off; level back to warning"),
+        ("warning", "still shown"),
+    ]
+    # Configured at debug, the toggle goes to info and back.
+    configure_logging("debug", "json", stream=out)
+    assert toggle_debug() == "info"
+    assert toggle_debug() == "debug"
+
+
+async def _level_becomes(level: int) -> None:
+    """Until the loop has run the signal handler (the signal only wakes the loop up)."""
+    for _ in range(int(GUARD / 0.005)):
+        if logging.getLogger().level == level:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"the root logger's level is not {level} after {GUARD} s")
+
+
+@pytest.mark.asyncio
+async def test_sigusr1_toggles_debug_in_the_loop() -> None:
+    out = io.StringIO()
+    configure_logging("info", "json", stream=out)
+    with debug_toggle_on_sigusr1(asyncio.get_running_loop()):
+        log.debug("before")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        await _level_becomes(logging.DEBUG)
+        log.debug("during")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        await _level_becomes(logging.INFO)
+        log.debug("after")
+    assert [e["msg"] for e in json_lines(out.getvalue())] == [
+        "debug logging on; send SIGUSR1 again to turn it off",
+        "during",
+        "debug logging off; level back to info",
+    ]
+
+
+# -- the plugin's lines about containers --------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_container_lines_carry_namespace_pod_container_and_event(tmp_path: Path) -> None:
+    out = io.StringIO()
+    configure_logging("debug", "json", stream=out)
+    naming = Naming("containerd", "cgroupfs")
+    tree = FakeCgroups(tmp_path / "cgroup")
+    plugin, key = make_plugin(tmp_path / "state", tree.layout)
+    pod = make_pod(naming, "1111-2222", name="packet-fwd")
+    pod.namespace = "telco"
+    tree.add_pod(pod, 2 * PERIOD)
+    fwd = make_container(naming, pod, "c1", "fwd", annotations=marker(key))
+    assert await plugin.create_container(pod, fwd) is not None
+    plain = make_container(naming, pod, "c2", "sidecar", cpus="6")
+    assert await plugin.create_container(pod, plain) is None
+    requested = api.LinuxResources()
+    requested.cpu.cpus = "4-5"
+    await plugin.update_container(pod, fwd, requested)
+    await plugin.stop_container(pod, fwd)
+    running = make_container(naming, pod, "c3", "fwd", annotations=marker(key), state=api.CONTAINER_RUNNING)
+    await plugin.synchronize([pod], [running])
+
+    entries = json_lines(out.getvalue())
+    assert [(e["msg"], e["event"], e.get("container")) for e in entries] == [
+        ("shared CPUs given", "CreateContainer", "fwd"),
+        ("no request for shared CPUs", "CreateContainer", "sidecar"),
+        ("kept shared CPUs on update", "UpdateContainer", "fwd"),
+        ("shared container stopped: its pod quota share is released", "StopContainer", "fwd"),
+        ("bringing an existing container to the shared CPUs", "Synchronize", "fwd"),
+        ("container must restart to see the current CPU sets in its environment", "Synchronize", "fwd"),
+        ("pod quota brought to its target", "Synchronize", None),  # about the pod alone
+    ]
+    for entry in entries:
+        assert (entry["namespace"], entry["pod"], entry["logger"]) == (
+            "telco",
+            "packet-fwd",
+            "nri_plugin.mixedcpu",
+        )
+        assert "pod_namespace" not in entry
+
+
+# -- the daemon -------------------------------------------------------------------------------------------
+
+
+class Stderr:
+    """The daemon's stderr, one JSON object per line, read as it comes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.entries: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        self._changed = asyncio.Condition()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        async for line in self.proc.stderr:
+            async with self._changed:
+                self.raw.append(line.decode())
+                self.entries.append(json.loads(line))
+                self._changed.notify_all()
+
+    def messages(self, level: str | None = None) -> list[str]:
+        return [e["msg"] for e in self.entries if level is None or e["level"] == level]
+
+    async def wait_for(self, message: str, nth: int = 1) -> dict[str, Any]:
+        """The `nth` line with `message`, once it has come."""
+        try:
+            async with self._changed:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self.messages().count(message) >= nth), GUARD
+                )
+        except asyncio.TimeoutError:
+            raise AssertionError(
+                f"no line {nth} of {message!r} within {GUARD} s:\n{''.join(self.raw)}"
+            ) from None
+        return [e for e in self.entries if e["msg"] == message][nth - 1]
+
+    async def close(self) -> None:
+        await asyncio.wait_for(self._reader, GUARD)
+
+
+@pytest.fixture
+def device_plugins() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest_asyncio.fixture
+async def daemon(tmp_path: Path, device_plugins: Path) -> AsyncIterator[tuple[RuntimeSimulator, Stderr]]:
+    socket_path = tmp_path / "nri.sock"
+    config = write_daemon_config(tmp_path, device_plugins)
+    async with RuntimeSimulator(socket_path) as sim:
+        proc = await start_daemon("run", "--config", str(config), "--socket", str(socket_path))
+        stderr = Stderr(proc)
+        try:
+            await sim.wait_for_plugins(1, GUARD)
+            yield sim, stderr
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), GUARD) == 0, "".join(stderr.raw)
+            await stderr.close()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+@pytest.mark.asyncio
+async def test_daemon_logs_json_and_sigusr1_toggles_debug(
+    daemon: tuple[RuntimeSimulator, Stderr],
+) -> None:
+    sim, stderr = daemon
+    pod = api.PodSandbox(id="s1", uid="1234", name="web", namespace="shop")
+    pod.linux.cgroup_parent = "/kubepods/pod1234"
+    await sim.run_pod_sandbox(pod)
+
+    async def create(cid: str) -> None:
+        container = api.Container(id=cid, pod_sandbox_id="s1", name=f"app-{cid}")
+        container.linux.resources.cpu.cpus = "2"
+        await sim.create_container(container)
+
+    await create("c1")
+    stderr.proc.send_signal(signal.SIGUSR1)
+    await stderr.wait_for("debug logging on; send SIGUSR1 again to turn it off")
+    await create("c2")
+    line = await stderr.wait_for("no request for shared CPUs")
+    stderr.proc.send_signal(signal.SIGUSR1)
+    await stderr.wait_for("debug logging off; level back to info")
+    await create("c3")
+    # Debug on once more: that line comes after anything c3's creation logged.
+    stderr.proc.send_signal(signal.SIGUSR1)
+    await stderr.wait_for("debug logging on; send SIGUSR1 again to turn it off", nth=2)
+    assert {k: line[k] for k in ("level", "event", "namespace", "pod", "container")} == {
+        "level": "debug",
+        "event": "CreateContainer",
+        "namespace": "shop",
+        "pod": "web",
+        "container": "app-c2",
+    }
+    assert [e["container"] for e in stderr.entries if e["msg"] == "no request for shared CPUs"] == ["app-c2"]
+    assert "starting" in stderr.messages("info")  # every line so far parsed as JSON

@@ -1,0 +1,391 @@
+"""The probe endpoint over real TCP: routes, HTTP edge cases, limits, bind failures, the daemon's own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from mixedcpu_support import ROOT, start_daemon, write_daemon_config
+from probe_support import GUARD, Reply, bound_address, collect, exchange, get, samples, scrape, value
+
+from nri_plugin import probes
+from nri_plugin.metrics import Metrics
+from nri_plugin.probes import MAX_HEAD, ProbeError, ProbeServer, parse_address
+from nri_plugin.simulator import RuntimeSimulator
+
+HOST = "127.0.0.1"
+
+
+class Switch:
+    """A readiness answer the test changes at will."""
+
+    def __init__(self) -> None:
+        self.missing: str | None = "not registered with the runtime (NRI) yet"
+
+    def __call__(self) -> str | None:
+        return self.missing
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    metrics: Callable[[], bytes] | None = None, readiness: Callable[[], str | None] | None = None
+) -> AsyncIterator[tuple[ProbeServer, int]]:
+    server = ProbeServer(
+        f"{HOST}:0",
+        metrics=metrics or Metrics().render,
+        readiness=readiness or (lambda: None),
+    )
+    async with server:
+        [address] = server.bound
+        yield server, int(address.rpartition(":")[2])
+
+
+async def eventually(condition: Callable[[], bool]) -> None:
+    """Wait until `condition` holds (checked every millisecond; GUARD against a hang)."""
+
+    async def poll() -> None:
+        for _ in itertools.count():
+            if condition():
+                return
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), GUARD)
+
+
+async def healthy(port: int) -> None:
+    """The server still answers a plain request after whatever the test did to it."""
+    reply = await get(HOST, port, "/healthz")
+    assert (reply.status, reply.text) == (200, "ok\n")
+
+
+@pytest.mark.asyncio
+async def test_routes() -> None:
+    ready = Switch()
+    async with serving(readiness=ready) as (_, port):
+        await healthy(port)
+        reply = await get(HOST, port, "/healthz?verbose=1")
+        assert reply.status == 200
+        assert reply.headers["connection"] == "close"
+        assert reply.headers["content-type"] == "text/plain; charset=utf-8"
+
+        unready = await get(HOST, port, "/readyz")
+        assert unready.status == 503
+        assert unready.text == "not ready: not registered with the runtime (NRI) yet\n"
+        ready.missing = None
+        assert (await get(HOST, port, "/readyz")).status == 200
+
+        found = await scrape(HOST, port)
+        assert value(found, "mixed_cpu_nri_reconnects_total") == 0
+
+        missing = await get(HOST, port, "/nope")
+        assert missing.status == 404
+        assert missing.text == "no such path '/nope'; try /metrics, /healthz, /readyz\n"
+
+
+@pytest.mark.asyncio
+async def test_head_has_the_headers_of_get_and_no_body() -> None:
+    async with serving() as (_, port):
+        full = await get(HOST, port, "/metrics")
+        head = await get(HOST, port, "/metrics", method="HEAD")
+        assert head.status == 200
+        assert head.body == b""
+        assert head.headers["content-length"] == full.headers["content-length"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "OPTIONS"])
+async def test_other_methods_are_not_allowed(method: str) -> None:
+    async with serving() as (_, port):
+        reply = await exchange(
+            HOST, port, f"{method} /healthz HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello".encode()
+        )
+        assert reply.status == 405
+        assert reply.headers["allow"] == "GET, HEAD"
+        assert reply.text == f"{method} not allowed: use GET (or HEAD)\n"
+        await healthy(port)
+
+
+GARBAGE = {
+    "not-http": b"hello there\r\n\r\n",
+    "binary": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",  # a TLS ClientHello's start
+    "http-2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    "no-version": b"GET /healthz\r\n\r\n",
+    "bad-version": b"GET /healthz HTTP/9.9\r\n\r\n",
+    "absolute-target": b"GET http://x/healthz HTTP/1.1\r\n\r\n",
+    "two-spaces": b"GET  /healthz HTTP/1.1\r\n\r\n",
+    "header-without-colon": b"GET /healthz HTTP/1.1\r\nHost localhost\r\n\r\n",
+    "folded-header": b"GET /healthz HTTP/1.1\r\nX-A: 1\r\n continued\r\n\r\n",
+    "non-ascii-target": "GET /h\u00e9althz HTTP/1.1\r\n\r\n".encode(),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(GARBAGE))
+async def test_malformed_requests_get_400_and_the_server_keeps_serving(case: str) -> None:
+    async with serving() as (_, port):
+        reply = await exchange(HOST, port, GARBAGE[case])
+        assert reply.status == 400, reply
+        assert reply.text.count("\n") == 1, "one line"
+        assert reply.text.endswith("\n")
+        await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_request_cut_short_gets_400() -> None:
+    async with serving() as (_, port):
+        reply = await exchange(HOST, port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n", shut_write=True)
+        assert (reply.status, reply.text) == (400, "connection closed before the end of the request head\n")
+        await healthy(port)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # Many headers, each short: the head as a whole is too large.
+        b"GET /healthz HTTP/1.1\r\n"
+        + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 100) for i in range(200))
+        + b"\r\n",
+        # One header line longer than the whole limit.
+        b"GET /healthz HTTP/1.1\r\nCookie: " + b"c" * (4 * MAX_HEAD) + b"\r\n\r\n",
+        # A request line that never ends.
+        b"GET /" + b"a" * (4 * MAX_HEAD),
+    ],
+    ids=["many-headers", "one-long-header", "endless-request-line"],
+)
+async def test_oversize_request_head_gets_431(raw: bytes) -> None:
+    async with serving() as (_, port):
+        reply = await exchange(HOST, port, raw)
+        assert (reply.status, reply.text) == (431, f"request head larger than {MAX_HEAD} bytes\n")
+        await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_head_just_under_the_limit_is_served() -> None:
+    async with serving() as (_, port):
+        start = b"GET /healthz HTTP/1.1\r\nX-Pad: "
+        raw = start + b"p" * (MAX_HEAD - len(start) - 4) + b"\r\n\r\n"
+        assert len(raw) == MAX_HEAD
+        assert (await exchange(HOST, port, raw)).status == 200
+
+
+@pytest.mark.asyncio
+async def test_silent_client_gets_408(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(probes, "READ_TIMEOUT", 0.05)
+    async with serving() as (_, port):
+        reply = await exchange(HOST, port, b"GET /healthz HTTP/1.1\r\n")
+        assert (reply.status, reply.text) == (408, "request head not received within 0.05 s\n")
+        await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_connections_beyond_the_limit_get_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(probes, "MAX_CONNECTIONS", 2)
+    async with serving() as (server, port):
+        idle = [await asyncio.open_connection(HOST, port) for _ in range(2)]
+        try:
+            await eventually(lambda: server.connections == 2)  # the server takes them in its own time
+            busy = await get(HOST, port, "/healthz")
+            assert (busy.status, busy.text) == (503, "busy: too many connections\n")
+        finally:
+            for _, writer in idle:
+                writer.close()
+                await writer.wait_closed()
+        await eventually(lambda: server.connections == 0)
+        await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_client_leaving_at_once_costs_nothing() -> None:
+    async with serving() as (server, port):
+        for _ in range(20):
+            _, writer = await asyncio.open_connection(HOST, port)
+            writer.close()
+            await writer.wait_closed()
+        await healthy(port)
+        await eventually(lambda: server.connections == 0)  # no handler lingers
+
+
+@pytest.mark.asyncio
+async def test_failing_metric_reader_is_a_500_not_a_dead_server() -> None:
+    def broken() -> bytes:
+        raise RuntimeError("reader failed")
+
+    async with serving(metrics=broken) as (_, port):
+        reply = await get(HOST, port, "/metrics")
+        assert (reply.status, reply.text) == (500, "cannot render the metrics: reader failed\n")
+        await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_a_standard_client_reads_it() -> None:
+    """urllib, as a stand-in for kubelet's and Prometheus's HTTP clients."""
+    ready = Switch()
+    async with serving(readiness=ready) as (_, port):
+
+        def fetch(path: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=GUARD) as response:
+                    return response.status, response.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        assert await asyncio.to_thread(fetch, "/healthz") == (200, "ok\n")
+        status, _ = await asyncio.to_thread(fetch, "/readyz")
+        assert status == 503
+        status, text = await asyncio.to_thread(fetch, "/metrics")
+        assert status == 200
+        assert value(samples(text), "mixed_cpu_shared_containers") == 0
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_ipv6_address() -> None:
+    async with ProbeServer("[::1]:0", metrics=Metrics().render, readiness=lambda: None) as server:
+        [address] = server.bound
+        assert re.fullmatch(r"\[::1\]:\d+", address), address
+        reply = await get("::1", int(address.rpartition(":")[2]), "/healthz")
+        assert reply.status == 200
+
+
+def test_parse_address() -> None:
+    assert parse_address("127.0.0.1:8891") == ("127.0.0.1", 8891)
+    assert parse_address("[::1]:0") == ("::1", 0)
+    assert parse_address("node.example:9000") == ("node.example", 9000)
+    for bad in ("127.0.0.1", ":8891", "127.0.0.1:http", "[::1]:70000"):
+        with pytest.raises(ProbeError, match="is not host:port"):
+            parse_address(bad)
+
+
+@pytest.mark.asyncio
+async def test_port_in_use_is_one_clear_error() -> None:
+    async with serving() as (_, port):
+        second = ProbeServer(f"{HOST}:{port}", metrics=Metrics().render, readiness=lambda: None)
+        with pytest.raises(ProbeError) as info:
+            await second.start()
+        assert str(info.value) == (
+            f"cannot serve metrics and probes on {HOST}:{port}: Address already in use; set "
+            'metrics_address to a free host:port, or "" to turn them off'
+        )
+
+
+# -- the daemon ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def device_plugins() -> Iterator[Path]:
+    """kubelet's device-plugin directory (short: unix socket paths are limited to 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_daemon_exits_1_with_one_line_when_the_port_is_taken(tmp_path: Path, device_plugins: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_daemon_config(tmp_path, device_plugins, metrics_address=f"{HOST}:{port}")
+        result = subprocess.run(
+            [sys.executable, "-m", "nri_plugin.cli", "run", "--config", str(config)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=GUARD,
+            check=False,
+        )
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: cannot serve metrics and probes on {HOST}:{port}: Address already in use; set "
+        'metrics_address to a free host:port, or "" to turn them off'
+    ], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.asyncio
+async def test_daemon_with_metrics_off_serves_no_port(tmp_path: Path, device_plugins: Path) -> None:
+    config = write_daemon_config(tmp_path, device_plugins, metrics_address="")
+    socket_path = tmp_path / "nri.sock"
+    async with RuntimeSimulator(socket_path) as sim:
+        proc = await start_daemon("run", "--config", str(config), "--socket", str(socket_path))
+        try:
+            await sim.wait_for_plugins(1, GUARD)
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0, stderr.decode()
+    assert b"serving metrics and probes" not in stderr
+
+
+def reply_text(reply: Reply) -> str:
+    return f"{reply.status} {reply.text!r}"
+
+
+@pytest.mark.asyncio
+async def test_daemon_serves_probes_and_metrics(tmp_path: Path, device_plugins: Path) -> None:
+    """``run`` with the device plugin off: ready once the runtime has it, and its metrics move."""
+    config = write_daemon_config(tmp_path, device_plugins)
+    # [device_plugin] is the file's last table; without it, the pod annotation is the only proof.
+    config.write_text(config.read_text() + "enabled = false\n[trusted_sources]\npod_annotation = true\n")
+    socket_path = tmp_path / "nri.sock"
+    seen: list[str] = []
+    proc = await start_daemon(
+        "--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path)
+    )
+    try:
+        assert proc.stderr is not None
+        host, port = await bound_address(proc.stderr, seen)
+        rest = asyncio.ensure_future(collect(proc.stderr, seen))  # keep the pipe from filling up
+        assert (await get(host, port, "/healthz")).status == 200
+        unready = await get(host, port, "/readyz")
+        assert unready.status == 503, reply_text(unready)
+        assert "not registered with the runtime" in unready.text
+        async with RuntimeSimulator(socket_path) as sim:
+            await sim.wait_for_plugins(1, GUARD)
+            # The daemon answers Synchronize a moment before it counts itself ready: ask until it does.
+            while (ready := await get(host, port, "/readyz")).status != 200:
+                assert ready.status == 503, reply_text(ready)
+                await asyncio.sleep(0.01)
+            found = await scrape(host, port)
+            assert value(found, "mixed_cpu_nri_requests_total", event="configure", outcome="ok") == 1
+            assert value(found, "mixed_cpu_nri_requests_total", event="synchronize", outcome="ok") == 1
+            assert value(found, "mixed_cpu_nri_ready") == 1
+            assert value(found, "mixed_cpu_kubelet_registered") == 0
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), GUARD)
+        await asyncio.wait_for(rest, GUARD)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, "\n".join(seen)
+    assert not any("Traceback" in line for line in seen), "\n".join(seen)
+
