@@ -68,6 +68,9 @@ CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
 
 _INDEX: Final = re.compile(r"[0-9]{2}")
+_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+# Larger than any real config; a bigger file is refused rather than read in part.
+MAX_CONFIG_SIZE: Final = 1 << 20
 _NAME: Final = re.compile(r"[A-Za-z0-9_.+-]+")
 _SOURCES_TABLE: Final = "trusted_sources"
 _DEVICE_PLUGIN_TABLE: Final = "device_plugin"
@@ -163,7 +166,10 @@ class _Checker:
     ) -> None:
         extra = sorted(set(table) - set(known))
         if extra:
-            raise self.error(f"{where}{extra[0]}", f"unknown key (a typo?); known keys: {', '.join(known)}")
+            # A key outside TOML's bare-key alphabet is shown quoted and escaped: a newline or a
+            # right-to-left override in it must not break or disguise the one-line message.
+            key = extra[0] if _BARE_KEY.fullmatch(extra[0]) else _show(extra[0])
+            raise self.error(f"{where}{key}", f"unknown key (a typo?); known keys: {', '.join(known)}")
 
 
 def _shared_cpuset(check: _Checker, value: object) -> frozenset[int]:
@@ -319,7 +325,7 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bo
     source = os.fspath(path)
     try:
         with open(source, "rb") as file:
-            data = file.read(1 << 20)
+            data = file.read(MAX_CONFIG_SIZE + 1)
     except FileNotFoundError:
         raise ConfigError(
             f"{source}: no such file; create it with at least shared_cpuset set ({_EXAMPLE}), "
@@ -327,6 +333,10 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bo
         ) from None
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read the config file: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_SIZE:
+        raise ConfigError(
+            f"{source}: larger than {MAX_CONFIG_SIZE} bytes, which no config is; is it the right file?"
+        )
     try:
         text = data.decode("utf-8")
         document = tomllib.loads(text)
@@ -334,6 +344,11 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bo
         raise ConfigError(f"{source}: not UTF-8 text; save the config file as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}; fix the syntax there") from None
+    except RecursionError:
+        # tomllib parses nested arrays and inline tables recursively.
+        raise ConfigError(
+            f"{source}: not valid TOML: arrays or inline tables nested too deeply; fix the syntax there"
+        ) from None
     config = parse_config(document, source=source)
     if check:
         check_machine(config)

@@ -29,11 +29,13 @@ import asyncio
 import contextlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import structlog
 
 from api.nri import api_pb2 as api
 from cgroups import (
+    Cgroup,
     CgroupDir,
     CgroupError,
     CgroupLayout,
@@ -41,7 +43,9 @@ from cgroups import (
     CgroupWriteRejected,
     CpuQuota,
     CpusetError,
+    OpenCgroup,
     format_cpuset,
+    open_cgroup,
     parse_cpuset,
     pod_cgroup_path,
     read_cpu_quota,
@@ -51,6 +55,7 @@ from cgroups.files import CFS_QUOTA_US, CPU_MAX, write_value
 from cgroups.quota import MIN_CFS_QUOTA_US, format_cfs_quota_us, format_cpu_max
 from nri_plugin.config import Config
 from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.logs import EVENT_NAME
 from nri_plugin.policy import (
     MARKER_ANNOTATION,
     PolicyError,
@@ -67,7 +72,7 @@ from nri_plugin.policy import (
 from nri_plugin.state import Books, ContainerRecord, PodRecord, Slot, StateStore
 from nri_plugin.ttrpc import Code, TtrpcError
 
-__all__ = ["MixedCpuPlugin"]
+__all__ = ["CgroupObserver", "MixedCpuPlugin"]
 
 log = structlog.get_logger("nri_plugin.mixedcpu")
 
@@ -83,8 +88,9 @@ FLUSH_DELAY = 1.0
 _GONE = api.CONTAINER_STOPPED
 
 
-def _fields(pod: api.PodSandbox, container: api.Container | None = None) -> dict[str, str]:
-    fields = {"pod_namespace": pod.namespace, "pod": pod.name or pod.id}
+def _fields(pod: api.PodSandbox, container: api.Container | None = None, *, event: str) -> dict[str, str]:
+    """A log line's fields about a pod (and container), and the NRI event (rendered as ``event``)."""
+    fields = {EVENT_NAME: event, "namespace": pod.namespace, "pod": pod.name or pod.id}
     if container is not None:
         fields["container"] = container.name
         fields["container_id"] = container.id
@@ -104,6 +110,13 @@ def _show(quota: CpuQuota | int | None) -> str:
     return "unlimited" if quota is None else str(quota)
 
 
+class CgroupObserver(Protocol):
+    """Told of every pod cgroup write that failed (`nri_plugin.metrics`)."""
+
+    def cgroup_write_failed(self, kind: str) -> None:
+        """`kind`: ``pod_quota_raise``, ``pod_quota_lower`` or ``pod_quota_restore``."""
+
+
 class MixedCpuPlugin:
     """The NRI handlers; see the module docstring."""
 
@@ -116,8 +129,10 @@ class MixedCpuPlugin:
         marker_key: HostKey | None,
         trust_pod_annotation: bool = False,
         books: Books | None = None,
+        observer: CgroupObserver | None = None,
     ) -> None:
         self.shared = frozenset(shared)
+        self.observer = observer
         self.layout = layout
         self.store = store
         self.marker_key = marker_key
@@ -140,15 +155,24 @@ class MixedCpuPlugin:
             trust_pod_annotation=config.trust_pod_annotation,
         )
 
+    @property
+    def shared_containers(self) -> int:
+        """How many containers hold the shared CPUs now (from the books)."""
+        return sum(len(pod.containers) for pod in self.books.pods.values())
+
     # -- NRI handlers ------------------------------------------------------------------------------
 
     async def configure(self, request: api.ConfigureRequest) -> None:
         self.runtime = request.runtime_name
         if request.runtime_name == "cri-o" and self.trust_pod_annotation:
+            # CRI-O (1.30 and later) runs its own shared-CPU hook, after NRI, for a pod that names a
+            # runtime handler and carries cpu-shared.crio.io: it would add the CPUs a second time, or
+            # fail the container when its own shared_cpuset is empty. docs/deploy.md, OpenShift.
             log.warning(
-                "on CRI-O, the pod annotation source also triggers CRI-O's own shared-CPU hook when "
-                "shared_cpuset is set in crio.conf; leave it empty there so CPUs and pod quota are not "
-                "added twice"
+                "on CRI-O, a pod with a runtimeClassName and a cpu-shared.crio.io annotation also gets "
+                "CRI-O's own shared-CPU hook; let the annotation through with a CRI-O workload "
+                "(packaging/runtime/openshift), not a runtime handler's allowed_annotations, and give such "
+                "pods no runtimeClassName"
             )
 
     async def create_container(
@@ -164,19 +188,22 @@ class MixedCpuPlugin:
             log.info(
                 "container restarted: the new instance takes its slot",
                 previous_id=displaced.id,
-                **_fields(pod, container),
+                **_fields(pod, container, event="CreateContainer"),
             )
-        check = self._check(pod, container)
+        check = self._check(pod, container, event="CreateContainer")
         if check.proof is None:
+            log.debug("no request for shared CPUs", **_fields(pod, container, event="CreateContainer"))
             if displaced is not None:
-                self._settle(slot.pod, pod.linux.cgroup_parent, _fields(pod))
+                self._settle(slot.pod, pod.linux.cgroup_parent, _fields(pod, event="CreateContainer"))
             return None
         try:
             plan = plan_create(self.shared, pod, container)
         except PolicyError as exc:
-            log.warning("refused shared CPUs", reason=str(exc), **_fields(pod, container))
+            log.warning(
+                "refused shared CPUs", reason=str(exc), **_fields(pod, container, event="CreateContainer")
+            )
             if displaced is not None:
-                self._settle(slot.pod, pod.linux.cgroup_parent, _fields(pod))
+                self._settle(slot.pod, pod.linux.cgroup_parent, _fields(pod, event="CreateContainer"))
             code = Code.INVALID_ARGUMENT if exc.kind == "pod-spec" else Code.FAILED_PRECONDITION
             raise TtrpcError(code, str(exc)) from None
 
@@ -193,7 +220,7 @@ class MixedCpuPlugin:
             cpus=format_cpuset(plan.cpus),
             quota=_show(plan.quota),
             pod_quota=f"{_show(before)} -> {_show(after)}",
-            **_fields(pod, container),
+            **_fields(pod, container, event="CreateContainer"),
         )
         return api.CreateContainerResponse(adjust=plan.adjustment)
 
@@ -207,7 +234,11 @@ class MixedCpuPlugin:
         try:
             update = plan_update(self.shared, pod, container, resources, _parse_quietly(record.exclusive))
         except PolicyError as exc:
-            log.warning("cannot keep shared CPUs on update", reason=str(exc), **_fields(pod, container))
+            log.warning(
+                "cannot keep shared CPUs on update",
+                reason=str(exc),
+                **_fields(pod, container, event="UpdateContainer"),
+            )
             raise TtrpcError(Code.INVALID_ARGUMENT, str(exc)) from None
         cpu = update.linux.resources.cpu
         log.info(
@@ -215,7 +246,7 @@ class MixedCpuPlugin:
             requested=resources.cpu.cpus or "(none)",
             cpus=cpu.cpus,
             quota=cpu.quota.value if cpu.HasField("quota") else "unchanged",
-            **_fields(pod, container),
+            **_fields(pod, container, event="UpdateContainer"),
         )
         return (update,)
 
@@ -231,12 +262,22 @@ class MixedCpuPlugin:
     async def shutdown(self) -> None:
         self.flush()
 
+    async def stop_pod_sandbox(self, pod: api.PodSandbox) -> None:
+        # kubelet's device allocations to the pod end with it: the device ids are free for others.
+        if self.books.unbind_pod(pod_key(pod)):
+            self._save_quietly()
+
     async def remove_pod_sandbox(self, pod: api.PodSandbox) -> None:
         pending = self._retries.pop(pod_key(pod), None)
         if pending is not None:
             pending.cancel()
+        unbound = self.books.unbind_pod(pod_key(pod))
         if self.books.pods.pop(pod_key(pod), None) is not None:
-            log.info("pod removed: its quota bookkeeping is dropped", **_fields(pod))
+            log.info(
+                "pod removed: its quota bookkeeping is dropped", **_fields(pod, event="RemovePodSandbox")
+            )
+            self._save_quietly()
+        elif unbound:
             self._save_quietly()
 
     async def synchronize(
@@ -247,15 +288,19 @@ class MixedCpuPlugin:
         by_sandbox = {pod.id: pod for pod in pods}
         present = {pod_key(pod): pod for pod in pods}
         known = {record.id: record for _, record in previous.slots()}
-        holders: dict[str, Slot] = {}
+        # Device ids stay bound to their slots while the slot's pod exists, even with its container
+        # stopped: a copy of the marker in another pod must not take the device meanwhile.
+        books.devices = {d: s for d, s in previous.device_holders().items() if s.pod in present}
+        holders = books.devices
         live = [c for c in containers if c.state != _GONE and c.pod_sandbox_id in by_sandbox]
         # Containers the books already knew first: a replayed marker must not evict its real holder.
         live.sort(key=lambda c: (c.id not in known, c.created_at, c.id))
         applied: dict[str, int] = defaultdict(int)
-        updates: list[api.ContainerUpdate] = []
+        # (pod key, CPUs it already had beyond its exclusive ones, update, pod, container)
+        pending: list[tuple[str, int, api.ContainerUpdate, api.PodSandbox, api.Container]] = []
         for container in live:
             pod = by_sandbox[container.pod_sandbox_id]
-            check = self._check(pod, container, holders)
+            check = self._check(pod, container, holders, event="Synchronize")
             if check.proof is None:
                 continue
             before = known.get(container.id)
@@ -264,7 +309,9 @@ class MixedCpuPlugin:
                 plan = plan_sync(self.shared, pod, container, recorded)
             except PolicyError as exc:
                 log.warning(
-                    "existing container cannot have shared CPUs", reason=str(exc), **_fields(pod, container)
+                    "existing container cannot have shared CPUs",
+                    reason=str(exc),
+                    **_fields(pod, container, event="Synchronize"),
                 )
                 continue
             slot = container_slot(pod, container)
@@ -275,27 +322,40 @@ class MixedCpuPlugin:
                     container.id, len(self.shared), format_cpuset(plan.exclusive), check.proof.device
                 ),
             )
-            if check.proof.device is not None:
-                holders[check.proof.device] = slot
             applied[slot.pod] += plan.applied_shared
             if plan.update is not None:
-                updates.append(plan.update)
+                pending.append((slot.pod, plan.applied_shared, plan.update, pod, container))
                 log.info(
                     "bringing an existing container to the shared CPUs",
                     cpus=plan.update.linux.resources.cpu.cpus or "unchanged",
-                    **_fields(pod, container),
+                    **_fields(pod, container, event="Synchronize"),
                 )
             if plan.env_stale:
                 log.warning(
                     "container must restart to see the current CPU sets in its environment",
                     OPENSHIFT_SHARED_CPUS=format_cpuset(self.shared),
                     OPENSHIFT_ISOLATED_CPUS=format_cpuset(plan.exclusive),
-                    **_fields(pod, container),
+                    **_fields(pod, container, event="Synchronize"),
                 )
+        failed: set[str] = set()
         for key in sorted(set(books.pods) | (set(previous.pods) & set(present))):
             pod = present[key]
             record = books.pods.setdefault(key, PodRecord(pod.linux.cgroup_parent, None, 1))
-            self._sync_pod(pod, record, previous.pods.get(key), applied[key], books)
+            if not self._sync_pod(pod, record, previous.pods.get(key), applied[key], books):
+                failed.add(key)
+        updates: list[api.ContainerUpdate] = []
+        for key, given, update, pod, container in pending:
+            if key not in failed:
+                updates.append(update)
+                continue
+            # No cpuset or quota change without its pod's quota (v1 refuses the container's quota
+            # above the pod's, v2 would throttle the pod); nor a share in the books it does not have.
+            if not given:
+                books.release(container.id)
+            log.warning(
+                "container left as it is until the next synchronization: its pod quota cannot be raised",
+                **_fields(pod, container, event="Synchronize"),
+            )
         self.books = books
         self._save_quietly()
         return updates
@@ -303,7 +363,12 @@ class MixedCpuPlugin:
     # -- the books and the pod cgroup ----------------------------------------------------------------
 
     def _check(
-        self, pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot] | None = None
+        self,
+        pod: api.PodSandbox,
+        container: api.Container,
+        holders: Mapping[str, Slot] | None = None,
+        *,
+        event: str,
     ) -> RequestCheck:
         if holders is None:
             holders = self.books.device_holders() if MARKER_ANNOTATION in container.annotations else {}
@@ -315,13 +380,16 @@ class MixedCpuPlugin:
             device_holders=holders,
         )
         for refusal in check.refusals:
-            log.warning("request refused", reason=refusal, **_fields(pod, container))
+            log.warning("request refused", reason=refusal, **_fields(pod, container, event=event))
         for note in check.notes:
-            log.info("request evidence ignored", reason=note, **_fields(pod, container))
+            log.info("request evidence ignored", reason=note, **_fields(pod, container, event=event))
         return check
 
     def _pod_dir(self, pod: api.PodSandbox) -> CgroupDir:
-        return self.layout.cpu.dir(pod_cgroup_path(pod.linux.cgroup_parent))
+        return self._cgroup(pod.linux.cgroup_parent)
+
+    def _cgroup(self, cgroup_parent: str) -> CgroupDir:
+        return self.layout.cpu.dir(pod_cgroup_path(cgroup_parent))
 
     def _new_record(self, pod: api.PodSandbox, current: CpuQuota) -> PodRecord:
         if current.unlimited:
@@ -332,7 +400,7 @@ class MixedCpuPlugin:
         return PodRecord(pod.linux.cgroup_parent, current.quota, current.period, "first-seen")
 
     def _reconcile(
-        self, pod_dir: CgroupDir, record: PodRecord, current: CpuQuota, key: str, attempt: int = 0
+        self, pod_dir: Cgroup, record: PodRecord, current: CpuQuota, key: str, attempt: int = 0
     ) -> CpuQuota:
         """Write the record's target to the pod cgroup; returns what the pod cgroup now holds.
 
@@ -363,10 +431,12 @@ class MixedCpuPlugin:
         assert target is not None
         if target == quota:
             return current
+        kind = "pod_quota_raise" if target > quota else "pod_quota_lower"
         try:
-            write_cpu_quota(pod_dir, target)
-        except CgroupWriteRejected as exc:
-            if target > quota:
+            write_cpu_quota(pod_dir, target, current=current)
+        except CgroupError as exc:
+            self._write_failed(kind)
+            if target > quota or not isinstance(exc, CgroupWriteRejected):
                 raise
             if attempt == 0:
                 log.info(
@@ -380,6 +450,7 @@ class MixedCpuPlugin:
             return current
         now = read_cpu_quota(pod_dir)
         if now.quota != target:
+            self._write_failed(kind)
             raise CgroupError(
                 f"{pod_dir}: wrote quota {target} but read back {_show(now)} (is another agent managing it?)",
                 path=pod_dir.fs_path,
@@ -397,9 +468,10 @@ class MixedCpuPlugin:
         """Hold the slot and raise the pod's quota, or undo everything and raise a TtrpcError."""
         who = describe(pod)
         before: CpuQuota | None = None
-        pod_dir: CgroupDir | None = None
+        pod_dir: OpenCgroup | None = None
+        devices = dict(self.books.devices)
         try:
-            pod_dir = self._pod_dir(pod)
+            pod_dir = open_cgroup(self._pod_dir(pod))  # one walk for the reads and the write
             before = read_cpu_quota(pod_dir)
             pod_record = self.books.pods.get(slot.pod) or self._new_record(pod, before)
             self.books.pods[slot.pod] = pod_record
@@ -408,6 +480,7 @@ class MixedCpuPlugin:
             self._commit()
         except (CgroupError, OSError) as exc:
             self._restore(slot.pod, saved)
+            self.books.devices = devices  # a failed creation binds no device
             undone = self._undo(pod_dir, before)
             if isinstance(exc, CgroupError):
                 message = f"cannot raise the CPU quota of pod {who}: {exc}"
@@ -415,8 +488,16 @@ class MixedCpuPlugin:
             else:
                 message = f"cannot save the plugin's state in {self.store.directory}: {exc}"
                 code = Code.INTERNAL
-            log.error("creation refused", error=message, rolled_back=undone, **_fields(pod, container))
+            log.error(
+                "creation refused",
+                error=message,
+                rolled_back=undone,
+                **_fields(pod, container, event="CreateContainer"),
+            )
             raise TtrpcError(code, f"{message}{'; the pod quota was put back' if undone else ''}") from None
+        finally:
+            if pod_dir is not None:
+                pod_dir.close()
         return before, after
 
     def _restore(self, key: str, saved: PodRecord | None) -> None:
@@ -425,7 +506,7 @@ class MixedCpuPlugin:
         else:
             self.books.pods[key] = saved
 
-    def _undo(self, pod_dir: CgroupDir | None, before: CpuQuota | None) -> bool:
+    def _undo(self, pod_dir: Cgroup | None, before: CpuQuota | None) -> bool:
         """Put the pod quota read before a failed step back; True if something had to be written."""
         if pod_dir is None or before is None:
             return False
@@ -439,8 +520,13 @@ class MixedCpuPlugin:
             else:
                 write_value(pod_dir, CFS_QUOTA_US, format_cfs_quota_us(before.quota))
         except CgroupError as exc:
+            self._write_failed("pod_quota_restore")
             log.error("cannot put the pod quota back", pod_cgroup=str(pod_dir), error=str(exc))
         return True
+
+    def _write_failed(self, kind: str) -> None:
+        if self.observer is not None:
+            self.observer.cgroup_write_failed(kind)
 
     def _resolve_unknown(self, key: str, cgroup_parent: str) -> None:
         """A pod whose cgroup could not be read at Synchronize: guess its own quota now, while the
@@ -448,18 +534,21 @@ class MixedCpuPlugin:
         record = self.books.pods.get(key)
         if record is None or record.baseline_source != "unknown":
             return
-        with contextlib.suppress(CgroupError):
-            pod_dir = self.layout.cpu.dir(pod_cgroup_path(cgroup_parent))
+        with contextlib.suppress(CgroupError), open_cgroup(self._cgroup(cgroup_parent)) as pod_dir:
             self._reconcile(pod_dir, record, read_cpu_quota(pod_dir), key)
 
     def _release(self, pod: api.PodSandbox, container: api.Container, why: str) -> None:
+        event = "StopContainer" if why == "stopped" else "RemoveContainer"
         self._resolve_unknown(pod_key(pod), pod.linux.cgroup_parent)
         slot = self.books.release(container.id)
         if slot is not None:
-            log.info(f"shared container {why}: its pod quota share is released", **_fields(pod, container))
+            log.info(
+                f"shared container {why}: its pod quota share is released",
+                **_fields(pod, container, event=event),
+            )
         key = pod_key(pod)
         if key in self.books.pods:
-            self._settle(key, pod.linux.cgroup_parent, _fields(pod))
+            self._settle(key, pod.linux.cgroup_parent, _fields(pod, event=event))
 
     def _settle(self, key: str, cgroup_parent: str, fields: dict[str, str], attempt: int = 0) -> None:
         """Bring a pod's quota down to its target after a release; never fails the event."""
@@ -467,8 +556,8 @@ class MixedCpuPlugin:
         if record is None:
             return
         try:
-            pod_dir = self.layout.cpu.dir(pod_cgroup_path(cgroup_parent))
-            now = self._reconcile(pod_dir, record, read_cpu_quota(pod_dir), key, attempt)
+            with open_cgroup(self._cgroup(cgroup_parent)) as pod_dir:
+                now = self._reconcile(pod_dir, record, read_cpu_quota(pod_dir), key, attempt)
             if not record.containers and (now.unlimited or now.quota == record.baseline):
                 del self.books.pods[key]
         except CgroupError as exc:
@@ -502,10 +591,13 @@ class MixedCpuPlugin:
 
     def _sync_pod(
         self, pod: api.PodSandbox, record: PodRecord, previous: PodRecord | None, applied: int, books: Books
-    ) -> None:
+    ) -> bool:
+        """Bring one pod's quota to its target; False (logged) when its cgroup fails us."""
         key = pod_key(pod)
+        established = False
+        pod_dir: OpenCgroup | None = None
         try:
-            pod_dir = self._pod_dir(pod)
+            pod_dir = open_cgroup(self._pod_dir(pod))  # one walk for the reads and the write
             current = read_cpu_quota(pod_dir)
             if previous is not None:
                 record.baseline, record.period = previous.baseline, previous.period
@@ -519,29 +611,45 @@ class MixedCpuPlugin:
                         rebuilt.baseline, rebuilt.baseline_source = own, "rebuilt"
                 record.baseline, record.period = rebuilt.baseline, rebuilt.period
                 record.baseline_source = rebuilt.baseline_source
+                established = True
             now = self._reconcile(pod_dir, record, current, key)
             if now != current:
                 log.info(
                     "pod quota brought to its target",
                     pod_quota=f"{_show(current)} -> {_show(now)}",
-                    **_fields(pod),
+                    **_fields(pod, event="Synchronize"),
                 )
             if not record.containers and (now.unlimited or now.quota == record.baseline):
                 del books.pods[key]
         except CgroupError as exc:
-            log.error("cannot bring the pod quota to its target", error=str(exc), **_fields(pod))
-            if not record.containers:
+            log.error(
+                "cannot bring the pod quota to its target",
+                error=str(exc),
+                **_fields(pod, event="Synchronize"),
+            )
+            if previous is not None:
+                # Keep what the books knew: the pod's own quota must outlive an unreadable cgroup.
+                record.baseline, record.period = previous.baseline, previous.period
+                record.baseline_source = previous.baseline_source
+            elif not record.containers:
                 del books.pods[key]
-            elif previous is None:
+            elif not established:
                 record.baseline, record.baseline_source = None, "unknown"
+            return False
+        finally:
+            if pod_dir is not None:
+                pod_dir.close()
+        return True
 
     # -- the state file ----------------------------------------------------------------------------
 
-    def _baselines(self) -> dict[str, tuple[int | None, int, str, str]]:
-        return {
+    def _baselines(self) -> tuple[dict[str, tuple[int | None, int, str, str]], dict[str, Slot]]:
+        """What Synchronize cannot rebuild, written before the reply: baselines, device bindings."""
+        baselines = {
             key: (pod.baseline, pod.period, pod.baseline_source, pod.cgroup_parent)
             for key, pod in self.books.pods.items()
         }
+        return baselines, dict(self.books.devices)
 
     def _commit(self) -> None:
         """Persist the books: at once when a pod baseline changed (what Synchronize cannot rebuild;

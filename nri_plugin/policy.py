@@ -3,8 +3,9 @@
 Who gets shared CPUs: a container whose request is *proven* by a trusted source (`check_request`):
 
 * the device plugin's allocation marker in ``container.annotations`` — verified with the node's
-  `HostKey`; a forged value is refused, and so is a valid one whose device id another live container
-  (another slot, see `nri_plugin.state`) holds: a replay;
+  `HostKey`; a forged value is refused, and so is a valid one whose device id is bound to another
+  slot (pod and container name, see `nri_plugin.state`; bound from the first presentation until that
+  pod's sandbox stops), running or not: a replay;
 * when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
   that OpenShift's admission plugin adds.
 
@@ -138,7 +139,7 @@ def check_request(
     """Does a trusted source prove that this container asked for shared CPUs?
 
     `marker_key` is None when the device-plugin marker is not a trusted source. `device_holders`
-    maps the device ids of live shared containers to their slots.
+    maps device ids to the slots they are bound to (`Books.device_holders`).
     """
     notes: list[str] = []
     refusals: list[str] = []

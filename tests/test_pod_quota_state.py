@@ -85,6 +85,18 @@ def test_state_file_round_trip(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == [STATE_FILE_NAME]  # no temporary file left behind
 
 
+def test_state_file_is_compact_and_an_indented_one_still_loads(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    books = _books()
+    store.save(books)
+    text = (tmp_path / STATE_FILE_NAME).read_text()
+    # One line, no spaces: json's C encoder wrote it (indent would use the pure-Python one).
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), sort_keys=True) + "\n"
+    # A file an earlier version wrote (indented) loads the same.
+    (tmp_path / STATE_FILE_NAME).write_text(json.dumps(json.loads(text), indent=1, sort_keys=True) + "\n")
+    assert store.load() == books
+
+
 def test_missing_state_file_is_empty_books(tmp_path: Path) -> None:
     assert StateStore(tmp_path / "not-yet").load() == Books()
 
@@ -163,6 +175,7 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
         devices = {name: f"shared-cpus-{i}" for i, name in enumerate(NAMES)}
         cpus = {"a": "2-3", "b": "4-5", "c": "6-7"}
         live: dict[str, api.Container] = {}  # name -> the running instance
+        bound: set[str] = set()  # names whose device is bound to them (until the pod sandbox stops)
         dead: dict[str, list[api.Container]] = {name: [] for name in NAMES}  # stopped, not removed
         counter = 0
         for kind, name, new_first in events:
@@ -184,6 +197,7 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
                 apply_adjustment(new, reply.adjust)
                 new.state = api.CONTAINER_RUNNING
                 live[name] = new
+                bound.add(name)
                 if old is not None:
                     if new_first:
                         await plugin.stop_container(pod, old)
@@ -197,14 +211,15 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
             elif kind == "remove" and dead[name]:
                 await plugin.remove_container(pod, dead[name].pop(0))
             elif kind == "replay":
-                # Another pod's container presents this name's marker: refused while the device is held.
+                # Another pod's container presents this name's marker: refused while the device is
+                # bound to this pod's container of that name, running or stopped.
                 thief_pod = make_pod(CGROUPFS, "9999-0000")
                 tree.add_pod(thief_pod, 100_000)
                 thief = make_container(
                     CGROUPFS, thief_pod, f"thief-{counter}", "x", annotations=marker(key, devices[name])
                 )
                 reply = await plugin.create_container(thief_pod, thief)
-                assert (reply is None) == (name in live)
+                assert (reply is None) == (name in bound)
                 if reply is not None:
                     await plugin.stop_container(thief_pod, thief)
                     await plugin.remove_container(thief_pod, thief)
@@ -212,6 +227,7 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
             elif kind == "plugin-restart":
                 if not keep_state:
                     Path(plugin.store.path).unlink(missing_ok=True)  # noqa: ASYNC240
+                    bound &= set(live)  # without the file, Synchronize binds the running ones only
                 plugin, _ = make_plugin(root / "state", tree.layout, SHARED)
                 containers = [*live.values(), *(c for group in dead.values() for c in group)]
                 updates = await plugin.synchronize([pod], containers)
