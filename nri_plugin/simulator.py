@@ -306,7 +306,7 @@ class RuntimeSimulator:
                 self._sync_messages(plugin, pods, containers), self.request_timeout
             )
         except (asyncio.TimeoutError, _Dropped, PluginFailed) as exc:
-            self._drop(plugin, f"synchronize failed: {exc or 'timeout'}")
+            self._drop(plugin, f"synchronize failed: {str(exc) or 'timed out'}")
             return
         self.sync_seconds.append(time.perf_counter() - started)
         for update in replies:

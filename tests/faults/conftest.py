@@ -1,0 +1,31 @@
+"""The fault suite: fixtures, and the session's total of containers checked and left inconsistent."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fault_support import TOTALS
+
+# The fake kubelet of the device-plugin tests.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "deviceplugin"))
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path for long test ids is longer.
+    path = Path(tempfile.mkdtemp(prefix="mcpu-f-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if TOTALS["checks"]:
+        terminalreporter.write_line(
+            f"fault suite: {TOTALS['checks']} invariant checks walked {TOTALS['containers']} containers; "
+            f"{TOTALS['inconsistent']} left inconsistent"
+        )
