@@ -20,9 +20,10 @@ that resource and proves each real request to the NRI side:
 
 What the NRI side must do with a container's annotations (the policy's part): take
 ``key.verify_annotations(container.annotations)`` as the only proof that the container requested the
-resource; refuse it when it returns None (absent, unsigned or forged) or when another live container
-already holds the same device id (a replayed marker), and free the id when that container is removed.
-Kubelet gives one device to one container at a time, so a device id held twice is never legitimate.
+resource; refuse it when it returns None (absent, unsigned or forged) or when the device id is bound
+to another container (a replayed marker), and free the id when the holder's pod sandbox stops.
+Kubelet gives one device to one container of one pod at a time, so a device id presented by two
+containers is never legitimate.
 """
 
 from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError

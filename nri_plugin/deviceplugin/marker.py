@@ -13,8 +13,8 @@ created on first start and stable across restarts, so markers of running contain
 A pod author can put any annotation on a pod (and some runtime setups pass pod annotations through to
 containers), but cannot compute the MAC, so a forged value fails :meth:`HostKey.verify`; a valid value
 copied from one device id onto another fails too, since the MAC covers the id. What the MAC cannot see
-is a valid value replayed onto a second container: the NRI side must also refuse a device id that a
-different live container already holds. Bare environment variables and unsigned annotations are never
+is a valid value replayed onto a second container: the NRI side must also refuse a device id bound
+to a different container (until that container's pod sandbox stops). Bare environment variables and unsigned annotations are never
 proof.
 """
 
@@ -96,7 +96,7 @@ class HostKey:
         """The device id ``value`` was signed for, or None if it is not a marker made with this key.
 
         The MAC comparison is constant-time. Only the MAC proves anything: the caller must still refuse
-        a device id that another live container holds (a replayed marker).
+        a device id bound to another container (a replayed marker; see `nri_plugin.state`).
         """
         if not isinstance(value, str):
             return None
