@@ -14,8 +14,8 @@ A pod author can put any annotation on a pod (and some runtime setups pass pod a
 containers), but cannot compute the MAC, so a forged value fails :meth:`HostKey.verify`; a valid value
 copied from one device id onto another fails too, since the MAC covers the id. What the MAC cannot see
 is a valid value replayed onto a second container: the NRI side must also refuse a device id bound
-to a different container (until that container's pod sandbox stops). Bare environment variables and unsigned annotations are never
-proof.
+to a different container (until that container's pod sandbox stops). Bare environment variables and
+unsigned annotations are never proof.
 """
 
 from __future__ import annotations
