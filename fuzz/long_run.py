@@ -49,35 +49,41 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The wire models and hostile values the hostile-input suite uses too.
+sys.path.insert(0, str(ROOT / "tests" / "hostile"))
 
+import hostile_models  # noqa: E402
 import structlog  # noqa: E402
+from hostile_models import (  # noqa: E402
+    MUX_HEADER,
+    REQUEST_TYPES,
+    RESPONSE_TYPES,
+    SMALL_LIMIT,
+    TTRPC_HEADER,
+    mux_incremental,
+    mux_reference,
+    ttrpc_incremental,
+    ttrpc_reference,
+)
 
 from api.nri import api_pb2 as api  # noqa: E402
 from api.ttrpc import request_pb2  # noqa: E402
 from cgroups import CgroupLayout, CgroupMode, Hierarchy  # noqa: E402
 from nri_plugin.config import ConfigError, load_config  # noqa: E402
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey  # noqa: E402
-from nri_plugin.events import DEDICATED_METHODS  # noqa: E402
 from nri_plugin.mixedcpu import MixedCpuPlugin  # noqa: E402
-from nri_plugin.mux import MAX_PAYLOAD, MuxDecoder, MuxFrame, MuxProtocolError  # noqa: E402
-from nri_plugin.mux import NEED_DATA as MUX_NEED_DATA  # noqa: E402
+from nri_plugin.mux import MAX_PAYLOAD  # noqa: E402
 from nri_plugin.state import StateStore  # noqa: E402
 from nri_plugin.stub import PLUGIN_SERVICE, Stub  # noqa: E402
 from nri_plugin.ttrpc import Server  # noqa: E402
 from nri_plugin.ttrpc.errors import Code, ProtocolError  # noqa: E402
 from nri_plugin.ttrpc.protocol import (  # noqa: E402
-    NEED_DATA,
     ClientSession,
-    FrameDecoder,
     MessageType,
-    OversizedFrame,
     ServerSession,
     encode_frame,
 )
 
-TTRPC_HEADER = struct.Struct(">IIBB")
-MUX_HEADER = struct.Struct(">II")
-SMALL_LIMIT = 64
 VECTOR_DIR = ROOT.parent / "shared" / "reference" / "vectors"
 PERIOD = 100_000
 # Statuses the plugin and its ttrpc server send on purpose.
@@ -89,93 +95,9 @@ EXPECTED_CODES = {
     Code.UNIMPLEMENTED,
     Code.INTERNAL,
 }
-REQUEST_TYPES: dict[str, type[Any]] = {
-    "Configure": api.ConfigureRequest,
-    "Synchronize": api.SynchronizeRequest,
-    "Shutdown": api.Empty,
-    "StateChange": api.StateChangeEvent,
-    "CreateContainer": api.CreateContainerRequest,
-    "UpdateContainer": api.UpdateContainerRequest,
-    "StopContainer": api.StopContainerRequest,
-    "UpdatePodSandbox": api.UpdatePodSandboxRequest,
-    "ValidateContainerAdjustment": api.ValidateContainerAdjustmentRequest,
-    **{name: request for name, request, _response in DEDICATED_METHODS.values()},
-}
-RESPONSE_TYPES: dict[str, type[Any]] = {
-    "Configure": api.ConfigureResponse,
-    "Synchronize": api.SynchronizeResponse,
-    "Shutdown": api.Empty,
-    "StateChange": api.Empty,
-    "CreateContainer": api.CreateContainerResponse,
-    "UpdateContainer": api.UpdateContainerResponse,
-    "StopContainer": api.StopContainerResponse,
-    "UpdatePodSandbox": api.UpdatePodSandboxResponse,
-    "ValidateContainerAdjustment": api.ValidateContainerAdjustmentResponse,
-    **{name: response for name, _request, response in DEDICATED_METHODS.values()},
-}
-
-TRICKS = [
-    "..",
-    ".",
-    "/",
-    "//",
-    "\0",
-    "\n",
-    "\r\n",
-    "\t",
-    " ",
-    "\\",
-    "\u2215",
-    "\u2044",
-    "\uff0f",
-    "\uff0e",
-    "\u2024",
-    "\u202e",
-    "\u200b",
-    "\ufeff",
-    "\u0430",
-    "%2e%2e",
-    "%2f",
-    "~",
-    "*",
-    "$(id)",
-    ";",
-    "'",
-    '"',
-    ":",
-    "@",
-    ".slice",
-    "-.slice",
-    ".scope",
-    "kubepods",
-    "pod",
-    "crio-",
-    "a" * 300,
-    "\U0001f600",
-]
-CPU_LISTS = [
-    "",
-    "0-999999999",
-    "0-4294967296",
-    "99999999999999999999",
-    "4-5",
-    "0-1,4-5",
-    "5-4",
-    "-1",
-    "1-",
-    "0,,1",
-    "0-1\n",
-    " 4-5",
-    "\u0664-\u0665",
-    "\uff14-\uff15",
-    "0x4",
-    "4-5,",
-    "2-3",
-    "6-7",
-    "0-8191",
-    "8192",
-]
-INT64 = [0, -1, 1, -(2**63), 2**63 - 1, 2**31, -(2**31), 100_000, 1_000_000, 999_999_999_999, 1000, 1001]
+TRICKS = [*hostile_models.TRICKS, "a" * 300, "\U0001f600"]
+CPU_LISTS = [*hostile_models.CPU_LISTS, "2-3", "6-7", "0-8191", "8192"]
+INT64 = [*hostile_models.INT64_EDGES, 1000, 1001]
 PODS = [("1111-2222", 200_000), ("3333-4444", None), ("5555-6666", 50_000)]
 
 
@@ -310,7 +232,7 @@ class Gen:
         spoiled = self.spoil()
         pod = self.pod(spoiled)
         container = self.container(pod, spoiled)
-        cls = REQUEST_TYPES[method]
+        cls: type[Any] = REQUEST_TYPES[method]
         if method == "Synchronize":
             pods = [pod, *(self.pod(self.spoil()) for _ in range(r.randint(0, 2)))]
             containers = [
@@ -378,74 +300,18 @@ def splits(rng: random.Random, data: bytes) -> list[bytes]:
     return [c for c in (data[a:b] for a, b in itertools.pairwise([0, *cuts, len(data)])) if c]
 
 
-# -- reference parsers ----------------------------------------------------------------------------------
-
-
-def ttrpc_reference(data: bytes, limit: int, eof: bool) -> tuple[list[tuple[Any, ...]], bool]:
-    events: list[tuple[Any, ...]] = []
-    at = 0
-    while True:
-        if len(data) - at < 10:
-            return events, eof and at < len(data)
-        length, stream_id, type_, flags = TTRPC_HEADER.unpack_from(data, at)
-        if type_ not in (1, 2, 3):
-            return events, True
-        end = at + 10 + length
-        if length > limit:
-            events.append(("oversized", stream_id, type_, flags, length))
-        elif end <= len(data):
-            events.append(("frame", stream_id, type_, flags, data[at + 10 : end]))
-        if end > len(data):
-            return events, eof
-        at = end
-
-
-def ttrpc_incremental(chunks: list[bytes], limit: int, eof: bool) -> tuple[list[tuple[Any, ...]], bool]:
-    decoder = FrameDecoder(limit)
-    events: list[tuple[Any, ...]] = []
-    try:
-        for chunk in [*chunks, *([b""] if eof else [])]:
-            decoder.receive_data(chunk)
-            while (item := decoder.next_event()) is not NEED_DATA:
-                if isinstance(item, OversizedFrame):
-                    events.append(("oversized", item.stream_id, item.type, item.flags, item.length))
-                else:
-                    events.append(("frame", item.stream_id, item.type, item.flags, item.data))
-                if decoder.buffered > 10 + limit + len(chunk):
-                    raise AssertionError(f"decoder holds {decoder.buffered} bytes")
-    except ProtocolError:
-        return events, True
-    return events, False
-
-
-def mux_reference(data: bytes, eof: bool) -> tuple[list[MuxFrame], bool]:
-    frames: list[MuxFrame] = []
-    at = 0
-    while True:
-        if len(data) - at < 8:
-            return frames, eof and at < len(data)
-        conn_id, length = MUX_HEADER.unpack_from(data, at)
-        if conn_id == 0 or length > MAX_PAYLOAD:
-            return frames, True
-        end = at + 8 + length
-        if end > len(data):
-            return frames, eof
-        frames.append(MuxFrame(conn_id=conn_id, payload=data[at + 8 : end]))
-        at = end
-
-
-def mux_incremental(chunks: list[bytes], eof: bool) -> tuple[list[MuxFrame], bool]:
-    decoder = MuxDecoder()
-    frames: list[MuxFrame] = []
-    try:
-        for chunk in [*chunks, *([b""] if eof else [])]:
-            decoder.receive_data(chunk)
-            while (event := decoder.next_event()) is not MUX_NEED_DATA:
-                assert isinstance(event, MuxFrame)
-                frames.append(event)
-    except MuxProtocolError:
-        return frames, True
-    return frames, False
+def vector_frames() -> list[list[bytes]]:
+    """The mux frames (as on the wire) of each captured Go vector; none without the directory."""
+    if not VECTOR_DIR.is_dir():
+        return []
+    return [
+        [
+            bytes.fromhex(line.strip())
+            for line in path.read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        ]
+        for path in sorted(VECTOR_DIR.glob("*.hex"))
+    ]
 
 
 class Finding(Exception):
@@ -455,7 +321,7 @@ class Finding(Exception):
 def check_session_replies(replies: list[bytes]) -> None:
     for message in replies:
         type_ = TTRPC_HEADER.unpack_from(message)[2]
-        response = request_pb2.Response.FromString(message[10:])
+        response = request_pb2.Response.FromString(message[TTRPC_HEADER.size :])
         if type_ != MessageType.RESPONSE or response.status.code not in (3, 8, 13):
             raise Finding(f"session reply type {type_} code {response.status.code}")
 
@@ -537,15 +403,7 @@ class Fuzzer:
         self.stream_id = 1
 
     def _corpus(self) -> list[bytes]:
-        out: list[bytes] = []
-        if VECTOR_DIR.is_dir():
-            for path in sorted(VECTOR_DIR.glob("*.hex")):
-                frames = [
-                    bytes.fromhex(line.strip())
-                    for line in path.read_text().splitlines()
-                    if line.strip() and not line.startswith("#")
-                ]
-                out.append(b"".join(frame[8:] for frame in frames))
+        out = [b"".join(frame[MUX_HEADER.size :] for frame in frames) for frames in vector_frames()]
         client = ClientSession()
         for method in sorted(REQUEST_TYPES):
             for _ in range(3):
@@ -560,17 +418,9 @@ class Fuzzer:
         return out
 
     def _wires(self) -> list[bytes]:
-        out = [MUX_HEADER.pack(1, len(m)) + m for m in self.corpus]
-        if VECTOR_DIR.is_dir():
-            for path in sorted(VECTOR_DIR.glob("*.hex")):
-                out.append(
-                    b"".join(
-                        bytes.fromhex(line.strip())
-                        for line in path.read_text().splitlines()
-                        if line.strip() and not line.startswith("#")
-                    )
-                )
-        return out
+        return [MUX_HEADER.pack(1, len(m)) + m for m in self.corpus] + [
+            b"".join(frames) for frames in vector_frames()
+        ]
 
     def _configs(self) -> list[bytes]:
         return [
@@ -672,7 +522,7 @@ class Fuzzer:
         if not self.outbox:
             raise Finding(f"{method}: no reply without suspending (a handler waited?)")
         (reply,) = self.outbox
-        response = request_pb2.Response.FromString(reply[10:])
+        response = request_pb2.Response.FromString(reply[TTRPC_HEADER.size :])
         code = response.status.code
         self.outcomes[f"{method} {Code(code).name if code in set(Code) else code}"] += 1
         if code not in EXPECTED_CODES:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,27 +66,34 @@ class Naming:
 NAMINGS = [Naming(r, d) for r in ("containerd", "cri-o") for d in ("cgroupfs", "systemd")]
 
 
+def fake_layout(root: Path, version: int = 1) -> CgroupLayout:
+    """The layout of a fake cgroup tree in `root`: a v1 host's ``cpu`` and ``cpuset`` hierarchies
+    (made here), or a v2 host's unified one (`root` itself)."""
+    if version == 1:
+        cpu, cpuset = root / "cpu", root / "cpuset"
+        cpu.mkdir(parents=True, exist_ok=True)
+        cpuset.mkdir(parents=True, exist_ok=True)
+        return CgroupLayout(CgroupMode.V1, Hierarchy(1, str(cpu)), Hierarchy(1, str(cpuset)))
+    root.mkdir(parents=True, exist_ok=True)
+    return CgroupLayout(CgroupMode.V2, Hierarchy(2, str(root)), Hierarchy(2, str(root)))
+
+
+def make_fake_cgroup(cgroup: CgroupDir, quota: int | None, period: int) -> None:
+    """A cgroup (and its parents) in a fake tree, with a CFS limit in the files of its version."""
+    os.makedirs(cgroup.fs_path, exist_ok=True)
+    if cgroup.hierarchy.version == 1:
+        Path(cgroup.fs_path, "cpu.cfs_quota_us").write_text(f"{-1 if quota is None else quota}\n")
+        Path(cgroup.fs_path, "cpu.cfs_period_us").write_text(f"{period}\n")
+    else:
+        Path(cgroup.fs_path, "cpu.max").write_text(f"{'max' if quota is None else quota} {period}\n")
+
+
 class FakeCgroups:
     """A cgroup tree in a temporary directory, laid out as a v1 (cpu, cpuset) or v2 host."""
 
     def __init__(self, root: Path, version: int = 1) -> None:
         self.version = version
-        if version == 1:
-            cpu, cpuset = root / "cpu", root / "cpuset"
-            cpu.mkdir(parents=True, exist_ok=True)
-            cpuset.mkdir(parents=True, exist_ok=True)
-            self.layout = CgroupLayout(CgroupMode.V1, Hierarchy(1, str(cpu)), Hierarchy(1, str(cpuset)))
-        else:
-            root.mkdir(parents=True, exist_ok=True)
-            self.layout = CgroupLayout(CgroupMode.V2, Hierarchy(2, str(root)), Hierarchy(2, str(root)))
-
-    def _make(self, cgroup: CgroupDir, quota: int | None, period: int) -> None:
-        os.makedirs(cgroup.fs_path, exist_ok=True)
-        if self.version == 1:
-            Path(cgroup.fs_path, "cpu.cfs_quota_us").write_text(f"{-1 if quota is None else quota}\n")
-            Path(cgroup.fs_path, "cpu.cfs_period_us").write_text(f"{period}\n")
-        else:
-            Path(cgroup.fs_path, "cpu.max").write_text(f"{'max' if quota is None else quota} {period}\n")
+        self.layout = fake_layout(root, version)
 
     def pod_dir(self, pod: api.PodSandbox) -> CgroupDir:
         return self.layout.cpu.dir(pod_cgroup_path(pod.linux.cgroup_parent))
@@ -95,7 +103,7 @@ class FakeCgroups:
 
     def add_pod(self, pod: api.PodSandbox, quota: int | None, period: int = PERIOD) -> CgroupDir:
         cgroup = self.pod_dir(pod)
-        self._make(cgroup, quota, period)
+        make_fake_cgroup(cgroup, quota, period)
         return cgroup
 
     def pod_quota(self, pod: api.PodSandbox) -> int | None:
@@ -109,7 +117,7 @@ class FakeCgroups:
         """What the runtime does after CreateContainer: make the container cgroup with its quota."""
         cgroup = self.container_dir(container)
         cpu = container.linux.resources.cpu
-        self._make(cgroup, None, cpu.period.value or PERIOD)
+        make_fake_cgroup(cgroup, None, cpu.period.value or PERIOD)
         if cpu.HasField("quota") and cpu.quota.value > 0:
             write_cpu_quota(cgroup, cpu.quota.value)
         return cgroup
@@ -245,15 +253,114 @@ def write_daemon_config(directory: Path, plugin_dir: Path, *, metrics_address: s
     return config
 
 
-async def start_daemon(*args: str) -> asyncio.subprocess.Process:
-    """``python -m nri_plugin.cli *args`` from this source tree; stdout and stderr are pipes."""
+async def start_daemon(
+    *args: str, prefix: Sequence[str] = (), stdout: int = subprocess.PIPE
+) -> asyncio.subprocess.Process:
+    """``python -m nri_plugin.cli *args`` from this source tree, under the command `prefix` if any
+    (e.g. setpriv dropping capabilities); stderr is a pipe, stdout too unless told otherwise."""
     return await asyncio.create_subprocess_exec(
+        *prefix,
         sys.executable,
         "-m",
         "nri_plugin.cli",
         *args,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.PIPE,
     )
+
+
+@contextlib.asynccontextmanager
+async def daemon_process(*args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`start_daemon(*args)` for the body of the `with`; killed after it if still running."""
+    proc = await start_daemon(*args)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def terminate(proc: asyncio.subprocess.Process, timeout: float, signum: int = signal.SIGTERM) -> bytes:
+    """Send `signum` and wait (at most `timeout` s) for the exit; what the process wrote to stderr."""
+    proc.send_signal(signum)
+    _, stderr = await asyncio.wait_for(proc.communicate(), timeout)
+    return stderr
+
+
+def run_cli(*args: str, timeout: float, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python -m nri_plugin.cli *args`` from this source tree, to its end; output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "nri_plugin.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=check,
+    )
+
+
+class Daemon:
+    """A daemon subprocess and every line it wrote to stderr so far (read as they come). `guard`
+    bounds each wait (against hangs only)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, guard: float = GUARD) -> None:
+        self.proc = proc
+        self.guard = guard
+        self.lines: list[str] = []
+        self._new_line = asyncio.Condition()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        async for raw in self.proc.stderr:
+            async with self._new_line:
+                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                self._new_line.notify_all()
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.lines)
+
+    def logged(self, *fragments: str) -> list[str]:
+        """The lines so far that contain every fragment."""
+        return [line for line in self.lines if all(f in line for f in fragments)]
+
+    async def wait_log(self, *fragments: str) -> str:
+        """The first line containing every fragment, once the daemon has written it.
+
+        The daemon logs before it answers, but the pipe is read by a task of ours: a line can reach
+        us a moment after the answer that followed it."""
+        try:
+            async with self._new_line:
+                await asyncio.wait_for(
+                    self._new_line.wait_for(lambda: bool(self.logged(*fragments))), self.guard
+                )
+        except asyncio.TimeoutError:
+            raise AssertionError(
+                f"no line with {fragments} on the daemon's stderr within {self.guard} s:\n{self.stderr}"
+            ) from None
+        return self.logged(*fragments)[0]
+
+    async def kill(self) -> None:
+        """SIGKILL: no shutdown, no flush, nothing."""
+        self.proc.send_signal(signal.SIGKILL)
+        await asyncio.wait_for(self.proc.wait(), self.guard)
+        await asyncio.wait_for(self._reader, self.guard)
+
+    async def stop(self) -> int:
+        """SIGTERM (as when its pod is stopped) and wait; the exit status."""
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), self.guard)
+        finally:
+            if self.proc.returncode is None:
+                self.proc.kill()
+                await self.proc.wait()
+            await asyncio.wait_for(self._reader, self.guard)
+        assert self.proc.returncode is not None
+        return self.proc.returncode

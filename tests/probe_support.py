@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import signal
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
+from mixedcpu_support import start_daemon
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -98,3 +103,27 @@ async def collect(stream: asyncio.StreamReader, lines: list[str]) -> None:
     """Every further line of `stream` into `lines` (so that the writer never blocks on a full pipe)."""
     async for raw in stream:
         lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+
+@contextlib.asynccontextmanager
+async def daemon_with_probes(
+    config: Path, socket_path: Path, lines: list[str]
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, int]]:
+    """``run`` as a subprocess (log level info), once it serves its probes: (process, host, port).
+    Its stderr lines go to `lines` as they come. After the body, SIGTERM and the exit awaited;
+    killed instead if the body failed or it did not exit."""
+    proc = await start_daemon(
+        "--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path)
+    )
+    try:
+        assert proc.stderr is not None
+        host, port = await bound_address(proc.stderr, lines)
+        rest = asyncio.ensure_future(collect(proc.stderr, lines))  # keep the pipe from filling up
+        yield proc, host, port
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), GUARD)
+        await asyncio.wait_for(rest, GUARD)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mixedcpu_support import ROOT, start_daemon, write_daemon_config
+from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_config
 
 from api.nri import api_pb2 as api
 from nri_plugin.cli import main
@@ -28,15 +24,7 @@ GUARD = 20.0
 
 
 def test_version() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "nri_plugin.cli", "version"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=GUARD,
-        check=True,
-    )
+    result = run_cli("version", timeout=GUARD, check=True)
     assert result.stdout.startswith("mixed-cpu-nri-plugin 0.")
 
 
@@ -191,25 +179,16 @@ def device_plugins() -> Iterator[Path]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, device_plugins: Path, signum: int) -> None:
     socket_path = tmp_path / "nri.sock"
-    async with RuntimeSimulator(socket_path) as sim:
-        proc = await start_daemon(
-            "--log-level",
-            "info",
-            "run",
-            "--socket",
-            str(socket_path),
-            "--config",
-            str(write_daemon_config(tmp_path, device_plugins)),
-        )
-        try:
-            [plugin] = await sim.wait_for_plugins(1, GUARD)
-            assert plugin.full_name == "10-mixed-cpu"
-            proc.send_signal(signum)
-            _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    config = write_daemon_config(tmp_path, device_plugins)
+    async with (
+        RuntimeSimulator(socket_path) as sim,
+        daemon_process(
+            "--log-level", "info", "run", "--socket", str(socket_path), "--config", str(config)
+        ) as proc,
+    ):
+        [plugin] = await sim.wait_for_plugins(1, GUARD)
+        assert plugin.full_name == "10-mixed-cpu"
+        stderr = await terminate(proc, GUARD, signum)
     assert proc.returncode == 0, stderr.decode()
     assert b"signal received, shutting down" in stderr
     assert b"Traceback" not in stderr
@@ -217,25 +196,15 @@ async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, device_plugins: 
 
 
 def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path, device_plugins: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nri_plugin.cli",
-            "run",
-            "--socket",
-            str(tmp_path / "x.sock"),
-            "--config",
-            str(write_daemon_config(tmp_path, device_plugins)),
-            "--nri-plugin-index",
-            "7",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
+    result = run_cli(
+        "run",
+        "--socket",
+        str(tmp_path / "x.sock"),
+        "--config",
+        str(write_daemon_config(tmp_path, device_plugins)),
+        "--nri-plugin-index",
+        "7",
         timeout=GUARD,
-        check=False,
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
@@ -253,34 +222,26 @@ async def test_run_serves_the_policy_from_its_config(tmp_path: Path, device_plug
     (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
     (pod_dir / "cpu.cfs_period_us").write_text("100000\n")
     socket_path = tmp_path / "nri.sock"
-    async with RuntimeSimulator(socket_path) as sim:
-        proc = await start_daemon(
-            "run", "--config", str(config), "--socket", str(socket_path), "--nri-plugin-index", "42"
-        )
-        try:
-            [plugin] = await sim.wait_for_plugins(1, GUARD)
-            assert plugin.full_name == "42-mixed-cpu"
-            key = HostKey.load_or_create(tmp_path / "state")  # the daemon made it at start
-            pod = api.PodSandbox(id="s1", uid="1234", name="p", namespace="ns")
-            pod.linux.cgroup_parent = "/kubepods/pod1234"
-            await sim.run_pod_sandbox(pod)
-            container = api.Container(id="c1", pod_sandbox_id="s1", name="main")
-            container.annotations[ANNOTATION_KEY] = key.sign("shared-cpus-0")
-            container.linux.cgroups_path = "/kubepods/pod1234/c1"
-            container.linux.resources.cpu.cpus = "2-3"
-            container.linux.resources.cpu.quota.value = 200000
-            container.linux.resources.cpu.period.value = 100000
-            result = await sim.create_container(container)
-            assert result.container.linux.resources.cpu.cpus == "0-3"
-            assert result.container.linux.resources.cpu.quota.value == 400000
-            assert env_of(result.container)["OPENSHIFT_ISOLATED_CPUS"] == "2-3"
-            assert (pod_dir / "cpu.cfs_quota_us").read_text() == "400000\n"
-            proc.send_signal(signal.SIGTERM)
-            _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    argv = ("run", "--config", str(config), "--socket", str(socket_path), "--nri-plugin-index", "42")
+    async with RuntimeSimulator(socket_path) as sim, daemon_process(*argv) as proc:
+        [plugin] = await sim.wait_for_plugins(1, GUARD)
+        assert plugin.full_name == "42-mixed-cpu"
+        key = HostKey.load_or_create(tmp_path / "state")  # the daemon made it at start
+        pod = api.PodSandbox(id="s1", uid="1234", name="p", namespace="ns")
+        pod.linux.cgroup_parent = "/kubepods/pod1234"
+        await sim.run_pod_sandbox(pod)
+        container = api.Container(id="c1", pod_sandbox_id="s1", name="main")
+        container.annotations[ANNOTATION_KEY] = key.sign("shared-cpus-0")
+        container.linux.cgroups_path = "/kubepods/pod1234/c1"
+        container.linux.resources.cpu.cpus = "2-3"
+        container.linux.resources.cpu.quota.value = 200000
+        container.linux.resources.cpu.period.value = 100000
+        result = await sim.create_container(container)
+        assert result.container.linux.resources.cpu.cpus == "0-3"
+        assert result.container.linux.resources.cpu.quota.value == 400000
+        assert env_of(result.container)["OPENSHIFT_ISOLATED_CPUS"] == "2-3"
+        assert (pod_dir / "cpu.cfs_quota_us").read_text() == "400000\n"
+        stderr = await terminate(proc, GUARD)
     assert proc.returncode == 0, stderr.decode()
     assert b"shared CPUs given" in stderr
     assert (tmp_path / "state" / "pod-quotas.json").exists()

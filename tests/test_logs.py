@@ -22,11 +22,11 @@ from mixedcpu_support import (
     PERIOD,
     FakeCgroups,
     Naming,
+    daemon_process,
     make_container,
     make_plugin,
     make_pod,
     marker,
-    start_daemon,
     write_daemon_config,
 )
 
@@ -289,19 +289,16 @@ def device_plugins() -> Iterator[Path]:
 async def daemon(tmp_path: Path, device_plugins: Path) -> AsyncIterator[tuple[RuntimeSimulator, Stderr]]:
     socket_path = tmp_path / "nri.sock"
     config = write_daemon_config(tmp_path, device_plugins)
-    async with RuntimeSimulator(socket_path) as sim:
-        proc = await start_daemon("run", "--config", str(config), "--socket", str(socket_path))
+    async with (
+        RuntimeSimulator(socket_path) as sim,
+        daemon_process("run", "--config", str(config), "--socket", str(socket_path)) as proc,
+    ):
         stderr = Stderr(proc)
-        try:
-            await sim.wait_for_plugins(1, GUARD)
-            yield sim, stderr
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), GUARD) == 0, "".join(stderr.raw)
-            await stderr.close()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+        await sim.wait_for_plugins(1, GUARD)
+        yield sim, stderr
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), GUARD) == 0, "".join(stderr.raw)
+        await stderr.close()
 
 
 @pytest.mark.asyncio

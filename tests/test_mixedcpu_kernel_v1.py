@@ -11,10 +11,8 @@ the simulator over a real socket, and the kernel is the judge of the write order
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
-import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from kernel_support import require_v1_layout
+from kernel_support import inherit_cpuset, make_cgroups, require_v1_layout, scratch_subtree
 from mixedcpu_support import GUARD, Naming, make_container, make_plugin, make_pod, marker, plugin_running
 
 from api.nri import api_pb2 as api
@@ -36,10 +34,8 @@ from cgroups import (
     pod_cgroup_path,
     read_cpu_quota,
     read_cpuset,
-    read_value,
     write_cpu_quota,
     write_cpuset,
-    write_value,
 )
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.simulator import RuntimeSimulator
@@ -70,12 +66,7 @@ class Kernel:
         """What kubelet does: the pod cgroup, its cpuset inherited, its quota the sum of its limits."""
         path = pod_cgroup_path(pod.linux.cgroup_parent)
         for hierarchy in (self.layout.cpu, self.layout.cpuset):
-            for depth in range(1, len(path.parts) + 1):
-                cgroup = hierarchy.dir(CgroupPath(path.parts[:depth]))
-                if not os.path.isdir(cgroup.fs_path):
-                    os.mkdir(cgroup.fs_path)
-                    if hierarchy is self.layout.cpuset:
-                        _inherit_cpuset(cgroup)
+            make_cgroups(self.layout, hierarchy, path)
         write_cpu_quota(self.pod_cpu(pod), quota)
 
     def run_container(self, container: api.Container) -> None:
@@ -84,7 +75,7 @@ class Kernel:
         cpu, cpuset = self.layout.cpu.dir(path), self.layout.cpuset.dir(path)
         os.mkdir(cpu.fs_path)
         os.mkdir(cpuset.fs_path)
-        _inherit_cpuset(cpuset)
+        inherit_cpuset(cpuset)
         self.apply(container, container.linux.resources)
 
     def apply(self, container: api.Container, resources: api.LinuxResources) -> None:
@@ -113,36 +104,12 @@ def parse(text: str) -> frozenset[int]:
     return parse_cpuset(text)
 
 
-def _inherit_cpuset(cgroup: CgroupDir) -> None:
-    # A new v1 cpuset starts empty (without clone_children) and takes no task until filled.
-    parent = CgroupDir(cgroup.hierarchy, CgroupPath(cgroup.path.parts[:-1]))
-    for name in ("cpuset.mems", "cpuset.cpus"):
-        write_value(cgroup, name, read_value(parent, name).strip())
-
-
-def _remove_tree(root: str) -> None:
-    """rmdir every cgroup below and at `root`, deepest first (cgroup dirs hold no removable files)."""
-    if not os.path.isdir(root):
-        return
-    for dirpath, _dirnames, _files in sorted(os.walk(root), key=lambda entry: -entry[0].count("/")):
-        with contextlib.suppress(OSError):
-            os.rmdir(dirpath)
-
-
 @pytest.fixture
 def kernel() -> Iterator[Kernel]:
     layout = require_v1_layout(min_cpus=2)
-    top = f"mixed-cpu-test-{os.getpid()}-{secrets.token_hex(4)}"
     cpus = sorted(read_cpuset(layout.cpuset.dir(CgroupPath())))
-    try:
+    with scratch_subtree(layout, "mixed-cpu-test") as top:
         yield Kernel(layout, top, frozenset(cpus[:1]), frozenset(cpus[1:2]))
-    finally:
-        for hierarchy in (layout.cpu, layout.cpuset):
-            _remove_tree(os.path.join(hierarchy.mount_point, top))
-        leftovers = [
-            h.mount_point for h in (layout.cpu, layout.cpuset) if os.path.exists(f"{h.mount_point}/{top}")
-        ]
-        assert not leftovers, f"scratch cgroups left behind in {leftovers}"
 
 
 @pytest.fixture

@@ -5,13 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -19,8 +15,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from mixedcpu_support import ROOT, start_daemon, write_daemon_config
-from probe_support import GUARD, Reply, bound_address, collect, exchange, get, samples, scrape, value
+from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_config
+from probe_support import GUARD, Reply, daemon_with_probes, exchange, get, samples, scrape, value
 
 from nri_plugin import probes
 from nri_plugin.metrics import Metrics
@@ -309,15 +305,7 @@ def test_daemon_exits_1_with_one_line_when_the_port_is_taken(tmp_path: Path, dev
         taken.listen()
         port = taken.getsockname()[1]
         config = write_daemon_config(tmp_path, device_plugins, metrics_address=f"{HOST}:{port}")
-        result = subprocess.run(
-            [sys.executable, "-m", "nri_plugin.cli", "run", "--config", str(config)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=GUARD,
-            check=False,
-        )
+        result = run_cli("run", "--config", str(config), timeout=GUARD)
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
@@ -331,16 +319,12 @@ def test_daemon_exits_1_with_one_line_when_the_port_is_taken(tmp_path: Path, dev
 async def test_daemon_with_metrics_off_serves_no_port(tmp_path: Path, device_plugins: Path) -> None:
     config = write_daemon_config(tmp_path, device_plugins, metrics_address="")
     socket_path = tmp_path / "nri.sock"
-    async with RuntimeSimulator(socket_path) as sim:
-        proc = await start_daemon("run", "--config", str(config), "--socket", str(socket_path))
-        try:
-            await sim.wait_for_plugins(1, GUARD)
-            proc.send_signal(signal.SIGTERM)
-            _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    async with (
+        RuntimeSimulator(socket_path) as sim,
+        daemon_process("run", "--config", str(config), "--socket", str(socket_path)) as proc,
+    ):
+        await sim.wait_for_plugins(1, GUARD)
+        stderr = await terminate(proc, GUARD)
     assert proc.returncode == 0, stderr.decode()
     assert b"serving metrics and probes" not in stderr
 
@@ -357,13 +341,7 @@ async def test_daemon_serves_probes_and_metrics(tmp_path: Path, device_plugins: 
     config.write_text(config.read_text() + "enabled = false\n[trusted_sources]\npod_annotation = true\n")
     socket_path = tmp_path / "nri.sock"
     seen: list[str] = []
-    proc = await start_daemon(
-        "--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path)
-    )
-    try:
-        assert proc.stderr is not None
-        host, port = await bound_address(proc.stderr, seen)
-        rest = asyncio.ensure_future(collect(proc.stderr, seen))  # keep the pipe from filling up
+    async with daemon_with_probes(config, socket_path, seen) as (proc, host, port):
         assert (await get(host, port, "/healthz")).status == 200
         unready = await get(host, port, "/readyz")
         assert unready.status == 503, reply_text(unready)
@@ -379,13 +357,5 @@ async def test_daemon_serves_probes_and_metrics(tmp_path: Path, device_plugins: 
             assert value(found, "mixed_cpu_nri_requests_total", event="synchronize", outcome="ok") == 1
             assert value(found, "mixed_cpu_nri_ready") == 1
             assert value(found, "mixed_cpu_kubelet_registered") == 0
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), GUARD)
-        await asyncio.wait_for(rest, GUARD)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
     assert proc.returncode == 0, "\n".join(seen)
     assert not any("Traceback" in line for line in seen), "\n".join(seen)
-

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -21,10 +20,9 @@ from mixedcpu_support import (
     make_plugin,
     make_pod,
     plugin_running,
-    start_daemon,
     write_daemon_config,
 )
-from probe_support import GUARD, Reply, bound_address, collect, get, scrape, value
+from probe_support import GUARD, Reply, daemon_with_probes, get, scrape, value
 
 from nri_plugin.deviceplugin import ANNOTATION_KEY, DevicePluginConfig, DevicePluginServer, HostKey
 from nri_plugin.metrics import Metrics
@@ -148,13 +146,7 @@ async def test_daemon_probes_and_metrics(tmp_path: Path, plugin_dir: Path) -> No
     socket_path = tmp_path / "nri.sock"
     tree = FakeCgroups(tmp_path / "cgroup", 1)
     lines: list[str] = []
-    proc = await start_daemon(
-        "--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path)
-    )
-    try:
-        assert proc.stderr is not None
-        host, port = await bound_address(proc.stderr, lines)
-        rest = asyncio.ensure_future(collect(proc.stderr, lines))
+    async with daemon_with_probes(config, socket_path, lines) as (proc, host, port):
         assert (await get(host, port, "/healthz")).status == 200
         assert (await readyz(port)).status == 503
         async with RuntimeSimulator(socket_path) as sim:
@@ -185,13 +177,6 @@ async def test_daemon_probes_and_metrics(tmp_path: Path, plugin_dir: Path) -> No
                 assert value(found, REGISTRATIONS, outcome="ok") == 1
             finally:
                 await kubelet.stop()
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), GUARD)
-        await asyncio.wait_for(rest, GUARD)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
     print("\n".join(lines))  # shown when the test fails
     assert proc.returncode == 0
     assert not any("Traceback" in line for line in lines)

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from fake_kubelet import FakeKubelet, remove_sockets
 from mixedcpu_support import (
     PERIOD,
+    Daemon,
     FakeCgroups,
     Naming,
     make_container,
@@ -52,59 +52,6 @@ REREGISTER_WITHIN = 1.0
 
 async def within(awaitable: Awaitable[T], seconds: float = GUARD) -> T:
     return await asyncio.wait_for(awaitable, seconds)
-
-
-class Daemon:
-    """The daemon subprocess and every line it wrote to stderr so far (read as they come)."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self._new_line = asyncio.Condition()
-        self._reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            async with self._new_line:
-                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-                self._new_line.notify_all()
-
-    @property
-    def stderr(self) -> str:
-        return "\n".join(self.lines)
-
-    def logged(self, *fragments: str) -> list[str]:
-        """The lines so far that contain every fragment."""
-        return [line for line in self.lines if all(f in line for f in fragments)]
-
-    async def wait_log(self, *fragments: str) -> str:
-        """The first line containing every fragment, once the daemon has written it.
-
-        The daemon logs before it answers, but the pipe is read by a task of ours: a line can reach
-        us a moment after the answer that followed it."""
-        try:
-            async with self._new_line:
-                await within(self._new_line.wait_for(lambda: bool(self.logged(*fragments))))
-        except asyncio.TimeoutError:
-            raise AssertionError(
-                f"no line with {fragments} on the daemon's stderr within {GUARD} s:\n{self.stderr}"
-            ) from None
-        return self.logged(*fragments)[0]
-
-    async def stop(self) -> int:
-        """SIGTERM (its pod being stopped) and wait; the exit status."""
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            await within(self.proc.wait())
-        finally:
-            if self.proc.returncode is None:
-                self.proc.kill()
-                await self.proc.wait()
-            await within(self._reader)
-        assert self.proc.returncode is not None
-        return self.proc.returncode
 
 
 @dataclass
@@ -156,7 +103,7 @@ async def node_with_daemon(root: Path, plugin_dir: Path) -> AsyncIterator[Node]:
         proc = await start_daemon(
             "--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path)
         )
-        daemon = Daemon(proc)
+        daemon = Daemon(proc, GUARD)
         try:
             [plugin] = await sim.wait_for_plugins(1, GUARD)
             assert plugin.full_name == "10-mixed-cpu"

@@ -16,11 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import shutil
-import signal
 import subprocess
-import sys
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,26 +25,23 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
-from mixedcpu_support import make_plugin
+from kernel_support import make_cgroups, scratch_subtree
+from mixedcpu_support import Daemon, fake_layout, make_fake_cgroup, make_plugin, start_daemon
 
 from api.nri import api_pb2 as api
 from cgroups import (
     CgroupDir,
     CgroupError,
     CgroupLayout,
-    CgroupMode,
     CgroupPath,
-    Hierarchy,
     container_cgroup_path,
     format_cpuset,
     parse_cpuset,
     pod_cgroup_path,
     read_cpu_quota,
     read_cpuset,
-    read_value,
     write_cpu_quota,
     write_cpuset,
-    write_value,
 )
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu import MixedCpuPlugin
@@ -99,35 +93,15 @@ class Tree:
 
     @classmethod
     def fake(cls, root: Path, version: int) -> Tree:
-        if version == 1:
-            cpu, cpuset = root / "cpu", root / "cpuset"
-            cpu.mkdir(parents=True)
-            cpuset.mkdir(parents=True)
-            layout = CgroupLayout(CgroupMode.V1, Hierarchy(1, str(cpu)), Hierarchy(1, str(cpuset)))
-        else:
-            root.mkdir(parents=True)
-            layout = CgroupLayout(CgroupMode.V2, Hierarchy(2, str(root)), Hierarchy(2, str(root)))
-        return cls(layout, root=root)
+        return cls(fake_layout(root, version), root=root)
 
     @classmethod
     @contextlib.contextmanager
     def kernel(cls, layout: CgroupLayout) -> Iterator[Tree]:
         """A scratch subtree ``<mount>/mixed-cpu-fault-<pid>-<random>`` of both v1 hierarchies,
         removed afterwards, children first."""
-        top = f"mixed-cpu-fault-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
+        with scratch_subtree(layout, "mixed-cpu-fault") as top:
             yield cls(layout, kernel_top=top)
-        finally:
-            for hierarchy in (layout.cpu, layout.cpuset):
-                base = os.path.join(hierarchy.mount_point, top)
-                if os.path.isdir(base):
-                    for dirpath, _dirs, _files in sorted(os.walk(base), key=lambda e: -e[0].count("/")):
-                        with contextlib.suppress(OSError):
-                            os.rmdir(dirpath)
-            left = [
-                h.mount_point for h in (layout.cpu, layout.cpuset) if os.path.exists(f"{h.mount_point}/{top}")
-            ]
-            assert not left, f"scratch cgroups left behind in {left}"
 
     @property
     def version(self) -> int:
@@ -156,34 +130,15 @@ class Tree:
 
     # what kubelet and the runtime do
 
-    def _mkdirs(self, cgroup: CgroupDir, quota: int | None, period: int) -> None:
-        """A cgroup (and its parents) in the fake tree, with a CFS limit."""
-        os.makedirs(cgroup.fs_path, exist_ok=True)
-        if self.version == 1:
-            Path(cgroup.fs_path, "cpu.cfs_quota_us").write_text(f"{-1 if quota is None else quota}\n")
-            Path(cgroup.fs_path, "cpu.cfs_period_us").write_text(f"{period}\n")
-        else:
-            Path(cgroup.fs_path, "cpu.max").write_text(f"{'max' if quota is None else quota} {period}\n")
-
-    def _kernel_mkdirs(self, hierarchy: Hierarchy, path: CgroupPath) -> None:
-        for depth in range(1, len(path.parts) + 1):
-            cgroup = hierarchy.dir(CgroupPath(path.parts[:depth]))
-            if not os.path.isdir(cgroup.fs_path):
-                os.mkdir(cgroup.fs_path)
-                if hierarchy is self.layout.cpuset:  # a new v1 cpuset starts empty: inherit
-                    parent = hierarchy.dir(CgroupPath(path.parts[: depth - 1]))
-                    for name in ("cpuset.mems", "cpuset.cpus"):
-                        write_value(cgroup, name, read_value(parent, name).strip())
-
     def add_pod(self, pod: api.PodSandbox, quota: int | None) -> None:
         """kubelet's pod cgroup, its quota the sum of its containers' limits (None: unlimited)."""
         path = pod_cgroup_path(pod.linux.cgroup_parent)
         if self.is_kernel:
             for hierarchy in (self.layout.cpu, self.layout.cpuset):
-                self._kernel_mkdirs(hierarchy, path)
+                make_cgroups(self.layout, hierarchy, path)
             write_cpu_quota(self.pod_cpu(pod), quota)
             return
-        self._mkdirs(self.pod_cpu(pod), quota, PERIOD)
+        make_fake_cgroup(self.pod_cpu(pod), quota, PERIOD)
         if self.version == 1:
             os.makedirs(self.layout.cpuset.dir(path).fs_path, exist_ok=True)
 
@@ -191,10 +146,10 @@ class Tree:
         """The runtime creates the container cgroups with the container's (adjusted) resources."""
         cpu, cpuset = self.cpu_dir(container), self.cpuset_dir(container)
         if self.is_kernel:
-            self._kernel_mkdirs(self.layout.cpu, cpu.path)
-            self._kernel_mkdirs(self.layout.cpuset, cpuset.path)
+            make_cgroups(self.layout, self.layout.cpu, cpu.path)
+            make_cgroups(self.layout, self.layout.cpuset, cpuset.path)
         else:
-            self._mkdirs(cpu, None, container.linux.resources.cpu.period.value or PERIOD)
+            make_fake_cgroup(cpu, None, container.linux.resources.cpu.period.value or PERIOD)
             os.makedirs(cpuset.fs_path, exist_ok=True)
             Path(cpuset.fs_path, "cpuset.cpus").write_text("\n")
         self.apply(container, container.linux.resources)
@@ -647,85 +602,28 @@ def write_config(directory: Path, tree: Tree, *, plugin_dir: Path | None = None)
     return config
 
 
-class Daemon:
-    """``mixed-cpu-nri-plugin run`` as a subprocess, and every line it wrote to stderr so far."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self._new_line = asyncio.Condition()
-        self._reader = asyncio.ensure_future(self._read())
-
-    @classmethod
-    async def start(cls, config: Path, socket: Path, *, prefix: Sequence[str] = ()) -> Daemon:
-        """`prefix`: a command the daemon runs under (e.g. setpriv dropping capabilities)."""
-        proc = await asyncio.create_subprocess_exec(
-            *prefix,
-            sys.executable,
-            "-m",
-            "nri_plugin.cli",
-            "--log-level",
-            "info",
-            "run",
-            "--config",
-            str(config),
-            "--socket",
-            str(socket),
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        return cls(proc)
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            async with self._new_line:
-                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-                self._new_line.notify_all()
-
-    @property
-    def stderr(self) -> str:
-        return "\n".join(self.lines)
-
-    def logged(self, *fragments: str) -> list[str]:
-        return [line for line in self.lines if all(f in line for f in fragments)]
-
-    async def wait_log(self, *fragments: str) -> str:
-        try:
-            async with self._new_line:
-                await within(self._new_line.wait_for(lambda: bool(self.logged(*fragments))))
-        except asyncio.TimeoutError:
-            raise AssertionError(f"no line with {fragments} on the daemon's stderr:\n{self.stderr}") from None
-        return self.logged(*fragments)[0]
-
-    async def kill(self) -> None:
-        """SIGKILL: no shutdown, no flush, nothing."""
-        self.proc.send_signal(signal.SIGKILL)
-        await within(self.proc.wait())
-        await within(self._reader)
-
-    async def stop(self) -> int:
-        """SIGTERM and wait; the exit status."""
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            await within(self.proc.wait())
-        finally:
-            if self.proc.returncode is None:
-                self.proc.kill()
-                await self.proc.wait()
-            await within(self._reader)
-        assert self.proc.returncode is not None
-        return self.proc.returncode
+async def launch_daemon(config: Path, socket: Path, *, prefix: Sequence[str] = ()) -> Daemon:
+    """``mixed-cpu-nri-plugin run`` as a subprocess; `prefix`: a command the daemon runs under (e.g.
+    setpriv dropping capabilities)."""
+    proc = await start_daemon(
+        "--log-level",
+        "info",
+        "run",
+        "--config",
+        str(config),
+        "--socket",
+        str(socket),
+        prefix=prefix,
+        stdout=subprocess.DEVNULL,
+    )
+    return Daemon(proc, GUARD)
 
 
 @contextlib.asynccontextmanager
 async def daemon_running(config: Path, socket: Path, **options: Any) -> AsyncIterator[Daemon]:
     """A daemon for the body of the `with`: stopped with SIGTERM after it (exit 0, no traceback),
     unless the body killed it."""
-    daemon = await Daemon.start(config, socket, **options)
+    daemon = await launch_daemon(config, socket, **options)
     try:
         yield daemon
     finally:

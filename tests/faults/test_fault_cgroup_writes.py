@@ -34,7 +34,9 @@ from fault_support import (
 from kernel_support import require_v1_layout
 from mixedcpu_support import plugin_running
 
+from api.nri import api_pb2 as api
 from cgroups import CgroupPath, read_cpuset, write_cpu_quota
+from nri_plugin.mixedcpu import MixedCpuPlugin
 from nri_plugin.simulator import PluginFailed
 from nri_plugin.ttrpc import Code
 
@@ -49,6 +51,34 @@ def assert_clear(message: str, *fragments: str) -> None:
     assert "\n" not in message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+NEEDS_ROOT = "the plugin needs root (CAP_SYS_ADMIN) and the host's /sys/fs/cgroup mounted read-write"
+
+
+async def assert_creation_refused(
+    node: Node,
+    plugin: MixedCpuPlugin,
+    pod: api.PodSandbox,
+    cid: str,
+    name: str,
+    cpus: str,
+    *,
+    path: str,
+    cause: str,
+    fix: str,
+) -> None:
+    """Creating container `cid` (`name`, asking) in `pod` fails with FAILED_PRECONDITION: one clear
+    line naming `path`, `cause` and `fix` to the runtime, and `path` and `fix` in the log; nothing
+    half-applied (the container not created, the books as before)."""
+    books = plugin.books.copy()
+    with structlog.testing.capture_logs() as logs, pytest.raises(PluginFailed) as info:
+        await node.population.create(pod, cid, name, cpus, asks=True)
+    assert info.value.code == Code.FAILED_PRECONDITION
+    assert_clear(info.value.message, path, cause, fix)
+    assert_clear(refused_creation(logs), path, fix)
+    assert cid not in node.runtime.containers
+    assert plugin.books == books
 
 
 @contextlib.contextmanager
@@ -88,17 +118,20 @@ async def test_enoent_pod_cgroup_gone_at_creation(short_dir: Path, version: int,
             quota_file.unlink()
         else:
             shutil.rmtree(quota_file.parent)
-        books, quotas = plugin.books.copy(), {p.id: tree.pod_quota(p) for p in pods}
-        with structlog.testing.capture_logs() as logs, pytest.raises(PluginFailed) as info:
-            await population.create(gone, "gone-a", "fwd", "13", asks=True)
-        assert info.value.code == Code.FAILED_PRECONDITION
-        fix = "the pod or container may be gone, or the controller is not enabled for this cgroup"
+        quotas = {p.id: tree.pod_quota(p) for p in pods}
         missing = quota_file if removed == "quota-file" else quota_file.parent
-        assert_clear(info.value.message, str(missing), "No such file or directory (ENOENT)", fix)
-        assert_clear(refused_creation(logs), str(missing), fix)
-        # Nothing half-applied: not created, books and every other pod as before.
-        assert "gone-a" not in runtime.containers
-        assert plugin.books == books
+        await assert_creation_refused(
+            node,
+            plugin,
+            gone,
+            "gone-a",
+            "fwd",
+            "13",
+            path=str(missing),
+            cause="No such file or directory (ENOENT)",
+            fix="the pod or container may be gone, or the controller is not enabled for this cgroup",
+        )
+        # Nothing half-applied: every other pod as before.
         assert {p.id: tree.pod_quota(p) for p in pods} == quotas
         [left] = inconsistencies(population, count=False)  # the checker sees the missing cgroup only
         assert left.startswith("pod gone: pod quota unreadable")
@@ -122,17 +155,20 @@ async def test_erofs_pod_cgroup_read_only(short_dir: Path, version: int) -> None
     async with runtime, plugin_running(plugin, node.socket):
         await within(runtime.wait_for_plugins(1))
         fwd, duo, _free, _plain = await population.standard()
-        books, before = plugin.books.copy(), population.pod_quotas()
+        before = population.pod_quotas()
+        quota_file = str(tree.quota_file(fwd))
         with read_only(tree.pod_cpu(fwd).fs_path):
-            with structlog.testing.capture_logs() as logs, pytest.raises(PluginFailed) as info:
-                await population.create(fwd, "fwd-b", "helper", "13", asks=True)
-            assert info.value.code == Code.FAILED_PRECONDITION
-            fix = "the plugin needs root (CAP_SYS_ADMIN) and the host's /sys/fs/cgroup mounted read-write"
-            quota_file = str(tree.quota_file(fwd))
-            assert_clear(info.value.message, quota_file, "Read-only file system (EROFS)", fix)
-            assert_clear(refused_creation(logs), quota_file, fix)
-            assert "fwd-b" not in runtime.containers
-            assert plugin.books == books
+            await assert_creation_refused(
+                node,
+                plugin,
+                fwd,
+                "fwd-b",
+                "helper",
+                "13",
+                path=quota_file,
+                cause="Read-only file system (EROFS)",
+                fix=NEEDS_ROOT,
+            )
             assert population.pod_quotas() == before
             # A stop never fails on our account: the lowering waits for the pod's next event.
             with structlog.testing.capture_logs() as logs:
@@ -179,16 +215,17 @@ async def test_einval_kernel_refuses_pod_quota_above_parent_at_creation(short_di
             capped = population.pod("capped", PERIOD, parent="capped")
             cap(population, PERIOD)
             await population.create(free, "free-a", "fwd", exclusive, asks=True)
-            books = plugin.books.copy()
-            with structlog.testing.capture_logs() as logs, pytest.raises(PluginFailed) as info:
-                await population.create(capped, "capped-a", "fwd", exclusive, asks=True)
-            assert info.value.code == Code.FAILED_PRECONDITION
-            fix = "cgroup v1 refuses a quota above the parent's (raise the parent first"
-            quota_file = str(tree.quota_file(capped))
-            assert_clear(info.value.message, quota_file, "rejected: Invalid argument (EINVAL)", fix)
-            assert_clear(refused_creation(logs), quota_file, fix)
-            assert "capped-a" not in runtime.containers
-            assert plugin.books == books
+            await assert_creation_refused(
+                node,
+                plugin,
+                capped,
+                "capped-a",
+                "fwd",
+                exclusive,
+                path=str(tree.quota_file(capped)),
+                cause="rejected: Invalid argument (EINVAL)",
+                fix="cgroup v1 refuses a quota above the parent's (raise the parent first",
+            )
             assert tree.pod_quota(capped) == PERIOD
             assert inconsistencies(population, books=plugin.books) == []
             # The operator raises the parent; kubelet's retry succeeds.
@@ -303,10 +340,9 @@ async def test_eacces_daemon_cannot_write_pod_quota(short_dir: Path) -> None:
         with pytest.raises(PluginFailed) as info:
             await population.create(duo, "duo-c", "third", "13", asks=True)
         assert info.value.code == Code.FAILED_PRECONDITION
-        fix = "the plugin needs root (CAP_SYS_ADMIN) and the host's /sys/fs/cgroup mounted read-write"
-        assert_clear(info.value.message, str(quota_file), "Permission denied (EACCES)", fix)
+        assert_clear(info.value.message, str(quota_file), "Permission denied (EACCES)", NEEDS_ROOT)
         line = await daemon.wait_log("creation refused", "Permission denied (EACCES)")
-        assert_clear(line, str(quota_file), fix, "container=third")
+        assert_clear(line, str(quota_file), NEEDS_ROOT, "container=third")
         assert "duo-c" not in runtime.containers
         assert population.pod_quotas() == before
         # The daemon is alive and serves the next request.

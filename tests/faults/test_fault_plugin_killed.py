@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from fault_support import (
     PERIOD,
-    Daemon,
     daemon_running,
     inconsistencies,
+    launch_daemon,
     make_node,
     until,
     within,
@@ -31,7 +31,7 @@ async def test_daemon_killed_and_restarted(short_dir: Path, version: int, state:
     config = write_config(short_dir, node.tree)
     state_file = node.state / "pod-quotas.json"
     async with runtime:
-        daemon = await Daemon.start(config, node.socket)
+        daemon = await launch_daemon(config, node.socket)
         try:
             await within(runtime.wait_for_plugins(1))
             _fwd, duo, _free, _plain = await population.standard()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from hostile_strategies import REQUEST_TYPES
+from hostile_models import MUX_HEADER, REQUEST_TYPES, SMALL_LIMIT, TTRPC_HEADER
 from hypothesis import strategies as st
 from vectors import load_frames, vector_names
 
@@ -19,11 +19,6 @@ from api.nri import api_pb2 as api
 from nri_plugin.mux import MAX_PAYLOAD
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import ClientSession, MessageType, ServerSession, encode_frame
-
-TTRPC_HEADER = struct.Struct(">IIBB")
-MUX_HEADER = struct.Struct(">II")
-SMALL_LIMIT = 64  # a frame limit that small inputs can exceed
-
 
 # -- corpus ------------------------------------------------------------------------------------------
 

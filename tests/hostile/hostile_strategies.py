@@ -18,6 +18,7 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
+from hostile_models import CPU_LISTS, INT64_EDGES, REQUEST_TYPES, TRICKS
 from hypothesis import strategies as st
 
 from api.nri import api_pb2 as api
@@ -25,49 +26,6 @@ from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.events import DEDICATED_METHODS
 
 OTHER_NODE_KEY = HostKey(b"\x01" * 32)
-
-# Pieces that path, id and name parsers have to refuse, or at least not misread.
-TRICKS = (
-    "..",
-    ".",
-    "/",
-    "//",
-    "\0",
-    "\n",
-    "\r\n",
-    "\t",
-    " ",
-    "\\",
-    "\u2215",  # DIVISION SLASH
-    "\u2044",  # FRACTION SLASH
-    "\uff0f",  # FULLWIDTH SOLIDUS
-    "\uff0e",  # FULLWIDTH FULL STOP
-    "\u2024",  # ONE DOT LEADER
-    "\u202e",  # RIGHT-TO-LEFT OVERRIDE
-    "\u200b",  # ZERO WIDTH SPACE
-    "\ufeff",  # BYTE ORDER MARK
-    "\u0430",  # CYRILLIC SMALL LETTER A (looks like a)
-    "%2e%2e",
-    "%2f",
-    "~",
-    "*",
-    "$(id)",
-    "`id`",
-    ";",
-    "'",
-    '"',
-    ":",
-    "@",
-    ".slice",
-    "-.slice",
-    ".scope",
-    "kubepods",
-    "pod",
-    "crio-",
-    "proc",
-    "sys",
-    "etc",
-)
 
 tricky_text = st.lists(
     st.one_of(st.sampled_from(TRICKS), st.text(st.characters(exclude_categories=("Cs",)), max_size=6)),
@@ -83,32 +41,12 @@ hostile_text = st.one_of(
 
 # Cpu lists a pod spec cannot write but a confused runtime might send.
 cpu_lists = st.one_of(
-    st.sampled_from(
-        [
-            "",
-            "0-999999999",
-            "0-4294967296",
-            "99999999999999999999",
-            "4-5",
-            "0-1,4-5",
-            "5-4",
-            "-1",
-            "1-",
-            "0,,1",
-            "0-1\n",
-            " 4-5",
-            "\u0664-\u0665",  # Arabic-Indic digits
-            "\uff14-\uff15",  # fullwidth digits
-            "0x4",
-            "4-5,",
-            ",".join(str(n) for n in range(0, 20000, 2)),
-        ]
-    ),
+    st.sampled_from([*CPU_LISTS, ",".join(str(n) for n in range(0, 20000, 2))]),
     hostile_text,
 )
 
 int64 = st.one_of(
-    st.sampled_from([0, -1, 1, -(2**63), 2**63 - 1, 2**31, -(2**31), 100_000, 1_000_000, 999_999_999_999]),
+    st.sampled_from(INT64_EDGES),
     st.integers(-(2**63), 2**63 - 1),
 )
 
@@ -404,18 +342,3 @@ def realistic_requests(draw: st.DrawFn, method: str) -> Message:
                 request.container.CopyFrom(container)
             return request
     return draw(messages(REQUEST_TYPES[method]))
-
-
-# Every method of the Plugin service and its request type (served or not by our plugin).
-REQUEST_TYPES: dict[str, type[Message]] = {
-    "Configure": api.ConfigureRequest,
-    "Synchronize": api.SynchronizeRequest,
-    "Shutdown": api.Empty,
-    "StateChange": api.StateChangeEvent,
-    "CreateContainer": api.CreateContainerRequest,
-    "UpdateContainer": api.UpdateContainerRequest,
-    "StopContainer": api.StopContainerRequest,
-    "UpdatePodSandbox": api.UpdatePodSandboxRequest,
-    "ValidateContainerAdjustment": api.ValidateContainerAdjustmentRequest,
-    **{name: request for name, request, _response in DEDICATED_METHODS.values()},
-}

@@ -15,24 +15,26 @@ interleaved with other connections: the ttrpc layer must see the same thing what
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 from typing import Any
 
-from hostile_corpus import MUX_HEADER, SMALL_LIMIT, TTRPC_HEADER, mutated_wire, streams
+from hostile_corpus import mutated_wire, streams
+from hostile_models import (
+    MUX_HEADER,
+    SMALL_LIMIT,
+    TTRPC_HEADER,
+    mux_incremental,
+    mux_reference,
+    ttrpc_incremental,
+    ttrpc_reference,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.ttrpc import request_pb2
-from nri_plugin.mux import MAX_PAYLOAD, MuxDecoder, MuxFrame, MuxProtocolError
-from nri_plugin.mux import NEED_DATA as MUX_NEED_DATA
 from nri_plugin.ttrpc.errors import Code, ProtocolError
 from nri_plugin.ttrpc.protocol import (
-    NEED_DATA,
     ClientSession,
-    Frame,
-    FrameDecoder,
     MessageType,
-    OversizedFrame,
     RequestReceived,
     ResponseReceived,
     ServerSession,
@@ -49,78 +51,6 @@ def splits(draw: st.DrawFn, data: bytes) -> list[bytes]:
     cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=12)))
     chunks = [data[a:b] for a, b in itertools.pairwise([0, *cuts, len(data)])]
     return [chunk for chunk in chunks if chunk]  # b"" would mean EOF
-
-
-# -- reference models ----------------------------------------------------------------------------------
-
-
-def ttrpc_reference(data: bytes, limit: int, eof: bool) -> tuple[list[tuple[Any, ...]], bool]:
-    """(events, failed) for the whole stream at once."""
-    events: list[tuple[Any, ...]] = []
-    at = 0
-    while True:
-        if len(data) - at < TTRPC_HEADER.size:
-            return events, eof and at < len(data)
-        length, stream_id, type_, flags = TTRPC_HEADER.unpack_from(data, at)
-        if type_ not in (1, 2, 3):
-            return events, True
-        end = at + TTRPC_HEADER.size + length
-        if length > limit:
-            events.append(("oversized", stream_id, type_, flags, length))
-        elif end <= len(data):
-            events.append(("frame", stream_id, type_, flags, data[at + TTRPC_HEADER.size : end]))
-        if end > len(data):
-            return events, eof
-        at = end
-
-
-def ttrpc_incremental(chunks: Iterable[bytes], limit: int, eof: bool) -> tuple[list[tuple[Any, ...]], bool]:
-    decoder = FrameDecoder(limit)
-    events: list[tuple[Any, ...]] = []
-    try:
-        for chunk in [*chunks, *([b""] if eof else [])]:
-            decoder.receive_data(chunk)
-            while (item := decoder.next_event()) is not NEED_DATA:
-                if isinstance(item, OversizedFrame):
-                    events.append(("oversized", item.stream_id, item.type, item.flags, item.length))
-                else:
-                    assert isinstance(item, Frame)
-                    events.append(("frame", item.stream_id, item.type, item.flags, item.data))
-                # Never more than one frame's data and one chunk held.
-                assert decoder.buffered <= TTRPC_HEADER.size + limit + len(chunk)
-    except ProtocolError:
-        return events, True
-    return events, False
-
-
-def mux_reference(data: bytes, eof: bool) -> tuple[list[MuxFrame], bool]:
-    frames: list[MuxFrame] = []
-    at = 0
-    while True:
-        if len(data) - at < MUX_HEADER.size:
-            return frames, eof and at < len(data)
-        conn_id, length = MUX_HEADER.unpack_from(data, at)
-        if conn_id == 0 or length > MAX_PAYLOAD:
-            return frames, True
-        end = at + MUX_HEADER.size + length
-        if end > len(data):
-            return frames, eof
-        frames.append(MuxFrame(conn_id=conn_id, payload=data[at + MUX_HEADER.size : end]))
-        at = end
-
-
-def mux_incremental(chunks: Iterable[bytes], eof: bool) -> tuple[list[MuxFrame], bool]:
-    decoder = MuxDecoder()
-    frames: list[MuxFrame] = []
-    try:
-        for chunk in [*chunks, *([b""] if eof else [])]:
-            decoder.receive_data(chunk)
-            while (event := decoder.next_event()) is not MUX_NEED_DATA:
-                assert isinstance(event, MuxFrame)
-                frames.append(event)
-    except MuxProtocolError:
-        return frames, True
-    return frames, False
 
 
 # -- ttrpc ---------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hostile_strategies import REQUEST_TYPES, messages, realistic_requests
+from hostile_models import REQUEST_TYPES
+from hostile_strategies import messages, realistic_requests
 from hostile_support import (
     ERROR_CODES,
     PERIOD,

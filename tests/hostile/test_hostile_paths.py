@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 import pytest
-from hostile_strategies import TRICKS, tricky_text
+from hostile_models import TRICKS
+from hostile_strategies import tricky_text
 from hostile_support import (
     ERROR_CODES,
     PERIOD,

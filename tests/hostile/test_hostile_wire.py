@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hostile_corpus import MUX_HEADER, mutated_wire
+from hostile_corpus import mutated_wire
+from hostile_models import MUX_HEADER
 from hostile_support import PERIOD, Node, granted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
