@@ -28,7 +28,7 @@ and measures, in order:
   objects in one message and realistic ones (labels, annotations, mounts, env; they do not fit in one
   4 MiB ttrpc message) at the 4 MiB limit and in 1 MiB messages; after the last, the burst of 200
   through the runtime's lock again, onto a plugin whose books hold those 1,000 pods; and the largest
-  RSS right after a Synchronize;
+  RSS right after a Synchronize and half a second later;
 * the plugin's own processing per CreateContainer in this process, bytes in to bytes out, with no
   socket or peer.
 
@@ -355,7 +355,7 @@ async def synchronize_round(table: Table, settings: Settings, node: Path) -> Non
         ("plugin restart", realistic_pod, _shared(realistic_container), 1 << 20),
     )
     cgroup_root, state_dir = fake_node(node, pods + settings.burst // CONTAINERS_PER_POD)
-    largest_rss = 0.0
+    largest_rss = settled_rss = 0.0
     for label, make_pod, make_container, limit in variants:
         sim = RuntimeSimulator(str(node / "nri.sock"), max_message_size=limit, request_timeout=10.0)
         for n in range(pods):
@@ -369,6 +369,8 @@ async def synchronize_round(table: Table, settings: Settings, node: Path) -> Non
             try:
                 await sim.wait_for_plugins(1, timeout=60)
                 largest_rss = max(largest_rss, plugin.rss_mib())
+                await asyncio.sleep(0.5)  # what the plugin keeps once the Synchronize is over
+                settled_rss = max(settled_rss, plugin.rss_mib())
                 if limit == 1 << 20:  # the last one: a burst onto a node full of shared pods
                     how = f"through the runtime's lock, onto {pods:,} shared pods (after that Synchronize)"
                     await burst_through_runtime(table, sim, settings.burst, pods, how)
@@ -385,8 +387,16 @@ async def synchronize_round(table: Table, settings: Settings, node: Path) -> Non
             section=3,
         )
     table.add(
-        f"plugin RSS after Synchronize of {containers:,} containers (largest)",
+        f"plugin RSS right after Synchronize of {containers:,} containers (largest)",
         largest_rss,
+        "MiB",
+        RSS_TARGET,
+        rss_ok,
+        section=3.5,
+    )
+    table.add(
+        f"plugin RSS 0.5 s after Synchronize of {containers:,} containers (largest)",
+        settled_rss,
         "MiB",
         RSS_TARGET,
         rss_ok,

@@ -8,6 +8,8 @@ Typical use::
     ctr = layout.cpu.dir(container_cgroup_path(cgroups_path))
     write_parent_child_quota(pod, ctr, parent_quota=600_000, child_quota=400_000)
     write_cpuset(layout.cpuset.dir(container_cgroup_path(cgroups_path)), cpus)
+    with open_cgroup(pod) as held:                           # one walk, several files
+        limit = read_cpu_quota(held)
 
 Modules: `cpuset` (cpu lists), `mode` (mountinfo), `paths` (validated cgroup paths),
 `quota` (CFS values), `files` (reads and writes), `errors`.
@@ -25,7 +27,10 @@ from cgroups.errors import (
     CgroupWriteRejected,
 )
 from cgroups.files import (
+    Cgroup,
+    OpenCgroup,
     cgroup_exists,
+    open_cgroup,
     read_cpu_quota,
     read_cpuset,
     read_effective_cpuset,
@@ -55,6 +60,7 @@ format_cpuset = cpuset.format
 __all__ = [
     "MAX_CPU",
     "MAX_CPUS",
+    "Cgroup",
     "CgroupDir",
     "CgroupError",
     "CgroupLayout",
@@ -71,6 +77,7 @@ __all__ = [
     "CpuQuota",
     "CpusetError",
     "Hierarchy",
+    "OpenCgroup",
     "cgroup_exists",
     "check_name",
     "container_cgroup_path",
@@ -79,6 +86,7 @@ __all__ = [
     "expand_slice",
     "format_cpu_max",
     "format_cpuset",
+    "open_cgroup",
     "parse_cgroupfs_path",
     "parse_cpu_max",
     "parse_cpuset",

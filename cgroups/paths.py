@@ -93,6 +93,12 @@ def _describe(char: str) -> str:
 
 
 def _first_bad_char(text: str, allowed: re.Pattern[str]) -> str | None:
+    """The first character of `text` that `allowed` (a ``[...]+`` class) does not match, or None.
+
+    One match of the whole text decides the common case, a valid name; only a refused one is
+    scanned character by character, to name the culprit."""
+    if allowed.fullmatch(text) is not None:
+        return None
     return next((c for c in text if allowed.fullmatch(c) is None), None)
 
 

@@ -212,7 +212,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
-        configure_logging(args.log_level or config.log_level, config.log_format)
+        # For good: each logger is cached at its first use (the level still follows SIGUSR1).
+        configure_logging(args.log_level or config.log_level, config.log_format, cache_loggers=True)
         layout = build_layout(config)
         try:
             plugin = MixedCpuPlugin.from_config(config, layout)

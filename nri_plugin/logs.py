@@ -122,12 +122,17 @@ def _renderer_chain(rendered: str, colors: bool) -> list[structlog.types.Process
     return [*common, structlog.dev.ConsoleRenderer(colors=colors, event_key=MESSAGE_KEY)]
 
 
-def configure_logging(level: str, log_format: str = "auto", *, stream: TextIO | None = None) -> str:
+def configure_logging(
+    level: str, log_format: str = "auto", *, stream: TextIO | None = None, cache_loggers: bool = False
+) -> str:
     """Send every log line, structlog's and stdlib's, to `stream` (stderr when None) at `level` and
     above, in `log_format` (see the module docstring). Returns the format used, console or json.
 
-    May be called again: the new settings replace the old ones. Raises ValueError for an unknown
-    level or format.
+    May be called again: the new settings replace the old ones, except for loggers already cached:
+    with `cache_loggers` each structlog logger keeps the settings of its first use (it is not bound
+    anew at every call, some 5 us each), so only a process that configures logging once for good,
+    the daemon, asks for it. The level stays live either way (`toggle_debug`): it is read from the
+    root logger at each call. Raises ValueError for an unknown level or format.
     """
     threshold = _level_number(level)
     rendered = resolve_format(log_format, stream)
@@ -169,7 +174,7 @@ def configure_logging(level: str, log_format: str = "auto", *, stream: TextIO | 
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=cache_loggers,
     )
     return rendered
 

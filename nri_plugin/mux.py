@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
+from nri_plugin import heap
 from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_PAYLOAD",
     "NEED_DATA",
     "PLUGIN_SERVICE_CONN",
+    "READ_BUFFER_SIZE",
     "RUNTIME_SERVICE_CONN",
     "ChannelReceiver",
     "LocalMuxError",
@@ -83,6 +85,20 @@ _HEADER: Final = struct.Struct(">II")
 # this many and at least half of the buffer, so that compaction costs O(1) amortised per byte
 # and small frames do not cause a memmove each.
 _COMPACT_MIN: Final = 64 * 1024
+
+# The trunk reads the socket into one buffer of this size, the same for every read (asyncio's own
+# reads allocate a fresh 256 KiB each time: above glibc's mmap threshold, so an mmap, mremap and
+# munmap per small message). A 4 MiB Synchronize message takes 64 reads.
+READ_BUFFER_SIZE: Final = 64 * 1024
+
+# Once this many bytes arrived in large frames (at least _LARGE_FRAME: the bulk of a message of
+# more than 4 KiB + 64 KiB; only Synchronize sends such messages, 4 MiB or smaller chunks), the C
+# heap's free memory is given back to the system once they have been handled
+# (`heap.release_free_memory`): without it the megabytes that held them stay in the process for good.
+_RELEASE_AFTER: Final = 1 << 20
+_LARGE_FRAME: Final = 64 * 1024
+# How long after the last large frame: a chunked Synchronize's next message is on its way.
+_RELEASE_DELAY: Final = 0.1
 
 
 # Both errors join the ttrpc package's two-sided taxonomy, so one `except ProtocolError` covers
@@ -136,6 +152,8 @@ def encode(conn_id: int, message: bytes | bytearray | memoryview) -> list[bytes]
     :raises LocalMuxError: *conn_id* is 0 or does not fit in 32 bits.
     """
     _check_conn_id(conn_id)
+    if len(message) <= FIRST_FRAME_MAX:  # most messages: one frame
+        return [_HEADER.pack(conn_id, len(message)) + message] if message else []
     view = memoryview(message)
     chunks = [view[:FIRST_FRAME_MAX]] if len(view) else []
     for start in range(FIRST_FRAME_MAX, len(view), MAX_PAYLOAD):
@@ -164,8 +182,9 @@ class MuxDecoder:
         """True once end of file was fed."""
         return self._eof
 
-    def receive_data(self, data: bytes) -> None:
-        """Buffer bytes read from the trunk; ``b""`` marks end of file.
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Buffer bytes read from the trunk (copied: `data` may be reused once this returns);
+        ``b""`` marks end of file.
 
         :raises LocalMuxError: non-empty data after end of file.
         """
@@ -183,6 +202,14 @@ class MuxDecoder:
         :raises MuxProtocolError: the peer sent a frame on connection 0 or longer than
             :data:`MAX_PAYLOAD`, or closed the trunk in the middle of a frame.
         """
+        found = self.next_payload()
+        if found is None:
+            return NEED_DATA
+        return MuxFrame(conn_id=found[0], payload=found[1])
+
+    def next_payload(self) -> tuple[int, bytes] | None:
+        """:meth:`next_event` as a plain ``(conn_id, payload)`` pair, or None for
+        :data:`NEED_DATA` (what :class:`Trunk` uses: one object fewer per frame)."""
         if self._error is not None:
             raise MuxProtocolError(f"mux stream already failed: {self._error}")
         try:
@@ -191,12 +218,12 @@ class MuxDecoder:
             self._error = exc
             raise
 
-    def _next_frame(self) -> MuxFrame | NeedData:
+    def _next_frame(self) -> tuple[int, bytes] | None:
         available = len(self._buffer) - self._start
         if available < HEADER_SIZE:
             if self._eof and available:
                 raise MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
-            return NEED_DATA
+            return None
         # The header is checked as soon as it is complete, before any of the payload is kept.
         conn_id, length = _HEADER.unpack_from(self._buffer, self._start)
         if conn_id == _RESERVED_CONN:
@@ -209,11 +236,16 @@ class MuxDecoder:
                 raise MuxProtocolError(
                     f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
                 )
-            return NEED_DATA
+            return None
         with memoryview(self._buffer) as view:
             payload = view[self._start + HEADER_SIZE : end].tobytes()
         self._start = end
-        return MuxFrame(conn_id=conn_id, payload=payload)
+        if end == len(self._buffer):
+            # All consumed: let go of the memory now, not at the next read (which may be long in
+            # coming after a multi-megabyte Synchronize).
+            self._buffer.clear()
+            self._start = 0
+        return conn_id, payload
 
     def _compact(self) -> None:
         if self._start == len(self._buffer):
@@ -238,7 +270,7 @@ class ChannelReceiver(Protocol):
         """The trunk closed: ``None`` after a clean end of file or a local close."""
 
 
-class Trunk(asyncio.Protocol):
+class Trunk(asyncio.BufferedProtocol):
     """The asyncio side of the mux: one unix stream socket carrying several connections.
 
     Register a receiver per connection id with :meth:`channel`, which returns that
@@ -256,10 +288,16 @@ class Trunk(asyncio.Protocol):
 
     There is no write flow control (``pause_writing`` is not used): NRI traffic is
     request/response paced and small, so the transport's write buffer stays small.
+
+    The socket is read into one reusable buffer of `READ_BUFFER_SIZE` bytes (an
+    `asyncio.BufferedProtocol`); :meth:`data_received` takes bytes fed by hand.
     """
 
     def __init__(self) -> None:
         self._decoder = MuxDecoder()
+        self._read_view = memoryview(bytearray(READ_BUFFER_SIZE))
+        self._large_bytes = 0  # received in large frames since the last release of memory
+        self._release: asyncio.TimerHandle | None = None
         self._receivers: dict[int, ChannelReceiver] = {}
         self._transport: asyncio.Transport | None = None
         self._shutting_down = False
@@ -330,7 +368,17 @@ class Trunk(asyncio.Protocol):
         if self._shutting_down:
             self._transport.close()
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._read_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._shutting_down or not nbytes:
+            return
+        self._decoder.receive_data(self._read_view[:nbytes])
+        self._dispatch()
+
     def data_received(self, data: bytes) -> None:
+        """Feed bytes as if read from the socket (the transport itself uses `buffer_updated`)."""
         if self._shutting_down:
             return
         self._decoder.receive_data(data)
@@ -346,6 +394,9 @@ class Trunk(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._shut_down(exc)
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
         self.closed.set()
 
     # internals
@@ -353,28 +404,44 @@ class Trunk(asyncio.Protocol):
     def _dispatch(self) -> None:
         while not self._shutting_down:
             try:
-                event = self._decoder.next_event()
+                found = self._decoder.next_payload()
             except MuxProtocolError as exc:
                 logger.warning("NRI mux protocol error, closing the trunk: %s", exc)
                 self._shut_down(exc)
                 return
-            if event is NEED_DATA:
+            if found is None:
                 return
-            self._deliver(event)
+            self._deliver(*found)
 
-    def _deliver(self, frame: MuxFrame) -> None:
-        receiver = self._receivers.get(frame.conn_id)
+    def _deliver(self, conn_id: int, payload: bytes) -> None:
+        receiver = self._receivers.get(conn_id)
         if receiver is None:
-            logger.debug("mux conn %d: nobody listens, dropping %d bytes", frame.conn_id, len(frame.payload))
+            logger.debug("mux conn %d: nobody listens, dropping %d bytes", conn_id, len(payload))
             return
-        if not frame.payload:
+        if not payload:
             # An empty frame carries nothing, and b"" means end of file to a sans-I/O receiver.
             return
         try:
-            receiver.data_received(frame.payload)
+            receiver.data_received(payload)
         except Exception as exc:
-            logger.exception("mux conn %d: receiver failed, closing the trunk", frame.conn_id)
+            logger.exception("mux conn %d: receiver failed, closing the trunk", conn_id)
             self._shut_down(exc)
+        if len(payload) >= _LARGE_FRAME:
+            self._large_bytes += len(payload)
+            if self._large_bytes >= _RELEASE_AFTER or self._release is not None:
+                self._release_memory_soon()
+
+    def _release_memory_soon(self) -> None:
+        """Give the heap's free memory back a moment after the last large frame was handled (a
+        handler that never waits has already answered; one that waits is done well within that)."""
+        if self._release is not None:
+            self._release.cancel()
+        self._release = asyncio.get_running_loop().call_later(_RELEASE_DELAY, self._release_memory)
+
+    def _release_memory(self) -> None:
+        self._release = None
+        self._large_bytes = 0
+        heap.release_free_memory()
 
     def _shut_down(self, exc: Exception | None) -> None:
         if self._shutting_down:

@@ -236,8 +236,8 @@ async def test_second_shared_container_and_replayed_marker(short_dir: Path) -> N
 def _fail_writes(
     monkeypatch: pytest.MonkeyPatch, error: int, names: tuple[str, ...] = ("cpu.cfs_quota_us", "cpu.max")
 ) -> None:
-    """Quota files refuse writes with `error` and keep their value, as the kernel's do (the fake
-    tree's files are truncated by O_TRUNC at open, which cgroupfs ignores: put the value back)."""
+    """Quota files refuse writes with `error` and keep their value, as the kernel's do (the value is
+    put back as it was at open, whatever the open did to a fake tree's file)."""
     real_open, real_write = os.open, os.write
     kept: dict[int, tuple[str, bytes]] = {}
 

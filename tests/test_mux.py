@@ -16,12 +16,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from vectors import VECTOR_DIR, load_frames, requires_vectors, vector_names
 
+from nri_plugin import heap, mux
 from nri_plugin.mux import (
     FIRST_FRAME_MAX,
     HEADER_SIZE,
     MAX_PAYLOAD,
     NEED_DATA,
     PLUGIN_SERVICE_CONN,
+    READ_BUFFER_SIZE,
     RUNTIME_SERVICE_CONN,
     LocalMuxError,
     MuxDecoder,
@@ -457,6 +459,69 @@ async def test_five_megabyte_message_arrives_intact(trunk_pair: tuple[Trunk, Tru
     send(message)
     await received.wait_bytes(len(message))
     assert bytes(received.data) == message
+
+
+@pytest.mark.asyncio
+async def test_the_trunk_reads_into_one_small_buffer(trunk_pair: tuple[Trunk, Trunk]) -> None:
+    left, right = trunk_pair
+    received = Recorder()
+    right.channel(RUNTIME_SERVICE_CONN, received)
+    send = left.channel(RUNTIME_SERVICE_CONN, Recorder())
+    buffer = right.get_buffer(-1)
+    assert len(buffer) == READ_BUFFER_SIZE <= 64 * 1024
+    message = bytes(range(256)) * (3 * READ_BUFFER_SIZE // 256) + b"tail"  # several reads' worth
+    send(message)
+    await received.wait_bytes(len(message))
+    assert bytes(received.data) == message
+    assert right.get_buffer(4 << 20) is buffer  # the same one, whatever size is hinted
+
+
+@pytest.mark.asyncio
+async def test_a_large_frame_gives_free_memory_back(
+    trunk_pair: tuple[Trunk, Trunk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    released = asyncio.Event()
+    calls: list[bool] = []
+
+    def release() -> bool:
+        calls.append(True)
+        released.set()
+        return True
+
+    monkeypatch.setattr(heap, "release_free_memory", release)
+    monkeypatch.setattr(mux, "_RELEASE_DELAY", 1.0)  # ample for the second frame to follow the first
+    left, right = trunk_pair
+    received = Recorder()
+    right.channel(RUNTIME_SERVICE_CONN, received)
+    send = left.channel(RUNTIME_SERVICE_CONN, Recorder())
+    send(b"small" * 100)
+    await received.wait_bytes(500)
+    assert right._release is None  # a small message schedules nothing
+    big = bytes(2 << 20)
+    send(big)
+    send(big)  # two in a row (a chunked Synchronize): one release, after the last
+    await received.wait_bytes(500 + 2 * len(big))
+    await guarded(released.wait())
+    assert calls == [True]
+    assert right._release is None
+    # Smaller chunks count together: four of 300 KB are more than the 1 MiB that calls for a release.
+    released.clear()
+    chunk = bytes(300_000)
+    for _ in range(4):
+        send(chunk)
+    await received.wait_bytes(500 + 2 * len(big) + 4 * len(chunk))
+    await guarded(released.wait())
+    assert calls == [True, True]
+
+
+def test_the_decoder_lets_go_of_a_large_frame_once_delivered() -> None:
+    decoder = MuxDecoder()
+    payload = bytes(range(256)) * 8192  # 2 MiB
+    wire = raw_frame(1, payload)
+    for start in range(0, len(wire), 65536):
+        decoder.receive_data(memoryview(wire)[start : start + 65536])
+    assert drain(decoder) == [MuxFrame(conn_id=1, payload=payload)]
+    assert len(decoder._buffer) == 0  # released now, not at the next read
 
 
 @pytest.mark.asyncio

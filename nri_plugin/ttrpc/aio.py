@@ -172,11 +172,11 @@ class Server:
             return
         # The budget counts from arrival, not from when the handler first runs.
         running = _Running()
-        coro = self._serve(event, _context(event), running)
-        name = f"ttrpc {event.request.service}/{event.request.method} #{event.stream_id}"
+        ctx = _context(event)
+        coro = self._serve(event, ctx, running)
         loop = asyncio.get_running_loop()
         if not _EAGER:
-            running.task = loop.create_task(coro, name=name)
+            running.task = loop.create_task(coro, name=_task_name(event))
         else:
             # Run the handler now, inside this callback, up to its first real suspension: a handler
             # that never waits is answered without a task and without extra event-loop iterations
@@ -186,7 +186,10 @@ class Server:
                 pending = context.run(coro.send, None)
             except StopIteration:
                 return
-            running.task = loop.create_task(_resume(coro, pending), name=name, context=context)
+            running.task = loop.create_task(_resume(coro, pending), name=_task_name(event), context=context)
+        # Only a handler with a task can be cut short (the timer cancels the task), and only one that
+        # waits gets a task: one that never waits is answered above without a timer at all.
+        running.arm(loop, ctx.deadline)
         self._tasks.add(running.task)
         running.task.add_done_callback(self._tasks.discard)
 
@@ -201,9 +204,7 @@ class Server:
         request = event.request
         try:
             method = self._lookup(request.service, request.method)
-            reply = await _with_budget(
-                method.handler(_decode_payload(method, request.payload), ctx), ctx, running
-            )
+            reply = await _with_budget(method.handler(_decode_payload(method, request.payload), ctx), running)
             return Code.OK, "", reply.SerializeToString()
         except TtrpcError as exc:
             return exc.code, exc.message, b""
@@ -245,6 +246,10 @@ class Server:
             logger.exception("ttrpc server: cannot write a response")
 
 
+def _task_name(event: RequestReceived) -> str:
+    return f"ttrpc {event.request.service}/{event.request.method} #{event.stream_id}"
+
+
 def _context(event: RequestReceived) -> CallContext:
     request = event.request
     # Like Go, only a positive timeout sets a deadline; 0 (and nonsense below it) means none.
@@ -255,7 +260,7 @@ def _context(event: RequestReceived) -> CallContext:
         service=request.service,
         method=request.method,
         stream_id=event.stream_id,
-        metadata=tuple((kv.key, kv.value) for kv in request.metadata),
+        metadata=tuple((kv.key, kv.value) for kv in request.metadata) if request.metadata else (),
         timeout_nano=request.timeout_nano,
         deadline=deadline,
     )
@@ -269,13 +274,25 @@ def _decode_payload(method: UnaryMethod[ReqT, Any], payload: bytes) -> ReqT:
 
 
 class _Running:
-    """One request being handled: its task (once it has one) and whether its budget ran out."""
+    """One request being handled: its task (once it has one), the timer that ends its budget (once
+    it has a task) and whether the budget ran out."""
 
-    __slots__ = ("expired", "task")
+    __slots__ = ("expired", "task", "timer")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
         self.expired = False
+
+    def arm(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
+        """Cancel the task at `deadline` (loop time; a past one fires at the next iteration)."""
+        if deadline is not None:
+            self.timer = loop.call_at(deadline, self.expire)
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def expire(self) -> None:
         self.expired = True
@@ -321,17 +338,14 @@ class _Resumption:
                     return
 
 
-async def _with_budget(reply: Awaitable[RespT], ctx: CallContext, running: _Running) -> RespT:
+async def _with_budget(reply: Awaitable[RespT], running: _Running) -> RespT:
     """Await the handler within the caller's budget; TimeoutError when it runs out.
 
-    A timer that cancels the request's own task, rather than asyncio.wait_for: no extra task per
-    request, and it works for handlers started eagerly (the task exists only once they suspend; the
-    timer cannot fire before then).
+    A timer that cancels the request's own task (`_Running.arm`, set by `Server._start` once the
+    task exists), rather than asyncio.wait_for: no extra task per request, and none of a timer's
+    cost for a handler started eagerly that answers without waiting (it has no task to cancel, and
+    the timer could not have fired before it answered anyway).
     """
-    remaining = ctx.time_remaining()
-    if remaining is None:
-        return await reply
-    timer = asyncio.get_running_loop().call_later(remaining, running.expire)
     try:
         return await reply
     except asyncio.CancelledError:
@@ -341,7 +355,7 @@ async def _with_budget(reply: Awaitable[RespT], ctx: CallContext, running: _Runn
             running.task.uncancel()
         raise asyncio.TimeoutError from None
     finally:
-        timer.cancel()
+        running.disarm()
 
 
 # --- client --------------------------------------------------------------------------------------

@@ -21,9 +21,11 @@ from cgroups import (
     CpuQuota,
     CpusetError,
     Hierarchy,
+    OpenCgroup,
     cgroup_exists,
     files,
     format_cpu_max,
+    open_cgroup,
     parse_cpu_max,
     read_cpu_quota,
     read_cpuset,
@@ -361,6 +363,15 @@ def test_write_value_refuses_odd_text(tree: Hierarchy, value: str) -> None:
     assert _text(ctr, "cpuset.cpus") == "0-3\n"
 
 
+def test_a_shorter_value_leaves_nothing_of_the_longer_one(tree: Hierarchy) -> None:
+    ctr = tree.dir(CTR)
+    write_value(ctr, "cpuset.cpus", "0-2,4,6-7,9")
+    write_value(ctr, "cpuset.cpus", "1")  # a fake tree's file is cut to the new value
+    assert _text(ctr, "cpuset.cpus") == "1\n"
+    write_value(ctr, "cpuset.cpus", "2-3")
+    assert _text(ctr, "cpuset.cpus") == "2-3\n"
+
+
 def test_read_is_bounded(tree: Hierarchy) -> None:
     ctr = tree.dir(CTR)
     Path(ctr.fs_path, "cpuset.cpus").write_text("0," * (files.MAX_READ // 2) + "1")
@@ -373,6 +384,107 @@ def test_non_ascii_content(tree: Hierarchy) -> None:
     Path(ctr.fs_path, "cpuset.cpus").write_bytes(b"0-3\xff\n")
     with pytest.raises(CgroupValueError, match="non-ASCII"):
         read_cpuset(ctr)
+
+
+# --- an open cgroup: one walk, several files ---------------------------------------------------
+
+
+def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        opened.append(path)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", counting)
+    return opened
+
+
+def test_an_open_cgroup_reads_and_writes_like_its_directory(tree: Hierarchy) -> None:
+    ctr = tree.dir(CTR)
+    with open_cgroup(ctr) as held:
+        assert (held.path, held.hierarchy, held.version, held.fs_path, str(held)) == (
+            ctr.path,
+            ctr.hierarchy,
+            ctr.version,
+            ctr.fs_path,
+            ctr.fs_path,
+        )
+        assert read_cpu_quota(held) == read_cpu_quota(ctr) == CpuQuota(None, 100000)
+        assert write_cpu_quota(held, 250000) == CpuQuota(250000, 100000)
+        assert read_cpu_quota(ctr) == CpuQuota(250000, 100000)
+        write_cpuset(held, {1, 2})
+        assert read_cpuset(ctr) == {1, 2}
+        assert read_value(held, "cpuset.cpus") == "1-2\n"
+        with pytest.raises(CgroupNotFound) as info:
+            read_value(held, "cpu.weight")
+        assert info.value.path == os.path.join(ctr.fs_path, "cpu.weight")
+        assert not held.closed
+    assert held.closed
+    with pytest.raises(ValueError, match="closed"):
+        read_cpu_quota(held)
+    held.close()  # idempotent
+
+
+def test_an_open_cgroup_walks_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pod = _fake_tree(tmp_path, 1).dir(POD)
+    opened = _count_opens(monkeypatch)
+    walk = [str(tmp_path), "kubepods", "pod1"]
+    read_cpu_quota(pod)  # one walk, then both files
+    assert opened == [*walk, "cpu.cfs_quota_us", "cpu.cfs_period_us"]
+    opened.clear()
+    write_cpu_quota(pod, 300000)  # one walk, the limit read, the quota written
+    assert opened == [*walk, "cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.cfs_quota_us"]
+    with open_cgroup(pod) as held:
+        opened.clear()
+        current = read_cpu_quota(held)
+        write_cpu_quota(held, 400000, current=current)  # the limit just read: no second read
+        assert read_cpu_quota(held) == CpuQuota(400000, 100000)
+    reads = ["cpu.cfs_quota_us", "cpu.cfs_period_us"]
+    assert opened == [*reads, "cpu.cfs_quota_us", *reads]
+
+
+def test_v2_write_with_the_current_limit_keeps_its_period(tmp_path: Path) -> None:
+    pod = _fake_tree(tmp_path, 2, quota="max 50000\n").dir(POD)
+    with open_cgroup(pod) as held:
+        assert write_cpu_quota(held, 100000, current=read_cpu_quota(held)) == CpuQuota(100000, 50000)
+    assert _text(pod, "cpu.max") == "100000 50000\n"
+
+
+def test_an_open_cgroup_outlives_its_directory_without_creating_files(tmp_path: Path) -> None:
+    mount = tmp_path / "cgroup"
+    (mount / "kubepods" / "pod1").mkdir(parents=True)
+    (mount / "kubepods" / "pod1" / "cpu.cfs_quota_us").write_text("-1\n")
+    held = open_cgroup(Hierarchy(1, str(mount)).dir(POD))
+    try:
+        (mount / "kubepods" / "pod1" / "cpu.cfs_quota_us").unlink()
+        (mount / "kubepods" / "pod1").rmdir()  # the pod went away meanwhile
+        with pytest.raises(CgroupNotFound, match="may be gone"):
+            write_value(held, "cpu.cfs_quota_us", "200000")
+        assert not (mount / "kubepods" / "pod1").exists()
+    finally:
+        held.close()
+
+
+def test_an_open_cgroup_closes_its_descriptor(tmp_path: Path) -> None:
+    held = OpenCgroup(_fake_tree(tmp_path, 1).dir(POD))
+    fd = held.fileno()
+    assert os.path.samestat(os.fstat(fd), os.stat(held.fs_path))
+    held.close()
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(fd)
+
+
+def test_a_failed_walk_leaks_no_descriptor(tmp_path: Path) -> None:
+    hierarchy = _fake_tree(tmp_path, 1)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(CgroupNotFound):
+            open_cgroup(hierarchy.dir(POD.child("gone")))
+        with pytest.raises(CgroupNotFound):
+            read_cpu_quota(hierarchy.dir(POD.child("gone")))
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 # --- parent and child quota order -------------------------------------------------------------

@@ -13,17 +13,21 @@ from hypothesis import strategies as st
 
 from cgroups import (
     CgroupDir,
+    CgroupNotFound,
     CgroupPath,
     CgroupPathError,
     Hierarchy,
     container_cgroup_path,
     expand_slice,
+    open_cgroup,
     parse_cgroupfs_path,
     pod_cgroup_path,
+    read_cpu_quota,
     read_value,
     write_cpu_quota,
     write_value,
 )
+from cgroups import paths as cgroup_paths
 
 UID = "6b9c1a52-3d1e-4f5a-9b7c-0123456789ab"
 UID_ = UID.replace("-", "_")  # kubelet's systemd driver turns the UID's dashes into underscores
@@ -353,6 +357,46 @@ def test_symlinks_below_the_mount_are_refused(tmp_path: Path) -> None:
         with pytest.raises(CgroupPathError, match="symlink"):
             read_value(cgroup, "cpu.cfs_quota_us")
     assert (outside / "cpu.cfs_quota_us").read_text() == "-1\n"
+
+
+def test_symlinks_are_refused_through_an_open_cgroup(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "cpu.cfs_quota_us").write_text("-1\n")
+    mount = tmp_path / "cpu"
+    (mount / "kubepods" / "pod2").mkdir(parents=True)
+    (mount / "kubepods" / "pod1").symlink_to(outside)
+    (mount / "kubepods" / "pod2" / "cpu.cfs_quota_us").symlink_to(outside / "cpu.cfs_quota_us")
+    hierarchy = Hierarchy(1, str(mount))
+    # The walk to the directory refuses a symlinked component...
+    with pytest.raises(CgroupPathError, match="symlink") as info:
+        open_cgroup(hierarchy.dir(parse_cgroupfs_path("/kubepods/pod1")))
+    assert info.value.input == str(mount / "kubepods" / "pod1")
+    # ...and a file opened through the held directory is not followed either.
+    with open_cgroup(hierarchy.dir(parse_cgroupfs_path("/kubepods/pod2"))) as held:
+        with pytest.raises(CgroupPathError, match="symlink"):
+            write_value(held, "cpu.cfs_quota_us", "200000")
+        with pytest.raises(CgroupPathError, match="symlink"):
+            read_cpu_quota(held)
+        with pytest.raises(CgroupPathError, match=r"^invalid cgroup file name "):
+            read_value(held, "../pod1/cpu.cfs_quota_us")
+    assert (outside / "cpu.cfs_quota_us").read_text() == "-1\n"
+    with pytest.raises(CgroupNotFound):
+        open_cgroup(hierarchy.dir(parse_cgroupfs_path("/kubepods/pod9")))
+
+
+@given(st.text(max_size=40))
+def test_the_whole_component_match_agrees_with_the_character_scan(text: str) -> None:
+    for allowed in (cgroup_paths._COMPONENT, cgroup_paths._UNIT_NAME):
+        scanned = next((c for c in text if allowed.fullmatch(c) is None), None)
+        assert cgroup_paths._first_bad_char(text, allowed) == scanned
+
+
+@given(st.text(alphabet="ab.-_:@\x00\n/\\\uff0e ", max_size=12))
+def test_the_whole_component_match_agrees_on_near_misses(text: str) -> None:
+    for allowed in (cgroup_paths._COMPONENT, cgroup_paths._UNIT_NAME):
+        scanned = next((c for c in text if allowed.fullmatch(c) is None), None)
+        assert cgroup_paths._first_bad_char(text, allowed) == scanned
 
 
 def test_a_symlinked_mount_point_is_followed(tmp_path: Path) -> None:

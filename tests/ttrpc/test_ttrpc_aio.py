@@ -523,6 +523,31 @@ async def test_handler_suspending_after_an_eager_start_keeps_its_context() -> No
 
 
 @pytest.mark.asyncio
+async def test_budget_spent_before_the_first_wait_ends_the_call_at_that_wait() -> None:
+    """The budget timer is armed only once a handler waits; a budget already spent by then still
+    counts from arrival, and the call ends at that first wait."""
+    reached: list[str] = []
+
+    async def busy_then_waits(request: StringValue, ctx: CallContext) -> StringValue:
+        deadline = ctx.deadline
+        assert deadline is not None
+        while asyncio.get_running_loop().time() <= deadline:  # spends its whole budget without waiting
+            pass
+        reached.append("wait")
+        await asyncio.Event().wait()
+        reached.append("never")
+        return StringValue()
+
+    sent: list[bytes] = []
+    server = Server({ECHO: {"Busy": UnaryMethod(StringValue, busy_then_waits)}}, sent.append)
+    server.data_received(raw_request(1, "Busy", timeout_nano=1_000_000))
+    assert sent == []  # it waits: not answered inside data_received
+    await guard(server.wait_closed())
+    assert reached == ["wait"]
+    assert decode_responses(sent) == [(1, Code.DEADLINE_EXCEEDED, "context deadline exceeded", b"")]
+
+
+@pytest.mark.asyncio
 async def test_exception_after_suspension_and_budget_after_eager_start() -> None:
     async def fails_later(request: StringValue, ctx: CallContext) -> StringValue:
         await asyncio.sleep(0)
