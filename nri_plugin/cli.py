@@ -259,7 +259,26 @@ def _run(args: argparse.Namespace) -> int:
 async def _serve_toggling_debug(stub: Stub, config: Config, key: HostKey | None) -> int:
     """`_serve`, with SIGUSR1 toggling debug logging meanwhile."""
     with debug_toggle_on_sigusr1(asyncio.get_running_loop()):
-        return await _serve(stub, config, key)
+        status = await _serve(stub, config, key)
+    await _let_leftover_tasks_finish(DRAIN_SECONDS)
+    return status
+
+
+# After shutdown, how long tasks we did not start (grpc's per-RPC tasks) may take to end by themselves.
+DRAIN_SECONDS = 1.0
+
+
+async def _let_leftover_tasks_finish(seconds: float) -> None:
+    """Give tasks still running after shutdown a moment to end on their own.
+
+    grpc.aio keeps a task per RPC that ends only once its core reports the call closed, a few loop
+    turns after the server stopped. `asyncio.run` would cancel such a task at once, and grpc then
+    prints a bare CancelledError traceback on stderr: a clean stop that looks like a crash.
+    """
+    current = asyncio.current_task()
+    leftover = {task for task in asyncio.all_tasks() if task is not current}
+    if leftover:
+        await asyncio.wait(leftover, timeout=seconds)
 
 
 async def _serve(stub: Stub, config: Config, key: HostKey | None) -> int:

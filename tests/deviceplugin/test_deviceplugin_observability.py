@@ -116,6 +116,10 @@ async def _status_is(port: int, status: int) -> bool:
     return (await readyz(port)).status == status
 
 
+async def _failed_at_least(port: int, count: int) -> bool:
+    return value(await scrape(HOST, port), REGISTRATIONS, outcome="failed") >= count
+
+
 async def _text_is(port: int, text: str) -> bool:
     return (await readyz(port)).text == text
 
@@ -130,6 +134,8 @@ async def test_refused_registrations_are_counted(
             await sim.start()
             await sim.wait_for_plugins(1, GUARD)
             await eventually(lambda: kubelet.attempts >= 2)
+            # kubelet has refused twice; the daemon counts each refusal once it has read the answer.
+            await eventually(lambda: _failed_at_least(port, 2))
             found = await scrape(HOST, port)
             assert value(found, REGISTRATIONS, outcome="failed") >= 2
             assert value(found, REGISTRATIONS, outcome="ok") == 0
