@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -245,3 +246,25 @@ async def test_run_serves_the_policy_from_its_config(tmp_path: Path, device_plug
     assert proc.returncode == 0, stderr.decode()
     assert b"shared CPUs given" in stderr
     assert (tmp_path / "state" / "pod-quotas.json").exists()
+
+
+@pytest.mark.asyncio
+async def test_leftover_tasks_may_finish_after_shutdown_but_not_hold_it_forever() -> None:
+    """A task that ends a few loop turns after shutdown (like grpc's per-RPC tasks) ends by itself
+    instead of being cancelled by asyncio.run; one that never ends does not hold the exit past the
+    bound."""
+    from nri_plugin.cli import _let_leftover_tasks_finish
+
+    async def few_turns() -> str:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return "done"
+
+    never = asyncio.Event()
+    finishing = asyncio.create_task(few_turns())
+    stuck = asyncio.create_task(never.wait())
+    await _let_leftover_tasks_finish(0.2)
+    assert not finishing.cancelled()
+    assert finishing.result() == "done"
+    assert not stuck.done()
+    stuck.cancel()
