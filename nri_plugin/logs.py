@@ -119,7 +119,26 @@ def _renderer_chain(rendered: str, colors: bool) -> list[structlog.types.Process
             _leading_keys_first,
             structlog.processors.JSONRenderer(),
         ]
-    return [*common, structlog.dev.ConsoleRenderer(colors=colors, event_key=MESSAGE_KEY)]
+    return [
+        *common,
+        _escape_unprintable,
+        structlog.dev.ConsoleRenderer(colors=colors, event_key=MESSAGE_KEY),
+    ]
+
+
+def _escaped(text: str) -> str:
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
+
+
+def _escape_unprintable(
+    _logger: object, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Console text shows control and format characters escaped, as JSON does: a pod name holding a
+    newline or a right-to-left override cannot forge or disguise a log line."""
+    for key, value in event_dict.items():
+        if isinstance(value, str) and not value.isprintable():
+            event_dict[key] = _escaped(value)
+    return event_dict
 
 
 def configure_logging(

@@ -107,6 +107,19 @@ def test_console_lines_are_text() -> None:
     assert theirs.split(" ", 1)[1].startswith("[error    ] loop trouble")
 
 
+def test_console_escapes_control_and_format_characters_as_json_does() -> None:
+    """A pod named with a newline or a right-to-left override cannot forge or disguise a console line;
+    printable text, accents included, is left as it is."""
+    out = io.StringIO()
+    configure_logging("info", "console", stream=out)
+    log.warning("request refused", pod="evil\u202etxt.exe", container="a\nb", namespace="café")
+    [line] = out.getvalue().splitlines()
+    assert "pod=evil\\u202etxt.exe" in line
+    assert "container=a\\u000ab" in line
+    assert "namespace=café" in line
+    assert "\u202e" not in line
+
+
 def test_auto_is_console_on_a_terminal_and_json_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_format("auto", FakeTerminal()) == "console"
     assert resolve_format("auto", io.StringIO()) == "json"
