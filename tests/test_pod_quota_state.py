@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import tempfile
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin.state import STATE_FILE_NAME, Books, ContainerRecord, PodRecord, Slot, StateStore
+from nri_plugin.state import STATE_FILE_NAME, Books, ContainerRecord, Containers, PodRecord, Slot, StateStore
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 
@@ -142,6 +143,128 @@ def test_failed_save_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest
     assert sorted(os.listdir(tmp_path)) == [STATE_FILE_NAME]
 
 
+def _full(books: Books) -> bytes:
+    """The whole file, encoded from scratch (no cached pod text), as `StateStore.save` used to."""
+    return json.dumps(books.to_json(), separators=(",", ":"), sort_keys=True).encode() + b"\n"
+
+
+def test_files_without_devices_load_compact_or_indented(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    books = _books()
+    data = books.to_json()
+    del data["devices"]  # a file from before the bindings: the live slots' devices are bound
+    for text in (json.dumps(data, separators=(",", ":"), sort_keys=True), json.dumps(data, indent=2)):
+        (tmp_path / STATE_FILE_NAME).write_text(text + "\n")
+        assert store.load() == books
+        store.save(store.load())
+        assert (tmp_path / STATE_FILE_NAME).read_bytes() == _full(books)
+
+
+def test_a_save_encodes_only_the_pods_that_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = StateStore(tmp_path, fsync=False)
+    books = Books({f"pod-{i}": PodRecord(f"/kubepods/pod{i}", 100_000, PERIOD) for i in range(50)})
+    store.save(books)
+    encoded: list[str] = []
+    to_json = PodRecord.to_json
+
+    def counting(self: PodRecord) -> dict[str, object]:
+        encoded.append(self.cgroup_parent)
+        return to_json(self)
+
+    monkeypatch.setattr(PodRecord, "to_json", counting)
+    store.save(books)
+    assert encoded == []  # nothing changed: every pod's text reused
+    books.hold(Slot("pod-7", "app"), ContainerRecord("c-1", 1))
+    books.pods["pod-9"].baseline = 200_000
+    books.pods["new"] = PodRecord("/kubepods/podnew", None, PERIOD)
+    store.save(books)
+    assert sorted(encoded) == ["/kubepods/pod7", "/kubepods/pod9", "/kubepods/podnew"]
+    monkeypatch.setattr(PodRecord, "to_json", to_json)
+    assert (tmp_path / STATE_FILE_NAME).read_bytes() == _full(books)
+
+
+def _mutate(books: Books, rng: random.Random, step: int) -> None:
+    """One random change to the books, through any of the ways the plugin (or a test) changes them."""
+    keys = ["p0", "p1", "p2", "p\u00e9", 'p"3']
+    names = ["a", "b", "c"]
+    key, name, other = rng.choice(keys), rng.choice(names), rng.choice(keys)
+    pod = books.pods.get(key)
+    record = ContainerRecord(
+        f"c{step}", rng.randint(0, 3), rng.choice(["", "4-5"]), rng.choice([None, f"d{step % 4}"])
+    )
+    kind = rng.randrange(24)
+    if kind == 0 or pod is None:
+        books.pods[key] = PodRecord(f"/kubepods/{key}", rng.choice([None, 100_000, 250_000]), PERIOD)
+    elif kind == 1:
+        books.hold(Slot(key, name), record)
+    elif kind == 2:
+        books.displace(Slot(key, name), f"c{step}")
+    elif kind == 3:
+        found = rng.choice([*pod.containers.values(), record])
+        books.release(found.id)
+    elif kind == 4:
+        books.bind(f"d{step % 4}", Slot(key, name))
+    elif kind == 5:
+        books.unbind_pod(key)
+    elif kind == 6:
+        del books.pods[key]
+    elif kind == 7:
+        books.pods.pop(key)
+    elif kind == 8:
+        pod.baseline = rng.choice([None, 50_000, pod.baseline and pod.baseline + 1])
+    elif kind == 9:
+        pod.period = rng.choice([50_000, 100_000, 100_001])
+    elif kind == 10:
+        pod.baseline_source = rng.choice(["first-seen", "rebuilt", "unknown"])
+    elif kind == 11:
+        pod.cgroup_parent = f"/kubepods/moved-{step}"
+    elif kind == 12:
+        pod.containers[name] = record
+    elif kind == 13:
+        pod.containers.pop(name, None)
+    elif kind == 14 and pod.containers:
+        pod.containers.popitem()
+    elif kind == 15:
+        pod.containers.clear()
+    elif kind == 16:
+        pod.containers.setdefault(name, record)
+    elif kind == 17:
+        pod.containers.update({name: record})
+    elif kind == 18:
+        pod.containers |= {name: record}
+    elif kind == 19:
+        pod.containers = rng.choice([{name: record}, Containers({name: record}), Containers()])
+    elif kind == 20 and other in books.pods:
+        books.pods[other].containers = pod.containers  # one dict shared by two records
+    elif kind == 21 and other in books.pods:
+        books.pods[other] = pod  # one record under two keys
+    elif kind == 22:
+        books.pods[key] = pod.copy()  # a rolled-back creation puts a copy back
+    elif kind == 23:
+        books.devices = {f"d{step % 4}": Slot(key, name)} if rng.random() < 0.5 else dict(books.devices)
+    if pod is not None and name in pod.containers and rng.random() < 0.1:
+        del pod.containers[name]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 120))
+def test_saved_file_is_always_a_full_encoding_of_the_books(seed: int, steps: int) -> None:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = StateStore(tmp, fsync=False)
+        books = Books()
+        for step in range(steps):
+            _mutate(books, rng, step)
+            if rng.random() < 0.1:
+                books = books.copy()
+            if rng.random() < 0.6:  # not after every change: several may pile up between saves
+                store.save(books)
+                assert (Path(tmp) / STATE_FILE_NAME).read_bytes() == _full(books)
+                assert store.load().pods == books.pods  # (devices: the file adds the live ones)
+        store.save(books)
+        assert (Path(tmp) / STATE_FILE_NAME).read_bytes() == _full(books)
+
+
 # -- a model of kubelet restarting containers, against the plugin and a fake pod cgroup -------------------
 
 NAMES = ("a", "b", "c")
@@ -233,6 +356,7 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
                 updates = await plugin.synchronize([pod], containers)
                 assert list(updates) == []  # everything already had its shared CPUs
             assert tree.pod_quota(pod) == BASELINE + len(live) * len(SHARED) * PERIOD, (kind, name)
+            assert plugin.books.dumps(b"\n") == _full(plugin.books)  # no stale cached pod text
 
 
 # -- the plugin's use of the state file ----------------------------------------------------------------
