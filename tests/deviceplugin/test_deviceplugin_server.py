@@ -213,6 +213,8 @@ async def test_kubelet_restart_reregisters_within_one_second(
         assert len(lists[0]) == 256, "the first ListAndWatch message after a restart is the full list"
         response = await restarted.allocate(RESOURCE, ["shared-cpus-0"])
         assert response.container_responses[0].annotations[ANNOTATION_KEY]
+        # kubelet may open the stream and allocate before our Register call has returned to us.
+        await within(plugin.wait_registered())
         assert plugin.registrations == 2
     finally:
         await restarted.stop()

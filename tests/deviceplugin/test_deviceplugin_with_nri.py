@@ -54,6 +54,11 @@ async def within(awaitable: Awaitable[T], seconds: float = GUARD) -> T:
     return await asyncio.wait_for(awaitable, seconds)
 
 
+async def _logged_at_least(daemon: Daemon, count: int, *fragments: str) -> None:
+    while len(daemon.logged(*fragments)) < count:  # noqa: ASYNC110 (lines come from a reader task)
+        await asyncio.sleep(0.01)
+
+
 @dataclass
 class Node:
     """One node: the daemon's config and files, the runtime simulator, the pod cgroup tree."""
@@ -303,4 +308,6 @@ async def test_kubelet_restart_registers_again(tmp_path: Path, plugin_dir: Path)
             pod = node.pod("6666-ffff", "after")
             assert_shared(await node.create(pod, "c1", "a", annotations=first))
             assert_shared(await node.create(pod, "c2", "b", annotations=annotations))
-        assert len(node.daemon.logged("registered with kubelet")) >= 2
+        # The daemon logs it once kubelet's Register reply is back, and the pipe is read by a task of
+        # ours: the line may reach us after the answers that followed it.
+        await within(_logged_at_least(node.daemon, 2, "registered with kubelet"))
