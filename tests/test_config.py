@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from mixedcpu_support import run_cli
 
 from cgroups import CgroupMode
 from nri_plugin.config import Config, ConfigError, build_layout, load_config, parse_config
 from nri_plugin.deviceplugin.config import DevicePluginConfig
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -236,18 +233,6 @@ def test_layout_forced_or_detected(tmp_path: Path) -> None:
         build_layout(parse_config({**base, "cgroup_root": str(tmp_path)}), mountinfo_path=str(mountinfo))
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "nri_plugin.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=20,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -265,7 +250,7 @@ def test_cli_exits_2_with_one_line(tmp_path: Path, sysfs: Path, text: str | None
     path = tmp_path / "config.toml"
     if text is not None:
         write(tmp_path, text, sysfs)
-    result = _run_cli("run", "--config", str(path))
+    result = run_cli("run", "--config", str(path), timeout=20)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -284,7 +269,7 @@ def test_cli_unusable_state_dir_exits_2(tmp_path: Path, sysfs: Path) -> None:
         f'shared_cpuset = "0"\nstate_dir = "{state}"\ncgroup_version = "v2"\ncgroup_root = "{tmp_path}"\n',
         sysfs,
     )
-    result = _run_cli("run", "--config", str(path))
+    result = run_cli("run", "--config", str(path), timeout=20)
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"error: {path}: state_dir: ")
