@@ -315,7 +315,8 @@ class MixedCpuPlugin:
                 )
                 continue
             slot = container_slot(pod, container)
-            books.pods.setdefault(slot.pod, PodRecord(pod.linux.cgroup_parent, None, 1))
+            if slot.pod not in books.pods:
+                books.pods[slot.pod] = PodRecord(pod.linux.cgroup_parent, None, 1)
             books.hold(
                 slot,
                 ContainerRecord(
@@ -340,7 +341,9 @@ class MixedCpuPlugin:
         failed: set[str] = set()
         for key in sorted(set(books.pods) | (set(previous.pods) & set(present))):
             pod = present[key]
-            record = books.pods.setdefault(key, PodRecord(pod.linux.cgroup_parent, None, 1))
+            record = books.pods.get(key)
+            if record is None:
+                record = books.pods[key] = PodRecord(pod.linux.cgroup_parent, None, 1)
             if not self._sync_pod(pod, record, previous.pods.get(key), applied[key], books):
                 failed.add(key)
         updates: list[api.ContainerUpdate] = []

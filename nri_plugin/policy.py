@@ -22,6 +22,7 @@ node with an empty shared pool is a `PolicyError` whose message says why and how
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -61,6 +62,8 @@ ISOLATED_ENV: Final = "OPENSHIFT_ISOLATED_CPUS"
 # The variable the first OpenShift mixed-CPU device plugins put in a container's env; pod specs written
 # for them may still set it. Never proof either, and never set by us: only noted.
 LEGACY_SHARED_ENV: Final = "OPENSHIFT_MUTUAL_CPUS"
+# What the three names above begin with: an env without it sets none of them.
+_ENV_PREFIX: Final = "OPENSHIFT_"
 POD_ANNOTATION_PREFIX: Final = "cpu-shared.crio.io/"
 POD_ANNOTATION_VALUE: Final = "enable"
 REQUEST_RESOURCE: Final = "workload.openshift.io/enable-shared-cpus"
@@ -143,9 +146,9 @@ def check_request(
     """
     notes: list[str] = []
     refusals: list[str] = []
-    slot = container_slot(pod, container)
     marker = container.annotations.get(MARKER_ANNOTATION)
     if marker is not None:
+        slot = container_slot(pod, container)
         if marker_key is None:
             notes.append("device-plugin marker ignored: trusted_sources.device_plugin_marker is false")
         else:
@@ -174,7 +177,10 @@ def check_request(
             )
         else:
             return RequestCheck(Proof("pod-annotation"), tuple(notes), tuple(refusals))
-    names = {entry.partition("=")[0] for entry in container.env}
+    env = container.env
+    if not env or _ENV_PREFIX not in "\n".join(env):
+        return RequestCheck(None, tuple(notes), tuple(refusals))  # none of the three names is set
+    names = {entry.partition("=")[0] for entry in env}
     for name in (SHARED_ENV, ISOLATED_ENV, LEGACY_SHARED_ENV):
         if name in names:
             notes.append(
@@ -196,6 +202,14 @@ def _cpus(text: str, what: str, who: str) -> frozenset[int]:
 def exclusive_cpus(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> frozenset[int]:
     """The exclusive CPUs of a requesting container; `PolicyError` when it has none or the node
     has no shared CPUs."""
+    who = _check_eligible(shared, pod, container)
+    cpus = _cpus(container.linux.resources.cpu.cpus, "cpuset", f"container {describe(pod, container)}")
+    return _exclusive_of(cpus, shared, who)
+
+
+def _check_eligible(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> str:
+    """`exclusive_cpus`' checks of the node, the pod and the CPU request, before its cpuset's;
+    returns how its messages begin."""
     who = f"container {describe(pod, container)} asks for shared CPUs"
     if not shared:
         raise PolicyError(
@@ -217,7 +231,11 @@ def exclusive_cpus(shared: frozenset[int], pod: api.PodSandbox, container: api.C
             f"{cpu.shares.value / SHARES_PER_CPU:.2f} CPUs), so it has no exclusive CPUs; request a whole "
             'number of CPUs equal to the limit, e.g. cpu: "2"'
         )
-    cpus = _cpus(cpu.cpus, "cpuset", f"container {describe(pod, container)}")
+    return who
+
+
+def _exclusive_of(cpus: frozenset[int], shared: frozenset[int], who: str) -> frozenset[int]:
+    """The rest of `exclusive_cpus`, on the container's CPUs (`cpus`) once its pod and request passed."""
     if not cpus:
         raise PolicyError(
             f"{who} but has no exclusive CPUs (its cpuset is empty); exclusive CPUs come from kubelet's "
@@ -319,13 +337,28 @@ class SyncPlan:
     applied_shared: int  # how many of its CPUs are beyond its exclusive ones (already given shared)
 
 
-def _env_value(container: api.Container, name: str) -> str | None:
-    value = None
-    for entry in container.env:
+def _cpu_env(container: api.Container) -> tuple[str | None, str | None]:
+    """The values of ``OPENSHIFT_SHARED_CPUS`` and ``OPENSHIFT_ISOLATED_CPUS`` in the container's env
+    (the last of each wins), None for one that is not set."""
+    shared = isolated = None
+    env = container.env
+    if not env or _ENV_PREFIX not in "\n".join(env):
+        return None, None
+    for entry in env:
         key, sep, rest = entry.partition("=")
-        if sep and key == name:
-            value = rest
-    return value
+        if sep:
+            if key == SHARED_ENV:
+                shared = rest
+            elif key == ISOLATED_ENV:
+                isolated = rest
+    return shared, isolated
+
+
+@functools.lru_cache(maxsize=4)
+def _format_shared(shared: frozenset[int]) -> str:
+    """The shared set's text, formatted once: `plan_sync` needs it for every container of a
+    Synchronize, and the set changes only with the config."""
+    return format_cpuset(shared)
 
 
 def _parse_or_empty(text: str | None) -> frozenset[int]:
@@ -350,18 +383,16 @@ def plan_sync(
     who = f"container {describe(pod, container)}"
     cpu = container.linux.resources.cpu
     current = _cpus(cpu.cpus, "cpuset", who)
+    shared_env, isolated_env = _cpu_env(container)
     exclusive = recorded_exclusive & current
     if not exclusive:
-        exclusive = _parse_or_empty(_env_value(container, ISOLATED_ENV)) & current
+        exclusive = _parse_or_empty(isolated_env) & current
     if not exclusive:
-        exclusive = current - shared - _parse_or_empty(_env_value(container, SHARED_ENV))
+        exclusive = current - shared - _parse_or_empty(shared_env)
     if not exclusive:
         exclusive = current - shared
     # The same checks as at creation, on the exclusive CPUs found.
-    probe = api.Container()
-    probe.CopyFrom(container)
-    probe.linux.resources.cpu.cpus = format_cpuset(exclusive)
-    exclusive = exclusive_cpus(shared, pod, probe)
+    exclusive = _exclusive_of(exclusive, shared, _check_eligible(shared, pod, container))
     cpus = exclusive | shared
     quota = len(cpus) * _period(cpu) if _limited(cpu) else None
     update = api.ContainerUpdate(container_id=container.id)
@@ -370,9 +401,7 @@ def plan_sync(
     if quota is not None and quota != cpu.quota.value:
         update.linux.resources.cpu.quota.value = quota
     changed = update.linux.resources.cpu.cpus != "" or update.linux.resources.cpu.HasField("quota")
-    env_stale = _env_value(container, SHARED_ENV) != format_cpuset(shared) or _env_value(
-        container, ISOLATED_ENV
-    ) != format_cpuset(exclusive)
+    env_stale = shared_env != _format_shared(shared) or isolated_env != format_cpuset(exclusive)
     return SyncPlan(exclusive, cpus, update if changed else None, env_stale, len(current - exclusive))
 
 

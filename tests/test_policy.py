@@ -510,6 +510,20 @@ def test_legacy_mutual_cpus_env_is_not_proof_and_is_noted() -> None:
     )
 
 
+def test_env_notes_need_the_exact_name() -> None:
+    # The prefix in a value, a longer name or a name without "=" is not one of the variables.
+    env = ("NOTE=OPENSHIFT_SHARED_CPUS=1", "OPENSHIFT_SHARED_CPUS_X=1", "XOPENSHIFT_ISOLATED_CPUS=2")
+    pod, container = _request(env=env)
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=True, device_holders={})
+    assert check.notes == ()
+    pod, container = _request(env=("OPENSHIFT_ISOLATED_CPUS",))
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=True, device_holders={})
+    assert check.notes == (
+        "OPENSHIFT_ISOLATED_CPUS in the container's env is not a request: "
+        "env set in a pod spec proves nothing",
+    )
+
+
 def test_forged_marker_does_not_hide_a_trusted_annotation() -> None:
     pod, container = _request({ANNOTATION_KEY: "forged"}, {"cpu-shared.crio.io/main": "enable"})
     check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=True, device_holders={})
@@ -629,6 +643,26 @@ def test_plan_sync(
         assert plan.update is not None
         assert plan.update.linux.resources.cpu.cpus == update_cpus
         assert plan.update.linux.resources.cpu.quota.value == len(parse_cpuset(update_cpus)) * PERIOD
+
+
+@pytest.mark.parametrize(
+    ("env", "stale"),
+    [
+        (("OPENSHIFT_SHARED_CPUS=0-1", "OPENSHIFT_ISOLATED_CPUS=4-5"), False),
+        # the last entry of a name wins, as in the process's environment
+        (("OPENSHIFT_SHARED_CPUS=0-1", "OPENSHIFT_ISOLATED_CPUS=4-5", "OPENSHIFT_SHARED_CPUS=0-3"), True),
+        (("OPENSHIFT_SHARED_CPUS=0-3", "OPENSHIFT_ISOLATED_CPUS=4-5", "OPENSHIFT_SHARED_CPUS=0-1"), False),
+        # an entry without "=" sets nothing
+        (("OPENSHIFT_SHARED_CPUS=0-1", "OPENSHIFT_ISOLATED_CPUS=4-5", "OPENSHIFT_SHARED_CPUS"), False),
+        (("OPENSHIFT_SHARED_CPUS=0-1",), True),
+    ],
+)
+def test_plan_sync_reads_the_env_as_the_process_would(env: tuple[str, ...], stale: bool) -> None:
+    pod = make_pod(CGROUPFS)
+    container = make_container(CGROUPFS, pod, "c1", cpus="0-1,4-5", quota=4 * PERIOD, env=env)
+    plan = plan_sync(frozenset({0, 1}), pod, container)
+    assert format_cpuset(plan.exclusive) == "4-5"
+    assert plan.env_stale == stale
 
 
 cpu_ids = st.frozensets(st.integers(0, 63), max_size=12)
