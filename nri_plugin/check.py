@@ -41,7 +41,6 @@ from nri_plugin.config import (
     build_layout,
     check_machine,
     load_config,
-    online_cpus,
 )
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 
@@ -132,8 +131,7 @@ class Report:
 def check_shared_cpus(config: Config) -> Finding:
     topic = "shared CPUs"
     try:
-        check_machine(config)
-        online = online_cpus(config.sysfs_root)
+        online = check_machine(config)
     except ConfigError as exc:
         return _fail(topic, str(exc))
     left = cgroups.format_cpuset(online - config.shared_cpuset)

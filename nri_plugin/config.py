@@ -303,8 +303,9 @@ def online_cpus(sysfs_root: str) -> frozenset[int]:
         ) from None
 
 
-def check_machine(config: Config) -> None:
-    """Check the configuration against this machine: every shared CPU online, some CPU left over."""
+def check_machine(config: Config) -> frozenset[int]:
+    """Check the configuration against this machine: every shared CPU online, some CPU left over.
+    Returns the online CPUs."""
     online = online_cpus(config.sysfs_root)
     offline = config.shared_cpuset - online
     if offline:
@@ -318,6 +319,7 @@ def check_machine(config: Config) -> None:
             f"{config.source}: shared_cpuset: {config.shared_cpuset_text} is every online CPU, which leaves "
             "none to be exclusive; keep the shared pool to a few CPUs"
         )
+    return online
 
 
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bool = True) -> Config:
