@@ -206,12 +206,8 @@ def _plugin_name(check: _Checker, value: object) -> str:
     return text
 
 
-def _metrics_address(check: _Checker, value: object) -> str:
-    """``host:port`` (``[v6]:port`` for IPv6), or "" for no metrics/probe endpoint. Port 0 picks a free
-    port (the daemon logs the one it bound)."""
-    text = check.string("metrics_address", value)
-    if text == "":
-        return text
+def split_host_port(text: str) -> tuple[str, int] | None:
+    """``"host:port"`` or ``"[v6]:port"`` → (host, port), or None when `text` is neither."""
     host, sep, port = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -223,6 +219,17 @@ def _metrics_address(check: _Checker, value: object) -> str:
         or any(c.isspace() or c in "/[]" for c in host)
         or not host.isprintable()
     ):
+        return None
+    return host, int(port)
+
+
+def _metrics_address(check: _Checker, value: object) -> str:
+    """``host:port`` (``[v6]:port`` for IPv6), or "" for no metrics/probe endpoint. Port 0 picks a free
+    port (the daemon logs the one it bound)."""
+    text = check.string("metrics_address", value)
+    if text == "":
+        return text
+    if split_host_port(text) is None:
         raise check.error(
             "metrics_address",
             f'{_show(text)} is not host:port; use e.g. "127.0.0.1:8891" (or "[::1]:8891"), or "" to turn '

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from nri_plugin.config import split_host_port
+
 if TYPE_CHECKING:
     from nri_plugin.deviceplugin import DevicePluginServer
     from nri_plugin.stub import Stub
@@ -64,14 +66,12 @@ class ProbeError(Exception):
 
 def parse_address(text: str) -> tuple[str, int]:
     """``"host:port"`` or ``"[v6]:port"`` → (host, port). Port 0 asks for any free port."""
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    parsed = split_host_port(text)
+    if parsed is None:
         raise ProbeError(
             f'metrics address {text!r} is not host:port; use e.g. "127.0.0.1:8891" or "[::1]:8891"'
         )
-    return host, int(port)
+    return parsed
 
 
 def readiness(stub: Stub, device_plugin: DevicePluginServer | None) -> Callable[[], str | None]:
