@@ -62,7 +62,7 @@ def configure_logging() -> None:
     if level == "error":
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     else:
-        from nri_plugin.cli import configure_logging as production_logging
+        from nri_plugin.logs import configure_logging as production_logging
 
         production_logging(level, "json")
 

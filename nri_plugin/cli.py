@@ -16,7 +16,7 @@ from nri_plugin import __version__
 from nri_plugin.config import DEFAULT_CONFIG_PATH
 from nri_plugin.logs import LEVELS, configure_logging, debug_toggle_on_sigusr1
 
-__all__ = ["configure_logging", "main"]
+__all__ = ["main"]
 
 if TYPE_CHECKING:
     from nri_plugin.config import Config
