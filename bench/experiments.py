@@ -31,7 +31,7 @@ from workload import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 PATCHED = str(HERE / "experiment_child.py")
 VARIANTS: dict[str, tuple[str, dict[str, str], bool]] = {

@@ -21,9 +21,9 @@ import sys
 import structlog
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
-from nri_plugin.mixedcpu import MixedCpuPlugin
-from nri_plugin.state import StateStore
-from nri_plugin.stub import Stub
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.nri.stub import Stub
 
 SHARED_CPUS = frozenset({0, 1})
 
@@ -62,7 +62,7 @@ def configure_logging() -> None:
     if level == "error":
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     else:
-        from nri_plugin.logs import configure_logging as production_logging
+        from nri_plugin.daemon.logs import configure_logging as production_logging
 
         production_logging(level, "json")
 

@@ -39,7 +39,7 @@ from workload import HERE, PluginProcess, already_shared, fake_node, realistic_c
 
 from api.nri import api_pb2 as api
 from cgroups import read_cpu_quota
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 _BUILTIN_LAYERS = (
     ("epoll", "epoll_wait (waiting, and waking up)"),
@@ -51,13 +51,13 @@ _BUILTIN_LAYERS = (
 )
 _FILE_LAYERS = (
     ("/nri_plugin/ttrpc/", "ttrpc"),
-    ("/nri_plugin/mux.py", "mux"),
-    ("/nri_plugin/stub.py", "stub"),
-    ("/nri_plugin/mixedcpu.py", "plugin (mixedcpu.py)"),
-    ("/nri_plugin/policy.py", "policy"),
-    ("/nri_plugin/state.py", "state (books)"),
-    ("/nri_plugin/simulator.py", "simulator"),
-    ("/nri_plugin/events.py", "events"),
+    ("/nri_plugin/nri/mux.py", "mux"),
+    ("/nri_plugin/nri/stub.py", "stub"),
+    ("/nri_plugin/mixedcpu/plugin.py", "plugin (mixedcpu.py)"),
+    ("/nri_plugin/mixedcpu/policy.py", "policy"),
+    ("/nri_plugin/mixedcpu/state.py", "state (books)"),
+    ("/nri_plugin/nri/simulator.py", "simulator"),
+    ("/nri_plugin/nri/events.py", "events"),
     ("/cgroups/", "cgroups (paths, files)"),
     ("/structlog/", "structlog"),
     ("/google/protobuf/", "protobuf (Python)"),

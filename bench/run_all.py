@@ -2,7 +2,7 @@
 
 Usage: python bench/run_all.py [--quick] [--repeat N] [--calls N]
 
-The runtime simulator (nri_plugin/simulator.py) runs in this process; the plugin, the stub with the real
+The runtime simulator (nri_plugin/nri/simulator.py) runs in this process; the plugin, the stub with the real
 mixed-CPU policy, runs in a child process (bench/plugin_child.py) on a fake cgroup v1 node, so each side
 has its own interpreter as on a node, with a unix socket between them. Each round starts a fresh plugin
 and measures, in order:
@@ -70,9 +70,9 @@ from workload import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin import mux
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.stub import PLUGIN_SERVICE, Stub
+from nri_plugin.nri import mux
+from nri_plugin.nri.simulator import RuntimeSimulator
+from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub
 from nri_plugin.ttrpc import Server
 from nri_plugin.ttrpc.protocol import ClientSession
 

@@ -69,12 +69,12 @@ from hostile_models import (  # noqa: E402
 from api.nri import api_pb2 as api  # noqa: E402
 from api.ttrpc import request_pb2  # noqa: E402
 from cgroups import CgroupLayout, CgroupMode, Hierarchy  # noqa: E402
-from nri_plugin.config import ConfigError, load_config  # noqa: E402
+from nri_plugin.daemon.config import ConfigError, load_config  # noqa: E402
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey  # noqa: E402
-from nri_plugin.mixedcpu import MixedCpuPlugin  # noqa: E402
-from nri_plugin.mux import MAX_PAYLOAD  # noqa: E402
-from nri_plugin.state import StateStore  # noqa: E402
-from nri_plugin.stub import PLUGIN_SERVICE, Stub  # noqa: E402
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin  # noqa: E402
+from nri_plugin.mixedcpu.state import StateStore  # noqa: E402
+from nri_plugin.nri.mux import MAX_PAYLOAD  # noqa: E402
+from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub  # noqa: E402
 from nri_plugin.ttrpc import Server  # noqa: E402
 from nri_plugin.ttrpc.errors import Code, ProtocolError  # noqa: E402
 from nri_plugin.ttrpc.protocol import (  # noqa: E402

@@ -25,9 +25,9 @@ from cgroups import (
     write_cpu_quota,
 )
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.mixedcpu import MixedCpuPlugin
-from nri_plugin.state import StateStore
-from nri_plugin.stub import Stub
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.nri.stub import Stub
 
 PERIOD = 100_000
 GUARD = 10.0
@@ -256,13 +256,13 @@ def write_daemon_config(directory: Path, plugin_dir: Path, *, metrics_address: s
 async def start_daemon(
     *args: str, prefix: Sequence[str] = (), stdout: int = subprocess.PIPE
 ) -> asyncio.subprocess.Process:
-    """``python -m nri_plugin.cli *args`` from this source tree, under the command `prefix` if any
+    """``python -m nri_plugin.daemon.cli *args`` from this source tree, under the command `prefix` if any
     (e.g. setpriv dropping capabilities); stderr is a pipe, stdout too unless told otherwise."""
     return await asyncio.create_subprocess_exec(
         *prefix,
         sys.executable,
         "-m",
-        "nri_plugin.cli",
+        "nri_plugin.daemon.cli",
         *args,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -291,9 +291,9 @@ async def terminate(proc: asyncio.subprocess.Process, timeout: float, signum: in
 
 
 def run_cli(*args: str, timeout: float, check: bool = False) -> subprocess.CompletedProcess[str]:
-    """``python -m nri_plugin.cli *args`` from this source tree, to its end; output captured as text."""
+    """``python -m nri_plugin.daemon.cli *args`` from this source tree, to its end; output as text."""
     return subprocess.run(
-        [sys.executable, "-m", "nri_plugin.cli", *args],
+        [sys.executable, "-m", "nri_plugin.daemon.cli", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

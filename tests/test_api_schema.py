@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from google.protobuf.message import Message
-from vectors import comment_lines, requires_vectors, ttrpc_message, ttrpc_parts, vector_names
+from vectors import comment_lines, ttrpc_message, ttrpc_parts, vector_names
 
 from api.google.rpc import status_pb2
 from api.nri import api_pb2
@@ -467,13 +467,11 @@ def _decode(name: str) -> tuple[request_pb2.Request | request_pb2.Response, byte
 ALL_VECTORS = vector_names()
 
 
-@requires_vectors
 def test_vector_set_includes_the_nri_requests() -> None:
     for prefix in ("05-", "07-", "09-", "13-", "14-"):
         assert any(n.startswith(prefix) for n in ALL_VECTORS), f"vector {prefix}* missing"
 
 
-@requires_vectors
 @pytest.mark.parametrize("name", ALL_VECTORS)
 def test_vector_payload_decodes_to_the_captured_json(name: str) -> None:
     _, payload, message = _decode(name)
@@ -482,14 +480,12 @@ def test_vector_payload_decodes_to_the_captured_json(name: str) -> None:
     assert message.SerializeToString() == payload
 
 
-@requires_vectors
 @pytest.mark.parametrize("name", ALL_VECTORS)
 def test_vector_envelope_reencodes_identically(name: str) -> None:
     envelope, _, _ = _decode(name)
     assert envelope.SerializeToString() == ttrpc_parts(name)[3]
 
 
-@requires_vectors
 @pytest.mark.parametrize("name", ALL_VECTORS)
 def test_vector_method_types_match_our_services(name: str) -> None:
     """The payload type the Go peer used for a method is the type our service declares for it."""
@@ -512,7 +508,6 @@ def _request(prefix: str) -> Message:
     return _decode(name)[2]
 
 
-@requires_vectors
 def test_vector_05_synchronize_request() -> None:
     req = _request("05-")
     assert isinstance(req, api_pb2.SynchronizeRequest)
@@ -526,7 +521,6 @@ def test_vector_05_synchronize_request() -> None:
     assert req.more is False
 
 
-@requires_vectors
 def test_vector_07_create_container_request() -> None:
     req = _request("07-")
     assert isinstance(req, api_pb2.CreateContainerRequest)
@@ -541,7 +535,6 @@ def test_vector_07_create_container_request() -> None:
     assert ctr.linux.resources.cpu.cpus == "1"
 
 
-@requires_vectors
 def test_vector_09_update_container_request() -> None:
     req = _request("09-")
     assert isinstance(req, api_pb2.UpdateContainerRequest)
@@ -552,7 +545,6 @@ def test_vector_09_update_container_request() -> None:
     assert not req.linux_resources.cpu.HasField("quota")
 
 
-@requires_vectors
 @pytest.mark.parametrize(
     ("prefix", "ctr_id", "blob_len"), [("13-", "big5000", 4600), ("14-", "big10000", 9600)]
 )

@@ -2,7 +2,7 @@
 
 Each test builds a node in a temporary directory: a fake sysfs (CPUs 0-7 online), a cgroup tree,
 a real unix socket for the runtime's NRI socket and for kubelet's device-plugin socket, and kubelet
-config files; then runs the command as the console script does (`nri_plugin.cli.main`).
+config files; then runs the command as the console script does (`nri_plugin.daemon.cli.main`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
-from nri_plugin.check import Status, check_cgroup_driver, drivers_in, run_checks
-from nri_plugin.cli import main
+from nri_plugin.daemon.check import Status, check_cgroup_driver, drivers_in, run_checks
+from nri_plugin.daemon.cli import main
 
 
 @dataclass

@@ -16,10 +16,10 @@ import pytest
 from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_config
 
 from api.nri import api_pb2 as api
-from nri_plugin.cli import main
-from nri_plugin.demo import run_demo
+from nri_plugin.daemon.cli import main
+from nri_plugin.daemon.demo import run_demo
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.simulator import RuntimeSimulator, env_of
+from nri_plugin.nri.simulator import RuntimeSimulator, env_of
 
 GUARD = 20.0
 
@@ -98,7 +98,7 @@ def test_an_unexpected_error_is_one_line(
     def broken(*_args: object, **_kwargs: object) -> None:
         raise RuntimeError("the disk\nis on fire")
 
-    monkeypatch.setattr("nri_plugin.check.run_checks", broken)
+    monkeypatch.setattr("nri_plugin.daemon.check.run_checks", broken)
     assert main(["check", "--config", str(tmp_path / "c.toml")]) == 1
     out, err = capsys.readouterr()
     assert err.splitlines() == [
@@ -253,7 +253,7 @@ async def test_leftover_tasks_may_finish_after_shutdown_but_not_hold_it_forever(
     """A task that ends a few loop turns after shutdown (like grpc's per-RPC tasks) ends by itself
     instead of being cancelled by asyncio.run; one that never ends does not hold the exit past the
     bound."""
-    from nri_plugin.cli import _let_leftover_tasks_finish
+    from nri_plugin.daemon.cli import _let_leftover_tasks_finish
 
     async def few_turns() -> str:
         for _ in range(5):

@@ -9,7 +9,7 @@ import pytest
 from mixedcpu_support import run_cli
 
 from cgroups import CgroupMode
-from nri_plugin.config import Config, ConfigError, build_layout, load_config, parse_config
+from nri_plugin.daemon.config import Config, ConfigError, build_layout, load_config, parse_config
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 
 

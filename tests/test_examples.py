@@ -37,11 +37,11 @@ from mixedcpu_support import (
 from api.deviceplugin.v1beta1 import api_pb2 as dp
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset, parse_cpuset
-from nri_plugin import config as config_module
+from nri_plugin.daemon import config as config_module
 from nri_plugin.deviceplugin.config import DEFAULT_DEVICE_COUNT, DevicePluginConfig
 from nri_plugin.deviceplugin.server import AllocationError, allocate, device_ids
-from nri_plugin.policy import ISOLATED_ENV, REQUEST_RESOURCE, SHARED_ENV
-from nri_plugin.simulator import PluginFailed, RuntimeSimulator, env_of
+from nri_plugin.mixedcpu.policy import ISOLATED_ENV, REQUEST_RESOURCE, SHARED_ENV
+from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -1,4 +1,4 @@
-"""nri_plugin.heap: free C-heap memory goes back to the system after a large message (glibc)."""
+"""nri_plugin.common.heap: free C-heap memory goes back to the system after a large message (glibc)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from nri_plugin import heap
+from nri_plugin.common import heap
 
 GLIBC = bool(os.confstr("CS_GNU_LIBC_VERSION")) if "CS_GNU_LIBC_VERSION" in os.confstr_names else False
 

@@ -31,8 +31,8 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin.logs import configure_logging, debug_toggle_on_sigusr1, resolve_format, toggle_debug
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.daemon.logs import configure_logging, debug_toggle_on_sigusr1, resolve_format, toggle_debug
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 GUARD = 20.0
 log = structlog.get_logger("nri_plugin.test")
@@ -245,7 +245,7 @@ async def test_container_lines_carry_namespace_pod_container_and_event(tmp_path:
         assert (entry["namespace"], entry["pod"], entry["logger"]) == (
             "telco",
             "packet-fwd",
-            "nri_plugin.mixedcpu",
+            "nri_plugin.mixedcpu.plugin",
         )
         assert "pod_namespace" not in entry
 

@@ -31,12 +31,12 @@ from probe_support import GUARD, Samples, get, samples, scrape, value
 
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, CgroupPath, write_cpu_quota
+from nri_plugin.daemon.metrics import DURATION_BUCKETS, Metrics
+from nri_plugin.daemon.probes import ProbeServer, readiness
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.metrics import DURATION_BUCKETS, Metrics
-from nri_plugin.mixedcpu import MixedCpuPlugin
-from nri_plugin.probes import ProbeServer, readiness
-from nri_plugin.simulator import PluginFailed, RuntimeSimulator
-from nri_plugin.stub import Stub
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator
+from nri_plugin.nri.stub import Stub
 
 NAMING = Naming("containerd", "cgroupfs")
 REQUESTS = "mixed_cpu_nri_requests_total"

@@ -28,7 +28,7 @@ from mixedcpu_support import (
 
 from api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.simulator import PluginFailed, RuntimeSimulator, env_of
+from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.ttrpc import Code
 
 RUNTIME_VERSIONS = {

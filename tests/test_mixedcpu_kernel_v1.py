@@ -38,7 +38,7 @@ from cgroups import (
     write_cpuset,
 )
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 PERIOD = 100_000
 NAMING = Naming("containerd", "cgroupfs")

@@ -15,10 +15,10 @@ import pytest
 from mixedcpu_support import plugin_running as running_stub
 
 from api.nri import api_pb2 as api
-from nri_plugin import mux
-from nri_plugin.events import VALID_EVENTS_V0_9, Event, mask_of
-from nri_plugin.simulator import PluginFailed, RuntimeSimulator, env_of
-from nri_plugin.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub, StubError, resolve_identity
+from nri_plugin.nri import mux
+from nri_plugin.nri.events import VALID_EVENTS_V0_9, Event, mask_of
+from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
+from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub, StubError, resolve_identity
 from nri_plugin.ttrpc import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import ClientSession, ResponseReceived
@@ -508,7 +508,7 @@ LAUNCHED_PLUGIN = """
 import asyncio, sys
 sys.path.insert(0, {root!r})
 from api.nri import api_pb2 as api
-from nri_plugin.stub import Stub
+from nri_plugin.nri.stub import Stub
 
 class Plugin:
     async def create_container(self, pod, container):

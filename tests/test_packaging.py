@@ -32,9 +32,15 @@ import pytest
 import yaml
 from mixedcpu_support import ROOT, write_daemon_config
 
-from nri_plugin.config import DEFAULT_CONFIG_PATH, DEFAULT_NRI_SOCKET, DEFAULT_STATE_DIR, Config, parse_config
+from nri_plugin.daemon.config import (
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_NRI_SOCKET,
+    DEFAULT_STATE_DIR,
+    Config,
+    parse_config,
+)
 from nri_plugin.deviceplugin.config import DEFAULT_PLUGIN_DIR
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -555,8 +561,8 @@ def test_the_copied_sources_build_a_wheel_with_the_console_script(tmp_path: Path
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-        assert f"{CONSOLE_SCRIPT} = nri_plugin.cli:main" in archive.read(entry_points).decode()
-    assert "nri_plugin/cli.py" in names
+        assert f"{CONSOLE_SCRIPT} = nri_plugin.daemon.cli:main" in archive.read(entry_points).decode()
+    assert "nri_plugin/daemon/cli.py" in names
     assert "cgroups/__init__.py" in names
     assert any(n.startswith("api/nri/") and n.endswith("_pb2.py") for n in names)
 

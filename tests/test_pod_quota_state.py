@@ -25,7 +25,15 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin.state import STATE_FILE_NAME, Books, ContainerRecord, Containers, PodRecord, Slot, StateStore
+from nri_plugin.mixedcpu.state import (
+    STATE_FILE_NAME,
+    Books,
+    ContainerRecord,
+    Containers,
+    PodRecord,
+    Slot,
+    StateStore,
+)
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 
@@ -372,7 +380,7 @@ def _shared(
 async def test_baselines_are_written_at_once_slot_changes_soon(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import nri_plugin.mixedcpu as mixedcpu
+    import nri_plugin.mixedcpu.plugin as mixedcpu
 
     monkeypatch.setattr(mixedcpu, "FLUSH_DELAY", 0.01)
     tree = FakeCgroups(tmp_path / "cgroup")

@@ -18,7 +18,7 @@ from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_p
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset, parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.policy import (
+from nri_plugin.mixedcpu.policy import (
     ISOLATED_ENV,
     SHARED_ENV,
     PolicyError,
@@ -31,7 +31,7 @@ from nri_plugin.policy import (
     plan_update,
     pod_quota_target,
 )
-from nri_plugin.state import Slot
+from nri_plugin.mixedcpu.state import Slot
 from nri_plugin.ttrpc import Code, TtrpcError
 
 CGROUPFS = Naming("containerd", "cgroupfs")

@@ -18,10 +18,10 @@ import pytest
 from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_config
 from probe_support import GUARD, Reply, daemon_with_probes, exchange, get, samples, scrape, value
 
-from nri_plugin import probes
-from nri_plugin.metrics import Metrics
-from nri_plugin.probes import MAX_HEAD, ProbeError, ProbeServer, parse_address
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.daemon import probes
+from nri_plugin.daemon.metrics import Metrics
+from nri_plugin.daemon.probes import MAX_HEAD, ProbeError, ProbeServer, parse_address
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 HOST = "127.0.0.1"
 

@@ -1,22 +1,44 @@
-"""Access to the captured NRI wire vectors in ``shared/reference/vectors``.
+"""Access to the NRI wire vectors captured from the Go implementation, kept in ``tests/data/vectors``.
 
 Each ``NN-name.hex`` file holds comment lines (``#``) describing one ttrpc message, then one line of
-hex per mux frame: the exact bytes of that frame on the wire (8-byte mux header + payload). The
-directory lives beside the repository, not in it; tests that need it are marked ``requires_vectors``
-and skip when it is absent.
+hex per mux frame: the exact bytes of that frame on the wire (8-byte mux header + payload). They are
+the contract with containerd/nri, so they live in the repository: a missing vector fails the tests
+that read it (``EXPECTED_VECTORS`` lists every file), it never skips them.
 """
 
 from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Final
 
-import pytest
+VECTOR_DIR = Path(__file__).resolve().parent / "data" / "vectors"
+# Where the vectors were first published, beside the repository (absent in a lone clone).
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vectors"
 
-VECTOR_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vectors"
-
-requires_vectors = pytest.mark.skipif(
-    not VECTOR_DIR.is_dir(), reason=f"captured NRI wire vectors not found at {VECTOR_DIR}"
+EXPECTED_VECTORS: Final = (
+    "01-register-request.hex",
+    "02-register-reply-ok.hex",
+    "03-configure-request.hex",
+    "04-configure-response.hex",
+    "05-synchronize-request.hex",
+    "06-synchronize-response.hex",
+    "07-create-container-request.hex",
+    "08-create-container-response.hex",
+    "09-update-container-request.hex",
+    "10-error-reply.hex",
+    "11-unknown-method-request.hex",
+    "12-unimplemented-reply.hex",
+    "13-large-request-5000.hex",
+    "14-large-request-10000.hex",
+    "21-dossier-v1-register-request.hex",
+    "22-dossier-v2-register-reply-ok.hex",
+    "23-dossier-v3-configure-response.hex",
+    "24-dossier-v4-unimplemented-reply.hex",
+    "25-dossier-v5-configure-request.hex",
+    "26-dossier-v6-create-container-response.hex",
+    "27-dossier-v7-synchronize-more-response.hex",
+    "28-dossier-v8-large-request-5000.hex",
 )
 
 MUX_HEADER = struct.Struct(">II")  # conn_id, length
@@ -37,10 +59,9 @@ def vector_path(name: str) -> Path:
 
 
 def vector_names() -> list[str]:
-    """File names of all vectors, sorted; empty when the directory is absent."""
-    if not VECTOR_DIR.is_dir():
-        return []
-    return sorted(p.name for p in VECTOR_DIR.glob("*.hex"))
+    """File names of all vectors, sorted: `EXPECTED_VECTORS`, whether or not the files are there (a
+    test reading a missing one fails)."""
+    return list(EXPECTED_VECTORS)
 
 
 def comment_lines(name: str) -> list[str]:

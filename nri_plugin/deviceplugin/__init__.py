@@ -24,30 +24,7 @@ resource; refuse it when it returns None (absent, unsigned or forged) or when th
 to another container (a replayed marker), and free the id when the holder's pod sandbox stops.
 Kubelet gives one device to one container of one pod at a time, so a device id presented by two
 containers is never legitimate.
+
+This ``__init__`` imports nothing: ``marker`` and ``config`` are light and pure enough for the policy
+to use without loading grpc; import what you need from the submodule that defines it.
 """
-
-from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
-from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, KEY_FILE_NAME, HostKey, HostKeyError
-from nri_plugin.deviceplugin.server import (
-    API_VERSION,
-    AllocationError,
-    DevicePluginServer,
-    SharedCpusServicer,
-    allocate,
-    device_ids,
-)
-
-__all__ = [
-    "ANNOTATION_KEY",
-    "API_VERSION",
-    "KEY_FILE_NAME",
-    "AllocationError",
-    "DevicePluginConfig",
-    "DevicePluginConfigError",
-    "DevicePluginServer",
-    "HostKey",
-    "HostKeyError",
-    "SharedCpusServicer",
-    "allocate",
-    "device_ids",
-]

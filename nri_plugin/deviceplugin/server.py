@@ -257,7 +257,7 @@ async def _first_of(*events: asyncio.Event) -> None:
 
 
 class RegistrationObserver(Protocol):
-    """Told of every registration attempt's outcome (`nri_plugin.metrics`)."""
+    """Told of every registration attempt's outcome (`nri_plugin.daemon.metrics`)."""
 
     def registration_done(self, outcome: str) -> None:
         """`outcome`: ``ok``, or ``failed`` (kubelet refused, or our socket could not be served)."""

@@ -9,7 +9,9 @@ import pytest
 import pytest_asyncio
 from fake_kubelet import FakeKubelet
 
-from nri_plugin.deviceplugin import DevicePluginConfig, DevicePluginServer, HostKey
+from nri_plugin.deviceplugin.config import DevicePluginConfig
+from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.deviceplugin.server import DevicePluginServer
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from nri_plugin.deviceplugin import DevicePluginConfig, DevicePluginConfigError
+from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
 
 
 def test_defaults() -> None:

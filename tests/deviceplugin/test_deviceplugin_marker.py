@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nri_plugin.deviceplugin import ANNOTATION_KEY, KEY_FILE_NAME, HostKey, HostKeyError
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, KEY_FILE_NAME, HostKey, HostKeyError
 
 KEY_A = HostKey(bytes(range(32)))
 KEY_B = HostKey(bytes(range(1, 33)))

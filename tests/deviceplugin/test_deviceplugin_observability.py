@@ -24,10 +24,12 @@ from mixedcpu_support import (
 )
 from probe_support import GUARD, Reply, daemon_with_probes, get, scrape, value
 
-from nri_plugin.deviceplugin import ANNOTATION_KEY, DevicePluginConfig, DevicePluginServer, HostKey
-from nri_plugin.metrics import Metrics
-from nri_plugin.probes import ProbeServer, readiness
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.daemon.metrics import Metrics
+from nri_plugin.daemon.probes import ProbeServer, readiness
+from nri_plugin.deviceplugin.config import DevicePluginConfig
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.deviceplugin.server import DevicePluginServer
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 RESOURCE = "workload.openshift.io/enable-shared-cpus"
 HOST = "127.0.0.1"

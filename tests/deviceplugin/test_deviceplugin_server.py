@@ -19,15 +19,9 @@ from fake_kubelet import FakeKubelet, remove_sockets
 
 from api.deviceplugin.v1beta1 import api_pb2 as api
 from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
-from nri_plugin.deviceplugin import (
-    ANNOTATION_KEY,
-    AllocationError,
-    DevicePluginConfig,
-    DevicePluginServer,
-    HostKey,
-    allocate,
-    device_ids,
-)
+from nri_plugin.deviceplugin.config import DevicePluginConfig
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.deviceplugin.server import AllocationError, DevicePluginServer, allocate, device_ids
 
 RESOURCE = "workload.openshift.io/enable-shared-cpus"
 T = TypeVar("T")

@@ -34,8 +34,8 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin.deviceplugin import ANNOTATION_KEY, HostKey
-from nri_plugin.simulator import CreateResult, RuntimeSimulator, env_of
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.nri.simulator import CreateResult, RuntimeSimulator, env_of
 
 T = TypeVar("T")
 

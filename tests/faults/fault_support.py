@@ -44,9 +44,9 @@ from cgroups import (
     write_cpuset,
 )
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.mixedcpu import MixedCpuPlugin
-from nri_plugin.simulator import CreateResult, RuntimeSimulator, env_of
-from nri_plugin.state import Books
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.state import Books
+from nri_plugin.nri.simulator import CreateResult, RuntimeSimulator, env_of
 
 PERIOD = 100_000
 ROOT = Path(__file__).resolve().parents[2]

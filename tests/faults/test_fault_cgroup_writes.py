@@ -36,8 +36,8 @@ from mixedcpu_support import plugin_running
 
 from api.nri import api_pb2 as api
 from cgroups import CgroupPath, read_cpuset, write_cpu_quota
-from nri_plugin.mixedcpu import MixedCpuPlugin
-from nri_plugin.simulator import PluginFailed
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.nri.simulator import PluginFailed
 from nri_plugin.ttrpc import Code
 
 

@@ -15,8 +15,8 @@ from fault_support import PERIOD, books_vs_files, inconsistencies, make_node, wi
 from mixedcpu_support import plugin_running
 
 from api.nri import api_pb2 as api
-from nri_plugin.mixedcpu import MixedCpuPlugin
-from nri_plugin.state import StateStore
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.state import StateStore
 
 TIMEOUT = 0.2  # the runtime's request timeout here (2 s on a real node)
 STALL = 5 * TIMEOUT

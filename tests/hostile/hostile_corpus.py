@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from vectors import load_frames, vector_names
 
 from api.nri import api_pb2 as api
-from nri_plugin.mux import MAX_PAYLOAD
+from nri_plugin.nri.mux import MAX_PAYLOAD
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import ClientSession, MessageType, ServerSession, encode_frame
 

@@ -36,10 +36,10 @@ from mixedcpu_support import (
 
 from api.nri import api_pb2 as api
 from api.ttrpc import request_pb2
-from nri_plugin import mux
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.mixedcpu import MixedCpuPlugin
-from nri_plugin.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.nri import mux
+from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub
 from nri_plugin.ttrpc import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import NEED_DATA, FrameDecoder, MessageType, encode_frame

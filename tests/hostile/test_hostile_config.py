@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mixedcpu_support import ROOT
 
-from nri_plugin.config import MAX_CONFIG_SIZE, Config, ConfigError, load_config
+from nri_plugin.daemon.config import MAX_CONFIG_SIZE, Config, ConfigError, load_config
 
 SETTINGS = settings(
     max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
@@ -245,7 +245,7 @@ def test_run_exits_2_with_one_clear_line_for_each_kind_of_bad_file(tmp_path: Pat
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "nri_plugin.cli",
+            "nri_plugin.daemon.cli",
             "run",
             "--config",
             str(path),

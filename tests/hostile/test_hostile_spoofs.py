@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
-from nri_plugin.events import Event
+from nri_plugin.nri.events import Event
 
 HOLDER_DEVICE = "shared-cpus-7"
 

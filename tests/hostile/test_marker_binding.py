@@ -15,7 +15,7 @@ import pytest
 from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
 
 from api.nri import api_pb2 as api
-from nri_plugin.state import Books, ContainerRecord, PodRecord, Slot, StateStore
+from nri_plugin.mixedcpu.state import Books, ContainerRecord, PodRecord, Slot, StateStore
 from nri_plugin.ttrpc import TtrpcError
 
 CGROUPFS = Naming("containerd", "cgroupfs")

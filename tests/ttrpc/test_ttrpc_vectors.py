@@ -10,7 +10,7 @@ import re
 
 import pytest
 from google.protobuf import empty_pb2
-from vectors import comment_lines, requires_vectors, ttrpc_message, vector_names
+from vectors import comment_lines, ttrpc_message, vector_names
 
 from api.ttrpc import request_pb2
 from nri_plugin.ttrpc.aio import CallContext, Server, UnaryMethod
@@ -22,8 +22,6 @@ from nri_plugin.ttrpc.protocol import (
     ServerSession,
     encode_frame,
 )
-
-pytestmark = requires_vectors
 
 PLUGIN = "nri.pkg.api.v1alpha1.Plugin"
 

@@ -4,7 +4,7 @@ Who gets shared CPUs: a container whose request is *proven* by a trusted source 
 
 * the device plugin's allocation marker in ``container.annotations`` — verified with the node's
   `HostKey`; a forged value is refused, and so is a valid one whose device id is bound to another
-  slot (pod and container name, see `nri_plugin.state`; bound from the first presentation until that
+  slot (pod and container name, see `nri_plugin.mixedcpu.state`; bound from the first presentation until that
   pod's sandbox stops), running or not: a replay;
 * when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
   that OpenShift's admission plugin adds.
@@ -31,7 +31,7 @@ from api.nri import api_pb2 as api
 from cgroups import CpusetError, format_cpuset, parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY as MARKER_ANNOTATION
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.state import Slot
+from nri_plugin.mixedcpu.state import Slot
 
 __all__ = [
     "DEFAULT_CFS_PERIOD",

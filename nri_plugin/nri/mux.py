@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
-from nri_plugin import heap
+from nri_plugin.common import heap
 from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [

@@ -34,7 +34,7 @@ import yaml
 import cgroups
 from cgroups import CgroupLayout, CgroupMode, CpusetError
 from cgroups.mode import DEFAULT_MOUNTINFO
-from nri_plugin.config import (
+from nri_plugin.daemon.config import (
     DEFAULT_CONFIG_PATH,
     Config,
     ConfigError,

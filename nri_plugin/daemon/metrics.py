@@ -3,8 +3,8 @@
 One `Metrics` object per daemon (tests make as many as they like: nothing goes to prometheus_client's
 global registry); ``metrics.attach(stub, device_plugin)`` wires it. It is the observer the other parts
 report to, and none of them imports this module: the stub calls ``request_done`` and
-``reconnecting`` (`nri_plugin.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed``
-(`nri_plugin.mixedcpu.CgroupObserver`), the device plugin ``registration_done``
+``reconnecting`` (`nri_plugin.nri.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed``
+(`nri_plugin.mixedcpu.plugin.CgroupObserver`), the device plugin ``registration_done``
 (`nri_plugin.deviceplugin.server.RegistrationObserver`). Gauges are read from their owners when
 scraped (``track``): the shared-container count from the plugin's books, readiness from the stub and
 the device plugin, so they cannot drift from what they describe and cost nothing per request.
@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from nri_plugin.deviceplugin import DevicePluginServer
-    from nri_plugin.stub import Stub
+    from nri_plugin.deviceplugin.server import DevicePluginServer
+    from nri_plugin.nri.stub import Stub
 
 __all__ = ["DURATION_BUCKETS", "WRITE_FAILURE_KINDS", "Metrics"]
 
@@ -110,7 +110,7 @@ class Metrics:
     def attach(self, stub: Stub, device_plugin: DevicePluginServer | None = None) -> None:
         """Observe the daemon's parts: the stub, its plugin (when it is the mixed-CPU one), the device
         plugin. Before ``stub.run()``: the stub reads its observer when a connection starts."""
-        from nri_plugin.mixedcpu import MixedCpuPlugin
+        from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 
         stub.observer = self
         self.track(nri_ready=stub.ready.is_set)

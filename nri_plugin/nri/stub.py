@@ -42,8 +42,8 @@ from typing import Any, Protocol
 import structlog
 
 from api.nri import api_pb2 as api
-from nri_plugin import mux
-from nri_plugin.events import (
+from nri_plugin.nri import mux
+from nri_plugin.nri.events import (
     DEDICATED_METHODS,
     POD_EVENTS,
     STATE_CHANGE_EVENTS,
@@ -54,7 +54,7 @@ from nri_plugin.events import (
 )
 from nri_plugin.ttrpc import CallContext, Client, ConnectionClosed, Server, TtrpcError, UnaryMethod
 
-log = structlog.get_logger("nri_plugin.stub")
+log = structlog.get_logger("nri_plugin.nri.stub")
 
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
@@ -92,7 +92,7 @@ class StubError(Exception):
 
 
 class StubObserver(Protocol):
-    """Told of every request the stub answers and of every lost connection (`nri_plugin.metrics`)."""
+    """Told of every request the stub answers and of every lost connection (`nri_plugin.daemon.metrics`)."""
 
     def request_done(self, event: str, outcome: str, seconds: float) -> None:
         """`event`: ``configure``, ``synchronize``, ``shutdown``, a handler name (``create_container``)

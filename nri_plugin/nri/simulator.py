@@ -27,8 +27,8 @@ import structlog
 from google.protobuf.message import Message
 
 from api.nri import api_pb2 as api
-from nri_plugin import mux
-from nri_plugin.events import (
+from nri_plugin.nri import mux
+from nri_plugin.nri.events import (
     DEDICATED_METHODS,
     STATE_CHANGE_EVENTS,
     Event,
@@ -36,12 +36,12 @@ from nri_plugin.events import (
     parse_version,
     valid_events,
 )
-from nri_plugin.stub import PLUGIN_SERVICE, RUNTIME_SERVICE
+from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE
 from nri_plugin.ttrpc import Client, ConnectionClosed, OversizedMessage, Server, TtrpcError, UnaryMethod
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import MAX_DATA
 
-log = structlog.get_logger("nri_plugin.simulator")
+log = structlog.get_logger("nri_plugin.nri.simulator")
 
 # Go's adaptation library never shrinks a Synchronize chunk below this many objects.
 MIN_SYNC_CHUNK = 8

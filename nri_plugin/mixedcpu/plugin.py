@@ -1,4 +1,4 @@
-"""The mixed-CPU NRI plugin: the policy (`nri_plugin.policy`) at the I/O edge.
+"""The mixed-CPU NRI plugin: the policy (`nri_plugin.mixedcpu.policy`) at the I/O edge.
 
 The stub drives one `MixedCpuPlugin`. What it does with the outside world:
 
@@ -53,10 +53,10 @@ from cgroups import (
 )
 from cgroups.files import CFS_QUOTA_US, CPU_MAX, write_value
 from cgroups.quota import MIN_CFS_QUOTA_US, format_cfs_quota_us, format_cpu_max
-from nri_plugin.config import Config
+from nri_plugin.daemon.config import Config
+from nri_plugin.daemon.logs import EVENT_NAME
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.logs import EVENT_NAME
-from nri_plugin.policy import (
+from nri_plugin.mixedcpu.policy import (
     MARKER_ANNOTATION,
     PolicyError,
     RequestCheck,
@@ -69,12 +69,12 @@ from nri_plugin.policy import (
     plan_update,
     pod_key,
 )
-from nri_plugin.state import Books, ContainerRecord, PodRecord, Slot, StateStore
+from nri_plugin.mixedcpu.state import Books, ContainerRecord, PodRecord, Slot, StateStore
 from nri_plugin.ttrpc import Code, TtrpcError
 
 __all__ = ["CgroupObserver", "MixedCpuPlugin"]
 
-log = structlog.get_logger("nri_plugin.mixedcpu")
+log = structlog.get_logger("nri_plugin.mixedcpu.plugin")
 
 # After a container cgroup is deleted, the v1 kernel still counts its quota for some 20-30 ms (the
 # cgroup is released after an RCU grace period): a lower pod quota refused then is retried.
@@ -111,7 +111,7 @@ def _show(quota: CpuQuota | int | None) -> str:
 
 
 class CgroupObserver(Protocol):
-    """Told of every pod cgroup write that failed (`nri_plugin.metrics`)."""
+    """Told of every pod cgroup write that failed (`nri_plugin.daemon.metrics`)."""
 
     def cgroup_write_failed(self, kind: str) -> None:
         """`kind`: ``pod_quota_raise``, ``pod_quota_lower`` or ``pod_quota_restore``."""

@@ -49,7 +49,7 @@ MESSAGE_KEY: Final = "msg"
 # JSON keys put first, in this order, so a line reads left to right: when, how bad, who, what.
 _LEADING_KEYS: Final = ("timestamp", "level", "logger", MESSAGE_KEY, "event")
 
-log = structlog.get_logger("nri_plugin.logs")
+log = structlog.get_logger("nri_plugin.daemon.logs")
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]

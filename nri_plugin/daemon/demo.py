@@ -23,12 +23,12 @@ from typing import TextIO
 
 from api.nri import api_pb2 as api
 from cgroups import CgroupDir, CgroupLayout, pod_cgroup_path, read_cpu_quota
-from nri_plugin.config import build_layout, load_config
+from nri_plugin.daemon.config import build_layout, load_config
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.events import events_in
-from nri_plugin.mixedcpu import MixedCpuPlugin
-from nri_plugin.simulator import PluginFailed, RuntimeSimulator, env_of
-from nri_plugin.stub import Stub
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.nri.events import events_in
+from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
+from nri_plugin.nri.stub import Stub
 
 NODE_CPUS = "0-7"
 SHARED_CPUS = "0-1"

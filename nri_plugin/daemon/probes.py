@@ -1,6 +1,6 @@
 """``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1, served on the daemon's own event loop.
 
-* ``GET /metrics``: the Prometheus text exposition (`nri_plugin.metrics.Metrics.render`).
+* ``GET /metrics``: the Prometheus text exposition (`nri_plugin.daemon.metrics.Metrics.render`).
 * ``GET /healthz``: 200 ``ok`` whenever the loop answers at all. Because it is served on the loop
   that also serves NRI, a wedged loop fails liveness instead of looking healthy from another thread.
 * ``GET /readyz``: 200 ``ok`` when registered and synchronized with the runtime and, with the device
@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from nri_plugin.config import split_host_port
+from nri_plugin.daemon.config import split_host_port
 
 if TYPE_CHECKING:
-    from nri_plugin.deviceplugin import DevicePluginServer
-    from nri_plugin.stub import Stub
+    from nri_plugin.deviceplugin.server import DevicePluginServer
+    from nri_plugin.nri.stub import Stub
 
 __all__ = ["MAX_HEAD", "ProbeError", "ProbeServer", "parse_address", "readiness"]
 
-log = structlog.get_logger("nri_plugin.probes")
+log = structlog.get_logger("nri_plugin.daemon.probes")
 
 MAX_HEAD = 8 * 1024  # request line and headers, in bytes
 READ_TIMEOUT = 5.0  # seconds to send the request head, and to take the answer

@@ -59,7 +59,7 @@ __all__ = [
     "StateStore",
 ]
 
-log = structlog.get_logger("nri_plugin.state")
+log = structlog.get_logger("nri_plugin.mixedcpu.state")
 
 STATE_FILE_NAME: Final = "pod-quotas.json"
 STATE_VERSION: Final = 1

@@ -13,15 +13,15 @@ import structlog
 
 from cgroups.mode import DEFAULT_MOUNTINFO
 from nri_plugin import __version__
-from nri_plugin.config import DEFAULT_CONFIG_PATH
-from nri_plugin.logs import LEVELS, configure_logging, debug_toggle_on_sigusr1
+from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH
+from nri_plugin.daemon.logs import LEVELS, configure_logging, debug_toggle_on_sigusr1
 
 __all__ = ["main"]
 
 if TYPE_CHECKING:
-    from nri_plugin.config import Config
+    from nri_plugin.daemon.config import Config
     from nri_plugin.deviceplugin.marker import HostKey
-    from nri_plugin.stub import Stub
+    from nri_plugin.nri.stub import Stub
 
 
 _PROG: Final = "mixed-cpu-nri-plugin"
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        structlog.get_logger("nri_plugin.cli").debug("unexpected error", exc_info=True)
+        structlog.get_logger("nri_plugin.daemon.cli").debug("unexpected error", exc_info=True)
         text = " ".join(str(exc).split()) or "(no message)"
         print(
             f"error: unexpected {type(exc).__name__}: {text}; run again with --log-level debug to log the "
@@ -192,12 +192,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"{_PROG} {__version__}")
         return 0
     if args.command == "check":
-        from nri_plugin.check import run_checks
+        from nri_plugin.daemon.check import run_checks
 
         report = run_checks(args.config, kubelet_config=args.kubelet_config, mountinfo_path=args.mountinfo)
         print(report.render())
         return report.exit_code
-    from nri_plugin.demo import run_demo
+    from nri_plugin.daemon.demo import run_demo
 
     version = "v2.3.4" if args.runtime == "containerd" else "v1.36.3"
     return asyncio.run(run_demo(sys.stdout, runtime_name=args.runtime, runtime_version=version))
@@ -205,10 +205,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Load and check the config (exit 2 with one line when it is wrong), then serve until signalled."""
-    from nri_plugin.config import ConfigError, build_layout, load_config
+    from nri_plugin.daemon.config import ConfigError, build_layout, load_config
     from nri_plugin.deviceplugin.marker import HostKeyError
-    from nri_plugin.mixedcpu import MixedCpuPlugin
-    from nri_plugin.stub import Stub, StubError
+    from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+    from nri_plugin.nri.stub import Stub, StubError
 
     try:
         config = load_config(args.config)
@@ -235,7 +235,7 @@ def _run(args: argparse.Namespace) -> int:
     except StubError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    log = structlog.get_logger("nri_plugin.cli")
+    log = structlog.get_logger("nri_plugin.daemon.cli")
     log.info(
         "starting",
         config=config.source,
@@ -287,8 +287,8 @@ async def _serve(stub: Stub, config: Config, key: HostKey | None) -> int:
     The device plugin runs beside the NRI side, not in front of it: while kubelet is away (or refuses
     us) it keeps retrying on its own, and the NRI side goes on serving the runtime.
     """
-    from nri_plugin.deviceplugin import DevicePluginServer
-    from nri_plugin.stub import StubError, run_until_signalled
+    from nri_plugin.deviceplugin.server import DevicePluginServer
+    from nri_plugin.nri.stub import StubError, run_until_signalled
 
     device_plugin = None
     if config.device_plugin.enabled and key is not None:
@@ -296,8 +296,8 @@ async def _serve(stub: Stub, config: Config, key: HostKey | None) -> int:
     probes = None
     if config.metrics_address:
         # Metrics and probes on the same loop: a wedged loop fails liveness.
-        from nri_plugin.metrics import Metrics
-        from nri_plugin.probes import ProbeError, ProbeServer, readiness
+        from nri_plugin.daemon.metrics import Metrics
+        from nri_plugin.daemon.probes import ProbeError, ProbeServer, readiness
 
         metrics = Metrics()
         metrics.attach(stub, device_plugin)
