@@ -1,5 +1,8 @@
 """Small building blocks any layer may use; nothing here knows NRI, cgroups or the policy.
 
+* ``clock``: time passed in (`LoopClock`, and `ManualClock` for tests on virtual time).
+* ``backoff``: the one retry pacing, exponential with jitter.
+* ``atomicfile``: publish a whole file atomically and durably.
 * ``heap``: gives glibc's free heap back to the system after a large message.
 
 This ``__init__`` imports nothing.

@@ -21,7 +21,6 @@ unsigned annotations are never proof.
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import hashlib
 import hmac
@@ -31,6 +30,8 @@ import secrets
 import stat
 from collections.abc import Mapping
 from pathlib import Path
+
+from nri_plugin.common.atomicfile import write_atomically
 
 # Namespaced to this project; "allocation" says what it records (kubelet's allocation of one device).
 ANNOTATION_KEY = "mixed-cpu.openshift.io/shared-cpus-allocation"
@@ -172,23 +173,5 @@ def _wrong_size(path: Path, size: int) -> str:
 
 
 def _publish_new_secret(path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            view = memoryview(secrets.token_bytes(KEY_SIZE))
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        with contextlib.suppress(FileExistsError):  # someone else published first: theirs is the key
-            os.link(tmp, path)
-    finally:
-        os.unlink(tmp)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    # Never over an existing file: when someone else published first, theirs is the key.
+    write_atomically(path, secrets.token_bytes(KEY_SIZE), mode=0o600, replace=False)

@@ -36,17 +36,17 @@ at its first save after a change and dropped by any change to it (a field set, o
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final
 
 import structlog
+
+from nri_plugin.common.atomicfile import write_atomically
 
 __all__ = [
     "STATE_FILE_NAME",
@@ -435,20 +435,4 @@ class StateStore:
     def save(self, books: Books) -> None:
         """Replace the file atomically. Raises OSError when it cannot (the caller rolls back)."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        data = books.dumps(b"\n")
-        tmp = os.path.join(self.directory, f".{os.path.basename(self.path)}.{secrets.token_hex(6)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self.path, books.dumps(b"\n"), fsync=self.fsync)
