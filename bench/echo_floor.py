@@ -130,7 +130,8 @@ def client(kind: str, path: str, calls: int, mark: Callable[[], None]) -> list[f
     if kind == "uvloop":
         import uvloop
 
-        return uvloop.run(_client_async(path, calls, mark))
+        timings: list[float] = uvloop.run(_client_async(path, calls, mark))
+        return timings
     return asyncio.run(_client_async(path, calls, mark))
 
 

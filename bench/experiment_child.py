@@ -37,7 +37,7 @@ def patch(names: set[str]) -> None:
         selector_events._SelectorSocketTransport.max_size = 64 * 1024  # type: ignore[attr-defined]
     if "podcache" in names:
         from api.nri import api_pb2 as api
-        from nri_plugin.mixedcpu.plugin import plugin as mixedcpu
+        from nri_plugin.mixedcpu import plugin as mixedcpu
 
         original = mixedcpu.MixedCpuPlugin._pod_dir
 
@@ -51,7 +51,7 @@ def patch(names: set[str]) -> None:
     if "plainread" in names:
         from cgroups import CpuQuota
         from cgroups.quota import parse_cfs_period_us, parse_cfs_quota_us
-        from nri_plugin.mixedcpu.plugin import plugin as mixedcpu
+        from nri_plugin.mixedcpu import plugin as mixedcpu
 
         def read_text(path: str) -> str:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -86,7 +86,7 @@ def patch(names: set[str]) -> None:
     if "trim" in names:
         import ctypes
 
-        from nri_plugin.mixedcpu.plugin import plugin as mixedcpu
+        from nri_plugin.mixedcpu import plugin as mixedcpu
 
         libc = ctypes.CDLL("libc.so.6")
         synchronize = mixedcpu.MixedCpuPlugin.synchronize

@@ -121,7 +121,8 @@ def check_daemonset(docs: list[Doc]) -> Doc:
 
     def mounted_at(host_path: str) -> Doc:
         name = host_paths[host_path]["name"]
-        [mount] = [m for m in container["volumeMounts"] if m["name"] == name]
+        mounts: list[Doc] = [m for m in container["volumeMounts"] if m["name"] == name]
+        [mount] = mounts
         return mount
 
     nri_dir = posixpath.dirname(config.nri_socket)

@@ -28,14 +28,14 @@ from nri_plugin.nri.events import DEDICATED_METHODS
 OTHER_NODE_KEY = HostKey(b"\x01" * 32)
 
 tricky_text = st.lists(
-    st.one_of(st.sampled_from(TRICKS), st.text(st.characters(exclude_categories=("Cs",)), max_size=6)),
+    st.one_of(st.sampled_from(TRICKS), st.text(st.characters(exclude_categories=["Cs"]), max_size=6)),
     min_size=1,
     max_size=8,
 ).map("".join)
 
 hostile_text = st.one_of(
     tricky_text,
-    st.text(st.characters(exclude_categories=("Cs",)), max_size=12),
+    st.text(st.characters(exclude_categories=["Cs"]), max_size=12),
     st.sampled_from(["", "a" * 5000, "/" * 300, "../" * 100, "\0" * 10]),
 )
 
@@ -88,7 +88,7 @@ annotation_keys = st.one_of(
     hostile_text.map(lambda t: "cpu-shared.crio.io/" + t),
     hostile_text,
 )
-annotations = st.dictionaries(
+annotation_maps = st.dictionaries(
     annotation_keys,
     st.one_of(forged_markers, st.sampled_from(["enable", "true", "Enable", "enable\n", "1"])),
     max_size=4,
@@ -112,7 +112,7 @@ env_entries = st.lists(
 
 # Field name -> strategy, for the fields the plugin reads.
 _BY_NAME: dict[str, st.SearchStrategy[Any]] = {
-    "annotations": annotations,
+    "annotations": annotation_maps,
     "env": env_entries,
     "cpus": cpu_lists,
     "mems": cpu_lists,
@@ -144,7 +144,7 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
 
 
 def _fill(draw: st.DrawFn, message: Message, depth: int) -> None:
-    descriptor: Descriptor = message.DESCRIPTOR
+    descriptor: Descriptor = message.DESCRIPTOR  # type: ignore[assignment]  # upb's is the same API
     for field in descriptor.fields:
         if not draw(st.booleans()):
             continue
@@ -153,7 +153,7 @@ def _fill(draw: st.DrawFn, message: Message, depth: int) -> None:
             if value_field.message_type is not None:
                 continue  # no message-valued maps the plugin reads
             if field.name == "annotations":
-                entries = draw(annotations)
+                entries = draw(annotation_maps)
             else:
                 entries = draw(st.dictionaries(_scalar(key_field), _scalar(value_field), max_size=3))
             getattr(message, field.name).update(entries)
@@ -218,7 +218,7 @@ _HOSTILE: dict[str, st.SearchStrategy[Any]] = {
     "sandbox_id": st.one_of(st.just(""), hostile_text),
     "pod_name": hostile_text,
     "namespace": hostile_text,
-    "pod_annotations": annotations,
+    "pod_annotations": annotation_maps,
     "cgroup_parent": st.one_of(
         st.just(""),
         tricky_text,
@@ -231,7 +231,7 @@ _HOSTILE: dict[str, st.SearchStrategy[Any]] = {
     "pod_sandbox_id": hostile_text,
     "name": st.one_of(st.just(""), hostile_text),
     "env": env_entries,
-    "annotations": annotations,
+    "annotations": annotation_maps,
     "state": st.integers(-(2**31), 2**31 - 1),
     "created_at": int64,
     "cgroups_path": st.one_of(tricky_text, tricky_text.map(lambda t: "a.slice:crio:" + t)),
@@ -323,7 +323,9 @@ def realistic_requests(draw: st.DrawFn, method: str) -> Message:
     if method == "UpdatePodSandbox":
         return api.UpdatePodSandboxRequest(pod=pod)
     if method == "StateChange":
-        return api.StateChangeEvent(event=draw(st.integers(-1, 16)), pod=pod, container=container)
+        return api.StateChangeEvent(
+            event=api.Event.ValueType(draw(st.integers(-1, 16))), pod=pod, container=container
+        )
     if method == "Configure":
         return api.ConfigureRequest(
             config=draw(hostile_text),
@@ -337,8 +339,8 @@ def realistic_requests(draw: st.DrawFn, method: str) -> Message:
         )
     for _event, (name, request_type, _response) in DEDICATED_METHODS.items():
         if name == method:
-            request = request_type(pod=pod)
+            dedicated: Message = request_type(pod=pod)
             if "container" in request_type.DESCRIPTOR.fields_by_name:
-                request.container.CopyFrom(container)
-            return request
+                dedicated.container.CopyFrom(container)  # type: ignore[attr-defined]
+            return dedicated
     return draw(messages(REQUEST_TYPES[method]))

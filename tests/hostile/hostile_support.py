@@ -379,7 +379,7 @@ def granted(method: str, reply: Reply) -> bool:
         return bool(
             adjust.linux.resources.cpu.cpus or adjust.env or adjust.linux.resources.cpu.HasField("quota")
         )
-    response_types = {
+    response_types: dict[str, Any] = {
         "Synchronize": api.SynchronizeResponse,
         "UpdateContainer": api.UpdateContainerResponse,
         "StopContainer": api.StopContainerResponse,

@@ -112,7 +112,7 @@ def toml(document: dict[str, Any]) -> str:
 
 # -- documents ---------------------------------------------------------------------------------------------
 
-text = st.text(st.characters(exclude_categories=("Cs",)), max_size=20)
+text = st.text(st.characters(exclude_categories=["Cs"]), max_size=20)
 scalars = st.one_of(
     text,
     st.sampled_from(["", "0-1", "0-999999999", "-1", "v1", "v3", "auto", "/", "//x/../y", "a\0b", "\u202e"]),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hostile_strategies import annotations as hostile_annotations
+from hostile_strategies import annotation_maps as hostile_annotations
 from hostile_strategies import env_entries
 from hostile_support import PERIOD, Node, Reply, granted, other_node_key
 from hypothesis import HealthCheck, given, settings
@@ -41,7 +41,7 @@ class Thief:
         self._ids = iter(range(10**6))
 
     def container(self, **kw: object) -> api.Container:
-        return self.node.container(self.pod, f"t-{next(self._ids)}", str(kw.pop("name", "copy")), **kw)  # type: ignore[arg-type]
+        return self.node.container(self.pod, f"t-{next(self._ids)}", str(kw.pop("name", "copy")), **kw)
 
     def create(self, container: api.Container, pod: api.PodSandbox | None = None) -> Reply:
         reply = self.node.run(self.node.create(pod or self.pod, container))
@@ -210,7 +210,9 @@ def test_a_stopped_pod_sandbox_frees_its_devices_for_kubelet_to_give_again(tmp_p
                 node.run(node.create(newcomer, node.container(newcomer, "n1", "x", annotations=stolen))),
             )
             if how == "StateChange":  # runtimes before NRI v0.12
-                request = api.StateChangeEvent(event=Event.STOP_POD_SANDBOX, pod=holder_pod)
+                request = api.StateChangeEvent(
+                    event=api.Event.ValueType(Event.STOP_POD_SANDBOX), pod=holder_pod
+                )
             else:
                 request = getattr(api, f"{how}Request")(pod=holder_pod)
             assert node.run(node.call(how, request)).ok

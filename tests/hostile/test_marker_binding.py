@@ -62,7 +62,8 @@ def test_state_file_keeps_the_bindings_and_old_files_still_load(tmp_path: Path) 
     data["pods"]["p"]["containers"]["b"] = {"id": "c3", "shared_cpus": 2, "exclusive": "5", "device": "dev-3"}
     Path(store.path).write_text(json.dumps(data))
     assert store.load().devices == {"dev-3": Slot("p", "b")}
-    for bad in ([], {"dev": "p/a"}, {"dev": {"pod": 1, "container": "a"}}):
+    bad_bindings: list[object] = [[], {"dev": "p/a"}, {"dev": {"pod": 1, "container": "a"}}]
+    for bad in bad_bindings:
         data["devices"] = bad
         Path(store.path).write_text(json.dumps(data))
         assert store.load() == Books()  # corrupt: logged, empty books, rebuilt at Synchronize
