@@ -25,7 +25,7 @@ from cgroups import (
     write_cpu_quota,
 )
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.plugin import CgroupObserver, MixedCpuPlugin
 from nri_plugin.mixedcpu.state import StateStore
 from nri_plugin.nri.stub import Stub
 
@@ -181,6 +181,7 @@ def make_plugin(
     *,
     trust_pod_annotation: bool = False,
     trust_marker: bool = True,
+    observer: CgroupObserver | None = None,
 ) -> tuple[MixedCpuPlugin, HostKey]:
     key = HostKey.load_or_create(state_dir)
     plugin = MixedCpuPlugin(
@@ -189,6 +190,7 @@ def make_plugin(
         store=StateStore(state_dir, fsync=False),
         marker_key=key if trust_marker else None,
         trust_pod_annotation=trust_pod_annotation,
+        observer=observer,
     )
     return plugin, key
 

@@ -253,7 +253,7 @@ async def test_leftover_tasks_may_finish_after_shutdown_but_not_hold_it_forever(
     """A task that ends a few loop turns after shutdown (like grpc's per-RPC tasks) ends by itself
     instead of being cancelled by asyncio.run; one that never ends does not hold the exit past the
     bound."""
-    from nri_plugin.daemon.cli import _let_leftover_tasks_finish
+    from nri_plugin.daemon.app import let_leftover_tasks_finish
 
     async def few_turns() -> str:
         for _ in range(5):
@@ -263,7 +263,7 @@ async def test_leftover_tasks_may_finish_after_shutdown_but_not_hold_it_forever(
     never = asyncio.Event()
     finishing = asyncio.create_task(few_turns())
     stuck = asyncio.create_task(never.wait())
-    await _let_leftover_tasks_finish(0.2)
+    await let_leftover_tasks_finish(0.2)
     assert not finishing.cancelled()
     assert finishing.result() == "done"
     assert not stuck.done()

@@ -33,6 +33,7 @@ from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, CgroupPath, write_cpu_quota
 from nri_plugin.daemon.metrics import DURATION_BUCKETS, Metrics
 from nri_plugin.daemon.probes import ProbeServer, readiness
+from nri_plugin.daemon.wiring import bind_gauges
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator
@@ -70,16 +71,16 @@ class Observed:
 async def observed(
     root: Path, layout: CgroupLayout, *, sim_started: bool = True, **stub_options: object
 ) -> AsyncIterator[Observed]:
-    plugin, key = make_plugin(root / "state", layout)
-    metrics = Metrics()
+    metrics = Metrics()  # first: the parts are built with it as their observer, as `run` does
+    plugin, key = make_plugin(root / "state", layout, observer=metrics)
     socket_path = root / "nri.sock"
     sim = RuntimeSimulator(socket_path)
     if sim_started:
         await sim.start()
     node: Observed | None = None
     try:
-        async with plugin_running(plugin, socket_path, **stub_options) as stub:
-            metrics.attach(stub)  # before the stub's first connection: set up as `run` does
+        async with plugin_running(plugin, socket_path, observer=metrics, **stub_options) as stub:
+            bind_gauges(metrics, stub, plugin, None)
             async with ProbeServer(
                 "127.0.0.1:0", metrics=metrics.render, readiness=readiness(stub, None)
             ) as probes:
@@ -154,13 +155,12 @@ async def test_requests_and_shared_containers_follow_the_container_lifecycle(sho
 async def test_state_change_events_are_counted_by_event(short_dir: Path) -> None:
     """An NRI v0.11 runtime (CRI-O 1.36) sends RemoveContainer inside StateChange."""
     tree = FakeCgroups(short_dir / "cgroup", 1)
-    plugin, _ = make_plugin(short_dir / "state", tree.layout)
     metrics = Metrics()
+    plugin, _ = make_plugin(short_dir / "state", tree.layout, observer=metrics)
     socket_path = short_dir / "nri.sock"
     async with RuntimeSimulator(
         socket_path, runtime_name="cri-o", runtime_version="1.36.3", nri_version=""
-    ) as sim, plugin_running(plugin, socket_path) as stub:
-        metrics.attach(stub)
+    ) as sim, plugin_running(plugin, socket_path, observer=metrics):
         await sim.wait_for_plugins(1, GUARD)
         pod = make_pod(Naming("cri-o", "cgroupfs"), "3333-4444")
         tree.add_pod(pod, 2 * PERIOD)

@@ -1,6 +1,8 @@
-"""The daemon: command line, configuration, wiring, logs, metrics and probes, `check` and `demo`.
+"""The daemon: command line, configuration, wiring, lifecycle, logs, metrics and probes, `check` and
+`demo`.
 
-The only package that knows every other one: it builds the NRI stub, the mixed-CPU plugin and the
-device plugin from the configuration and runs them on one asyncio loop. This ``__init__`` imports
-nothing.
+The only package that knows every other one. ``wiring`` builds the NRI stub, the mixed-CPU plugin,
+the device plugin, the metrics and the probe server from the configuration, each in one function;
+``app`` (`Daemon`) runs them on one asyncio loop and owns start, signals, shutdown and the exit
+status; ``cli`` parses the arguments and prints failures. This ``__init__`` imports nothing.
 """

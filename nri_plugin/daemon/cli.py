@@ -1,27 +1,26 @@
-"""Command line: ``mixed-cpu-nri-plugin run | check | demo | version``."""
+"""Command line: ``mixed-cpu-nri-plugin run | check | demo | version``.
+
+Parsing the arguments and printing failures is all this module does: ``run`` is
+`nri_plugin.daemon.wiring.build_daemon` (the parts, from the config) and `Daemon.run`
+(`nri_plugin.daemon.app`: signals, shutdown, exit status).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final, NoReturn
+from typing import Final, NoReturn
 
 import structlog
 
 from cgroups.mode import DEFAULT_MOUNTINFO
 from nri_plugin import __version__
 from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH
-from nri_plugin.daemon.logs import LEVELS, configure_logging, debug_toggle_on_sigusr1
+from nri_plugin.daemon.logs import LEVELS, configure_logging
 
 __all__ = ["main"]
-
-if TYPE_CHECKING:
-    from nri_plugin.daemon.config import Config
-    from nri_plugin.deviceplugin.marker import HostKey
-    from nri_plugin.nri.stub import Stub
 
 
 _PROG: Final = "mixed-cpu-nri-plugin"
@@ -50,8 +49,9 @@ The config file sets the shared CPUs (shared_cpuset) and where the NRI socket, t
 the state directory and kubelet's device-plugin directory are; `{_PROG} check`
 tells whether they suit this node. Options given here win over the config.
 
-Signals: SIGTERM or SIGINT closes the connection and exits 0 (a second one exits at once); SIGUSR1
-turns debug logging on, and the next one turns it back off.
+Signals: SIGTERM or SIGINT closes the connection, saves the state and exits 0 (a second one exits
+at once, with status 128 + its number); SIGUSR1 turns debug logging on, and the next one turns it
+back off.
 
 Exit status: 0 after a signal, 1 when the runtime cannot be served (e.g. --no-reconnect and the
 connection is lost), 2 when the config is wrong (one line names the file, the key and the fix)."""
@@ -204,130 +204,24 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Load and check the config (exit 2 with one line when it is wrong), then serve until signalled."""
-    from nri_plugin.daemon.config import ConfigError, build_layout, load_config
-    from nri_plugin.deviceplugin.marker import HostKeyError
-    from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-    from nri_plugin.nri.stub import Stub, StubError
+    """Build the daemon from its config and serve until signalled; a failure is one line (exit 2 for a
+    config error, 1 when the runtime cannot be served; see ``run --help``)."""
+    from nri_plugin.daemon.app import DaemonError
+    from nri_plugin.daemon.wiring import RunOptions, build_daemon
 
-    try:
-        config = load_config(args.config)
-        # For good: each logger is cached at its first use (the level still follows SIGUSR1).
-        configure_logging(args.log_level or config.log_level, config.log_format, cache_loggers=True)
-        layout = build_layout(config)
-        try:
-            plugin = MixedCpuPlugin.from_config(config, layout)
-        except (HostKeyError, OSError) as exc:
-            raise ConfigError(
-                f"{config.source}: state_dir: {exc}; point state_dir at a directory only root can write"
-            ) from None
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        stub = Stub(
-            plugin,
-            name=args.nri_plugin_name or os.environ.get("NRI_PLUGIN_NAME") or config.plugin_name,
-            index=args.nri_plugin_index or os.environ.get("NRI_PLUGIN_IDX") or config.plugin_index,
-            socket_path=args.socket or config.nri_socket,
-            reconnect=not args.no_reconnect,
-        )
-    except StubError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    log = structlog.get_logger("nri_plugin.daemon.cli")
-    log.info(
-        "starting",
-        config=config.source,
-        plugin=stub.identity.full_name,
-        socket=stub.socket_path,
-        shared_cpuset=config.shared_cpuset_text,
-        cgroup_mode=layout.mode.value,
-        cpu_hierarchy=layout.cpu.mount_point,
-        trusted_sources=[
-            name
-            for name, on in (
-                ("device-plugin-marker", config.trust_device_plugin_marker),
-                ("pod-annotation", config.trust_pod_annotation),
-            )
-            if on
-        ],
+    options = RunOptions(
+        config_path=args.config,
+        socket=args.socket,
+        plugin_name=args.nri_plugin_name,
+        plugin_index=args.nri_plugin_index,
+        reconnect=not args.no_reconnect,
+        log_level=args.log_level,
     )
-    return asyncio.run(_serve_toggling_debug(stub, config, plugin.marker_key))
-
-
-async def _serve_toggling_debug(stub: Stub, config: Config, key: HostKey | None) -> int:
-    """`_serve`, with SIGUSR1 toggling debug logging meanwhile."""
-    with debug_toggle_on_sigusr1(asyncio.get_running_loop()):
-        status = await _serve(stub, config, key)
-    await _let_leftover_tasks_finish(DRAIN_SECONDS)
-    return status
-
-
-# After shutdown, how long tasks we did not start (grpc's per-RPC tasks) may take to end by themselves.
-DRAIN_SECONDS = 1.0
-
-
-async def _let_leftover_tasks_finish(seconds: float) -> None:
-    """Give tasks still running after shutdown a moment to end on their own.
-
-    grpc.aio keeps a task per RPC that ends only once its core reports the call closed, a few loop
-    turns after the server stopped. `asyncio.run` would cancel such a task at once, and grpc then
-    prints a bare CancelledError traceback on stderr: a clean stop that looks like a crash.
-    """
-    current = asyncio.current_task()
-    leftover = {task for task in asyncio.all_tasks() if task is not current}
-    if leftover:
-        await asyncio.wait(leftover, timeout=seconds)
-
-
-async def _serve(stub: Stub, config: Config, key: HostKey | None) -> int:
-    """The NRI plugin and, when enabled, the kubelet device plugin, in one loop until signalled.
-
-    The device plugin runs beside the NRI side, not in front of it: while kubelet is away (or refuses
-    us) it keeps retrying on its own, and the NRI side goes on serving the runtime.
-    """
-    from nri_plugin.deviceplugin.server import DevicePluginServer
-    from nri_plugin.nri.stub import StubError, run_until_signalled
-
-    device_plugin = None
-    if config.device_plugin.enabled and key is not None:
-        device_plugin = DevicePluginServer(config.device_plugin, key)
-    probes = None
-    if config.metrics_address:
-        # Metrics and probes on the same loop: a wedged loop fails liveness.
-        from nri_plugin.daemon.metrics import Metrics
-        from nri_plugin.daemon.probes import ProbeError, ProbeServer, readiness
-
-        metrics = Metrics()
-        metrics.attach(stub, device_plugin)
-        try:
-            probes = ProbeServer(
-                config.metrics_address, metrics=metrics.render, readiness=readiness(stub, device_plugin)
-            )
-            await probes.start()
-        except ProbeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    if device_plugin is not None:
-        await device_plugin.start()
     try:
-        await run_until_signalled(stub)
-    except StubError as exc:
+        return build_daemon(options).run()
+    except DaemonError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if device_plugin is not None:
-            await device_plugin.close()
-        if probes is not None:
-            await probes.close()
-        flush = getattr(stub.plugin, "flush", None)
-        if callable(flush):
-            try:
-                flush()
-            except OSError as exc:
-                print(f"error: cannot save the plugin's state: {exc}", file=sys.stderr)
-    return 0
+        return exc.status
 
 
 if __name__ == "__main__":

@@ -30,11 +30,12 @@ against the machine (every shared CPU online).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -239,46 +240,61 @@ def _metrics_address(check: _Checker, value: object) -> str:
 
 
 def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Config:
-    """Check a parsed TOML document and build the `Config`; no file or machine access."""
+    """Check a parsed TOML document and build the `Config`; no file or machine access.
+
+    Keys are checked in a fixed order (the required shared CPUs, the optional top-level keys, the
+    tables, then the combinations), so that of several problems the same one is always reported.
+    """
     check = _Checker(source)
     check.unknown(document, _TOP_KEYS, "")
     if "shared_cpuset" not in document:
         raise check.error("shared_cpuset", f"is required; set the node's shared CPUs, {_EXAMPLE}")
-    values: dict[str, Any] = {
-        "source": source,
-        "shared_cpuset": _shared_cpuset(check, document["shared_cpuset"]),
-    }
-    if "plugin_name" in document:
-        values["plugin_name"] = _plugin_name(check, document["plugin_name"])
-    if "plugin_index" in document:
-        values["plugin_index"] = _plugin_index(check, document["plugin_index"])
-    for key in _PATH_KEYS:
-        if key in document:
-            values[key] = check.path(key, document[key])
-    if "cgroup_version" in document:
-        values["cgroup_version"] = check.choice("cgroup_version", document["cgroup_version"], CGROUP_VERSIONS)
-    if "log_level" in document:
-        values["log_level"] = check.choice("log_level", document["log_level"], LOG_LEVELS)
-    if "log_format" in document:
-        values["log_format"] = check.choice("log_format", document["log_format"], LOG_FORMATS)
-    if "metrics_address" in document:
-        values["metrics_address"] = _metrics_address(check, document["metrics_address"])
+    config = Config(
+        source=source,
+        shared_cpuset=_shared_cpuset(check, document["shared_cpuset"]),
+        **_optional_values(check, document),
+        **_trusted_sources(check, document.get(_SOURCES_TABLE, {})),
+        device_plugin=_device_plugin(source, document.get(_DEVICE_PLUGIN_TABLE, {})),
+    )
+    _check_requests_provable(check, config)
+    return config
 
-    sources = document.get(_SOURCES_TABLE, {})
+
+def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, Any]:
+    """The optional top-level keys present in `document`, checked, by `Config` field name."""
+    parsers: dict[str, Callable[[object], object]] = {
+        "plugin_name": functools.partial(_plugin_name, check),
+        "plugin_index": functools.partial(_plugin_index, check),
+        **{key: functools.partial(check.path, key) for key in _PATH_KEYS},
+        "cgroup_version": functools.partial(check.choice, "cgroup_version", choices=CGROUP_VERSIONS),
+        "log_level": functools.partial(check.choice, "log_level", choices=LOG_LEVELS),
+        "log_format": functools.partial(check.choice, "log_format", choices=LOG_FORMATS),
+        "metrics_address": functools.partial(_metrics_address, check),
+    }
+    return {key: parse(document[key]) for key, parse in parsers.items() if key in document}
+
+
+def _trusted_sources(check: _Checker, sources: object) -> dict[str, Any]:
+    """The ``[trusted_sources]`` table's keys, checked, by `Config` field name."""
     if not isinstance(sources, Mapping):
         raise check.error(_SOURCES_TABLE, f"must be a table ([{_SOURCES_TABLE}]), not {_show(sources)}")
     check.unknown(sources, _SOURCE_KEYS, f"{_SOURCES_TABLE}.")
-    for key, attribute in _SOURCE_KEYS.items():
-        if key in sources:
-            values[attribute] = check.boolean(f"{_SOURCES_TABLE}.{key}", sources[key])
+    return {
+        attribute: check.boolean(f"{_SOURCES_TABLE}.{key}", sources[key])
+        for key, attribute in _SOURCE_KEYS.items()
+        if key in sources
+    }
 
-    table = document.get(_DEVICE_PLUGIN_TABLE, {})
+
+def _device_plugin(source: str, table: Any) -> DevicePluginConfig:
     try:
-        values["device_plugin"] = DevicePluginConfig.from_table(table)
+        return DevicePluginConfig.from_table(table)
     except DevicePluginConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 
-    config = Config(**values)
+
+def _check_requests_provable(check: _Checker, config: Config) -> None:
+    """Some trusted source must be able to prove a request, or no container ever gets shared CPUs."""
     if not config.trust_device_plugin_marker and not config.trust_pod_annotation:
         raise check.error(
             _SOURCES_TABLE,
@@ -293,7 +309,6 @@ def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Co
             "enable the device plugin, or set pod_annotation = true where an admission plugin "
             "adds cpu-shared.crio.io/<container> annotations",
         )
-    return config
 
 
 def online_cpus(sysfs_root: str) -> frozenset[int]:

@@ -24,8 +24,8 @@ from typing import TextIO
 from api.nri import api_pb2 as api
 from cgroups import CgroupDir, CgroupLayout, pod_cgroup_path, read_cpu_quota
 from nri_plugin.daemon.config import build_layout, load_config
-from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.daemon.wiring import build_plugin, load_marker_key
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.nri.events import events_in
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.nri.stub import Stub
@@ -61,38 +61,36 @@ class Naming:
             return f"{pod.linux.cgroup_parent}:crio:{cid}"
         return f"{pod.linux.cgroup_parent}/{cid}"
 
+    def pod(self, uid: str, namespace: str, name: str, qos: str = "") -> api.PodSandbox:
+        pod = api.PodSandbox(id=f"sandbox-{uid}", uid=uid, namespace=namespace, name=name)
+        pod.linux.cgroup_parent = self.pod_parent(uid, qos)
+        return pod
+
+    def container(
+        self,
+        pod: api.PodSandbox,
+        cid: str,
+        name: str,
+        *,
+        cpus: str,
+        quota: int,
+        shares: int,
+        env: tuple[str, ...] = (),
+        annotations: dict[str, str] | None = None,
+    ) -> api.Container:
+        container = api.Container(
+            id=cid, pod_sandbox_id=pod.id, name=name, env=["PATH=/usr/bin", *env], annotations=annotations
+        )
+        container.linux.cgroups_path = self.container_path(pod, cid)
+        cpu = container.linux.resources.cpu
+        cpu.cpus = cpus
+        cpu.quota.value = quota
+        cpu.period.value = PERIOD
+        cpu.shares.value = shares
+        return container
+
 
 NAMING = {"containerd": Naming("cgroupfs"), "cri-o": Naming("systemd")}
-
-
-def _pod(naming: Naming, uid: str, namespace: str, name: str, qos: str = "") -> api.PodSandbox:
-    pod = api.PodSandbox(id=f"sandbox-{uid}", uid=uid, namespace=namespace, name=name)
-    pod.linux.cgroup_parent = naming.pod_parent(uid, qos)
-    return pod
-
-
-def _container(
-    naming: Naming,
-    pod: api.PodSandbox,
-    cid: str,
-    name: str,
-    *,
-    cpus: str,
-    quota: int,
-    shares: int,
-    env: tuple[str, ...] = (),
-    annotations: dict[str, str] | None = None,
-) -> api.Container:
-    container = api.Container(
-        id=cid, pod_sandbox_id=pod.id, name=name, env=["PATH=/usr/bin", *env], annotations=annotations
-    )
-    container.linux.cgroups_path = naming.container_path(pod, cid)
-    cpu = container.linux.resources.cpu
-    cpu.cpus = cpus
-    cpu.quota.value = quota
-    cpu.period.value = PERIOD
-    cpu.shares.value = shares
-    return container
 
 
 def _describe(container: api.Container) -> str:
@@ -138,68 +136,104 @@ async def run_demo(out: TextIO, *, runtime_name: str = "containerd", runtime_ver
         async with RuntimeSimulator(
             socket_path, runtime_name=runtime_name, runtime_version=runtime_version
         ) as sim:
-            return await _scenario(sim, node, NAMING.get(runtime_name, Naming("cgroupfs")), out)
+            return await _Scenario(sim, node, NAMING.get(runtime_name, Naming("cgroupfs")), out).run()
 
 
-async def _scenario(sim: RuntimeSimulator, node: _Node, naming: Naming, out: TextIO) -> int:
-    def say(text: str = "") -> None:
-        print(text, file=out)
+class _Scenario:
+    """The demo's story, one method per part of it, printed to `out` as it happens."""
 
-    config = load_config(node.config_path)
-    layout = build_layout(config)
-    plugin = MixedCpuPlugin.from_config(config, layout)
-    # The device plugin's half: Allocate answers with a marker signed by the node's key.
-    key = HostKey.load_or_create(config.state_dir)
+    def __init__(self, sim: RuntimeSimulator, node: _Node, naming: Naming, out: TextIO) -> None:
+        self.sim = sim
+        self.node = node
+        self.naming = naming
+        self.out = out
+        self.config = load_config(node.config_path)
+        self.layout = build_layout(self.config)
+        key = load_marker_key(self.config)
+        assert key is not None, "the demo's config trusts the device plugin's markers"
+        # The device plugin's half: Allocate answers with a marker signed by the node's key.
+        self.key = key
+        self.plugin = build_plugin(self.config, self.layout, key)
+        self.packet = naming.pod("2222-aaaa", "telco", "packet-fwd")
+        self.pod_dir: CgroupDir | None = None
 
-    def marker(device: str) -> dict[str, str]:
-        return {ANNOTATION_KEY: key.sign(device)}
+    def say(self, text: str = "") -> None:
+        print(text, file=self.out)
 
-    monitoring = _pod(naming, "1111", "monitoring", "node-exporter", qos="burstable")
-    exporter = _container(naming, monitoring, "exporter", "exporter", cpus="2-7", quota=20000, shares=204)
-    node.add_pod_cgroup(layout, monitoring, 20000)
-    sim.add_pod(monitoring)
-    sim.add_container(exporter)
+    def marker(self, device: str) -> dict[str, str]:
+        return {ANNOTATION_KEY: self.key.sign(device)}
 
-    packet = _pod(naming, "2222-aaaa", "telco", "packet-fwd")
-    pod_dir = node.add_pod_cgroup(layout, packet, 3 * PERIOD)
-
-    def pod_quota() -> str:
-        quota = read_cpu_quota(pod_dir).quota
+    def pod_quota(self) -> str:
+        assert self.pod_dir is not None
+        quota = read_cpu_quota(self.pod_dir).quota
         return "unlimited" if quota is None else str(quota)
 
-    say(
-        f"NRI runtime simulator: {sim.runtime_name} {sim.runtime_version} (NRI {sim.nri_version}), "
-        f"socket {sim.socket_path}"
-    )
-    say(
-        f"node: CPUs {NODE_CPUS}, shared pool {config.shared_cpuset_text} (from {node.config_path.name}), "
-        f"cgroup v1 tree in {config.cgroup_root}, {naming.driver} cgroup names; 1 pod already running"
-    )
-    stub = Stub(plugin, name="mixed-cpu", index="10", socket_path=sim.socket_path, reconnect=False)
-    task = asyncio.ensure_future(stub.run())
-    try:
-        [connected] = await sim.wait_for_plugins(1)
-        say(
-            f"plugin {connected.full_name} registered, subscribed to "
-            + ", ".join(e.name for e in events_in(connected.events))
-        )
-        say(f"synchronized: {len(sim.pods)} pod(s), {len(sim.containers)} container(s)")
-        say()
-        await sim.run_pod_sandbox(packet)
-        say(f"pod {packet.namespace}/{packet.name} (Guaranteed), cgroup {pod_dir.path}")
-        say(f"  pod quota {pod_quota()} per {PERIOD} us: fwd 2 CPUs + sidecar 1 CPU")
-        fwd = _container(
-            naming,
-            packet,
-            "fwd-1",
+    def fwd(self, cid: str) -> api.Container:
+        """The packet forwarder, which asks for the shared CPUs."""
+        return self.naming.container(
+            self.packet,
+            cid,
             "fwd",
             cpus="4-5",
             quota=2 * PERIOD,
             shares=2048,
-            annotations=marker("shared-cpus-0"),
+            annotations=self.marker("shared-cpus-0"),
         )
-        sidecar = _container(
-            naming,
+
+    async def run(self) -> int:
+        self.set_up_node()
+        stub = Stub(
+            self.plugin, name="mixed-cpu", index="10", socket_path=self.sim.socket_path, reconnect=False
+        )
+        task = asyncio.ensure_future(stub.run())
+        try:
+            await self.connect()
+            await self.create_containers()
+            await self.kubelet_update()
+            await self.restart_and_remove()
+            self.summary()
+            return 0
+        finally:
+            stub.stop()
+            await task
+
+    def set_up_node(self) -> None:
+        """A pod already running before the plugin starts, and the packet-fwd pod's cgroup."""
+        monitoring = self.naming.pod("1111", "monitoring", "node-exporter", qos="burstable")
+        exporter = self.naming.container(
+            monitoring, "exporter", "exporter", cpus="2-7", quota=20000, shares=204
+        )
+        self.node.add_pod_cgroup(self.layout, monitoring, 20000)
+        self.sim.add_pod(monitoring)
+        self.sim.add_container(exporter)
+        self.pod_dir = self.node.add_pod_cgroup(self.layout, self.packet, 3 * PERIOD)
+        sim, config = self.sim, self.config
+        self.say(
+            f"NRI runtime simulator: {sim.runtime_name} {sim.runtime_version} (NRI {sim.nri_version}), "
+            f"socket {sim.socket_path}"
+        )
+        self.say(
+            f"node: CPUs {NODE_CPUS}, shared pool {config.shared_cpuset_text} "
+            f"(from {self.node.config_path.name}), cgroup v1 tree in {config.cgroup_root}, "
+            f"{self.naming.driver} cgroup names; 1 pod already running"
+        )
+
+    async def connect(self) -> None:
+        [connected] = await self.sim.wait_for_plugins(1)
+        self.say(
+            f"plugin {connected.full_name} registered, subscribed to "
+            + ", ".join(e.name for e in events_in(connected.events))
+        )
+        self.say(f"synchronized: {len(self.sim.pods)} pod(s), {len(self.sim.containers)} container(s)")
+        self.say()
+
+    async def create_containers(self) -> None:
+        packet, naming = self.packet, self.naming
+        await self.sim.run_pod_sandbox(packet)
+        assert self.pod_dir is not None
+        self.say(f"pod {packet.namespace}/{packet.name} (Guaranteed), cgroup {self.pod_dir.path}")
+        self.say(f"  pod quota {self.pod_quota()} per {PERIOD} us: fwd 2 CPUs + sidecar 1 CPU")
+        sidecar = naming.container(
             packet,
             "sidecar-1",
             "sidecar",
@@ -208,21 +242,20 @@ async def _scenario(sim: RuntimeSimulator, node: _Node, naming: Naming, out: Tex
             shares=1024,
             env=("OPENSHIFT_SHARED_CPUS=0-7",),
         )
-        batch = _pod(naming, "3333-bbbb", "batch", "report", qos="burstable")
-        node.add_pod_cgroup(layout, batch, 50000)
-        await sim.run_pod_sandbox(batch)
-        report = _container(
-            naming,
+        batch = naming.pod("3333-bbbb", "batch", "report", qos="burstable")
+        self.node.add_pod_cgroup(self.layout, batch, 50000)
+        await self.sim.run_pod_sandbox(batch)
+        report = naming.container(
             batch,
             "report-1",
             "report",
             cpus="",
             quota=50000,
             shares=512,
-            annotations=marker("shared-cpus-1"),
+            annotations=self.marker("shared-cpus-1"),
         )
         steps: list[tuple[api.PodSandbox, api.Container, str]] = [
-            (packet, fwd, "asks for shared CPUs: device-plugin marker for shared-cpus-0"),
+            (packet, self.fwd("fwd-1"), "asks for shared CPUs: device-plugin marker for shared-cpus-0"),
             (
                 packet,
                 sidecar,
@@ -231,58 +264,53 @@ async def _scenario(sim: RuntimeSimulator, node: _Node, naming: Naming, out: Tex
             (batch, report, "asks for shared CPUs, but its pod is Burstable"),
         ]
         for pod, container, why in steps:
-            say(f"CreateContainer {pod.namespace}/{pod.name}/{container.name} ({why})")
-            say(f"  before: {_describe(container)}")
-            quota_before = pod_quota()
-            try:
-                result = await sim.create_container(container)
-            except PluginFailed as exc:
-                say(f"  FAILED: {exc.message}")
-                continue
-            say(f"  after:  {_describe(result.container)}")
-            say(f"  pod quota: {quota_before} -> {pod_quota()}")
-        say()
-        say("kubelet CPU manager: UpdateContainerResources(fwd, cpus=4-5)")
+            await self.create(pod, container, why)
+        self.say()
+
+    async def create(self, pod: api.PodSandbox, container: api.Container, why: str) -> None:
+        self.say(f"CreateContainer {pod.namespace}/{pod.name}/{container.name} ({why})")
+        self.say(f"  before: {_describe(container)}")
+        quota_before = self.pod_quota()
+        try:
+            result = await self.sim.create_container(container)
+        except PluginFailed as exc:
+            self.say(f"  FAILED: {exc.message}")
+            return
+        self.say(f"  after:  {_describe(result.container)}")
+        self.say(f"  pod quota: {quota_before} -> {self.pod_quota()}")
+
+    async def kubelet_update(self) -> None:
+        self.say("kubelet CPU manager: UpdateContainerResources(fwd, cpus=4-5)")
         resources = api.LinuxResources()
         resources.cpu.cpus = "4-5"
-        applied = await sim.update_container("fwd-1", resources)
-        say(f"  applied: cpus={applied.cpu.cpus} quota={applied.cpu.quota.value}")
-        say()
-        say(
+        applied = await self.sim.update_container("fwd-1", resources)
+        self.say(f"  applied: cpus={applied.cpu.cpus} quota={applied.cpu.quota.value}")
+        self.say()
+
+    async def restart_and_remove(self) -> None:
+        self.say(
             "fwd restarts: StopContainer fwd-1, CreateContainer fwd-2 (same allocation), "
             "RemoveContainer fwd-1"
         )
-        quotas = [pod_quota()]
-        await sim.stop_container("fwd-1")
-        quotas.append(pod_quota())
-        restarted = _container(
-            naming,
-            packet,
-            "fwd-2",
-            "fwd",
-            cpus="4-5",
-            quota=2 * PERIOD,
-            shares=2048,
-            annotations=marker("shared-cpus-0"),
+        quotas = [self.pod_quota()]
+        await self.sim.stop_container("fwd-1")
+        quotas.append(self.pod_quota())
+        result = await self.sim.create_container(self.fwd("fwd-2"))
+        quotas.append(self.pod_quota())
+        await self.sim.remove_container("fwd-1")
+        quotas.append(self.pod_quota())
+        self.say(f"  after:  {_describe(result.container)}")
+        self.say(f"  pod quota: {' -> '.join(quotas)}")
+        self.say("StopContainer, RemoveContainer fwd-2")
+        before = self.pod_quota()
+        await self.sim.stop_container("fwd-2")
+        await self.sim.remove_container("fwd-2")
+        self.say(f"  pod quota: {before} -> {self.pod_quota()}")
+        self.say()
+
+    def summary(self) -> None:
+        failed = sum(r.outcome != "ok" for r in self.sim.records)
+        self.say(
+            f"{len(self.sim.records)} NRI exchanges, {failed} failed (the Burstable request); "
+            f"plugin still connected: {bool(self.sim.plugins)}"
         )
-        result = await sim.create_container(restarted)
-        quotas.append(pod_quota())
-        await sim.remove_container("fwd-1")
-        quotas.append(pod_quota())
-        say(f"  after:  {_describe(result.container)}")
-        say(f"  pod quota: {' -> '.join(quotas)}")
-        say("StopContainer, RemoveContainer fwd-2")
-        before = pod_quota()
-        await sim.stop_container("fwd-2")
-        await sim.remove_container("fwd-2")
-        say(f"  pod quota: {before} -> {pod_quota()}")
-        say()
-        failed = sum(r.outcome != "ok" for r in sim.records)
-        say(
-            f"{len(sim.records)} NRI exchanges, {failed} failed (the Burstable request); "
-            f"plugin still connected: {bool(sim.plugins)}"
-        )
-        return 0
-    finally:
-        stub.stop()
-        await task

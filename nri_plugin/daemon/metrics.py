@@ -1,13 +1,14 @@
 """Prometheus metrics of the daemon, in a registry of their own.
 
 One `Metrics` object per daemon (tests make as many as they like: nothing goes to prometheus_client's
-global registry); ``metrics.attach(stub, device_plugin)`` wires it. It is the observer the other parts
-report to, and none of them imports this module: the stub calls ``request_done`` and
-``reconnecting`` (`nri_plugin.nri.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed``
+global registry), made before the parts it observes: each is built with it as its observer, and
+none of them imports this module. The stub calls ``request_done`` and ``reconnecting``
+(`nri_plugin.nri.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed``
 (`nri_plugin.mixedcpu.plugin.CgroupObserver`), the device plugin ``registration_done``
 (`nri_plugin.deviceplugin.server.RegistrationObserver`). Gauges are read from their owners when
-scraped (``track``): the shared-container count from the plugin's books, readiness from the stub and
-the device plugin, so they cannot drift from what they describe and cost nothing per request.
+scraped, through callables bound once the owners exist (``track``; `nri_plugin.daemon.wiring` does
+it): the shared-container count from the plugin's books, readiness from the stub and the device
+plugin, so they cannot drift from what they describe and cost nothing per request.
 
 | metric | type | labels | meaning |
 |---|---|---|---|
@@ -39,13 +40,8 @@ Labels:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-if TYPE_CHECKING:
-    from nri_plugin.deviceplugin.server import DevicePluginServer
-    from nri_plugin.nri.stub import Stub
 
 __all__ = ["DURATION_BUCKETS", "WRITE_FAILURE_KINDS", "Metrics"]
 
@@ -107,21 +103,6 @@ class Metrics:
         # Label lookups take a lock and build tuples; a request pays a dict lookup instead.
         self._request_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
-    def attach(self, stub: Stub, device_plugin: DevicePluginServer | None = None) -> None:
-        """Observe the daemon's parts: the stub, its plugin (when it is the mixed-CPU one), the device
-        plugin. Before ``stub.run()``: the stub reads its observer when a connection starts."""
-        from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-
-        stub.observer = self
-        self.track(nri_ready=stub.ready.is_set)
-        plugin = stub.plugin
-        if isinstance(plugin, MixedCpuPlugin):
-            plugin.observer = self
-            self.track(shared_containers=lambda: plugin.shared_containers)
-        if device_plugin is not None:
-            device_plugin.observer = self
-            self.track(kubelet_registered=lambda: device_plugin.registered)
-
     # -- what the parts report (the observer protocols) ------------------------------------------------
 
     def request_done(self, event: str, outcome: str, seconds: float) -> None:
@@ -150,7 +131,8 @@ class Metrics:
         nri_ready: Callable[[], bool] | None = None,
         kubelet_registered: Callable[[], bool] | None = None,
     ) -> None:
-        """Read these gauges from their owners whenever the metrics are rendered."""
+        """Read these gauges from their owners whenever the metrics are rendered (a gauge not
+        tracked stays 0: ``kubelet_registered`` with the device plugin off)."""
         for gauge, read in (
             (self.shared_containers, shared_containers),
             (self.nri_ready, nri_ready),

@@ -26,6 +26,7 @@ from probe_support import GUARD, Reply, daemon_with_probes, get, scrape, value
 
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import ProbeServer, readiness
+from nri_plugin.daemon.wiring import bind_gauges
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.deviceplugin.server import DevicePluginServer
@@ -63,16 +64,16 @@ async def daemon_in_process(
     """What ``run`` sets up, in this process: stub and device plugin observed, probes on a free port.
     The simulator is created but not started."""
     tree = FakeCgroups(root / "cgroup", 1)
-    plugin, _ = make_plugin(root / "state", tree.layout)
+    metrics = Metrics()
+    plugin, _ = make_plugin(root / "state", tree.layout, observer=metrics)
     socket_path = root / "nri.sock"
     sim = RuntimeSimulator(socket_path)
-    metrics = Metrics()
     device_plugin = DevicePluginServer(
-        config, key, check_interval=0.02, backoff_initial=0.01, backoff_max=0.05
+        config, key, check_interval=0.02, backoff_initial=0.01, backoff_max=0.05, observer=metrics
     )
     try:
-        async with plugin_running(plugin, socket_path, reconnect=True) as stub:
-            metrics.attach(stub, device_plugin)
+        async with plugin_running(plugin, socket_path, reconnect=True, observer=metrics) as stub:
+            bind_gauges(metrics, stub, plugin, device_plugin)
             async with ProbeServer(
                 f"{HOST}:0", metrics=metrics.render, readiness=readiness(stub, device_plugin)
             ) as probes, device_plugin:

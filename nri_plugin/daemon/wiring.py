@@ -1,0 +1,208 @@
+"""The daemon's wiring: every part built from the config, each in one function, and put together by
+`build_daemon` in the order they depend on each other.
+
+1. the config, read and checked, then logging as it says, then the cgroup layout;
+2. the metrics, first of the parts: each part that reports to them is built with them as its
+   observer (none is given one afterwards);
+3. the node's marker key, then the mixed-CPU plugin (which checks markers with it);
+4. the NRI stub serving that plugin;
+5. the kubelet device plugin (which signs markers with the same key);
+6. the probe server, and the gauges bound to the parts they read at scrape time.
+
+A config problem is a `DaemonError` with exit status 2, a part that cannot be built as configured
+(a bad plugin index, say) one with status 1; either way one line the command line prints.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from cgroups import CgroupLayout
+from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, Daemon, DaemonError, Service
+from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH, Config, ConfigError, build_layout, load_config
+from nri_plugin.daemon.logs import configure_logging
+from nri_plugin.daemon.metrics import Metrics
+from nri_plugin.daemon.probes import ProbeError, ProbeServer, readiness
+from nri_plugin.deviceplugin.marker import HostKey, HostKeyError
+from nri_plugin.deviceplugin.server import DevicePluginServer
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.nri.stub import Stub, StubError
+
+__all__ = [
+    "RunOptions",
+    "bind_gauges",
+    "build_daemon",
+    "build_device_plugin",
+    "build_metrics",
+    "build_plugin",
+    "build_probes",
+    "build_stub",
+    "load_marker_key",
+    "load_settings",
+]
+
+log = structlog.get_logger("nri_plugin.daemon.wiring")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What ``run``'s command line adds to the config file; each one given wins over the config."""
+
+    config_path: str = DEFAULT_CONFIG_PATH
+    socket: str | None = None
+    plugin_name: str | None = None
+    plugin_index: str | None = None
+    reconnect: bool = True
+    log_level: str | None = None
+
+
+def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = None) -> Daemon:
+    """The daemon as `options` and its config file describe it, ready to `run()`.
+
+    `environ` (default: the process's) supplies NRI_PLUGIN_NAME, NRI_PLUGIN_IDX and
+    NRI_PLUGIN_SOCKET. Raises `DaemonError`.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        config, layout = load_settings(options)
+        metrics = build_metrics(config)
+        key = load_marker_key(config)
+        plugin = build_plugin(config, layout, key, observer=metrics)
+    except ConfigError as exc:
+        raise DaemonError(str(exc), EXIT_CONFIG) from None
+    try:
+        stub = build_stub(plugin, config, options, observer=metrics, environ=env)
+        device_plugin = build_device_plugin(config, key, observer=metrics)
+        probes = build_probes(config, metrics, stub, device_plugin)
+    except (StubError, ProbeError) as exc:
+        raise DaemonError(str(exc), EXIT_CANNOT_SERVE) from None
+    if metrics is not None:
+        bind_gauges(metrics, stub, plugin, device_plugin)
+    _log_start(config, layout, stub)
+    # Started in this order and closed in the reverse: a port already taken fails the start before
+    # kubelet or the runtime ever see us.
+    services: list[Service] = [part for part in (probes, device_plugin) if part is not None]
+    return Daemon(stub, services=services, state=plugin)
+
+
+def load_settings(options: RunOptions) -> tuple[Config, CgroupLayout]:
+    """The checked config, logging set up as it says (for good), and the cgroup layout.
+    Raises `ConfigError`."""
+    config = load_config(options.config_path)
+    # For good: each logger is cached at its first use (the level still follows SIGUSR1).
+    configure_logging(options.log_level or config.log_level, config.log_format, cache_loggers=True)
+    return config, build_layout(config)
+
+
+def build_metrics(config: Config) -> Metrics | None:
+    """The metrics every part reports to, or None when they are not served (metrics_address "")."""
+    return Metrics() if config.metrics_address else None
+
+
+def load_marker_key(config: Config) -> HostKey | None:
+    """The node's marker key in state_dir (created at the first start), or None when device-plugin
+    markers are not trusted. Raises `ConfigError` when it cannot be used."""
+    if not config.trust_device_plugin_marker:
+        return None
+    try:
+        return HostKey.load_or_create(config.state_dir)
+    except (HostKeyError, OSError) as exc:
+        raise _state_dir_error(config, exc) from None
+
+
+def build_plugin(
+    config: Config, layout: CgroupLayout, key: HostKey | None, *, observer: Metrics | None = None
+) -> MixedCpuPlugin:
+    """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir.
+    Raises `ConfigError` when state_dir cannot be used."""
+    try:
+        return MixedCpuPlugin(
+            shared=config.shared_cpuset,
+            layout=layout,
+            store=StateStore(config.state_dir),
+            marker_key=key,
+            trust_pod_annotation=config.trust_pod_annotation,
+            observer=observer,
+        )
+    except OSError as exc:
+        raise _state_dir_error(config, exc) from None
+
+
+def _state_dir_error(config: Config, exc: Exception) -> ConfigError:
+    return ConfigError(
+        f"{config.source}: state_dir: {exc}; point state_dir at a directory only root can write"
+    )
+
+
+def build_stub(
+    plugin: MixedCpuPlugin,
+    config: Config,
+    options: RunOptions,
+    *,
+    observer: Metrics | None = None,
+    environ: Mapping[str, str],
+) -> Stub:
+    """The NRI stub serving `plugin`: name and index from the options, else the environment, else the
+    config; the socket from the options, else the config. Raises `StubError`."""
+    return Stub(
+        plugin,
+        name=options.plugin_name or environ.get("NRI_PLUGIN_NAME") or config.plugin_name,
+        index=options.plugin_index or environ.get("NRI_PLUGIN_IDX") or config.plugin_index,
+        socket_path=options.socket or config.nri_socket,
+        reconnect=options.reconnect,
+        environ=dict(environ),
+        observer=observer,
+    )
+
+
+def build_device_plugin(
+    config: Config, key: HostKey | None, *, observer: Metrics | None = None
+) -> DevicePluginServer | None:
+    """The kubelet device plugin, when [device_plugin] enables it and markers are trusted (it hands
+    out markers signed with `key`); else None."""
+    if not config.device_plugin.enabled or key is None:
+        return None
+    return DevicePluginServer(config.device_plugin, key, observer=observer)
+
+
+def build_probes(
+    config: Config, metrics: Metrics | None, stub: Stub, device_plugin: DevicePluginServer | None
+) -> ProbeServer | None:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on metrics_address (None when that is "").
+    Raises `ProbeError`."""
+    if metrics is None:
+        return None
+    return ProbeServer(
+        config.metrics_address, metrics=metrics.render, readiness=readiness(stub, device_plugin)
+    )
+
+
+def bind_gauges(
+    metrics: Metrics, stub: Stub, plugin: MixedCpuPlugin, device_plugin: DevicePluginServer | None
+) -> None:
+    """Point the gauges read at scrape time at the parts that know their values."""
+    metrics.track(nri_ready=stub.ready.is_set, shared_containers=lambda: plugin.shared_containers)
+    if device_plugin is not None:
+        metrics.track(kubelet_registered=lambda: device_plugin.registered)
+
+
+def _log_start(config: Config, layout: CgroupLayout, stub: Stub) -> None:
+    trusted = (
+        ("device-plugin-marker", config.trust_device_plugin_marker),
+        ("pod-annotation", config.trust_pod_annotation),
+    )
+    log.info(
+        "starting",
+        config=config.source,
+        plugin=stub.identity.full_name,
+        socket=stub.socket_path,
+        shared_cpuset=config.shared_cpuset_text,
+        cgroup_mode=layout.mode.value,
+        cpu_hierarchy=layout.cpu.mount_point,
+        trusted_sources=[name for name, on in trusted if on],
+    )

@@ -1,0 +1,483 @@
+"""The daemon object (`nri_plugin.daemon.app`) and its wiring (`nri_plugin.daemon.wiring`).
+
+In this process, with stand-in parts: the start and shutdown order, the flush, the exit statuses, the
+first and the second stop signal. In real processes: the same signals ending a real `Daemon` (a
+stand-in child, `daemon_child.py`, whose shutdown can be made to hang), and ``run`` itself flushing
+the books on the way out and exiting 1 when the runtime cannot be served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
+
+from api.nri import api_pb2 as api
+from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, Daemon, DaemonError
+from nri_plugin.daemon.metrics import Metrics
+from nri_plugin.daemon.probes import ProbeError, ProbeServer
+from nri_plugin.daemon.wiring import RunOptions, build_daemon
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, KEY_FILE_NAME, HostKey
+from nri_plugin.deviceplugin.server import DevicePluginServer
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.nri.simulator import RuntimeSimulator
+from nri_plugin.nri.stub import Stub, StubError
+
+GUARD = 20.0  # against hangs only
+STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT]
+
+
+# -- stand-in parts -------------------------------------------------------------------------------------
+
+
+class StandInNri:
+    """Serves until stopped, or ends by itself (`ends`), or fails (`error`); says what it did in `log`."""
+
+    def __init__(self, log: list[str], *, ends: bool = False, error: Exception | None = None) -> None:
+        self.log = log
+        self.ends = ends
+        self.error = error
+        self.running = asyncio.Event()
+        self._stopped = asyncio.Event()
+
+    async def run(self) -> None:
+        self.log.append("nri run")
+        self.running.set()
+        if self.error is not None:
+            raise self.error
+        if not self.ends:
+            await self._stopped.wait()
+        self.log.append("nri ended")
+
+    def stop(self) -> None:
+        self.log.append("nri stop")
+        self._stopped.set()
+
+
+class StandInService:
+    """Records its start and close; `refuses` fails the start, `hang` holds the close until set."""
+
+    def __init__(
+        self,
+        name: str,
+        log: list[str],
+        *,
+        refuses: Exception | None = None,
+        hang: asyncio.Event | None = None,
+    ) -> None:
+        self.name = name
+        self.log = log
+        self.refuses = refuses
+        self.hang = hang
+        self.closing = asyncio.Event()
+
+    async def start(self) -> None:
+        if self.refuses is not None:
+            raise self.refuses
+        self.log.append(f"start {self.name}")
+
+    async def close(self) -> None:
+        self.log.append(f"close {self.name}")
+        self.closing.set()
+        if self.hang is not None:
+            await self.hang.wait()
+
+
+class StandInState:
+    def __init__(self, log: list[str], error: OSError | None = None) -> None:
+        self.log = log
+        self.error = error
+
+    def flush(self) -> None:
+        if self.error is not None:
+            raise self.error
+        self.log.append("flush")
+
+
+# -- the lifecycle, in this process ------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
+async def test_first_signal_stops_everything_in_order_and_flushes(signum: int) -> None:
+    log: list[str] = []
+    nri = StandInNri(log)
+    daemon = Daemon(
+        nri,
+        services=[StandInService("probes", log), StandInService("device plugin", log)],
+        state=StandInState(log),
+        drain_seconds=0.0,
+    )
+    running = asyncio.ensure_future(daemon.main())
+    await asyncio.wait_for(nri.running.wait(), GUARD)
+    os.kill(os.getpid(), signum)
+    assert await asyncio.wait_for(running, GUARD) == 0
+    assert log == [
+        "start probes",
+        "start device plugin",
+        "nri run",
+        "nri stop",
+        "nri ended",
+        # Newest first, then the books: nothing can change them once the NRI side has stopped.
+        "close device plugin",
+        "close probes",
+        "flush",
+    ]
+    assert daemon.stopping
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
+async def test_second_signal_during_a_hung_shutdown_exits_at_once(signum: int) -> None:
+    log: list[str] = []
+    hang = asyncio.Event()
+    exits: list[int] = []
+
+    def hard_exit(status: int) -> None:
+        exits.append(status)
+        hang.set()  # os._exit would never return; this one lets the test end
+
+    nri = StandInNri(log)
+    device_plugin = StandInService("device plugin", log, hang=hang)
+    daemon = Daemon(
+        nri, services=[device_plugin], state=StandInState(log), hard_exit=hard_exit, drain_seconds=0.0
+    )
+    running = asyncio.ensure_future(daemon.main())
+    await asyncio.wait_for(nri.running.wait(), GUARD)
+    os.kill(os.getpid(), signum)
+    await asyncio.wait_for(device_plugin.closing.wait(), GUARD)  # and there it hangs
+    assert exits == []
+    os.kill(os.getpid(), signum)
+    await asyncio.wait_for(hang.wait(), GUARD)
+    assert exits == [128 + signum]
+    assert log[:4] == ["start device plugin", "nri run", "nri stop", "nri ended"]
+    assert log[4] == "close device plugin"
+    await asyncio.wait_for(running, GUARD)
+
+
+@pytest.mark.asyncio
+async def test_the_runtime_going_away_for_good_is_status_1_after_a_full_shutdown() -> None:
+    log: list[str] = []
+    daemon = Daemon(
+        StandInNri(log, ends=True),
+        services=[StandInService("probes", log)],
+        state=StandInState(log),
+        drain_seconds=0.0,
+    )
+    with pytest.raises(DaemonError) as info:
+        await daemon.main()
+    assert info.value.status == EXIT_CANNOT_SERVE == 1
+    assert str(info.value) == (
+        "the connection to the runtime ended and reconnecting is off; restart the daemon "
+        "(or run it without --no-reconnect)"
+    )
+    assert log == ["start probes", "nri run", "nri ended", "close probes", "flush"]
+
+
+@pytest.mark.asyncio
+async def test_a_service_that_cannot_start_is_status_1_and_the_runtime_never_sees_us() -> None:
+    log: list[str] = []
+    taken = ProbeError("cannot serve metrics and probes on 127.0.0.1:1: Address already in use")
+    daemon = Daemon(
+        StandInNri(log),
+        services=[
+            StandInService("first", log),
+            StandInService("probes", log, refuses=taken),
+            StandInService("device plugin", log),
+        ],
+        state=StandInState(log),
+        drain_seconds=0.0,
+    )
+    with pytest.raises(DaemonError) as info:
+        await daemon.main()
+    assert (info.value.status, str(info.value)) == (1, str(taken))
+    assert log == ["start first", "close first", "flush"]
+
+
+@pytest.mark.asyncio
+async def test_a_stub_that_cannot_serve_is_status_1() -> None:
+    log: list[str] = []
+    refused = StubError("cannot connect to the NRI socket /x.sock: [Errno 2] No such file or directory")
+    daemon = Daemon(
+        StandInNri(log, error=refused),
+        services=[StandInService("probes", log)],
+        state=StandInState(log),
+        drain_seconds=0.0,
+    )
+    with pytest.raises(DaemonError) as info:
+        await daemon.main()
+    assert (info.value.status, str(info.value)) == (1, str(refused))
+    assert log == ["start probes", "nri run", "close probes", "flush"]
+
+
+@pytest.mark.asyncio
+async def test_books_that_cannot_be_saved_are_one_line_and_the_status_stays_0() -> None:
+    log: list[str] = []
+    stderr = io.StringIO()
+    daemon = Daemon(
+        StandInNri(log),
+        state=StandInState(log, OSError(28, "No space left on device")),
+        stderr=stderr,
+        drain_seconds=0.0,
+    )
+    daemon.stop()  # before it runs: it starts, sees the stop, and shuts down
+    assert await asyncio.wait_for(daemon.main(), GUARD) == 0
+    assert stderr.getvalue() == "error: cannot save the plugin's state: [Errno 28] No space left on device\n"
+    assert log == ["nri stop", "nri run", "nri ended"]
+
+
+# -- the lifecycle, in real processes ----------------------------------------------------------------------
+
+
+async def _child(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).with_name("daemon_child.py")),
+        *args,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+async def _expect_line(proc: asyncio.subprocess.Process, text: str) -> None:
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), GUARD)
+    assert line.decode().strip() == text, line
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
+async def test_a_real_process_stops_on_the_first_signal_with_status_0(signum: int) -> None:
+    proc = await _child()
+    try:
+        await _expect_line(proc, "started")
+        proc.send_signal(signum)
+        out, err = await asyncio.wait_for(proc.communicate(), GUARD)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().split() == ["closing", "flushed"]
+    [entry] = [json.loads(line) for line in err.decode().splitlines()]
+    assert (entry["msg"], entry["signal"]) == ("signal received, shutting down", signal.Signals(signum).name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
+async def test_a_real_process_exits_at_once_on_the_second_signal(signum: int) -> None:
+    proc = await _child("hang")
+    try:
+        await _expect_line(proc, "started")
+        proc.send_signal(signum)
+        await _expect_line(proc, "closing")  # and it hangs there
+        proc.send_signal(signum)
+        out, err = await asyncio.wait_for(proc.communicate(), GUARD)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 128 + signum, err.decode()
+    assert out == b"", "no flush after the second signal"
+    messages = [json.loads(line)["msg"] for line in err.decode().splitlines()]
+    assert messages == ["signal received, shutting down", "second signal received, exiting at once"]
+
+
+@pytest.fixture
+def device_plugins() -> Iterator[Path]:
+    """kubelet's device-plugin directory (short: unix socket paths are limited to 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="dp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_run_saves_the_books_on_the_way_out(tmp_path: Path, device_plugins: Path) -> None:
+    """A restarted container's new instance is written to the state file a second later (Synchronize
+    could rebuild it); a SIGTERM within that second still finds it written when the daemon has exited."""
+    config = write_daemon_config(tmp_path, device_plugins)
+    pod_dir = tmp_path / "cgroup" / "cpu" / "kubepods" / "pod1234"
+    pod_dir.mkdir(parents=True)
+    (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
+    (pod_dir / "cpu.cfs_period_us").write_text("100000\n")
+    socket_path = tmp_path / "nri.sock"
+    state_file = tmp_path / "state" / "pod-quotas.json"
+
+    def holders() -> list[str]:
+        pods = json.loads(state_file.read_text())["pods"]
+        return [entry["id"] for pod in pods.values() for entry in pod["containers"].values()]
+
+    argv = ("--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path))
+    async with RuntimeSimulator(socket_path) as sim, daemon_process(*argv) as proc:
+        await sim.wait_for_plugins(1, GUARD)
+        key = HostKey.load_or_create(tmp_path / "state")
+        pod = api.PodSandbox(id="s1", uid="1234", name="p", namespace="ns")
+        pod.linux.cgroup_parent = "/kubepods/pod1234"
+        await sim.run_pod_sandbox(pod)
+
+        def main_container(cid: str) -> api.Container:
+            container = api.Container(id=cid, pod_sandbox_id="s1", name="main")
+            container.annotations[ANNOTATION_KEY] = key.sign("shared-cpus-0")
+            container.linux.cgroups_path = f"/kubepods/pod1234/{cid}"
+            container.linux.resources.cpu.cpus = "2-3"
+            container.linux.resources.cpu.quota.value = 200000
+            container.linux.resources.cpu.period.value = 100000
+            return container
+
+        await sim.create_container(main_container("c1"))
+        assert holders() == ["c1"]  # a new pod baseline: written before the reply
+        await sim.create_container(main_container("c2"))  # c1 restarted: c2 takes its slot
+        assert holders() == ["c1"], "the new holder is not written yet"
+        stderr = await terminate(proc, GUARD)
+    assert proc.returncode == 0, stderr.decode()
+    assert holders() == ["c2"]
+
+
+@pytest.mark.asyncio
+async def test_run_without_reconnect_exits_1_when_the_runtime_goes_away(
+    tmp_path: Path, device_plugins: Path
+) -> None:
+    config = write_daemon_config(tmp_path, device_plugins)
+    socket_path = tmp_path / "nri.sock"
+    argv = ("run", "--config", str(config), "--socket", str(socket_path), "--no-reconnect")
+    async with daemon_process(*argv) as proc:
+        async with RuntimeSimulator(socket_path) as sim:
+            await sim.wait_for_plugins(1, GUARD)
+        _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+    text = stderr.decode()
+    assert proc.returncode == 1, text
+    assert [line for line in text.splitlines() if line.startswith("error:")] == [
+        "error: the connection to the runtime ended and reconnecting is off; restart the daemon "
+        "(or run it without --no-reconnect)"
+    ]
+    assert "Traceback" not in text
+
+
+def test_run_without_reconnect_exits_1_when_there_is_no_runtime(tmp_path: Path, device_plugins: Path) -> None:
+    socket_path = tmp_path / "none.sock"
+    config = write_daemon_config(tmp_path, device_plugins)
+    result = run_cli(
+        "run", "--config", str(config), "--socket", str(socket_path), "--no-reconnect", timeout=GUARD
+    )
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: cannot connect to the NRI socket {socket_path}: [Errno 2] No such file or directory"
+    ], result.stderr
+
+
+# -- the wiring --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def quiet_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`build_daemon` configures logging for good (cached loggers): not in the test process."""
+    monkeypatch.setattr("nri_plugin.daemon.wiring.configure_logging", lambda *_a, **_k: "json")
+
+
+def test_every_part_is_built_with_the_metrics_as_its_observer(
+    tmp_path: Path, device_plugins: Path, quiet_wiring: None
+) -> None:
+    config = write_daemon_config(tmp_path, device_plugins)
+    daemon = build_daemon(RunOptions(config_path=str(config)), environ={})
+    stub, plugin = daemon.nri, daemon.state
+    assert isinstance(stub, Stub)
+    assert isinstance(plugin, MixedCpuPlugin)
+    assert stub.plugin is plugin
+    probes, device_plugin = daemon.services
+    assert isinstance(probes, ProbeServer)
+    assert isinstance(device_plugin, DevicePluginServer)
+    metrics = stub.observer
+    assert isinstance(metrics, Metrics)
+    assert plugin.observer is metrics
+    assert device_plugin.observer is metrics
+    # One key: the device plugin signs the markers the plugin checks, made in state_dir at start.
+    assert plugin.marker_key is device_plugin.key
+    assert device_plugin.key.path == tmp_path / "state" / KEY_FILE_NAME
+    # The gauges read their owners: the runtime has not seen us, kubelet neither.
+    rendered = metrics.render().decode()
+    assert "mixed_cpu_nri_ready 0.0" in rendered
+    assert "mixed_cpu_shared_containers 0.0" in rendered
+
+
+def test_with_metrics_off_nothing_observes_and_no_port_is_served(
+    tmp_path: Path, device_plugins: Path, quiet_wiring: None
+) -> None:
+    config = write_daemon_config(tmp_path, device_plugins, metrics_address="")
+    daemon = build_daemon(RunOptions(config_path=str(config)), environ={})
+    assert isinstance(daemon.nri, Stub)
+    assert isinstance(daemon.state, MixedCpuPlugin)
+    assert daemon.nri.observer is None
+    assert daemon.state.observer is None
+    [device_plugin] = daemon.services
+    assert isinstance(device_plugin, DevicePluginServer)
+    assert device_plugin.observer is None
+
+
+@pytest.mark.parametrize(
+    ("options", "environ", "full_name", "socket"),
+    [
+        (RunOptions(), {}, "10-mixed-cpu", "/var/run/nri/nri.sock"),
+        (
+            RunOptions(),
+            {"NRI_PLUGIN_NAME": "env-name", "NRI_PLUGIN_IDX": "20"},
+            "20-env-name",
+            "/var/run/nri/nri.sock",
+        ),
+        (
+            RunOptions(plugin_name="opt", plugin_index="30", socket="/run/x.sock"),
+            {"NRI_PLUGIN_NAME": "env-name", "NRI_PLUGIN_IDX": "20"},
+            "30-opt",
+            "/run/x.sock",
+        ),
+    ],
+    ids=["config", "environment-wins", "options-win"],
+)
+def test_the_stub_takes_options_then_environment_then_config(
+    tmp_path: Path,
+    device_plugins: Path,
+    quiet_wiring: None,
+    options: RunOptions,
+    environ: dict[str, str],
+    full_name: str,
+    socket: str,
+) -> None:
+    config = write_daemon_config(tmp_path, device_plugins)
+    daemon = build_daemon(dataclasses.replace(options, config_path=str(config)), environ=environ)
+    assert isinstance(daemon.nri, Stub)
+    assert (daemon.nri.identity.full_name, daemon.nri.socket_path) == (full_name, socket)
+
+
+def test_build_failures_carry_the_documented_status(
+    tmp_path: Path, device_plugins: Path, quiet_wiring: None
+) -> None:
+    config = write_daemon_config(tmp_path, device_plugins)
+    with pytest.raises(DaemonError) as info:
+        build_daemon(RunOptions(config_path=str(tmp_path / "missing.toml")), environ={})
+    assert info.value.status == EXIT_CONFIG == 2
+    assert str(info.value).startswith(f"{tmp_path / 'missing.toml'}: no such file;")
+    with pytest.raises(DaemonError) as info:
+        build_daemon(RunOptions(config_path=str(config), plugin_index="7"), environ={})
+    assert info.value.status == EXIT_CANNOT_SERVE == 1
+    assert str(info.value).startswith("plugin index '7' is invalid")
+    (tmp_path / "state").mkdir(exist_ok=True)
+    (tmp_path / "state" / KEY_FILE_NAME).write_bytes(b"short")
+    with pytest.raises(DaemonError) as info:
+        build_daemon(RunOptions(config_path=str(config)), environ={})
+    assert info.value.status == EXIT_CONFIG
+    assert str(info.value).startswith(f"{config}: state_dir: ")
+    assert str(info.value).endswith("; point state_dir at a directory only root can write")
