@@ -206,7 +206,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Load and check the config (exit 2 with one line when it is wrong), then serve until signalled."""
     from nri_plugin.daemon.config import ConfigError, build_layout, load_config
-    from nri_plugin.deviceplugin.marker import HostKeyError
+    from nri_plugin.deviceplugin.keyfile import HostKeyError
     from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
     from nri_plugin.nri.stub import Stub, StubError
 

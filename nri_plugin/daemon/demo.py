@@ -24,7 +24,8 @@ from typing import TextIO
 from api.nri import api_pb2 as api
 from cgroups import CgroupDir, CgroupLayout, pod_cgroup_path, read_cpu_quota
 from nri_plugin.daemon.config import build_layout, load_config
-from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri.events import events_in
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
@@ -149,7 +150,7 @@ async def _scenario(sim: RuntimeSimulator, node: _Node, naming: Naming, out: Tex
     layout = build_layout(config)
     plugin = MixedCpuPlugin.from_config(config, layout)
     # The device plugin's half: Allocate answers with a marker signed by the node's key.
-    key = HostKey.load_or_create(config.state_dir)
+    key = load_or_create_host_key(config.state_dir)
 
     def marker(device: str) -> dict[str, str]:
         return {ANNOTATION_KEY: key.sign(device)}
