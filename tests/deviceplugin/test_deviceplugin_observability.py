@@ -24,6 +24,7 @@ from mixedcpu_support import (
 )
 from probe_support import GUARD, Reply, daemon_with_probes, get, scrape, value
 
+from nri_plugin.common.backoff import Backoff
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import ProbeServer, readiness
 from nri_plugin.deviceplugin.config import DevicePluginConfig
@@ -67,9 +68,7 @@ async def daemon_in_process(
     socket_path = root / "nri.sock"
     sim = RuntimeSimulator(socket_path)
     metrics = Metrics()
-    device_plugin = DevicePluginServer(
-        config, key, check_interval=0.02, backoff_initial=0.01, backoff_max=0.05
-    )
+    device_plugin = DevicePluginServer(config, key, check_interval=0.02, backoff=Backoff(0.01, 0.05))
     try:
         async with plugin_running(plugin, socket_path, reconnect=True) as stub:
             metrics.attach(stub, device_plugin)
