@@ -79,6 +79,10 @@ STABLE_REGISTRATION = 1.0
 STOP_GRACE = 1.0
 
 GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+# Each Register call dials kubelet afresh: grpc otherwise shares connections between channels to the
+# same address, and a new channel would inherit the refused connection of the last attempt, with its
+# reconnect backoff, instead of dialing the kubelet that just appeared.
+_FRESH_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 
 T = TypeVar("T")
 
@@ -690,7 +694,8 @@ class DevicePluginServer:
         self._attempts += 1
         self._inbox.discard(_Signal.STREAM_ENDED)
         where = f"Register on {config.kubelet_socket}"
-        async with grpc.aio.insecure_channel(f"unix:{config.kubelet_socket}") as channel:
+        target = f"unix:{config.kubelet_socket}"
+        async with grpc.aio.insecure_channel(target, options=_FRESH_CONNECTION) as channel:
             stub = api_grpc.RegistrationStub(channel)
             try:
                 await _within(self.clock, self.register_timeout, stub.Register(request))
