@@ -17,7 +17,9 @@ that resource and proves each real request to the NRI side:
   serves ``v1beta1.DevicePlugin`` on ``plugin_dir/endpoint`` (0600), registers with kubelet, re-creates
   the socket and registers again after kubelet restarts, and pushes a new device count on
   ``plugin.reconfigure(config)``. ``plugin.registered``, ``plugin.open_streams`` and
-  ``await plugin.wait_registered()`` are for readiness.
+  ``await plugin.wait_registered()`` are for readiness; ``plugin.state`` says where the registration
+  stands (:class:`RegistrationState`, ``registration``: the states and the moves allowed between
+  them). Its waits run on the `Clock` it is given, its retries on a `Backoff`.
 
 What the NRI side must do with a container's annotations (the policy's part): take
 ``key.verify_annotations(container.annotations)`` as the only proof that the container requested the

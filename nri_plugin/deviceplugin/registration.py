@@ -5,20 +5,20 @@ instead of leaving the server in a state nobody designed.
 
 ::
 
-    STOPPED ──start()──► WAITING_FOR_KUBELET ◄──────────────────────────────┐ (or DISABLED, when
-                            │ kubelet.sock is there                         │  the config says so)
-                            ▼                                               │
-                         SERVING ──our socket cannot be served──┐           │
-                            │ socket up                         │           │
-                            ▼                                   ▼           │
-                         REGISTERING ──kubelet refuses──► BACKING_OFF ──────┤ delay over, or
-                            │ kubelet accepts                   ▲           │ kubelet restarted
-                            ▼                                   │ lost too  │
-                         REGISTERED ──signs of loss──► LOST ────┘  soon     │
-                                                         └──────────────────┘ lost after a while,
-                                                                              or reconfigured
+    STOPPED ─start()─► WAITING_FOR_KUBELET ◄───────────────────────────────┐ a new round: the delay
+                          │ kubelet.sock is there                          │ is over, kubelet
+                          ▼                                                │ restarted, or the
+                       SERVING ──our socket cannot be served──┐            │ configuration changed
+                          │ socket up                         ▼            │
+                       REGISTERING ──kubelet refuses──► BACKING_OFF ───────┤
+                          │ kubelet accepts                   ▲            │
+                          ▼                                   │ held less  │
+                       REGISTERED ──sign of loss──► LOST ─────┘ than 1 s   │
+                                                     └─────────────────────┘ held longer,
+                                                                             or reconfigured
 
-    any state but STOPPED ──close()──► CLOSING ──► STOPPED
+    A new round begins in DISABLED instead while the configuration says ``enabled = false``.
+    Every running state ──close()──► CLOSING ──► STOPPED
 
 A reconfiguration that changes the registration (name, socket, ``enabled``) ends a wait at once and
 starts over from WAITING_FOR_KUBELET (or DISABLED) with the new configuration.
