@@ -70,6 +70,7 @@ from api.nri import api_pb2 as api  # noqa: E402
 from api.ttrpc import request_pb2  # noqa: E402
 from cgroups import CgroupLayout, CgroupMode, Hierarchy  # noqa: E402
 from nri_plugin.daemon.config import ConfigError, load_config  # noqa: E402
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key  # noqa: E402
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey  # noqa: E402
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin  # noqa: E402
 from nri_plugin.mixedcpu.state import StateStore  # noqa: E402
@@ -341,7 +342,7 @@ class Fuzzer:
         self.handler_errors: list[str] = []
         self.tree_root = work / "cgroup"
         self.state_dir = work / "state"
-        self.key = HostKey.load_or_create(self.state_dir)
+        self.key = load_or_create_host_key(self.state_dir)
         self.gen = Gen(self.rng, self.key)
         self.corpus = self._corpus()
         self.wires = self._wires()

@@ -24,6 +24,7 @@ from cgroups import (
     read_cpu_quota,
     write_cpu_quota,
 )
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.plugin import CgroupObserver, MixedCpuPlugin
 from nri_plugin.mixedcpu.state import StateStore
@@ -183,7 +184,7 @@ def make_plugin(
     trust_marker: bool = True,
     observer: CgroupObserver | None = None,
 ) -> tuple[MixedCpuPlugin, HostKey]:
-    key = HostKey.load_or_create(state_dir)
+    key = load_or_create_host_key(state_dir)
     plugin = MixedCpuPlugin(
         shared=shared,
         layout=layout,

@@ -18,7 +18,8 @@ from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_co
 from api.nri import api_pb2 as api
 from nri_plugin.daemon.cli import main
 from nri_plugin.daemon.demo import run_demo
-from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.nri.simulator import RuntimeSimulator, env_of
 
 GUARD = 20.0
@@ -227,7 +228,7 @@ async def test_run_serves_the_policy_from_its_config(tmp_path: Path, device_plug
     async with RuntimeSimulator(socket_path) as sim, daemon_process(*argv) as proc:
         [plugin] = await sim.wait_for_plugins(1, GUARD)
         assert plugin.full_name == "42-mixed-cpu"
-        key = HostKey.load_or_create(tmp_path / "state")  # the daemon made it at start
+        key = load_or_create_host_key(tmp_path / "state")  # the daemon made it at start
         pod = api.PodSandbox(id="s1", uid="1234", name="p", namespace="ns")
         pod.linux.cgroup_parent = "/kubepods/pod1234"
         await sim.run_pod_sandbox(pod)

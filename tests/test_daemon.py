@@ -29,7 +29,8 @@ from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, Daemon, Daemon
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import ProbeError, ProbeServer
 from nri_plugin.daemon.wiring import RunOptions, build_daemon
-from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, KEY_FILE_NAME, HostKey
+from nri_plugin.deviceplugin.keyfile import KEY_FILE_NAME, load_or_create_host_key
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri.simulator import RuntimeSimulator
@@ -324,7 +325,7 @@ async def test_run_saves_the_books_on_the_way_out(tmp_path: Path, device_plugins
     argv = ("--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path))
     async with RuntimeSimulator(socket_path) as sim, daemon_process(*argv) as proc:
         await sim.wait_for_plugins(1, GUARD)
-        key = HostKey.load_or_create(tmp_path / "state")
+        key = load_or_create_host_key(tmp_path / "state")
         pod = api.PodSandbox(id="s1", uid="1234", name="p", namespace="ns")
         pod.linux.cgroup_parent = "/kubepods/pod1234"
         await sim.run_pod_sandbox(pod)

@@ -27,7 +27,7 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.ttrpc import Code
 
@@ -59,7 +59,7 @@ class Node:
         self.socket = root / "nri.sock"
         options = RUNTIME_VERSIONS[naming.runtime]
         self.sim = RuntimeSimulator(self.socket, runtime_name=naming.runtime, **options)
-        self.key = HostKey.load_or_create(self.state)
+        self.key = load_or_create_host_key(self.state)
 
     def plugin(self, shared: frozenset[int] = frozenset({0, 1}), **options: bool) -> object:
         return make_plugin(self.state, self.tree.layout, shared, **options)[0]

@@ -27,7 +27,8 @@ from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH, Config, ConfigError, b
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import ProbeError, ProbeServer, readiness
-from nri_plugin.deviceplugin.marker import HostKey, HostKeyError
+from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
+from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.state import StateStore
@@ -110,7 +111,7 @@ def load_marker_key(config: Config) -> HostKey | None:
     if not config.trust_device_plugin_marker:
         return None
     try:
-        return HostKey.load_or_create(config.state_dir)
+        return load_or_create_host_key(config.state_dir)
     except (HostKeyError, OSError) as exc:
         raise _state_dir_error(config, exc) from None
 

@@ -7,16 +7,19 @@ that resource and proves each real request to the NRI side:
 * :class:`DevicePluginConfig` (``config``): the ``[device_plugin]`` table, frozen and validated;
   ``DevicePluginConfig.from_table(mapping)`` raises :class:`DevicePluginConfigError` naming the key and
   the fix. ``enabled = false`` for clusters whose kubelet advertises the resource itself.
-* :class:`HostKey` (``marker``): the node's 32-byte marker secret, ``HostKey.load_or_create(state_dir)``
-  (file ``device-plugin-hmac.key``, mode 0600, created once, stable across restarts; a file with the
-  wrong owner, mode or size raises :class:`HostKeyError`). ``key.sign(device_id) -> str`` makes the
-  value of the :data:`ANNOTATION_KEY` container annotation; ``key.verify(value) -> device_id | None``
-  (constant-time) and ``key.verify_annotations(annotations)`` check one.
+* :class:`HostKey` (``marker``, pure): the node's 32-byte marker secret. ``key.sign(device_id) -> str``
+  makes the value of the :data:`ANNOTATION_KEY` container annotation; ``key.verify(value) -> device_id
+  | None`` (constant-time) and ``key.verify_annotations(annotations)`` check one.
+* ``load_or_create_host_key(state_dir)`` (``keyfile``): the key from its file ``device-plugin-hmac.key``
+  (mode 0600, created once, stable across restarts; a file with the wrong owner, mode or size raises
+  :class:`HostKeyError`).
 * :class:`DevicePluginServer` (``server``): ``async with DevicePluginServer(config, key) as plugin``
   serves ``v1beta1.DevicePlugin`` on ``plugin_dir/endpoint`` (0600), registers with kubelet, re-creates
   the socket and registers again after kubelet restarts, and pushes a new device count on
   ``plugin.reconfigure(config)``. ``plugin.registered``, ``plugin.open_streams`` and
-  ``await plugin.wait_registered()`` are for readiness.
+  ``await plugin.wait_registered()`` are for readiness; ``plugin.state`` says where the registration
+  stands (:class:`RegistrationState`, ``registration``: the states and the moves allowed between
+  them). Its waits run on the `Clock` it is given, its retries on a `Backoff`.
 
 What the NRI side must do with a container's annotations (the policy's part): take
 ``key.verify_annotations(container.annotations)`` as the only proof that the container requested the
@@ -26,5 +29,6 @@ Kubelet gives one device to one container of one pod at a time, so a device id p
 containers is never legitimate.
 
 This ``__init__`` imports nothing: ``marker`` and ``config`` are light and pure enough for the policy
-to use without loading grpc; import what you need from the submodule that defines it.
+to use without loading grpc or touching a file; import what you need from the submodule that defines
+it.
 """

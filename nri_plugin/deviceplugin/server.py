@@ -11,6 +11,12 @@ Our devices are admission tickets, not hardware: ``device_count`` interchangeabl
 ``Allocate`` answer carries the signed allocation marker (see :mod:`.marker`) that the NRI side takes as
 proof that the container really requested shared CPUs.
 
+Registration
+    `DevicePluginServer` walks the states of :mod:`.registration` (``server.state``): it waits for
+    ``kubelet.sock``, serves our socket, registers, and then watches for signs of losing the
+    registration. All its waiting (socket checks, backoff, the Register deadline) is on the `Clock`
+    it is given, so tests run it on virtual time while its gRPC I/O stays real.
+
 Kubelet restarts
     A starting kubelet deletes every socket in its directory and forgets every plugin. We notice it by
     three signals, whichever comes first, then re-create our socket and register again:
@@ -34,23 +40,56 @@ import contextlib
 import enum
 import logging
 import os
-import random
 import stat
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 import structlog
 
 from api.deviceplugin.v1beta1 import api_pb2 as api
 from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
+from nri_plugin.common.backoff import Backoff
+from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.deviceplugin.registration import RegistrationState, check_transition
 
 if TYPE_CHECKING:
     from grpc.aio import ServicerContext
 
 log = structlog.get_logger("nri_plugin.deviceplugin")
+
+API_VERSION = "v1beta1"  # what Register announces; the only version kubelet supports
+HEALTHY = "Healthy"
+DEVICE_ID_PREFIX = "shared-cpus-"
+
+CHECK_INTERVAL = 0.2  # seconds between the socket checks (see the module docstring)
+REGISTER_TIMEOUT = 5.0  # kubelet answers Register once it has dialed us back: normally milliseconds
+BACKOFF_INITIAL = 0.1
+BACKOFF_MAX = 5.0
+# Each delay is drawn between half and all of the doubling one: many nodes whose kubelets restarted
+# together do not retry in lockstep, and none waits longer than BACKOFF_MAX.
+BACKOFF_JITTER = (0.5, 1.0)
+# A registration that is lost sooner than this counts as a failed attempt, so that a kubelet that
+# takes us and drops us at once is retried with backoff rather than in a tight loop.
+STABLE_REGISTRATION = 1.0
+# How long stop() lets an in-flight Allocate finish; ListAndWatch streams are ended first.
+STOP_GRACE = 1.0
+
+GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+# Each Register call dials kubelet afresh: grpc otherwise shares connections between channels to the
+# same address, and a new channel would inherit the refused connection of the last attempt, with its
+# reconnect backoff, instead of dialing the kubelet that just appeared.
+_FRESH_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+
+T = TypeVar("T")
+
+
+def default_backoff() -> Backoff:
+    """The registration retry pacing: 0.1 s doubling to 5 s, each delay jittered down to half."""
+    return Backoff(BACKOFF_INITIAL, BACKOFF_MAX, jitter=BACKOFF_JITTER)
 
 
 class _CancelledRpcFilter(logging.Filter):
@@ -65,21 +104,15 @@ class _CancelledRpcFilter(logging.Filter):
         return not (record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
-logging.getLogger("grpc._cython.cygrpc").addFilter(_CancelledRpcFilter())
+def install_grpc_log_filter() -> None:
+    """Have grpc's core logger drop its reports of cancelled RPCs (see `_CancelledRpcFilter`).
 
-API_VERSION = "v1beta1"  # what Register announces; the only version kubelet supports
-HEALTHY = "Healthy"
-DEVICE_ID_PREFIX = "shared-cpus-"
-
-CHECK_INTERVAL = 0.2  # seconds between the socket checks (see the module docstring)
-REGISTER_TIMEOUT = 5.0  # kubelet answers Register once it has dialed us back: normally milliseconds
-BACKOFF_INITIAL = 0.1
-BACKOFF_MAX = 5.0
-# A registration that is lost sooner than this counts as a failed attempt, so that a kubelet that
-# takes us and drops us at once is retried with backoff rather than in a tight loop.
-STABLE_REGISTRATION = 1.0
-# How long stop() lets an in-flight Allocate finish; ListAndWatch streams are ended first.
-STOP_GRACE = 1.0
+    Idempotent. `DevicePluginServer.start()` calls it: importing this module changes no logger, so
+    that merely loading it (a test, a tool) leaves grpc's logging as its owner set it.
+    """
+    grpc_log = logging.getLogger(GRPC_CORE_LOGGER)
+    if not any(isinstance(existing, _CancelledRpcFilter) for existing in grpc_log.filters):
+        grpc_log.addFilter(_CancelledRpcFilter())
 
 
 def device_ids(count: int) -> tuple[str, ...]:
@@ -225,14 +258,53 @@ class SharedCpusServicer(api_grpc.DevicePluginServicer):
         return api.PreStartContainerResponse()  # not announced; nothing to prepare
 
 
-class _Why(enum.Enum):
-    """Why the supervisor stopped waiting."""
+class _WatchEnd(enum.Enum):
+    """Why the supervisor stopped watching (the value is what the logs say)."""
 
     TIMEOUT = "backoff elapsed"
     RECONFIGURED = "configuration changed"
     STREAM_ENDED = "kubelet ended ListAndWatch"
     SOCKET_REMOVED = "our socket was removed"
     KUBELET_CHANGED = "kubelet.sock changed"
+
+
+class _Signal(enum.Enum):
+    """What happens outside the supervisor and that it must act on."""
+
+    RECONFIGURED = "configuration changed"  # reconfigure() changed what we register
+    STREAM_ENDED = "kubelet ended ListAndWatch"  # the stream of our latest Register ended
+
+
+class _Inbox:
+    """Signals posted by callbacks (reconfigure, a stream's end) until the supervisor takes them.
+
+    Posting wakes the supervisor from its pause, whatever it waits for.
+    """
+
+    def __init__(self) -> None:
+        self._signals: set[_Signal] = set()
+        # asyncio.Event binds to a loop on first use, so this may be made outside one.
+        self._wake = asyncio.Event()
+
+    def post(self, signal: _Signal) -> None:
+        self._signals.add(signal)
+        self._wake.set()
+
+    def discard(self, signal: _Signal) -> None:
+        self._signals.discard(signal)
+
+    def __contains__(self, signal: _Signal) -> bool:
+        return signal in self._signals
+
+    async def pause(self, clock: Clock, seconds: float) -> None:
+        """Sleep `seconds` on `clock`, less if a signal is posted meanwhile.
+
+        Not ``asyncio.wait_for``: before Python 3.12 it can return normally, swallowing a
+        cancellation, when the wake-up and ``close()`` coincide (a kubelet leaving as we shut down).
+        """
+        self._wake.clear()
+        if _Signal.RECONFIGURED not in self._signals:
+            await sleep_unless(clock, self._wake, seconds)
 
 
 _FileId = tuple[int, int, int]
@@ -256,6 +328,30 @@ async def _first_of(*events: asyncio.Event) -> None:
             waiter.cancel()
 
 
+def _retrieve_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # an abandoned call's error is no news; asyncio must not report it
+
+
+async def _within(clock: Clock, seconds: float, awaitable: Awaitable[T]) -> T:
+    """The result of `awaitable`, or TimeoutError (and `awaitable` cancelled) after `seconds` on `clock`.
+
+    Not ``asyncio.wait_for``: that waits on the loop's time, not on the clock we are given.
+    """
+    work = asyncio.ensure_future(awaitable)
+    work.add_done_callback(_retrieve_outcome)
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        await asyncio.wait((work, sleeper), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done():
+        raise TimeoutError
+    return work.result()
+
+
 class RegistrationObserver(Protocol):
     """Told of every registration attempt's outcome (`nri_plugin.daemon.metrics`)."""
 
@@ -263,12 +359,40 @@ class RegistrationObserver(Protocol):
         """`outcome`: ``ok``, or ``failed`` (kubelet refused, or our socket could not be served)."""
 
 
+@dataclass
+class _Socket:
+    """Our socket while it is served: the gRPC server, its servicer, and the file it listens on."""
+
+    server: grpc.aio.Server
+    servicer: SharedCpusServicer
+    file_id: _FileId | None = None  # set once the server has started
+
+
+@dataclass
+class _Round:
+    """What the supervisor works with from one restart (new configuration or new try) to the next."""
+
+    config: DevicePluginConfig
+    kubelet: _FileId | None = None  # kubelet.sock as we found it; None while disabled or waiting
+    error: str = ""  # why the attempt failed, for BACKING_OFF's log line
+    registered_at: float = 0.0  # clock time kubelet accepted us
+    lost: _WatchEnd | None = None  # why REGISTERED ended
+    lasted: float = 0.0  # how long the registration held, on the clock
+
+
+_State = RegistrationState
+
+
 class DevicePluginServer:
     """Serves and registers the device plugin, and keeps it registered across kubelet restarts.
 
     ``start()`` returns at once; the work runs in a background task that waits for ``kubelet.sock``,
-    creates our socket (mode 0600), registers, and watches for kubelet restarts. ``close()`` stops it
-    and removes the socket. Use as ``async with DevicePluginServer(config, key) as plugin: ...``.
+    creates our socket (mode 0600), registers, and watches for kubelet restarts (the states of
+    :mod:`.registration`; ``state`` says where it stands). ``close()`` stops it and removes the socket.
+    Use as ``async with DevicePluginServer(config, key) as plugin: ...``.
+
+    Every wait is on `clock` (the loop's unless a test passes a `ManualClock`), and retries are paced
+    by `backoff` (default: `default_backoff()`).
     """
 
     def __init__(
@@ -276,63 +400,70 @@ class DevicePluginServer:
         config: DevicePluginConfig,
         key: HostKey,
         *,
+        clock: Clock = LOOP_CLOCK,
+        backoff: Backoff | None = None,
         check_interval: float = CHECK_INTERVAL,
         register_timeout: float = REGISTER_TIMEOUT,
-        backoff_initial: float = BACKOFF_INITIAL,
-        backoff_max: float = BACKOFF_MAX,
         observer: RegistrationObserver | None = None,
     ) -> None:
         self._config = config
-        self.observer = observer
         self.key = key
+        self.clock = clock
+        self.backoff = backoff if backoff is not None else default_backoff()
         self.check_interval = check_interval
         self.register_timeout = register_timeout
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
+        self.observer = observer
         self.registrations = 0  # successful Register calls so far
+        self.failures = 0  # failed attempts since the backoff last started over
+        self._state = _State.STOPPED
+        self._registered = asyncio.Event()  # set exactly while the state is REGISTERED
+        self._inbox = _Inbox()
+        self._round = _Round(config)
+        self._attempts = 0  # Register calls made; ListAndWatch streams are tagged with it
         self._board: _DeviceBoard | None = None
         self._task: asyncio.Task[None] | None = None
-        self._grpc: grpc.aio.Server | None = None
-        self._servicer: SharedCpusServicer | None = None
-        self._socket_id: _FileId | None = None
-        # asyncio.Event binds to a loop on first use, so these may be made outside one.
-        self._wake = asyncio.Event()
-        self._registered = asyncio.Event()
-        self._restart_pending = False
-        self._attempt = 0  # Register calls made; ListAndWatch streams are tagged with it
-        self._stream_lost = False  # the stream of the current attempt has ended
-        self._closing = False
+        self._socket: _Socket | None = None
 
     @property
     def config(self) -> DevicePluginConfig:
         return self._config
 
     @property
+    def state(self) -> RegistrationState:
+        return self._state
+
+    @property
     def registered(self) -> bool:
         """True while kubelet has accepted our registration and we have seen no sign of losing it."""
-        return self._registered.is_set()
+        return self._state is _State.REGISTERED
 
     @property
     def open_streams(self) -> int:
         """ListAndWatch streams open on the current socket (kubelet keeps one; for readiness probes)."""
-        return self._servicer.open_streams if self._servicer is not None else 0
+        return self._socket.servicer.open_streams if self._socket is not None else 0
 
     async def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("DevicePluginServer already started")
+        install_grpc_log_filter()
         self._board = _DeviceBoard(self._config.device_count)
+        self._start_backoff_over()
+        self._enter(self._restart())
         self._task = asyncio.create_task(self._supervise(), name="device-plugin")
 
     async def close(self) -> None:
         """Stop registering and serving, and remove our socket. Idempotent."""
         task, self._task = self._task, None
-        if task is not None:
-            self._closing = True  # in case something below us swallows the cancellation
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._set_registered(False)
-        await self._stop_serving()
+        try:
+            if task is not None:
+                self._enter(_State.CLOSING)  # in case something below us swallows the cancellation
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            await self._stop_serving()
+            if self._closing:
+                self._enter(_State.STOPPED)
 
     async def __aenter__(self) -> DevicePluginServer:
         await self.start()
@@ -357,137 +488,171 @@ class DevicePluginServer:
             self._board.set_count(config.device_count)
         identity = ("enabled", "resource_name", "plugin_dir", "endpoint")
         if any(getattr(old, name) != getattr(config, name) for name in identity):
-            self._restart_pending = True
-            self._wake.set()
+            self._inbox.post(_Signal.RECONFIGURED)
 
-    # -- supervisor ---------------------------------------------------------------------------------
+    # -- the state machine --------------------------------------------------------------------------
 
-    async def _supervise(self) -> None:
-        failures = 0
-        while not self._closing:
-            self._restart_pending = False
-            config = self._config
-            if not config.enabled:
-                await self._stop_serving()
-                log.info("device plugin disabled by configuration")
-                await self._watch(config, None, timeout=None)
-                continue
-            kubelet = await self._wait_for_kubelet(config)
-            if kubelet is None:
-                continue  # reconfigured meanwhile
-            error = await self._serve(config)
-            if error is None:
-                error = await self._register(config)
-            if self.observer is not None:
-                self.observer.registration_done("ok" if error is None else "failed")
-            if error is None:
-                loop = asyncio.get_running_loop()
-                since = loop.time()
-                self._set_registered(True)
-                why = await self._watch(config, kubelet, timeout=None)
-                self._set_registered(False)
-                lasted = loop.time() - since
-                log.warning("device plugin registration lost, registering again", reason=why.value)
-                await self._stop_serving()
-                if lasted >= STABLE_REGISTRATION or why is _Why.RECONFIGURED:
-                    failures = 0
-                    continue
-                error = f"registration lost after {lasted:.2f} s: {why.value}"
-            delay = min(self.backoff_initial * 2**failures, self.backoff_max) * random.uniform(0.5, 1.0)
-            failures += 1
-            log.warning(
-                "device plugin registration failed", error=error, attempt=failures, retry_in=round(delay, 2)
-            )
-            why = await self._watch(config, kubelet, timeout=delay)
-            if why in (_Why.KUBELET_CHANGED, _Why.SOCKET_REMOVED):
-                failures = 0  # kubelet (re)started: try at once
-            if why is not _Why.TIMEOUT:
-                await self._stop_serving()
-
-    def _set_registered(self, registered: bool) -> None:
-        if registered:
+    def _enter(self, target: RegistrationState) -> None:
+        check_transition(self._state, target)
+        previous, self._state = self._state, target
+        if target is _State.REGISTERED:
             self.registrations += 1
             self._registered.set()
-        else:
+        elif previous is _State.REGISTERED:
             self._registered.clear()
+        log.debug("device plugin state", state=target.value, previous=previous.value)
 
-    async def _wait_for_kubelet(self, config: DevicePluginConfig) -> _FileId | None:
-        """Wait until kubelet.sock exists; its identity, or None if reconfigured meanwhile."""
-        path = str(config.kubelet_socket)
+    def _restart(self) -> RegistrationState:
+        """Start a new round with the configuration of this moment; where it begins."""
+        self._inbox.discard(_Signal.RECONFIGURED)
+        self._round = _Round(self._config)
+        return _State.WAITING_FOR_KUBELET if self._round.config.enabled else _State.DISABLED
+
+    async def _supervise(self) -> None:
+        """Run each state's step, which says the next state, until close()."""
+        steps: dict[RegistrationState, Callable[[], Awaitable[RegistrationState]]] = {
+            _State.DISABLED: self._disabled,
+            _State.WAITING_FOR_KUBELET: self._wait_for_kubelet,
+            _State.SERVING: self._serve_socket,
+            _State.REGISTERING: self._register_with_kubelet,
+            _State.REGISTERED: self._stay_registered,
+            _State.LOST: self._take_socket_down,
+            _State.BACKING_OFF: self._back_off,
+        }
+        while not self._closing:
+            target = await steps[self._state]()
+            if not self._closing:  # else close() took over while the step ran
+                self._enter(target)
+
+    @property
+    def _closing(self) -> bool:
+        return self._state is _State.CLOSING
+
+    async def _disabled(self) -> RegistrationState:
+        await self._stop_serving()
+        log.info("device plugin disabled by configuration")
+        await self._watch()  # only a reconfiguration ends it: no kubelet to watch
+        return self._restart()
+
+    async def _wait_for_kubelet(self) -> RegistrationState:
+        path = str(self._round.config.kubelet_socket)
         kubelet = _file_id(path)
         if kubelet is None:
             log.info("waiting for kubelet", socket=path)
         while kubelet is None:
-            if await self._sleep(self.check_interval):
-                return None
+            await self._pause(self.check_interval)
+            if _Signal.RECONFIGURED in self._inbox:
+                return self._restart()
             kubelet = _file_id(path)
-        return kubelet
+        self._round.kubelet = kubelet
+        return _State.SERVING
 
-    async def _sleep(self, seconds: float) -> bool:
-        """Sleep, or less if woken; True if a restart is pending.
+    async def _serve_socket(self) -> RegistrationState:
+        error = await self._serve(self._round.config)
+        return _State.REGISTERING if error is None else self._failed(error)
 
-        Not ``asyncio.wait_for``: before Python 3.12 it can return normally, swallowing a cancellation,
-        when the wake-up and ``close()`` coincide (a kubelet leaving as we shut down), and the
-        supervisor would then run on.
-        """
+    async def _register_with_kubelet(self) -> RegistrationState:
+        error = await self._register(self._round.config)
+        if error is not None:
+            return self._failed(error)
+        self._report("ok")
+        self._round.registered_at = self.clock.monotonic()
+        return _State.REGISTERED
+
+    async def _stay_registered(self) -> RegistrationState:
+        self._round.lost = await self._watch()
+        self._round.lasted = self.clock.monotonic() - self._round.registered_at
+        return _State.LOST
+
+    async def _take_socket_down(self) -> RegistrationState:
+        why, lasted = self._round.lost, self._round.lasted
+        assert why is not None
+        log.warning("device plugin registration lost, registering again", reason=why.value)
+        await self._stop_serving()
+        if lasted >= STABLE_REGISTRATION or why is _WatchEnd.RECONFIGURED:
+            self._start_backoff_over()
+            return self._restart()
+        self._round.error = f"registration lost after {lasted:.2f} s: {why.value}"
+        return _State.BACKING_OFF
+
+    async def _back_off(self) -> RegistrationState:
+        delay = self.backoff.next()
+        self.failures += 1
+        log.warning(
+            "device plugin registration failed",
+            error=self._round.error,
+            attempt=self.failures,
+            retry_in=round(delay, 2),
+        )
+        why = await self._watch(timeout=delay)
+        if why in (_WatchEnd.KUBELET_CHANGED, _WatchEnd.SOCKET_REMOVED):
+            self._start_backoff_over()  # kubelet (re)started: try at once
+        if why is not _WatchEnd.TIMEOUT:
+            await self._stop_serving()
+        return self._restart()
+
+    def _failed(self, error: str) -> RegistrationState:
+        self._report("failed")
+        self._round.error = error
+        return _State.BACKING_OFF
+
+    def _report(self, outcome: str) -> None:
+        if self.observer is not None:
+            self.observer.registration_done(outcome)
+
+    def _start_backoff_over(self) -> None:
+        self.backoff.reset()
+        self.failures = 0
+
+    # -- waiting --------------------------------------------------------------------------------------
+
+    async def _pause(self, seconds: float) -> None:
         if self._closing:
             raise asyncio.CancelledError("device plugin closing")
-        self._wake.clear()
-        if not self._restart_pending:
-            waiter = asyncio.ensure_future(self._wake.wait())
-            try:
-                await asyncio.wait([waiter], timeout=seconds)
-            finally:
-                waiter.cancel()
-        return self._restart_pending
+        await self._inbox.pause(self.clock, seconds)
 
-    async def _watch(
-        self, config: DevicePluginConfig, kubelet: _FileId | None, timeout: float | None
-    ) -> _Why:
-        """Wait for a reason to stop waiting: see ``_Why``."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            why = self._check(config, kubelet)
-            if why is not None:
-                return why
+    async def _watch(self, timeout: float | None = None) -> _WatchEnd:
+        """Wait for a reason to stop waiting (see `_WatchEnd`), checking every `check_interval`."""
+        deadline = None if timeout is None else self.clock.monotonic() + timeout
+        while (why := self._check()) is None:
             pause = self.check_interval
             if deadline is not None:
-                pause = min(pause, deadline - loop.time())
+                pause = min(pause, deadline - self.clock.monotonic())
                 if pause <= 0:
-                    return _Why.TIMEOUT
-            await self._sleep(pause)
+                    return _WatchEnd.TIMEOUT
+            await self._pause(pause)
+        return why
 
-    def _check(self, config: DevicePluginConfig, kubelet: _FileId | None) -> _Why | None:
-        if self._restart_pending:
-            return _Why.RECONFIGURED
+    def _check(self) -> _WatchEnd | None:
+        config, kubelet = self._round.config, self._round.kubelet
+        if _Signal.RECONFIGURED in self._inbox:
+            return _WatchEnd.RECONFIGURED
         if kubelet is None:  # disabled: only a reconfiguration wakes us
             return None
-        if self._stream_lost and self.registered:
-            return _Why.STREAM_ENDED
-        if self._grpc is not None and _file_id(str(config.socket_path)) != self._socket_id:
-            return _Why.SOCKET_REMOVED
+        if self._state is _State.REGISTERED and _Signal.STREAM_ENDED in self._inbox:
+            return _WatchEnd.STREAM_ENDED
+        if self._socket is not None and _file_id(str(config.socket_path)) != self._socket.file_id:
+            return _WatchEnd.SOCKET_REMOVED
         if _file_id(str(config.kubelet_socket)) != kubelet:
-            return _Why.KUBELET_CHANGED
+            return _WatchEnd.KUBELET_CHANGED
         return None
 
     def _stream_token(self) -> int:
-        return self._attempt
+        return self._attempts
 
     def _stream_ended(self, token: int) -> None:
         # Only the stream kubelet opened for our latest Register counts: older ones end when kubelet
         # replaces a connection or when we replace the socket, and are no news. It may end even before
         # Register has returned to us; then the registration is lost as soon as it is made.
-        if token == self._attempt:
-            self._stream_lost = True
-            self._wake.set()
+        if token == self._attempts:
+            self._inbox.post(_Signal.STREAM_ENDED)
 
     # -- socket and registration --------------------------------------------------------------------
 
     async def _serve(self, config: DevicePluginConfig) -> str | None:
         """Make sure our socket is up (re-created if it is gone); an error text if it cannot be."""
         path = str(config.socket_path)
-        if self._grpc is not None and _file_id(path) == self._socket_id:
+        if self._socket is not None and _file_id(path) == self._socket.file_id:
             return None
         await self._stop_serving()
         assert self._board is not None
@@ -500,31 +665,21 @@ class DevicePluginServer:
         )
         server = grpc.aio.server()
         api_grpc.add_DevicePluginServicer_to_server(servicer, server)
-        self._grpc, self._servicer = server, servicer  # from here on, _stop_serving() cleans up
+        self._socket = _Socket(server, servicer)  # from here on, _stop_serving() cleans up
         try:
-            _remove_stale_socket(path)
-            # Bind with a umask that leaves the socket 0600 from its first instant, then say so again.
-            umask = os.umask(0o177)
-            try:
-                server.add_insecure_port(f"unix:{path}")
-            finally:
-                os.umask(umask)
-            os.chmod(path, 0o600)
-            await server.start()
+            await _listen(server, path)
         except (OSError, RuntimeError) as exc:
             await self._stop_serving()
             return f"cannot serve on {path}: {exc}"
-        self._socket_id = _file_id(path)
+        self._socket.file_id = _file_id(path)
         log.info("device plugin serving", socket=path)
         return None
 
     async def _stop_serving(self) -> None:
-        server, servicer = self._grpc, self._servicer
-        self._grpc, self._servicer, self._socket_id = None, None, None
-        if servicer is not None:
-            servicer.close_streams()
-        if server is not None:
-            await server.stop(STOP_GRACE)
+        served, self._socket = self._socket, None
+        if served is not None:
+            served.servicer.close_streams()
+            await served.server.stop(STOP_GRACE)
 
     async def _register(self, config: DevicePluginConfig) -> str | None:
         """Call Registration/Register on kubelet.sock; an error text if kubelet did not take us."""
@@ -536,14 +691,18 @@ class DevicePluginServer:
                 pre_start_required=False, get_preferred_allocation_available=False
             ),
         )
-        self._attempt += 1
-        self._stream_lost = False
-        async with grpc.aio.insecure_channel(f"unix:{config.kubelet_socket}") as channel:
+        self._attempts += 1
+        self._inbox.discard(_Signal.STREAM_ENDED)
+        where = f"Register on {config.kubelet_socket}"
+        target = f"unix:{config.kubelet_socket}"
+        async with grpc.aio.insecure_channel(target, options=_FRESH_CONNECTION) as channel:
             stub = api_grpc.RegistrationStub(channel)
             try:
-                await stub.Register(request, timeout=self.register_timeout)
+                await _within(self.clock, self.register_timeout, stub.Register(request))
             except grpc.aio.AioRpcError as exc:
-                return f"Register on {config.kubelet_socket}: {exc.code().name}: {exc.details()}"
+                return f"{where}: {exc.code().name}: {exc.details()}"
+            except TimeoutError:
+                return f"{where}: no answer within {self.register_timeout} s"
         log.info(
             "registered with kubelet",
             resource=config.resource_name,
@@ -551,6 +710,19 @@ class DevicePluginServer:
             devices=config.device_count,
         )
         return None
+
+
+async def _listen(server: grpc.aio.Server, path: str) -> None:
+    """Bind `server` to a fresh unix socket at `path`, mode 0600, and start it."""
+    _remove_stale_socket(path)
+    # Bind with a umask that leaves the socket 0600 from its first instant, then say so again.
+    umask = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix:{path}")
+    finally:
+        os.umask(umask)
+    os.chmod(path, 0o600)
+    await server.start()
 
 
 def _remove_stale_socket(path: str) -> None:

@@ -55,6 +55,7 @@ from cgroups.files import CFS_QUOTA_US, CPU_MAX, write_value
 from cgroups.quota import MIN_CFS_QUOTA_US, format_cfs_quota_us, format_cpu_max
 from nri_plugin.daemon.config import Config
 from nri_plugin.daemon.logs import EVENT_NAME
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.mixedcpu.policy import (
     MARKER_ANNOTATION,
@@ -146,7 +147,7 @@ class MixedCpuPlugin:
     @classmethod
     def from_config(cls, config: Config, layout: CgroupLayout) -> MixedCpuPlugin:
         """The plugin as `config` describes it. Raises `HostKeyError` for an unusable marker key."""
-        key = HostKey.load_or_create(config.state_dir) if config.trust_device_plugin_marker else None
+        key = load_or_create_host_key(config.state_dir) if config.trust_device_plugin_marker else None
         return cls(
             shared=config.shared_cpuset,
             layout=layout,

@@ -10,6 +10,7 @@ import pytest_asyncio
 from fake_kubelet import FakeKubelet
 
 from nri_plugin.deviceplugin.config import DevicePluginConfig
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.deviceplugin.server import DevicePluginServer
 
@@ -24,7 +25,7 @@ def plugin_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def key(tmp_path: Path) -> HostKey:
-    return HostKey.load_or_create(tmp_path / "state")
+    return load_or_create_host_key(tmp_path / "state")
 
 
 @pytest.fixture

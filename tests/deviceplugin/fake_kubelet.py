@@ -6,7 +6,7 @@ It does what kubelet's device manager does, in the same order:
   serve ``v1beta1.Registration`` on ``kubelet.sock``;
 * ``Register``: check the version and the resource name, dial the plugin's endpoint in the same
   directory, drop an earlier connection for the same resource, ask ``GetDevicePluginOptions``, answer,
-  then keep a ``ListAndWatch`` stream open in the background;
+  then keep a ``ListAndWatch`` stream open in the background (or, told to ``hang``, never answer);
 * ``allocate()``: call ``Allocate`` on the connected plugin, as kubelet does at container admission;
 * ``stop()``: go away (streams end, ``kubelet.sock`` is removed as Go's listener does on close).
 """
@@ -51,11 +51,19 @@ class PluginClient:
 
 
 class FakeKubelet(api_grpc.RegistrationServicer):
-    def __init__(self, plugin_dir: Path, *, reject: str | None = None, drop_streams: bool = False) -> None:
+    def __init__(
+        self,
+        plugin_dir: Path,
+        *,
+        reject: str | None = None,
+        drop_streams: bool = False,
+        hang: bool = False,
+    ) -> None:
         self.plugin_dir = plugin_dir
         self.socket_path = plugin_dir / KUBELET_SOCKET
         self.reject = reject  # answer Register with this error instead of accepting
         self.drop_streams = drop_streams  # end each ListAndWatch after its first message
+        self.hang = hang  # never answer Register (a wedged kubelet); the call ends when the caller gives up
         self.registrations: list[api.RegisterRequest] = []
         self.attempts = 0
         self.clients: dict[str, PluginClient] = {}
@@ -85,6 +93,8 @@ class FakeKubelet(api_grpc.RegistrationServicer):
 
     async def Register(self, request: api.RegisterRequest, context: Any) -> api.Empty:
         self.attempts += 1
+        if self.hang:
+            await asyncio.Event().wait()
         if self.reject is not None:
             await context.abort(grpc.StatusCode.UNKNOWN, self.reject)
         if request.version != "v1beta1":

@@ -24,6 +24,7 @@ from mixedcpu_support import (
 )
 from probe_support import GUARD, Reply, daemon_with_probes, get, scrape, value
 
+from nri_plugin.common.backoff import Backoff
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import ProbeServer, readiness
 from nri_plugin.daemon.wiring import bind_gauges
@@ -69,7 +70,7 @@ async def daemon_in_process(
     socket_path = root / "nri.sock"
     sim = RuntimeSimulator(socket_path)
     device_plugin = DevicePluginServer(
-        config, key, check_interval=0.02, backoff_initial=0.01, backoff_max=0.05, observer=metrics
+        config, key, check_interval=0.02, backoff=Backoff(0.01, 0.05), observer=metrics
     )
     try:
         async with plugin_running(plugin, socket_path, reconnect=True, observer=metrics) as stub:

@@ -9,19 +9,33 @@ import logging
 import os
 import socket
 import stat
+import subprocess
+import sys
+import textwrap
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
 import pytest
+from deviceplugin_time import EPSILON, advance, exact_backoff
 from fake_kubelet import FakeKubelet, remove_sockets
 
 from api.deviceplugin.v1beta1 import api_pb2 as api
 from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
+from nri_plugin.common.clock import ManualClock
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.deviceplugin.server import AllocationError, DevicePluginServer, allocate, device_ids
+from nri_plugin.deviceplugin.registration import RegistrationState
+from nri_plugin.deviceplugin.server import (
+    CHECK_INTERVAL,
+    GRPC_CORE_LOGGER,
+    AllocationError,
+    DevicePluginServer,
+    allocate,
+    device_ids,
+    install_grpc_log_filter,
+)
 
 RESOURCE = "workload.openshift.io/enable-shared-cpus"
 T = TypeVar("T")
@@ -254,12 +268,18 @@ async def test_stream_ended_by_kubelet_reregisters(kubelet: FakeKubelet, plugin:
 
 @pytest.mark.asyncio
 async def test_kubelet_absent_at_start(plugin_dir: Path, config: DevicePluginConfig, key: HostKey) -> None:
-    async with DevicePluginServer(config, key) as plugin:
-        await asyncio.sleep(0.5)  # a few check intervals with no kubelet
+    clock = ManualClock()
+    async with DevicePluginServer(config, key, clock=clock) as plugin:
+        await advance(plugin, clock, 0.5)  # a few check intervals with no kubelet
         assert not plugin.registered
+        assert plugin.state is RegistrationState.WAITING_FOR_KUBELET
         assert not exists(config.socket_path), "no socket before kubelet is there"
         kubelet = await FakeKubelet(plugin_dir).start()
         try:
+            # The check at 0.6 s finds kubelet.sock; not one before it looks.
+            await advance(plugin, clock, 0.1 - EPSILON)
+            assert kubelet.attempts == 0
+            await clock.advance(2 * EPSILON)
             await asyncio.wait_for(kubelet.registered.wait(), REREGISTER_WITHIN)
             await within(plugin.wait_registered())
             await within(kubelet.wait_lists(RESOURCE, 1))
@@ -275,12 +295,19 @@ async def test_stale_kubelet_socket_then_kubelet_starts(
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(plugin_dir / "kubelet.sock"))
     stale.close()
-    async with DevicePluginServer(config, key) as plugin:
-        await asyncio.sleep(1.0)  # several refused attempts; the backoff grows
+    clock = ManualClock()
+    async with DevicePluginServer(config, key, clock=clock, backoff=exact_backoff()) as plugin:
+        await advance(plugin, clock, 1.0)  # several refused attempts; the backoff grows
         assert not plugin.registered
+        # Refused at 0, 0.1, 0.3 and 0.7 s; the next try is due at 1.5 s.
+        assert plugin.failures == 4
+        assert plugin.state is RegistrationState.BACKING_OFF
         kubelet = await FakeKubelet(plugin_dir).start()  # deletes the stale socket, listens anew
         try:
+            # The backoff's next socket check (at 1.1 s) sees the new kubelet.sock: no waiting for 1.5 s.
+            await clock.advance(CHECK_INTERVAL)
             await asyncio.wait_for(kubelet.registered.wait(), REREGISTER_WITHIN)
+            assert clock.monotonic() < 1.5
         finally:
             await kubelet.stop()
 
@@ -290,11 +317,15 @@ async def test_rejected_registration_is_retried(
     plugin_dir: Path, config: DevicePluginConfig, key: HostKey
 ) -> None:
     kubelet = await FakeKubelet(plugin_dir, reject="not today").start()
+    clock = ManualClock()
     try:
-        async with DevicePluginServer(config, key) as plugin:
+        async with DevicePluginServer(config, key, clock=clock, backoff=exact_backoff()) as plugin:
+            await advance(plugin, clock, 0.1 + EPSILON)  # refused at 0 and 0.1 s
             await eventually(lambda: kubelet.attempts >= 2)
+            assert kubelet.attempts == 2
             assert not plugin.registered
             kubelet.reject = None
+            await advance(plugin, clock, 0.2)  # the third try, at 0.3 s
             await within(kubelet.registered.wait())
             await within(plugin.wait_registered())
     finally:
@@ -307,12 +338,19 @@ async def test_kubelet_dropping_us_at_once_is_retried_with_backoff(
 ) -> None:
     """A kubelet that takes each registration and drops its stream at once must not get a tight loop."""
     kubelet = await FakeKubelet(plugin_dir, drop_streams=True).start()
+    clock = ManualClock()
+    dropped = {RegistrationState.BACKING_OFF}  # the state each registration ends in
     try:
-        async with DevicePluginServer(config, key):
-            await asyncio.sleep(1.5)
-            # Backoff 0.1 s doubling (jittered down to half): a handful of attempts in 1.5 s. Without
-            # backoff this would be hundreds; with it, fewer than 20 however slow the machine.
+        async with DevicePluginServer(config, key, clock=clock, backoff=exact_backoff()) as plugin:
+            await advance(plugin, clock, 1.5 - EPSILON, dropped)
+            # Backoff 0.1 s doubling: registered at 0, 0.1, 0.3 and 0.7 s, each lost at once (so
+            # counted as failed); the fifth try is due at 1.5 s, not before. Without backoff this
+            # would be a tight loop.
             assert 2 <= len(kubelet.registrations) < 20
+            assert len(kubelet.registrations) == 4
+            assert plugin.failures == 4
+            await advance(plugin, clock, 2 * EPSILON, dropped)
+            assert len(kubelet.registrations) == 5
     finally:
         await kubelet.stop()
 
@@ -371,11 +409,14 @@ async def test_a_regular_file_in_the_way_is_not_removed(
     path = str(config.socket_path)
     with open(path, "w") as file:  # noqa: ASYNC230 - test setup, before anything runs
         file.write("not ours")
-    async with DevicePluginServer(config, key) as plugin:
-        await asyncio.sleep(0.5)
+    clock = ManualClock()
+    async with DevicePluginServer(config, key, clock=clock, backoff=exact_backoff()) as plugin:
+        await advance(plugin, clock, 0.5)
         assert not plugin.registered
+        assert plugin.failures == 3  # at 0, 0.1 and 0.3 s; the next try is due at 0.7 s
         assert stat.S_ISREG(os.lstat(path).st_mode), "a file that is not a socket must be left alone"
         os.unlink(path)  # the operator clears it up; the next attempt succeeds
+        await advance(plugin, clock, 0.2 + EPSILON)
         await within(kubelet.registered.wait())
 
 
@@ -404,6 +445,7 @@ async def test_grpc_method_paths_are_kubelets(kubelet: FakeKubelet, plugin: Devi
 
 def test_grpc_report_of_a_cancelled_rpc_is_dropped_and_other_errors_kept() -> None:
     """A clean shutdown may cancel an RPC that kubelet opened meanwhile; grpc's traceback for it is noise."""
+    install_grpc_log_filter()
     grpc_log = logging.getLogger("grpc._cython.cygrpc")
 
     def record(exc: BaseException) -> logging.LogRecord:
@@ -413,3 +455,49 @@ def test_grpc_report_of_a_cancelled_rpc_is_dropped_and_other_errors_kept() -> No
 
     assert not grpc_log.filter(record(asyncio.CancelledError()))
     assert grpc_log.filter(record(RuntimeError("a real handler error")))
+
+
+def test_importing_the_server_leaves_grpc_logging_alone() -> None:
+    """Only a starting server touches grpc's loggers; importing the module (a tool, a test) does not."""
+    probe = textwrap.dedent(
+        """
+        import logging
+        import grpc
+
+        def filters():
+            names = [n for n in logging.root.manager.loggerDict if n.startswith("grpc")]
+            return {n: list(logging.getLogger(n).filters) for n in [*names, "grpc._cython.cygrpc"]}
+
+        before = filters()
+        import nri_plugin.deviceplugin.server
+        after = filters()  # grpc modules loaded meanwhile made their own loggers: no filter on any
+        assert {n: after[n] for n in before} == before, (before, after)
+        assert not any(after.values()), after
+        """
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+def test_installing_the_grpc_filter_twice_installs_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    grpc_log = logging.getLogger(GRPC_CORE_LOGGER)
+    monkeypatch.setattr(grpc_log, "filters", [])
+    install_grpc_log_filter()
+    install_grpc_log_filter()
+    assert len(grpc_log.filters) == 1
+
+
+@pytest.mark.asyncio
+async def test_start_installs_the_grpc_filter(
+    monkeypatch: pytest.MonkeyPatch, config: DevicePluginConfig, key: HostKey
+) -> None:
+    grpc_log = logging.getLogger(GRPC_CORE_LOGGER)
+    monkeypatch.setattr(grpc_log, "filters", [])
+    plugin = DevicePluginServer(config, key, clock=ManualClock())
+    assert grpc_log.filters == []
+    async with plugin:
+        assert len(grpc_log.filters) == 1
+        cancelled = asyncio.CancelledError()
+        record = grpc_log.makeRecord(
+            grpc_log.name, logging.ERROR, __file__, 0, "rpc failed", (), (type(cancelled), cancelled, None)
+        )
+        assert not grpc_log.filter(record)

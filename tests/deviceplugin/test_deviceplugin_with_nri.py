@@ -34,6 +34,7 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.nri.simulator import CreateResult, RuntimeSimulator, env_of
 
@@ -72,7 +73,7 @@ class Node:
     @property
     def key(self) -> HostKey:
         """The node's marker key, as the daemon created it at start in its state dir."""
-        return HostKey.load_or_create(self.root / "state")
+        return load_or_create_host_key(self.root / "state")
 
     def pod(self, uid: str, name: str) -> api.PodSandbox:
         """A Guaranteed pod (cgroupfs naming) with 2 CPUs of quota in the fake tree."""

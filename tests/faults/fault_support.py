@@ -43,6 +43,7 @@ from cgroups import (
     write_cpu_quota,
     write_cpuset,
 )
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.state import Books
@@ -577,7 +578,7 @@ def make_node(
         tree = Tree.fake(root / "cgroup", tree)
     state, socket = root / "state", root / "nri.sock"
     runtime = Runtime(socket, tree, **options)
-    population = Population(runtime, tree, HostKey.load_or_create(state), shared)
+    population = Population(runtime, tree, load_or_create_host_key(state), shared)
     return Node(root, population, state, socket)
 
 
