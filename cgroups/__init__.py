@@ -53,7 +53,7 @@ from cgroups.paths import (
     parse_cgroupfs_path,
     pod_cgroup_path,
 )
-from cgroups.quota import CpuQuota, format_cpu_max, parse_cpu_max
+from cgroups.quota import MIN_CFS_QUOTA_US, CpuQuota, format_cpu_max, parse_cpu_max
 
 parse_cpuset = cpuset.parse
 format_cpuset = cpuset.format
@@ -61,6 +61,7 @@ format_cpuset = cpuset.format
 __all__ = [
     "MAX_CPU",
     "MAX_CPUS",
+    "MIN_CFS_QUOTA_US",
     "Cgroup",
     "CgroupDir",
     "CgroupError",

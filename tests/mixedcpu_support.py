@@ -24,9 +24,10 @@ from cgroups import (
     read_cpu_quota,
     write_cpu_quota,
 )
+from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
 
 PERIOD = 100_000
@@ -148,7 +149,7 @@ def make_container(
     period: int | None = PERIOD,
     env: tuple[str, ...] = (),
     annotations: dict[str, str] | None = None,
-    state: int = api.CONTAINER_UNKNOWN,
+    state: api.ContainerState.ValueType = api.CONTAINER_UNKNOWN,
 ) -> api.Container:
     container = api.Container(
         id=cid,
@@ -181,6 +182,7 @@ def make_plugin(
     *,
     trust_pod_annotation: bool = False,
     trust_marker: bool = True,
+    clock: Clock = LOOP_CLOCK,
 ) -> tuple[MixedCpuPlugin, HostKey]:
     key = HostKey.load_or_create(state_dir)
     plugin = MixedCpuPlugin(
@@ -189,6 +191,7 @@ def make_plugin(
         store=StateStore(state_dir, fsync=False),
         marker_key=key if trust_marker else None,
         trust_pod_annotation=trust_pod_annotation,
+        clock=clock,
     )
     return plugin, key
 

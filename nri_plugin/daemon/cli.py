@@ -16,11 +16,13 @@ from nri_plugin import __version__
 from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH
 from nri_plugin.daemon.logs import LEVELS, configure_logging, debug_toggle_on_sigusr1
 
-__all__ = ["main"]
+__all__ = ["build_plugin", "load_marker_key", "main"]
 
 if TYPE_CHECKING:
+    from cgroups import CgroupLayout
     from nri_plugin.daemon.config import Config
     from nri_plugin.deviceplugin.marker import HostKey
+    from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
     from nri_plugin.nri.stub import Stub
 
 
@@ -203,11 +205,31 @@ def _dispatch(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(sys.stdout, runtime_name=args.runtime, runtime_version=version))
 
 
+def load_marker_key(config: Config) -> HostKey | None:
+    """The node's marker key when the config trusts the device-plugin marker. Raises `HostKeyError`."""
+    from nri_plugin.deviceplugin.marker import HostKey
+
+    return HostKey.load_or_create(config.state_dir) if config.trust_device_plugin_marker else None
+
+
+def build_plugin(config: Config, layout: CgroupLayout, marker_key: HostKey | None) -> MixedCpuPlugin:
+    """The mixed-CPU plugin as `config` describes it (`MixedCpuPlugin.from_config` until now)."""
+    from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+    from nri_plugin.mixedcpu.store import StateStore
+
+    return MixedCpuPlugin(
+        shared=config.shared_cpuset,
+        layout=layout,
+        store=StateStore(config.state_dir),
+        marker_key=marker_key,
+        trust_pod_annotation=config.trust_pod_annotation,
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     """Load and check the config (exit 2 with one line when it is wrong), then serve until signalled."""
     from nri_plugin.daemon.config import ConfigError, build_layout, load_config
     from nri_plugin.deviceplugin.marker import HostKeyError
-    from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
     from nri_plugin.nri.stub import Stub, StubError
 
     try:
@@ -216,7 +238,8 @@ def _run(args: argparse.Namespace) -> int:
         configure_logging(args.log_level or config.log_level, config.log_format, cache_loggers=True)
         layout = build_layout(config)
         try:
-            plugin = MixedCpuPlugin.from_config(config, layout)
+            key = load_marker_key(config)
+            plugin = build_plugin(config, layout, key)
         except (HostKeyError, OSError) as exc:
             raise ConfigError(
                 f"{config.source}: state_dir: {exc}; point state_dir at a directory only root can write"
@@ -253,7 +276,7 @@ def _run(args: argparse.Namespace) -> int:
             if on
         ],
     )
-    return asyncio.run(_serve_toggling_debug(stub, config, plugin.marker_key))
+    return asyncio.run(_serve_toggling_debug(stub, config, key))
 
 
 async def _serve_toggling_debug(stub: Stub, config: Config, key: HostKey | None) -> int:

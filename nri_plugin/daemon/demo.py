@@ -23,9 +23,9 @@ from typing import TextIO
 
 from api.nri import api_pb2 as api
 from cgroups import CgroupDir, CgroupLayout, pod_cgroup_path, read_cpu_quota
+from nri_plugin.daemon.cli import build_plugin, load_marker_key
 from nri_plugin.daemon.config import build_layout, load_config
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri.events import events_in
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.nri.stub import Stub
@@ -147,7 +147,7 @@ async def _scenario(sim: RuntimeSimulator, node: _Node, naming: Naming, out: Tex
 
     config = load_config(node.config_path)
     layout = build_layout(config)
-    plugin = MixedCpuPlugin.from_config(config, layout)
+    plugin = build_plugin(config, layout, load_marker_key(config))
     # The device plugin's half: Allocate answers with a marker signed by the node's key.
     key = HostKey.load_or_create(config.state_dir)
 
