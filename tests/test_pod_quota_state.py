@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -31,7 +32,7 @@ from nri_plugin.common.clock import ManualClock
 from nri_plugin.mixedcpu import store as state_file
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
 from nri_plugin.mixedcpu.quota import rebase
-from nri_plugin.mixedcpu.store import FLUSH_DELAY, STATE_FILE_NAME, StateStore, books_to_json
+from nri_plugin.mixedcpu.store import FLUSH_DELAY, STATE_FILE_NAME, Bookkeeper, StateStore, books_to_json
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 
@@ -187,6 +188,143 @@ def test_a_save_encodes_only_the_pods_that_changed(tmp_path: Path, monkeypatch: 
     assert sorted(encoded) == ["/kubepods/pod7", "/kubepods/pod9", "/kubepods/podnew"]
     monkeypatch.setattr(state_file, "pod_to_json", to_json)
     assert (tmp_path / STATE_FILE_NAME).read_bytes() == _full(books)
+
+
+def _full_record() -> PodRecord:
+    return PodRecord(
+        "/kubepods/podp",
+        300_000,
+        PERIOD,
+        "pod-resources",
+        Containers({"fwd": ContainerRecord("c1", 2, "4-5", "shared-cpus-0")}),
+    )
+
+
+def test_records_cannot_change_in_place() -> None:
+    """The state file reuses a pod's text while the books hold the same record object: that is only
+    right because nothing can change a record in place."""
+    pod = _full_record()
+    for name in (f.name for f in dataclasses.fields(PodRecord)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(pod, name, getattr(pod, name))
+    with pytest.raises(TypeError):
+        pod.containers["log"] = ContainerRecord("c2", 1)  # type: ignore[index]
+    with pytest.raises(TypeError):
+        del pod.containers["fwd"]  # type: ignore[attr-defined]
+    for method in (
+        "pop",
+        "popitem",
+        "clear",
+        "update",
+        "setdefault",
+        "__ior__",
+        "__setitem__",
+        "__delitem__",
+    ):
+        assert not hasattr(pod.containers, method), method
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pod.containers["fwd"].shared_cpus = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        pod.containers._extra = {}  # type: ignore[attr-defined]  # no __dict__ to hang state on
+    # Every field holds an immutable value: a field of a mutable type (list, dict) would not hash.
+    assert hash(pod) == hash(_full_record())
+
+
+def test_a_record_made_from_a_dict_does_not_share_it() -> None:
+    given = {"fwd": ContainerRecord("c1", 2)}
+    pod = PodRecord("/kubepods/podp", 300_000, PERIOD, containers=given)  # type: ignore[arg-type]
+    assert isinstance(pod.containers, Containers)
+    given["log"] = ContainerRecord("c2", 1)
+    assert list(pod.containers) == ["fwd"]
+    assert pod.containers == {"fwd": ContainerRecord("c1", 2)}
+
+
+def test_changes_make_new_records() -> None:
+    pod = _full_record()
+    held = pod.holding("log", ContainerRecord("c2", 1))
+    assert list(held.containers) == ["fwd", "log"]
+    assert list(pod.containers) == ["fwd"]
+    assert held.without("fwd").containers == {"log": ContainerRecord("c2", 1)}
+    assert held.containers == {**pod.containers, "log": ContainerRecord("c2", 1)}
+    assert rebase(pod, CpuQuota(500_000, PERIOD)) is pod  # nothing to change: the same record
+    assert rebase(pod, CpuQuota(500_000, 50_000)) == replace(pod, baseline=150_000, period=50_000)
+
+
+def test_an_equal_new_record_is_encoded_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = StateStore(tmp_path, fsync=False)
+    books = Books({"p": _full_record()})
+    store.save(books)
+    encoded: list[PodRecord] = []
+    to_json = state_file.pod_to_json
+
+    def counting(pod: PodRecord) -> dict[str, object]:
+        encoded.append(pod)
+        return to_json(pod)
+
+    monkeypatch.setattr(state_file, "pod_to_json", counting)
+    store.save(books)
+    assert encoded == []
+    books.pods["p"] = replace(books.pods["p"])
+    store.save(books)
+    assert encoded == [books.pods["p"]]
+    books.pods["q"] = books.pods.pop("p")  # the same record under another key
+    store.save(books)
+    assert len(encoded) == 2
+    monkeypatch.setattr(state_file, "pod_to_json", to_json)
+    assert (tmp_path / STATE_FILE_NAME).read_bytes() == _full(books)
+
+
+# -- when the books are written ---------------------------------------------------------------------------
+
+
+def _slot_change(books: Books, step: int) -> None:
+    """A change Synchronize could rebuild: another container holds a slot of a known pod."""
+    books.hold(Slot("pod-a", "fwd"), ContainerRecord(f"fwd-{step}", 2, "4-5", "shared-cpus-0"))
+
+
+@pytest.mark.asyncio
+async def test_a_slot_change_waits_for_the_deferred_write(tmp_path: Path) -> None:
+    clock = ManualClock()
+    store = StateStore(tmp_path, fsync=False)
+    keeper = Bookkeeper(store, _books(), clock=clock)
+    keeper.commit()  # nothing saved yet, but nothing Synchronize cannot rebuild changed either
+    assert keeper.flush_pending
+    await clock.advance(FLUSH_DELAY)
+    assert store.load() == keeper.books
+    assert not keeper.flush_pending
+    _slot_change(keeper.books, 2)
+    keeper.commit()
+    _slot_change(keeper.books, 3)
+    keeper.commit()  # one write for both
+    assert clock.pending == 1
+    assert store.load().pods["pod-a"].containers["fwd"].id == "fwd-1"
+    await clock.advance(FLUSH_DELAY)
+    assert store.load().pods["pod-a"].containers["fwd"].id == "fwd-3"
+    keeper.books.pods["pod-a"] = replace(keeper.books.pods["pod-a"], baseline=400_000)
+    keeper.commit()  # a baseline: at once
+    assert store.load().pods["pod-a"].baseline == 400_000
+    assert not keeper.flush_pending
+
+
+def test_without_a_running_loop_a_slot_change_is_written_at_once(tmp_path: Path) -> None:
+    store = StateStore(tmp_path, fsync=False)
+    keeper = Bookkeeper(store, _books())  # the loop's clock, and no loop running
+    keeper.flush(force=True)
+    _slot_change(keeper.books, 2)
+    keeper.commit()
+    assert not keeper.flush_pending
+    assert store.load().pods["pod-a"].containers["fwd"].id == "fwd-2"
+
+
+def test_a_failed_deferred_write_is_logged(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "file", fsync=False)
+    (tmp_path / "file").write_text("")  # the state dir is a file: every save fails
+    keeper = Bookkeeper(store, _books())
+    with pytest.raises(FileExistsError):
+        keeper.commit()
+    with structlog.testing.capture_logs() as logs:
+        keeper.save_quietly()
+    assert [e["event"] for e in logs] == ["cannot save the plugin's state"]
 
 
 def _mutate(books: Books, rng: random.Random, step: int) -> None:
