@@ -36,22 +36,19 @@ def patch(names: set[str]) -> None:
 
         selector_events._SelectorSocketTransport.max_size = 64 * 1024  # type: ignore[attr-defined]
     if "podcache" in names:
-        from api.nri import api_pb2 as api
-        from nri_plugin.mixedcpu import plugin as mixedcpu
+        from nri_plugin.mixedcpu import quota
 
-        original = mixedcpu.MixedCpuPlugin._pod_dir
+        original = quota.PodQuotas.pod_dir
 
         @functools.lru_cache(maxsize=4096)
-        def lookup(plugin: mixedcpu.MixedCpuPlugin, parent: str) -> object:
-            pod = api.PodSandbox()
-            pod.linux.cgroup_parent = parent
-            return original(plugin, pod)
+        def lookup(quotas: quota.PodQuotas, parent: str) -> object:
+            return original(quotas, parent)
 
-        mixedcpu.MixedCpuPlugin._pod_dir = lambda self, pod: lookup(self, pod.linux.cgroup_parent)  # type: ignore[method-assign,assignment,return-value]
+        quota.PodQuotas.pod_dir = lambda self, parent: lookup(self, parent)  # type: ignore[method-assign,assignment,return-value]
     if "plainread" in names:
         from cgroups import CpuQuota
         from cgroups.quota import parse_cfs_period_us, parse_cfs_quota_us
-        from nri_plugin.mixedcpu import plugin as mixedcpu
+        from nri_plugin.mixedcpu import quota as reconciler
 
         def read_text(path: str) -> str:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -67,7 +64,7 @@ def patch(names: set[str]) -> None:
                 parse_cfs_period_us(read_text(os.path.join(base, "cpu.cfs_period_us"))),
             )
 
-        mixedcpu.read_cpu_quota = read_cpu_quota  # type: ignore[attr-defined]
+        reconciler.read_cpu_quota = read_cpu_quota  # type: ignore[attr-defined]
     if "fastcheck" in names:
         import re
 

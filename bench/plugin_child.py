@@ -22,7 +22,7 @@ import structlog
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
 
 SHARED_CPUS = frozenset({0, 1})

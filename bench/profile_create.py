@@ -53,9 +53,12 @@ _FILE_LAYERS = (
     ("/nri_plugin/ttrpc/", "ttrpc"),
     ("/nri_plugin/nri/mux.py", "mux"),
     ("/nri_plugin/nri/stub.py", "stub"),
-    ("/nri_plugin/mixedcpu/plugin.py", "plugin (mixedcpu.py)"),
+    ("/nri_plugin/mixedcpu/plugin.py", "plugin (handlers)"),
     ("/nri_plugin/mixedcpu/policy.py", "policy"),
-    ("/nri_plugin/mixedcpu/state.py", "state (books)"),
+    ("/nri_plugin/mixedcpu/quota.py", "pod quotas (reconciler)"),
+    ("/nri_plugin/mixedcpu/resync.py", "resync (Synchronize's books)"),
+    ("/nri_plugin/mixedcpu/books.py", "books"),
+    ("/nri_plugin/mixedcpu/store.py", "store (state file)"),
     ("/nri_plugin/nri/simulator.py", "simulator"),
     ("/nri_plugin/nri/events.py", "events"),
     ("/cgroups/", "cgroups (paths, files)"),
@@ -225,7 +228,7 @@ def steps() -> None:
     ]
     with tempfile.TemporaryDirectory(prefix="nri-profile-") as tmp:
         plugin = bench_plugin(*fake_node(Path(tmp), 1))
-        pod_dir = plugin._pod_dir(pod)
+        pod_dir = plugin.quotas.pod_dir(pod.linux.cgroup_parent)
         quota_file = os.path.join(pod_dir.fs_path, "cpu.cfs_quota_us")
         period_file = os.path.join(pod_dir.fs_path, "cpu.cfs_period_us")
 
@@ -237,8 +240,8 @@ def steps() -> None:
 
         rows += [
             (
-                "pod cgroup lookup (`_pod_dir`: parse and check cgroup_parent)",
-                per_call(lambda: plugin._pod_dir(pod)),
+                "pod cgroup lookup (`PodQuotas.pod_dir`: parse and check cgroup_parent)",
+                per_call(lambda: plugin.quotas.pod_dir(pod.linux.cgroup_parent)),
             ),
             (
                 "`read_cpu_quota` (2 files, each opened component by component)",

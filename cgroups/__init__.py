@@ -35,6 +35,7 @@ from cgroups.files import (
     read_cpuset,
     read_effective_cpuset,
     read_value,
+    restore_cpu_quota,
     write_cpu_quota,
     write_cpuset,
     write_parent_child_quota,
@@ -52,7 +53,7 @@ from cgroups.paths import (
     parse_cgroupfs_path,
     pod_cgroup_path,
 )
-from cgroups.quota import CpuQuota, format_cpu_max, parse_cpu_max
+from cgroups.quota import MIN_CFS_QUOTA_US, CpuQuota, format_cpu_max, parse_cpu_max
 
 parse_cpuset = cpuset.parse
 format_cpuset = cpuset.format
@@ -60,6 +61,7 @@ format_cpuset = cpuset.format
 __all__ = [
     "MAX_CPU",
     "MAX_CPUS",
+    "MIN_CFS_QUOTA_US",
     "Cgroup",
     "CgroupDir",
     "CgroupError",
@@ -97,6 +99,7 @@ __all__ = [
     "read_effective_cpuset",
     "read_layout",
     "read_value",
+    "restore_cpu_quota",
     "write_cpu_quota",
     "write_cpuset",
     "write_parent_child_quota",

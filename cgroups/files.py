@@ -59,6 +59,7 @@ __all__ = [
     "read_cpuset",
     "read_effective_cpuset",
     "read_value",
+    "restore_cpu_quota",
     "write_cpu_quota",
     "write_cpuset",
     "write_parent_child_quota",
@@ -425,6 +426,23 @@ def write_cpu_quota(cgroup: Cgroup, quota: int | None, *, current: CpuQuota | No
     new = (current if current is not None else read_cpu_quota(cgroup)).with_quota(quota)
     _write_quota(cgroup, new)
     return new
+
+
+def restore_cpu_quota(cgroup: Cgroup, quota: CpuQuota) -> None:
+    """Write back a whole limit, period included, as `read_cpu_quota` returned it (to undo a step).
+
+    v2 writes ``"QUOTA PERIOD"`` to ``cpu.max``. v1 writes ``cpu.cfs_period_us`` first when the
+    cgroup's period differs (someone else changed it meanwhile), then ``cpu.cfs_quota_us``. Unlike
+    `write_cpu_quota`, this reads nothing on v2: a cgroup whose limit cannot even be read (a write
+    cut short) can still be put back.
+    """
+    if cgroup.version == 2:
+        write_value(cgroup, CPU_MAX, format_cpu_max(quota))
+        return
+    with _held(cgroup) as held:  # one walk for the period and the quota
+        if _parsed(held, CFS_PERIOD_US, parse_cfs_period_us) != quota.period:
+            write_value(held, CFS_PERIOD_US, str(quota.period))
+        write_value(held, CFS_QUOTA_US, format_cfs_quota_us(quota.quota))
 
 
 def write_parent_child_quota(

@@ -73,7 +73,7 @@ from nri_plugin.daemon.config import ConfigError, load_config  # noqa: E402
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key  # noqa: E402
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey  # noqa: E402
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin  # noqa: E402
-from nri_plugin.mixedcpu.state import StateStore  # noqa: E402
+from nri_plugin.mixedcpu.store import StateStore  # noqa: E402
 from nri_plugin.nri.mux import MAX_PAYLOAD  # noqa: E402
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub  # noqa: E402
 from nri_plugin.ttrpc import Server  # noqa: E402
@@ -630,8 +630,7 @@ async def run(args: argparse.Namespace) -> int:
                     break
     finally:
         fuzzer.plugin.flush()
-        for handle in list(fuzzer.plugin._retries.values()):
-            handle.cancel()
+        fuzzer.plugin.quotas.cancel_retries()
     elapsed = time.monotonic() - start
     total = sum(fuzzer.counts.values())
     crashes = sum(fuzzer.crashes.values()) + len(loop_errors)

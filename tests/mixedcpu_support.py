@@ -24,10 +24,12 @@ from cgroups import (
     read_cpu_quota,
     write_cpu_quota,
 )
+from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.mixedcpu.plugin import CgroupObserver, MixedCpuPlugin
-from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.quota import CgroupObserver
+from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
 
 PERIOD = 100_000
@@ -149,7 +151,7 @@ def make_container(
     period: int | None = PERIOD,
     env: tuple[str, ...] = (),
     annotations: dict[str, str] | None = None,
-    state: int = api.CONTAINER_UNKNOWN,
+    state: api.ContainerState.ValueType = api.CONTAINER_UNKNOWN,
 ) -> api.Container:
     container = api.Container(
         id=cid,
@@ -183,6 +185,7 @@ def make_plugin(
     trust_pod_annotation: bool = False,
     trust_marker: bool = True,
     observer: CgroupObserver | None = None,
+    clock: Clock = LOOP_CLOCK,
 ) -> tuple[MixedCpuPlugin, HostKey]:
     key = load_or_create_host_key(state_dir)
     plugin = MixedCpuPlugin(
@@ -192,6 +195,7 @@ def make_plugin(
         marker_key=key if trust_marker else None,
         trust_pod_annotation=trust_pod_annotation,
         observer=observer,
+        clock=clock,
     )
     return plugin, key
 

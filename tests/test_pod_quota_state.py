@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,15 +27,12 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin.mixedcpu.state import (
-    STATE_FILE_NAME,
-    Books,
-    ContainerRecord,
-    Containers,
-    PodRecord,
-    Slot,
-    StateStore,
-)
+from cgroups import CpuQuota
+from nri_plugin.common.clock import ManualClock
+from nri_plugin.mixedcpu import store as state_file
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
+from nri_plugin.mixedcpu.quota import rebase
+from nri_plugin.mixedcpu.store import FLUSH_DELAY, STATE_FILE_NAME, Bookkeeper, StateStore, books_to_json
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 
@@ -49,7 +48,7 @@ def test_target_is_baseline_plus_contributions() -> None:
     books = _books()
     assert books.pods["pod-a"].contribution == 400_000
     assert books.pods["pod-a"].target() == 700_000
-    books.pods["pod-a"].baseline = None
+    books.pods["pod-a"] = replace(books.pods["pod-a"], baseline=None)
     assert books.pods["pod-a"].target() is None  # unlimited stays unlimited
 
 
@@ -153,13 +152,13 @@ def test_failed_save_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest
 
 def _full(books: Books) -> bytes:
     """The whole file, encoded from scratch (no cached pod text), as `StateStore.save` used to."""
-    return json.dumps(books.to_json(), separators=(",", ":"), sort_keys=True).encode() + b"\n"
+    return json.dumps(books_to_json(books), separators=(",", ":"), sort_keys=True).encode() + b"\n"
 
 
 def test_files_without_devices_load_compact_or_indented(tmp_path: Path) -> None:
     store = StateStore(tmp_path)
     books = _books()
-    data = books.to_json()
+    data = books_to_json(books)
     del data["devices"]  # a file from before the bindings: the live slots' devices are bound
     for text in (json.dumps(data, separators=(",", ":"), sort_keys=True), json.dumps(data, indent=2)):
         (tmp_path / STATE_FILE_NAME).write_text(text + "\n")
@@ -173,26 +172,164 @@ def test_a_save_encodes_only_the_pods_that_changed(tmp_path: Path, monkeypatch: 
     books = Books({f"pod-{i}": PodRecord(f"/kubepods/pod{i}", 100_000, PERIOD) for i in range(50)})
     store.save(books)
     encoded: list[str] = []
-    to_json = PodRecord.to_json
+    to_json = state_file.pod_to_json
 
-    def counting(self: PodRecord) -> dict[str, object]:
-        encoded.append(self.cgroup_parent)
-        return to_json(self)
+    def counting(pod: PodRecord) -> dict[str, object]:
+        encoded.append(pod.cgroup_parent)
+        return to_json(pod)
 
-    monkeypatch.setattr(PodRecord, "to_json", counting)
+    monkeypatch.setattr(state_file, "pod_to_json", counting)
     store.save(books)
     assert encoded == []  # nothing changed: every pod's text reused
     books.hold(Slot("pod-7", "app"), ContainerRecord("c-1", 1))
-    books.pods["pod-9"].baseline = 200_000
+    books.pods["pod-9"] = replace(books.pods["pod-9"], baseline=200_000)
     books.pods["new"] = PodRecord("/kubepods/podnew", None, PERIOD)
     store.save(books)
     assert sorted(encoded) == ["/kubepods/pod7", "/kubepods/pod9", "/kubepods/podnew"]
-    monkeypatch.setattr(PodRecord, "to_json", to_json)
+    monkeypatch.setattr(state_file, "pod_to_json", to_json)
     assert (tmp_path / STATE_FILE_NAME).read_bytes() == _full(books)
 
 
+def _full_record() -> PodRecord:
+    return PodRecord(
+        "/kubepods/podp",
+        300_000,
+        PERIOD,
+        "pod-resources",
+        Containers({"fwd": ContainerRecord("c1", 2, "4-5", "shared-cpus-0")}),
+    )
+
+
+def test_records_cannot_change_in_place() -> None:
+    """The state file reuses a pod's text while the books hold the same record object: that is only
+    right because nothing can change a record in place."""
+    pod = _full_record()
+    for name in (f.name for f in dataclasses.fields(PodRecord)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(pod, name, getattr(pod, name))
+    with pytest.raises(TypeError):
+        pod.containers["log"] = ContainerRecord("c2", 1)  # type: ignore[index]
+    with pytest.raises(TypeError):
+        del pod.containers["fwd"]  # type: ignore[attr-defined]
+    for method in (
+        "pop",
+        "popitem",
+        "clear",
+        "update",
+        "setdefault",
+        "__ior__",
+        "__setitem__",
+        "__delitem__",
+    ):
+        assert not hasattr(pod.containers, method), method
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pod.containers["fwd"].shared_cpus = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        pod.containers._extra = {}  # type: ignore[attr-defined]  # no __dict__ to hang state on
+    # Every field holds an immutable value: a field of a mutable type (list, dict) would not hash.
+    assert hash(pod) == hash(_full_record())
+
+
+def test_a_record_made_from_a_dict_does_not_share_it() -> None:
+    given = {"fwd": ContainerRecord("c1", 2)}
+    pod = PodRecord("/kubepods/podp", 300_000, PERIOD, containers=given)  # type: ignore[arg-type]
+    assert isinstance(pod.containers, Containers)
+    given["log"] = ContainerRecord("c2", 1)
+    assert list(pod.containers) == ["fwd"]
+    assert pod.containers == {"fwd": ContainerRecord("c1", 2)}
+
+
+def test_changes_make_new_records() -> None:
+    pod = _full_record()
+    held = pod.holding("log", ContainerRecord("c2", 1))
+    assert list(held.containers) == ["fwd", "log"]
+    assert list(pod.containers) == ["fwd"]
+    assert held.without("fwd").containers == {"log": ContainerRecord("c2", 1)}
+    assert held.containers == {**pod.containers, "log": ContainerRecord("c2", 1)}
+    assert rebase(pod, CpuQuota(500_000, PERIOD)) is pod  # nothing to change: the same record
+    assert rebase(pod, CpuQuota(500_000, 50_000)) == replace(pod, baseline=150_000, period=50_000)
+
+
+def test_an_equal_new_record_is_encoded_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = StateStore(tmp_path, fsync=False)
+    books = Books({"p": _full_record()})
+    store.save(books)
+    encoded: list[PodRecord] = []
+    to_json = state_file.pod_to_json
+
+    def counting(pod: PodRecord) -> dict[str, object]:
+        encoded.append(pod)
+        return to_json(pod)
+
+    monkeypatch.setattr(state_file, "pod_to_json", counting)
+    store.save(books)
+    assert encoded == []
+    books.pods["p"] = replace(books.pods["p"])
+    store.save(books)
+    assert encoded == [books.pods["p"]]
+    books.pods["q"] = books.pods.pop("p")  # the same record under another key
+    store.save(books)
+    assert len(encoded) == 2
+    monkeypatch.setattr(state_file, "pod_to_json", to_json)
+    assert (tmp_path / STATE_FILE_NAME).read_bytes() == _full(books)
+
+
+# -- when the books are written ---------------------------------------------------------------------------
+
+
+def _slot_change(books: Books, step: int) -> None:
+    """A change Synchronize could rebuild: another container holds a slot of a known pod."""
+    books.hold(Slot("pod-a", "fwd"), ContainerRecord(f"fwd-{step}", 2, "4-5", "shared-cpus-0"))
+
+
+@pytest.mark.asyncio
+async def test_a_slot_change_waits_for_the_deferred_write(tmp_path: Path) -> None:
+    clock = ManualClock()
+    store = StateStore(tmp_path, fsync=False)
+    keeper = Bookkeeper(store, _books(), clock=clock)
+    keeper.commit()  # nothing saved yet, but nothing Synchronize cannot rebuild changed either
+    assert keeper.flush_pending
+    await clock.advance(FLUSH_DELAY)
+    assert store.load() == keeper.books
+    assert not keeper.flush_pending
+    _slot_change(keeper.books, 2)
+    keeper.commit()
+    _slot_change(keeper.books, 3)
+    keeper.commit()  # one write for both
+    assert clock.pending == 1
+    assert store.load().pods["pod-a"].containers["fwd"].id == "fwd-1"
+    await clock.advance(FLUSH_DELAY)
+    assert store.load().pods["pod-a"].containers["fwd"].id == "fwd-3"
+    keeper.books.pods["pod-a"] = replace(keeper.books.pods["pod-a"], baseline=400_000)
+    keeper.commit()  # a baseline: at once
+    assert store.load().pods["pod-a"].baseline == 400_000
+    assert not keeper.flush_pending
+
+
+def test_without_a_running_loop_a_slot_change_is_written_at_once(tmp_path: Path) -> None:
+    store = StateStore(tmp_path, fsync=False)
+    keeper = Bookkeeper(store, _books())  # the loop's clock, and no loop running
+    keeper.flush(force=True)
+    _slot_change(keeper.books, 2)
+    keeper.commit()
+    assert not keeper.flush_pending
+    assert store.load().pods["pod-a"].containers["fwd"].id == "fwd-2"
+
+
+def test_a_failed_deferred_write_is_logged(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "file", fsync=False)
+    (tmp_path / "file").write_text("")  # the state dir is a file: every save fails
+    keeper = Bookkeeper(store, _books())
+    with pytest.raises(FileExistsError):
+        keeper.commit()
+    with structlog.testing.capture_logs() as logs:
+        keeper.save_quietly()
+    assert [e["event"] for e in logs] == ["cannot save the plugin's state"]
+
+
 def _mutate(books: Books, rng: random.Random, step: int) -> None:
-    """One random change to the books, through any of the ways the plugin (or a test) changes them."""
+    """One random change to the books, through any of the ways the plugin (or a test) changes them:
+    the books' methods, their dicts, and new records made from old ones (records are immutable)."""
     keys = ["p0", "p1", "p2", "p\u00e9", 'p"3']
     names = ["a", "b", "c"]
     key, name, other = rng.choice(keys), rng.choice(names), rng.choice(keys)
@@ -219,39 +356,43 @@ def _mutate(books: Books, rng: random.Random, step: int) -> None:
     elif kind == 7:
         books.pods.pop(key)
     elif kind == 8:
-        pod.baseline = rng.choice([None, 50_000, pod.baseline and pod.baseline + 1])
+        books.pods[key] = replace(pod, baseline=rng.choice([None, 50_000, pod.baseline and pod.baseline + 1]))
     elif kind == 9:
-        pod.period = rng.choice([50_000, 100_000, 100_001])
+        books.pods[key] = replace(pod, period=rng.choice([50_000, 100_000, 100_001]))
     elif kind == 10:
-        pod.baseline_source = rng.choice(["first-seen", "rebuilt", "unknown"])
+        books.pods[key] = replace(pod, baseline_source=rng.choice(["first-seen", "rebuilt", "unknown"]))
     elif kind == 11:
-        pod.cgroup_parent = f"/kubepods/moved-{step}"
+        books.pods[key] = replace(pod, cgroup_parent=f"/kubepods/moved-{step}")
     elif kind == 12:
-        pod.containers[name] = record
+        books.pods[key] = pod.holding(name, record)
     elif kind == 13:
-        pod.containers.pop(name, None)
+        books.pods[key] = pod.without(name)
     elif kind == 14 and pod.containers:
-        pod.containers.popitem()
+        books.pods[key] = pod.without(list(pod.containers)[-1])
     elif kind == 15:
-        pod.containers.clear()
+        books.pods[key] = replace(pod, containers=Containers())
     elif kind == 16:
-        pod.containers.setdefault(name, record)
+        books.pods[key] = pod if name in pod.containers else pod.holding(name, record)
     elif kind == 17:
-        pod.containers.update({name: record})
+        books.pods[key] = replace(pod, containers=Containers({**pod.containers, name: record}))
     elif kind == 18:
-        pod.containers |= {name: record}
+        # What the reconciler does with the pod cgroup's limit: a new baseline, period or source.
+        current = CpuQuota(rng.choice([None, 300_000, 1_000]), rng.choice([50_000, 100_000]))
+        books.pods[key] = rebase(pod, current)
     elif kind == 19:
-        pod.containers = rng.choice([{name: record}, Containers({name: record}), Containers()])
+        containers = rng.choice([{name: record}, Containers({name: record}), Containers()])
+        books.pods[key] = replace(pod, containers=containers)  # type: ignore[arg-type]
     elif kind == 20 and other in books.pods:
-        books.pods[other].containers = pod.containers  # one dict shared by two records
+        books.pods[other] = replace(books.pods[other], containers=pod.containers)  # one mapping, two pods
     elif kind == 21 and other in books.pods:
         books.pods[other] = pod  # one record under two keys
     elif kind == 22:
-        books.pods[key] = pod.copy()  # a rolled-back creation puts a copy back
+        books.pods[key] = replace(pod)  # an equal record: a rolled-back creation puts the saved one back
     elif kind == 23:
         books.devices = {f"d{step % 4}": Slot(key, name)} if rng.random() < 0.5 else dict(books.devices)
-    if pod is not None and name in pod.containers and rng.random() < 0.1:
-        del pod.containers[name]
+    now = books.pods.get(key)
+    if now is not None and name in now.containers and rng.random() < 0.1:
+        books.pods[key] = now.without(name)
 
 
 @settings(max_examples=40, deadline=None)
@@ -364,7 +505,7 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
                 updates = await plugin.synchronize([pod], containers)
                 assert list(updates) == []  # everything already had its shared CPUs
             assert tree.pod_quota(pod) == BASELINE + len(live) * len(SHARED) * PERIOD, (kind, name)
-            assert plugin.books.dumps(b"\n") == _full(plugin.books)  # no stale cached pod text
+            assert plugin.store.encode(plugin.books, b"\n") == _full(plugin.books)  # no stale cached pod text
 
 
 # -- the plugin's use of the state file ----------------------------------------------------------------
@@ -377,14 +518,10 @@ def _shared(
 
 
 @pytest.mark.asyncio
-async def test_baselines_are_written_at_once_slot_changes_soon(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import nri_plugin.mixedcpu.plugin as mixedcpu
-
-    monkeypatch.setattr(mixedcpu, "FLUSH_DELAY", 0.01)
+async def test_baselines_are_written_at_once_slot_changes_soon(tmp_path: Path) -> None:
+    clock = ManualClock()
     tree = FakeCgroups(tmp_path / "cgroup")
-    plugin, key = make_plugin(tmp_path / "state", tree.layout, SHARED)
+    plugin, key = make_plugin(tmp_path / "state", tree.layout, SHARED, clock=clock)
     pod = make_pod(CGROUPFS)
     tree.add_pod(pod, 300_000)
     await plugin.create_container(pod, _shared(pod, "c1", key))
@@ -393,7 +530,7 @@ async def test_baselines_are_written_at_once_slot_changes_soon(
     assert saved.pods[pod.uid].containers["main"].id == "c1"
     await plugin.create_container(pod, _shared(pod, "c2", key))  # a restart: only the slot changes
     assert plugin.store.load().pods[pod.uid].containers["main"].id == "c1"
-    await asyncio.sleep(0.05)
+    await clock.advance(FLUSH_DELAY)
     assert plugin.store.load().pods[pod.uid].containers["main"].id == "c2"
     await plugin.create_container(pod, _shared(pod, "c3", key))
     await plugin.shutdown()  # the runtime's Shutdown (and the CLI at exit) flush what is waiting

@@ -18,6 +18,7 @@ from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_p
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset, parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.mixedcpu.books import Slot
 from nri_plugin.mixedcpu.policy import (
     ISOLATED_ENV,
     SHARED_ENV,
@@ -31,8 +32,8 @@ from nri_plugin.mixedcpu.policy import (
     plan_update,
     pod_quota_target,
 )
-from nri_plugin.mixedcpu.state import Slot
-from nri_plugin.ttrpc import Code, TtrpcError
+from nri_plugin.nri.errors import PluginRefusal
+from nri_plugin.ttrpc import Code
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 KEY = HostKey(b"k" * 32)
@@ -251,9 +252,9 @@ async def test_oracle_create(tmp_path: Path, case: CreateCase) -> None:
         annotations=marker(key) if case.request == "marker" else None,
     )
     if case.error is not None:
-        with pytest.raises(TtrpcError) as info:
+        with pytest.raises(PluginRefusal) as info:
             await plugin.create_container(pod, container)
-        assert case.error in info.value.message
+        assert case.error in str(info.value)
         assert info.value.code == case.code
         assert tree.pod_quota(pod) == case.pod_after
         assert plugin.books.find("c1") is None

@@ -4,7 +4,7 @@ One `Metrics` object per daemon (tests make as many as they like: nothing goes t
 global registry), made before the parts it observes: each is built with it as its observer, and
 none of them imports this module. The stub calls ``request_done`` and ``reconnecting``
 (`nri_plugin.nri.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed``
-(`nri_plugin.mixedcpu.plugin.CgroupObserver`), the device plugin ``registration_done``
+(`nri_plugin.mixedcpu.quota.CgroupObserver`), the device plugin ``registration_done``
 (`nri_plugin.deviceplugin.server.RegistrationObserver`). Gauges are read from their owners when
 scraped, through callables bound once the owners exist (``track``; `nri_plugin.daemon.wiring` does
 it): the shared-container count from the plugin's books, readiness from the stub and the device

@@ -31,7 +31,7 @@ from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_ke
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub, StubError
 
 __all__ = [

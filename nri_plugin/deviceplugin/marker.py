@@ -73,7 +73,7 @@ class HostKey:
         """The device id ``value`` was signed for, or None if it is not a marker made with this key.
 
         The MAC comparison is constant-time. Only the MAC proves anything: the caller must still refuse
-        a device id bound to another container (a replayed marker; see `nri_plugin.mixedcpu.state`).
+        a device id bound to another container (a replayed marker; see `nri_plugin.mixedcpu.books`).
         """
         if not isinstance(value, str):
             return None

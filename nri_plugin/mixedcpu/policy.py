@@ -4,8 +4,8 @@ Who gets shared CPUs: a container whose request is *proven* by a trusted source 
 
 * the device plugin's allocation marker in ``container.annotations`` — verified with the node's
   `HostKey`; a forged value is refused, and so is a valid one whose device id is bound to another
-  slot (pod and container name, see `nri_plugin.mixedcpu.state`; bound from the first presentation until that
-  pod's sandbox stops), running or not: a replay;
+  slot (pod and container name, see `nri_plugin.mixedcpu.books`; bound from the first presentation
+  until that pod's sandbox stops), running or not: a replay;
 * when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
   that OpenShift's admission plugin adds.
 
@@ -25,13 +25,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from api.nri import api_pb2 as api
 from cgroups import CpusetError, format_cpuset, parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY as MARKER_ANNOTATION
-from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.mixedcpu.state import Slot
+from nri_plugin.mixedcpu.books import Slot
 
 __all__ = [
     "DEFAULT_CFS_PERIOD",
@@ -41,6 +40,7 @@ __all__ = [
     "POD_ANNOTATION_PREFIX",
     "SHARED_ENV",
     "CreatePlan",
+    "MarkerKey",
     "PolicyError",
     "Proof",
     "RequestCheck",
@@ -48,6 +48,7 @@ __all__ = [
     "baseline_from_pod_resources",
     "check_request",
     "container_slot",
+    "cpus_or_empty",
     "describe",
     "exclusive_cpus",
     "plan_create",
@@ -131,62 +132,97 @@ class RequestCheck:
     refusals: tuple[str, ...] = ()
 
 
+class MarkerKey(Protocol):
+    """What checks a device-plugin marker: the node's `HostKey` (`nri_plugin.deviceplugin.marker`)."""
+
+    def verify(self, value: str) -> str | None:
+        """The device id the marker was signed for; None for a marker not made with this key."""
+
+
 def check_request(
     pod: api.PodSandbox,
     container: api.Container,
     *,
-    marker_key: HostKey | None,
+    marker_key: MarkerKey | None,
     trust_pod_annotation: bool,
     device_holders: Mapping[str, Slot],
 ) -> RequestCheck:
     """Does a trusted source prove that this container asked for shared CPUs?
 
     `marker_key` is None when the device-plugin marker is not a trusted source. `device_holders`
-    maps device ids to the slots they are bound to (`Books.device_holders`).
+    maps device ids to the slots they are bound to (`Books.device_holders`). The marker is looked at
+    first, then the pod annotation; the env only when neither proves anything.
     """
     notes: list[str] = []
     refusals: list[str] = []
+    proof = _marker_proof(pod, container, marker_key, device_holders, notes, refusals)
+    if proof is None:
+        proof = _annotation_proof(pod, container, trust_pod_annotation, notes)
+    if proof is None:
+        notes.extend(_env_notes(container))
+    return RequestCheck(proof, tuple(notes), tuple(refusals))
+
+
+def _marker_proof(
+    pod: api.PodSandbox,
+    container: api.Container,
+    marker_key: MarkerKey | None,
+    device_holders: Mapping[str, Slot],
+    notes: list[str],
+    refusals: list[str],
+) -> Proof | None:
+    """The device-plugin marker's proof, if it holds one; why not goes to `notes` or `refusals`."""
     marker = container.annotations.get(MARKER_ANNOTATION)
-    if marker is not None:
-        slot = container_slot(pod, container)
-        if marker_key is None:
-            notes.append("device-plugin marker ignored: trusted_sources.device_plugin_marker is false")
-        else:
-            device = marker_key.verify(marker)
-            holder = device_holders.get(device) if device is not None else None
-            if device is None:
-                refusals.append(
-                    f"refused the {MARKER_ANNOTATION} annotation: it was not signed with this node's key "
-                    "(forged, or copied from another node)"
-                )
-            elif holder is not None and holder != slot:
-                refusals.append(
-                    f"refused the {MARKER_ANNOTATION} annotation: device {device} is already held by "
-                    f"container {holder} (a replayed marker)"
-                )
-            else:
-                return RequestCheck(Proof("device-plugin", device), tuple(notes), tuple(refusals))
+    if marker is None:
+        return None
+    if marker_key is None:
+        notes.append("device-plugin marker ignored: trusted_sources.device_plugin_marker is false")
+        return None
+    device = marker_key.verify(marker)
+    if device is None:
+        refusals.append(
+            f"refused the {MARKER_ANNOTATION} annotation: it was not signed with this node's key "
+            "(forged, or copied from another node)"
+        )
+        return None
+    holder = device_holders.get(device)
+    if holder is not None and holder != container_slot(pod, container):
+        refusals.append(
+            f"refused the {MARKER_ANNOTATION} annotation: device {device} is already held by "
+            f"container {holder} (a replayed marker)"
+        )
+        return None
+    return Proof("device-plugin", device)
+
+
+def _annotation_proof(
+    pod: api.PodSandbox, container: api.Container, trusted: bool, notes: list[str]
+) -> Proof | None:
+    """The pod annotation's proof, if it holds one; why not goes to `notes`."""
     annotation_key = POD_ANNOTATION_PREFIX + container.name
     annotation = pod.annotations.get(annotation_key)
-    if annotation is not None:
-        if not trust_pod_annotation:
-            notes.append(f"pod annotation {annotation_key} ignored: trusted_sources.pod_annotation is false")
-        elif annotation != POD_ANNOTATION_VALUE:
-            notes.append(
-                f"pod annotation {annotation_key}={annotation!r} ignored: the value must be 'enable'"
-            )
-        else:
-            return RequestCheck(Proof("pod-annotation"), tuple(notes), tuple(refusals))
+    if annotation is None:
+        return None
+    if not trusted:
+        notes.append(f"pod annotation {annotation_key} ignored: trusted_sources.pod_annotation is false")
+        return None
+    if annotation != POD_ANNOTATION_VALUE:
+        notes.append(f"pod annotation {annotation_key}={annotation!r} ignored: the value must be 'enable'")
+        return None
+    return Proof("pod-annotation")
+
+
+def _env_notes(container: api.Container) -> list[str]:
+    """A note for each of the CPU variables the container's env sets: never proof."""
     env = container.env
     if not env or _ENV_PREFIX not in "\n".join(env):
-        return RequestCheck(None, tuple(notes), tuple(refusals))  # none of the three names is set
+        return []  # none of the three names is set
     names = {entry.partition("=")[0] for entry in env}
-    for name in (SHARED_ENV, ISOLATED_ENV, LEGACY_SHARED_ENV):
-        if name in names:
-            notes.append(
-                f"{name} in the container's env is not a request: env set in a pod spec proves nothing"
-            )
-    return RequestCheck(None, tuple(notes), tuple(refusals))
+    return [
+        f"{name} in the container's env is not a request: env set in a pod spec proves nothing"
+        for name in (SHARED_ENV, ISOLATED_ENV, LEGACY_SHARED_ENV)
+        if name in names
+    ]
 
 
 # -- eligibility and container values ---------------------------------------------------------------
@@ -361,7 +397,8 @@ def _format_shared(shared: frozenset[int]) -> str:
     return format_cpuset(shared)
 
 
-def _parse_or_empty(text: str | None) -> frozenset[int]:
+def cpus_or_empty(text: str | None) -> frozenset[int]:
+    """The CPUs of a list we wrote or recorded ourselves; empty when it is missing or malformed."""
     try:
         return parse_cpuset(text or "")
     except CpusetError:
@@ -386,9 +423,9 @@ def plan_sync(
     shared_env, isolated_env = _cpu_env(container)
     exclusive = recorded_exclusive & current
     if not exclusive:
-        exclusive = _parse_or_empty(isolated_env) & current
+        exclusive = cpus_or_empty(isolated_env) & current
     if not exclusive:
-        exclusive = current - shared - _parse_or_empty(shared_env)
+        exclusive = current - shared - cpus_or_empty(shared_env)
     if not exclusive:
         exclusive = current - shared
     # The same checks as at creation, on the exclusive CPUs found.

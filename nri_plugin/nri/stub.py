@@ -43,6 +43,7 @@ import structlog
 
 from api.nri import api_pb2 as api
 from nri_plugin.nri import mux
+from nri_plugin.nri.errors import PluginRefusal  # merge: superseded by the stub engineer's mapping
 from nri_plugin.nri.events import (
     DEDICATED_METHODS,
     POD_EVENTS,
@@ -367,7 +368,10 @@ class Stub:
         self._add_busy(1)
         try:
             handler: Callable[..., Awaitable[Any]] = getattr(self.plugin, name)
-            return await handler(*args)
+            try:
+                return await handler(*args)
+            except PluginRefusal as exc:  # merge: superseded by the stub engineer's mapping
+                raise TtrpcError(exc.code, str(exc)) from None
         finally:
             self._add_busy(-1)
 

@@ -31,6 +31,7 @@ from cgroups import (
     read_cpuset,
     read_effective_cpuset,
     read_value,
+    restore_cpu_quota,
     write_cpu_quota,
     write_cpuset,
     write_parent_child_quota,
@@ -163,6 +164,41 @@ def test_v2_quota_write_keeps_the_period(tmp_path: Path) -> None:
     assert _text(ctr, "cpu.max") == "200000 50000\n"
     assert write_cpu_quota(ctr, None) == CpuQuota(None, 50000)
     assert _text(ctr, "cpu.max") == "max 50000\n"
+
+
+def test_v2_restore_writes_quota_and_period_without_reading(tmp_path: Path) -> None:
+    pod = _fake_tree(tmp_path, 2, quota="300000 50000\n").dir(POD)
+    restore_cpu_quota(pod, CpuQuota(200000, 100000))
+    assert _text(pod, "cpu.max") == "200000 100000\n"
+    restore_cpu_quota(pod, CpuQuota(None, 100000))
+    assert _text(pod, "cpu.max") == "max 100000\n"
+    # A write cut short left garbage: the limit cannot be read, yet it can be put back.
+    Path(pod.fs_path, "cpu.max").write_text("30")
+    restore_cpu_quota(pod, CpuQuota(400000, 100000))
+    assert read_cpu_quota(pod) == CpuQuota(400000, 100000)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["dir", "open"])
+def test_v1_restore_writes_the_period_only_when_it_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool
+) -> None:
+    pod = _fake_tree(tmp_path, 1, quota="300000\n").dir(POD)
+    writes: list[tuple[str, str]] = []
+    real = files.write_value
+
+    def recording(cgroup: CgroupDir, name: str, value: str) -> None:
+        writes.append((name, value))
+        real(cgroup, name, value)
+
+    monkeypatch.setattr(files, "write_value", recording)
+    with open_cgroup(pod) as opened:
+        target = opened if held else pod
+        restore_cpu_quota(target, CpuQuota(200000, 100000))
+        assert writes == [("cpu.cfs_quota_us", "200000")]  # same period: the quota file only
+        writes.clear()
+        restore_cpu_quota(target, CpuQuota(None, 50000))
+        assert writes == [("cpu.cfs_period_us", "50000"), ("cpu.cfs_quota_us", "-1")]
+    assert read_cpu_quota(pod) == CpuQuota(None, 50000)
 
 
 def test_invalid_quota_is_refused_before_writing(tree: Hierarchy) -> None:

@@ -45,8 +45,8 @@ from cgroups import (
 )
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.mixedcpu.books import Books
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-from nri_plugin.mixedcpu.state import Books
 from nri_plugin.nri.simulator import CreateResult, RuntimeSimulator, env_of
 
 PERIOD = 100_000

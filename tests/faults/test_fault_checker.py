@@ -60,7 +60,7 @@ async def test_checker_names_each_inconsistency(short_dir: Path, version: int) -
 
         # Books that do not match the node.
         books = plugin.books.copy()
-        del books.pods[duo.uid].containers["right"]
+        books.pods[duo.uid] = books.pods[duo.uid].without("right")
         found = flagged(inconsistencies(population, books=books, count=False))
         assert set(found) == {"duo-a", "duo-b"}
         assert "books hold ['duo-a'], live asking ['duo-a', 'duo-b']" in found["duo-b"]

@@ -19,7 +19,7 @@ from fault_support import (
     write_config,
 )
 
-from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.mixedcpu.store import StateStore
 
 
 @pytest.mark.asyncio

@@ -16,7 +16,7 @@ from mixedcpu_support import plugin_running
 
 from api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-from nri_plugin.mixedcpu.state import StateStore
+from nri_plugin.mixedcpu.store import StateStore
 
 TIMEOUT = 0.2  # the runtime's request timeout here (2 s on a real node)
 STALL = 5 * TIMEOUT

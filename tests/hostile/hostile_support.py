@@ -320,8 +320,7 @@ class Node:
         # Let the closed transports finish (no ResourceWarning for an unclosed socket).
         await asyncio.sleep(0)
         self.plugin.flush()
-        for handle in list(self.plugin._retries.values()):
-            handle.cancel()
+        self.plugin.quotas.cancel_retries()
 
     async def next_connection(self) -> Connection:
         """The connection the stub makes after the current one closed (it reconnects)."""

@@ -9,6 +9,7 @@ plugin.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from hostile_corpus import mutated_wire
@@ -197,7 +198,7 @@ def test_garbage_on_the_socket_never_crashes_or_hangs_the_plugin(tmp_path: Path)
                 # forgot it and, synchronized with it again, rebuilt its record from the pod quota
                 # (same baseline, containers and device bindings; only the provenance says so).
                 books = books.copy()
-                books.pods[legit.uid].baseline_source = "rebuilt"
+                books.pods[legit.uid] = replace(books.pods[legit.uid], baseline_source="rebuilt")
                 expected["books"] = books
             assert node.plugin.books == books
 

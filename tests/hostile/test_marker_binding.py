@@ -15,8 +15,9 @@ import pytest
 from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
 
 from api.nri import api_pb2 as api
-from nri_plugin.mixedcpu.state import Books, ContainerRecord, PodRecord, Slot, StateStore
-from nri_plugin.ttrpc import TtrpcError
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
+from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri.errors import PluginRefusal
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 SHARED = frozenset({0, 1})
@@ -95,7 +96,7 @@ async def test_a_failed_creation_binds_nothing(tmp_path: Path) -> None:
     _, plugin, key, holder_pod, _ = _setup(tmp_path)
     missing = make_pod(CGROUPFS, "3-3", name="missing")  # no pod cgroup: the creation fails
     early = make_container(CGROUPFS, missing, "e1", "x", annotations=marker(key, "d-7"))
-    with pytest.raises(TtrpcError):
+    with pytest.raises(PluginRefusal):
         await plugin.create_container(missing, early)
     assert plugin.books.devices == {}
     holder = make_container(CGROUPFS, holder_pod, "h1", "fwd", annotations=marker(key, "d-7"))

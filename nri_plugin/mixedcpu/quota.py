@@ -1,0 +1,428 @@
+"""The pod-quota reconciler: each pod cgroup's CFS quota brought to its target in the books.
+
+A pod's target is its own quota (the baseline) plus n(shared) * period for each live shared container
+(`nri_plugin.mixedcpu.books`). `PodQuotas` is the cgroup side of the plugin's handlers:
+
+* `PodQuotas.raise_for` (CreateContainer): holds the slot and raises the pod's quota *before* the
+  reply (cgroup v1 refuses a child quota above its parent's, and the runtime writes the container's
+  raised quota from the adjustment right after), and has the books saved. If anything fails after
+  the pod write, the pod quota is written back and the books restored: nothing is left
+  half-configured, and the refusal says so.
+* `PodQuotas.settle` (a container stopped, removed or displaced): the pod's quota comes down to its
+  new target; this never fails the event. The container's own quota is the runtime's to change: when
+  the kernel refuses the lower pod quota (v1: the stopped container's cgroup still has its raised
+  quota, or was deleted a few milliseconds ago and is not released yet), the higher quota stays, and
+  the lowering is tried again after each of `LOWER_RETRY_DELAYS` on the clock, then at the pod's
+  next event.
+* `PodQuotas.sync_pods` (Synchronize): each pod's baseline from the saved books, else rebuilt from
+  its cgroup, and its quota brought to its target.
+
+Pod cgroups are found with `cgroups.pod_cgroup_path` in the configured layout; every path is
+validated there. Nothing here runs a shell or a subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Protocol
+
+import structlog
+
+from api.nri import api_pb2 as api
+from cgroups import (
+    MIN_CFS_QUOTA_US,
+    Cgroup,
+    CgroupDir,
+    CgroupError,
+    CgroupLayout,
+    CgroupNotFound,
+    CgroupWriteRejected,
+    CpuQuota,
+    OpenCgroup,
+    open_cgroup,
+    pod_cgroup_path,
+    read_cpu_quota,
+    restore_cpu_quota,
+    write_cpu_quota,
+)
+from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
+from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
+from nri_plugin.mixedcpu.policy import baseline_from_pod_resources, describe, pod_key
+from nri_plugin.mixedcpu.store import Bookkeeper
+from nri_plugin.nri.errors import PluginFailure, PluginRefusal, PreconditionFailed
+
+__all__ = ["LOWER_RETRY_DELAYS", "CgroupObserver", "PodQuotas", "new_pod_record", "rebase"]
+
+log = structlog.get_logger(LOGGER_NAME)
+
+# After a container cgroup is deleted, the v1 kernel still counts its quota for some 20-30 ms (the
+# cgroup is released after an RCU grace period): a lower pod quota refused then is retried.
+LOWER_RETRY_DELAYS = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+class CgroupObserver(Protocol):
+    """Told of every pod cgroup write that failed (`nri_plugin.daemon.metrics`)."""
+
+    def cgroup_write_failed(self, kind: str) -> None:
+        """`kind`: ``pod_quota_raise``, ``pod_quota_lower`` or ``pod_quota_restore``."""
+
+
+# -- the books' side: pure ---------------------------------------------------------------------------------
+
+
+def new_pod_record(pod: api.PodSandbox, current: CpuQuota) -> PodRecord:
+    """The record of a pod first seen with `current` in its cgroup: its baseline from the runtime's
+    ``pod_resources`` when sent, else the quota it has now."""
+    if current.unlimited:
+        return PodRecord(pod.linux.cgroup_parent, None, current.period)
+    baseline = baseline_from_pod_resources(pod, current.period)
+    if baseline is not None:
+        return PodRecord(pod.linux.cgroup_parent, baseline, current.period, "pod-resources")
+    return PodRecord(pod.linux.cgroup_parent, current.quota, current.period, "first-seen")
+
+
+def rebase(record: PodRecord, current: CpuQuota) -> PodRecord:
+    """The record with its baseline in the terms of the pod cgroup's `current` limit (the record
+    itself when nothing changes).
+
+    Unlimited now: unlimited stays unlimited, whoever made it so. Limited now but no baseline yet:
+    that limit is the pod's own (minus the books' shares when the cgroup could not be read at
+    Synchronize). Another period: the baseline scaled to it, rounded up.
+    """
+    quota = current.quota
+    if quota is None:
+        baseline, source = None, record.baseline_source
+    elif record.baseline is None:
+        baseline, source = _first_baseline(record, quota, current.period), "first-seen"
+    else:
+        baseline = -(-record.baseline * current.period // record.period)
+        source = record.baseline_source
+    if (baseline, current.period, source) == (record.baseline, record.period, record.baseline_source):
+        return record
+    return replace(record, baseline=baseline, period=current.period, baseline_source=source)
+
+
+def _first_baseline(record: PodRecord, quota: int, period: int) -> int:
+    if record.baseline_source != "unknown":
+        return quota  # unlimited when we first saw it, limited now: that limit is the pod's own
+    # The pod cgroup could not be read at Synchronize: assume the shares of the containers in the
+    # books are already in its quota.
+    guess = quota - sum(c.shared_cpus for c in record.containers.values()) * period
+    return guess if guess >= MIN_CFS_QUOTA_US else quota
+
+
+def _rebuilt(pod: api.PodSandbox, record: PodRecord, current: CpuQuota, applied: int) -> PodRecord:
+    """`record` with the baseline of a pod the saved books did not know, from its cgroup now.
+    `applied`: how many CPUs its shared containers already have beyond their exclusive ones."""
+    fresh = new_pod_record(pod, current)
+    baseline, source = fresh.baseline, fresh.baseline_source
+    if baseline is not None and source == "first-seen" and applied:
+        # Shared CPUs were given before we (re)started: their share is in the pod quota.
+        own = baseline - applied * current.period
+        if own >= MIN_CFS_QUOTA_US:
+            baseline, source = own, "rebuilt"
+    return replace(record, baseline=baseline, period=fresh.period, baseline_source=source)
+
+
+def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
+    """`record` with the baseline the saved books knew."""
+    return replace(
+        record, baseline=previous.baseline, period=previous.period, baseline_source=previous.baseline_source
+    )
+
+
+def _forget_if_done(pods: dict[str, PodRecord], key: str, now: CpuQuota) -> None:
+    """Drop a pod with no shared container left once its quota is back to its own."""
+    record = pods[key]
+    if not record.containers and (now.unlimited or now.quota == record.baseline):
+        del pods[key]
+
+
+# -- the cgroup side -----------------------------------------------------------------------------------------
+
+
+class PodQuotas:
+    """Writes pod quotas to their targets in the books `keeper` holds; see the module docstring.
+
+    `observer` (settable) hears of every failed write; retries run on `clock`.
+    """
+
+    def __init__(
+        self,
+        layout: CgroupLayout,
+        keeper: Bookkeeper,
+        *,
+        observer: CgroupObserver | None = None,
+        clock: Clock = LOOP_CLOCK,
+    ) -> None:
+        self.layout = layout
+        self.keeper = keeper
+        self.observer = observer
+        self._clock = clock
+        self._retries: dict[str, Timer] = {}
+
+    @property
+    def books(self) -> Books:
+        return self.keeper.books
+
+    @property
+    def retries_pending(self) -> frozenset[str]:
+        """The pod keys whose lowering waits for a retry."""
+        return frozenset(self._retries)
+
+    def pod_dir(self, cgroup_parent: str) -> CgroupDir:
+        return self.layout.cpu.dir(pod_cgroup_path(cgroup_parent))
+
+    # -- CreateContainer -------------------------------------------------------------------------------
+
+    def raise_for(
+        self,
+        pod: api.PodSandbox,
+        container: api.Container,
+        slot: Slot,
+        record: ContainerRecord,
+        saved: PodRecord | None,
+    ) -> tuple[CpuQuota, CpuQuota]:
+        """Hold the slot and raise the pod's quota; the pod's limit before and after.
+
+        On failure everything is undone (the pod's record back to `saved`, no device bound, the pod
+        quota written back) and a `PreconditionFailed` (cgroup) or `PluginFailure` (state file) raised.
+        """
+        books = self.books
+        devices = dict(books.devices)
+        before: CpuQuota | None = None
+        pod_dir: OpenCgroup | None = None
+        try:
+            pod_dir = open_cgroup(self.pod_dir(pod.linux.cgroup_parent))  # one walk for reads and write
+            before = read_cpu_quota(pod_dir)
+            if slot.pod not in books.pods:
+                books.pods[slot.pod] = new_pod_record(pod, before)
+            books.hold(slot, record)
+            after = self._reconcile(pod_dir, books.pods, slot.pod, before)
+            self.keeper.commit()
+        except (CgroupError, OSError) as exc:
+            _restore(books.pods, slot.pod, saved)
+            books.devices = devices  # a failed creation binds no device
+            undone = self._undo(pod_dir, before)
+            raise self._creation_refused(exc, pod, container, undone) from None
+        finally:
+            if pod_dir is not None:
+                pod_dir.close()
+        return before, after
+
+    def _creation_refused(
+        self, exc: Exception, pod: api.PodSandbox, container: api.Container, undone: bool
+    ) -> PluginRefusal:
+        refusal: type[PluginRefusal]
+        if isinstance(exc, CgroupError):
+            message = f"cannot raise the CPU quota of pod {describe(pod)}: {exc}"
+            refusal = PreconditionFailed
+        else:
+            message = f"cannot save the plugin's state in {self.keeper.store.directory}: {exc}"
+            refusal = PluginFailure
+        log.error(
+            "creation refused",
+            error=message,
+            rolled_back=undone,
+            **pod_fields(pod, container, event="CreateContainer"),
+        )
+        return refusal(f"{message}{'; the pod quota was put back' if undone else ''}")
+
+    def _undo(self, pod_dir: Cgroup | None, before: CpuQuota | None) -> bool:
+        """Put the pod quota read before a failed step back; True if something had to be written."""
+        if pod_dir is None or before is None:
+            return False
+        with contextlib.suppress(CgroupError):
+            if read_cpu_quota(pod_dir) == before:
+                return False
+        # Changed, or unreadable (a write cut short): write the whole value back, period included.
+        try:
+            restore_cpu_quota(pod_dir, before)
+        except CgroupError as exc:
+            self._write_failed("pod_quota_restore")
+            log.error("cannot put the pod quota back", pod_cgroup=str(pod_dir), error=str(exc))
+        return True
+
+    # -- releases ----------------------------------------------------------------------------------------
+
+    def resolve_unknown(self, key: str, cgroup_parent: str) -> None:
+        """A pod whose cgroup could not be read at Synchronize: guess its own quota now, while the
+        books still count every share that is in it."""
+        record = self.books.pods.get(key)
+        if record is None or record.baseline_source != "unknown":
+            return
+        with contextlib.suppress(CgroupError), open_cgroup(self.pod_dir(cgroup_parent)) as pod_dir:
+            self._reconcile(pod_dir, self.books.pods, key, read_cpu_quota(pod_dir))
+
+    def settle(self, key: str, cgroup_parent: str, fields: Mapping[str, str], attempt: int = 0) -> None:
+        """Bring a pod's quota down to its target after a release, and have the books saved; never
+        fails the event. `fields` say which pod (and event) for the log."""
+        pods = self.books.pods
+        if key not in pods:
+            return
+        try:
+            with open_cgroup(self.pod_dir(cgroup_parent)) as pod_dir:
+                now = self._reconcile(pod_dir, pods, key, read_cpu_quota(pod_dir), attempt)
+            _forget_if_done(pods, key, now)
+        except CgroupError as exc:
+            log.warning("cannot lower the pod quota", error=str(exc), **fields)
+            record = pods.get(key)
+            if record is not None and not record.containers and isinstance(exc, CgroupNotFound):
+                del pods[key]  # the pod cgroup is gone: nothing left to lower
+        self.keeper.save_quietly()
+
+    def cancel_retry(self, key: str) -> None:
+        """The pod is gone: no more tries to lower its quota."""
+        pending = self._retries.pop(key, None)
+        if pending is not None:
+            pending.cancel()
+
+    def cancel_retries(self) -> None:
+        """Stop every pending retry (at the end of a test or a run)."""
+        for key in list(self._retries):
+            self.cancel_retry(key)
+
+    def _retry_later(self, key: str, attempt: int) -> None:
+        if attempt >= len(LOWER_RETRY_DELAYS):
+            log.warning(
+                "the pod quota stays above its target until the pod's next event",
+                pod_key=key,
+                attempts=attempt,
+            )
+            return
+        retry = functools.partial(self._retry, key, attempt + 1)
+        try:
+            timer = self._clock.call_later(LOWER_RETRY_DELAYS[attempt], retry)
+        except RuntimeError:  # no running loop: the pod's next event will try again
+            return
+        self.cancel_retry(key)
+        self._retries[key] = timer
+
+    def _retry(self, key: str, attempt: int) -> None:
+        self._retries.pop(key, None)
+        record = self.books.pods.get(key)
+        if record is not None:
+            self.settle(key, record.cgroup_parent, {"pod_key": key}, attempt)
+
+    # -- Synchronize ---------------------------------------------------------------------------------------
+
+    def sync_pods(
+        self, present: Mapping[str, api.PodSandbox], books: Books, previous: Books, applied: Mapping[str, int]
+    ) -> set[str]:
+        """Bring the quota of every pod in `books` (rebuilt, not yet the plugin's), and of every pod of
+        `previous` still `present`, to its target; the keys of the pods whose cgroup failed us.
+        `applied`: per pod key, how many CPUs its shared containers already have beyond their
+        exclusive ones."""
+        failed: set[str] = set()
+        for key in sorted(set(books.pods) | (set(previous.pods) & set(present))):
+            pod = present[key]
+            if key not in books.pods:
+                books.pods[key] = PodRecord(pod.linux.cgroup_parent, None, 1)
+            if not self._sync_pod(pod, books.pods, previous.pods.get(key), applied.get(key, 0)):
+                failed.add(key)
+        return failed
+
+    def _sync_pod(
+        self, pod: api.PodSandbox, pods: dict[str, PodRecord], previous: PodRecord | None, applied: int
+    ) -> bool:
+        """Bring one pod's quota to its target; False (logged) when its cgroup fails us."""
+        key = pod_key(pod)
+        established = False
+        try:
+            with open_cgroup(self.pod_dir(pod.linux.cgroup_parent)) as pod_dir:  # one walk for all
+                current = read_cpu_quota(pod_dir)
+                if previous is not None:
+                    pods[key] = _known(pods[key], previous)
+                else:
+                    pods[key] = _rebuilt(pod, pods[key], current, applied)
+                    established = True
+                now = self._reconcile(pod_dir, pods, key, current)
+            if now != current:
+                log.info(
+                    "pod quota brought to its target",
+                    pod_quota=f"{show_quota(current)} -> {show_quota(now)}",
+                    **pod_fields(pod, event="Synchronize"),
+                )
+            _forget_if_done(pods, key, now)
+        except CgroupError as exc:
+            log.error(
+                "cannot bring the pod quota to its target",
+                error=str(exc),
+                **pod_fields(pod, event="Synchronize"),
+            )
+            _sync_failed(pods, key, previous, established)
+            return False
+        return True
+
+    # -- the write -----------------------------------------------------------------------------------------
+
+    def _reconcile(
+        self, pod_dir: Cgroup, pods: dict[str, PodRecord], key: str, current: CpuQuota, attempt: int = 0
+    ) -> CpuQuota:
+        """Rebase the pod's record on `current` (kept in `pods` even if the write then fails), and write
+        its target to the pod cgroup; returns what the pod cgroup now holds.
+
+        Raising failures raise. A lowering the kernel refuses (v1: a child cgroup still has a higher
+        quota, or was deleted moments ago and is not released yet) is retried a few times with
+        backoff, then at the pod's next event.
+        """
+        record = pods[key] = rebase(pods[key], current)
+        target = record.target()
+        if current.quota is None or target is None or target == current.quota:
+            return current
+        kind = "pod_quota_raise" if target > current.quota else "pod_quota_lower"
+        try:
+            write_cpu_quota(pod_dir, target, current=current)
+        except CgroupError as exc:
+            self._write_failed(kind)
+            if target > current.quota or not isinstance(exc, CgroupWriteRejected):
+                raise
+            if attempt == 0:
+                log.info(
+                    "the kernel refuses to lower the pod quota yet (a container cgroup still has a "
+                    "higher quota); trying again shortly and at the pod's next event",
+                    pod_cgroup=str(pod_dir),
+                    target=target,
+                    error=str(exc),
+                )
+            self._retry_later(key, attempt)
+            return current
+        return self._read_back(pod_dir, target, kind)
+
+    def _read_back(self, pod_dir: Cgroup, target: int, kind: str) -> CpuQuota:
+        now = read_cpu_quota(pod_dir)
+        if now.quota != target:
+            self._write_failed(kind)
+            raise CgroupError(
+                f"{pod_dir}: wrote quota {target} but read back {show_quota(now)} "
+                "(is another agent managing it?)",
+                path=pod_dir.fs_path,
+            )
+        return now
+
+    def _write_failed(self, kind: str) -> None:
+        if self.observer is not None:
+            self.observer.cgroup_write_failed(kind)
+
+
+def _restore(pods: dict[str, PodRecord], key: str, saved: PodRecord | None) -> None:
+    if saved is None:
+        pods.pop(key, None)
+    else:
+        pods[key] = saved
+
+
+def _sync_failed(pods: dict[str, PodRecord], key: str, previous: PodRecord | None, established: bool) -> None:
+    """What the books keep of a pod whose cgroup failed us at Synchronize."""
+    record = pods[key]
+    if previous is not None:
+        # Keep what the books knew: the pod's own quota must outlive an unreadable cgroup.
+        pods[key] = _known(record, previous)
+    elif not record.containers:
+        del pods[key]
+    elif not established:
+        pods[key] = replace(record, baseline=None, baseline_source="unknown")

@@ -1,0 +1,163 @@
+"""Synchronize's first half: the books rebuilt from what the runtime runs.
+
+Which container holds which slot is taken from the running containers, not from the saved books: the
+saved books only supply each container's exclusive CPUs (here) and each pod's baseline (in
+`nri_plugin.mixedcpu.quota`). Containers that prove a request but lack the current shared CPUs get a
+``ContainerUpdate``, sent only if their pod's quota could be raised (`updates_to_send`); containers
+whose environment shows old values are logged (env cannot change after start).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from api.nri import api_pb2 as api
+from cgroups import format_cpuset
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
+from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields
+from nri_plugin.mixedcpu.policy import (
+    PolicyError,
+    RequestCheck,
+    SyncPlan,
+    container_slot,
+    cpus_or_empty,
+    plan_sync,
+    pod_key,
+)
+
+__all__ = ["CheckRequest", "PendingUpdate", "Rebuilt", "rebuild_books", "updates_to_send"]
+
+log = structlog.get_logger(LOGGER_NAME)
+
+# Every container but a stopped one keeps (or gets) its share: one in an unknown state may well be
+# running, and a pod quota left too high throttles nobody.
+_GONE = api.CONTAINER_STOPPED
+
+# The plugin's request check (logged), given the device bindings as rebuilt so far.
+CheckRequest = Callable[[api.PodSandbox, api.Container, Mapping[str, Slot]], RequestCheck]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingUpdate:
+    """An update for an existing container, to send once its pod's quota is raised."""
+
+    pod_key: str
+    given: int  # how many of its CPUs are already beyond its exclusive ones
+    update: api.ContainerUpdate
+    pod: api.PodSandbox
+    container: api.Container
+
+
+@dataclass(slots=True)
+class Rebuilt:
+    """The books as the running containers show them, and what they still need."""
+
+    books: Books
+    # Pod key -> how many CPUs its shared containers already have beyond their exclusive ones.
+    applied: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    pending: list[PendingUpdate] = field(default_factory=list)
+
+
+def rebuild_books(
+    shared: frozenset[int],
+    previous: Books,
+    pods: Sequence[api.PodSandbox],
+    containers: Sequence[api.Container],
+    check: CheckRequest,
+) -> Rebuilt:
+    """New books holding a slot for every live container that proves a request and can have the
+    `shared` CPUs; pods get placeholder records (`quota.PodQuotas.sync_pods` fills them in)."""
+    by_sandbox = {pod.id: pod for pod in pods}
+    present = {pod_key(pod) for pod in pods}
+    known = {record.id: record for _, record in previous.slots()}
+    # Device ids stay bound to their slots while the slot's pod exists, even with its container
+    # stopped: a copy of the marker in another pod must not take the device meanwhile.
+    bound = {device: slot for device, slot in previous.device_holders().items() if slot.pod in present}
+    rebuilt = Rebuilt(Books({}, bound))
+    for container in _live(containers, by_sandbox, known):
+        pod = by_sandbox[container.pod_sandbox_id]
+        _adopt(rebuilt, shared, pod, container, known.get(container.id), check)
+    return rebuilt
+
+
+def _live(
+    containers: Iterable[api.Container], by_sandbox: Mapping[str, api.PodSandbox], known: Mapping[str, object]
+) -> list[api.Container]:
+    """The containers to look at, those the books already knew first: a replayed marker must not
+    evict its real holder."""
+    live = [c for c in containers if c.state != _GONE and c.pod_sandbox_id in by_sandbox]
+    live.sort(key=lambda c: (c.id not in known, c.created_at, c.id))
+    return live
+
+
+def _adopt(
+    rebuilt: Rebuilt,
+    shared: frozenset[int],
+    pod: api.PodSandbox,
+    container: api.Container,
+    before: ContainerRecord | None,
+    check: CheckRequest,
+) -> None:
+    """Give one running container its slot in the rebuilt books, if it proves a request."""
+    books = rebuilt.books
+    proof = check(pod, container, books.devices).proof
+    if proof is None:
+        return
+    recorded = cpus_or_empty(before.exclusive) if before is not None else frozenset()
+    try:
+        plan = plan_sync(shared, pod, container, recorded)
+    except PolicyError as exc:
+        log.warning(
+            "existing container cannot have shared CPUs",
+            reason=str(exc),
+            **pod_fields(pod, container, event="Synchronize"),
+        )
+        return
+    slot = container_slot(pod, container)
+    if slot.pod not in books.pods:
+        books.pods[slot.pod] = PodRecord(pod.linux.cgroup_parent, None, 1)
+    books.hold(slot, ContainerRecord(container.id, len(shared), format_cpuset(plan.exclusive), proof.device))
+    rebuilt.applied[slot.pod] += plan.applied_shared
+    _note_plan(rebuilt, shared, plan, pod, container)
+
+
+def _note_plan(
+    rebuilt: Rebuilt, shared: frozenset[int], plan: SyncPlan, pod: api.PodSandbox, container: api.Container
+) -> None:
+    """Keep the container's update for later, and log what it will (and will not) see."""
+    if plan.update is not None:
+        rebuilt.pending.append(PendingUpdate(pod_key(pod), plan.applied_shared, plan.update, pod, container))
+        log.info(
+            "bringing an existing container to the shared CPUs",
+            cpus=plan.update.linux.resources.cpu.cpus or "unchanged",
+            **pod_fields(pod, container, event="Synchronize"),
+        )
+    if plan.env_stale:
+        log.warning(
+            "container must restart to see the current CPU sets in its environment",
+            OPENSHIFT_SHARED_CPUS=format_cpuset(shared),
+            OPENSHIFT_ISOLATED_CPUS=format_cpuset(plan.exclusive),
+            **pod_fields(pod, container, event="Synchronize"),
+        )
+
+
+def updates_to_send(rebuilt: Rebuilt, failed: set[str]) -> list[api.ContainerUpdate]:
+    """The pending updates whose pod quota was raised. The others are dropped: no cpuset or quota
+    change without its pod's quota (v1 refuses the container's quota above the pod's, v2 would
+    throttle the pod); nor a share in the books that the container does not have."""
+    updates: list[api.ContainerUpdate] = []
+    for pending in rebuilt.pending:
+        if pending.pod_key not in failed:
+            updates.append(pending.update)
+            continue
+        if not pending.given:
+            rebuilt.books.release(pending.container.id)
+        log.warning(
+            "container left as it is until the next synchronization: its pod quota cannot be raised",
+            **pod_fields(pending.pod, pending.container, event="Synchronize"),
+        )
+    return updates
