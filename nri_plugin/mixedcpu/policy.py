@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
 from api.nri import api_pb2 as api
-from cgroups import CpusetError, format_cpuset, parse_cpuset
+from cgroups.cpuset import CpusetError
+from cgroups.cpuset import format as format_cpuset
+from cgroups.cpuset import parse as parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY as MARKER_ANNOTATION
 from nri_plugin.mixedcpu.books import Slot
 
