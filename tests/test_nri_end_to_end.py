@@ -19,7 +19,7 @@ from nri_plugin.nri import mux
 from nri_plugin.nri.events import VALID_EVENTS_V0_9, Event, mask_of
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub, StubError, resolve_identity
-from nri_plugin.ttrpc import Server, UnaryMethod
+from nri_plugin.ttrpc.aio import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import ClientSession, ResponseReceived
 

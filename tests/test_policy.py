@@ -32,7 +32,7 @@ from nri_plugin.mixedcpu.policy import (
     pod_quota_target,
 )
 from nri_plugin.mixedcpu.state import Slot
-from nri_plugin.ttrpc import Code, TtrpcError
+from nri_plugin.ttrpc.errors import Code, TtrpcError
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 KEY = HostKey(b"k" * 32)

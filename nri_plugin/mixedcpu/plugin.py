@@ -70,7 +70,7 @@ from nri_plugin.mixedcpu.policy import (
     pod_key,
 )
 from nri_plugin.mixedcpu.state import Books, ContainerRecord, PodRecord, Slot, StateStore
-from nri_plugin.ttrpc import Code, TtrpcError
+from nri_plugin.ttrpc.errors import Code, TtrpcError
 
 __all__ = ["CgroupObserver", "MixedCpuPlugin"]
 

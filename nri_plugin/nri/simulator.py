@@ -37,8 +37,8 @@ from nri_plugin.nri.events import (
     valid_events,
 )
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE
-from nri_plugin.ttrpc import Client, ConnectionClosed, OversizedMessage, Server, TtrpcError, UnaryMethod
-from nri_plugin.ttrpc.errors import Code
+from nri_plugin.ttrpc.aio import Client, Server, UnaryMethod
+from nri_plugin.ttrpc.errors import Code, ConnectionClosed, OversizedMessage, TtrpcError
 from nri_plugin.ttrpc.protocol import MAX_DATA
 
 log = structlog.get_logger("nri_plugin.nri.simulator")

@@ -52,13 +52,14 @@ from nri_plugin.nri.events import (
     mask_of,
     valid_events,
 )
-from nri_plugin.ttrpc import CallContext, Client, ConnectionClosed, Server, TtrpcError, UnaryMethod
+from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH, valid_index, valid_name
+from nri_plugin.ttrpc.aio import CallContext, Client, Server, UnaryMethod
+from nri_plugin.ttrpc.errors import ConnectionClosed, TtrpcError
 
 log = structlog.get_logger("nri_plugin.nri.stub")
 
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
-DEFAULT_SOCKET_PATH = "/var/run/nri/nri.sock"
 # NRI_version we announce in RegisterPlugin: the API level our .proto files describe.
 NRI_VERSION = "v0.12.2"
 DEFAULT_REGISTRATION_TIMEOUT = 5.0
@@ -82,9 +83,6 @@ EVENT_HANDLERS: dict[str, Event] = {
     "validate_container_adjustment": Event.VALIDATE_CONTAINER_ADJUSTMENT,
 }
 HANDLER_OF_EVENT = {event: name for name, event in EVENT_HANDLERS.items()}
-
-_INDEX = re.compile(r"^[0-9]{2}$")
-_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 
 class StubError(Exception):
@@ -126,15 +124,15 @@ def resolve_identity(
     if not name or not index:
         base = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         head, sep, tail = base.partition("-")
-        if sep and _INDEX.match(head):
+        if sep and valid_index(head):
             index = index or head
             name = name or tail
-    if not index or not _INDEX.match(index):
+    if not index or not valid_index(index):
         raise StubError(
             f"plugin index {index!r} is invalid: use exactly two digits, e.g. --nri-plugin-index 10 "
             "or NRI_PLUGIN_IDX=10"
         )
-    if not name or not _NAME.match(name):
+    if not name or not valid_name(name):
         raise StubError(
             f"plugin name {name!r} is invalid: use letters, digits and _ . + - only, "
             "e.g. --nri-plugin-name mixed-cpu"

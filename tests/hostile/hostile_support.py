@@ -40,7 +40,7 @@ from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri import mux
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub
-from nri_plugin.ttrpc import Server, UnaryMethod
+from nri_plugin.ttrpc.aio import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import NEED_DATA, FrameDecoder, MessageType, encode_frame
 

@@ -16,7 +16,7 @@ from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, m
 
 from api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.state import Books, ContainerRecord, PodRecord, Slot, StateStore
-from nri_plugin.ttrpc import TtrpcError
+from nri_plugin.ttrpc.errors import TtrpcError
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 SHARED = frozenset({0, 1})
