@@ -24,6 +24,7 @@ from cgroups import (
     read_cpu_quota,
     write_cpu_quota,
 )
+from nri_plugin.common.backoff import Backoff
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.state import StateStore
@@ -200,8 +201,7 @@ async def plugin_running(plugin: object, socket: Path, **options: Any) -> AsyncI
         "name": "mixed-cpu",
         "index": "10",
         "reconnect": False,
-        "backoff_initial": 0.01,
-        "backoff_max": 0.05,
+        "backoff": Backoff(initial=0.01, maximum=0.05),
     }
     stub = Stub(plugin, socket_path=str(socket), **{**defaults, **options})
     task = asyncio.ensure_future(stub.run())
