@@ -306,22 +306,34 @@ class Stub:
     async def run(self) -> None:
         """Serve until ``stop()``; reconnect with backoff when the runtime goes away (if enabled)."""
         while not self.stopping:
-            opened = await self._open()
-            if isinstance(opened, OSError):
-                delay = self.backoff.next()
-                log.warning(
-                    "nri connect failed, retrying", socket=self.socket_path, error=str(opened), retry_in=delay
-                )
-            else:
-                if await self._serve(opened):
-                    self.backoff.reset()
-                if self.stopping or not self.reconnect:
-                    return
-                delay = self.backoff.next()
-                log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=delay)
-                if self.observer is not None:
-                    self.observer.reconnecting()
+            delay = await self._attempt()
+            if delay is None:
+                return
             await self._back_off(delay)
+
+    async def _attempt(self) -> float | None:
+        """Connect and, if that works, serve the connection until it ends; the wait before the next
+        attempt, or None when there is to be none (stopped, or no reconnects)."""
+        opened = await self._open()
+        if self.stopping:
+            if not isinstance(opened, OSError):
+                opened.close()
+            return None
+        if isinstance(opened, OSError):
+            delay = self.backoff.next()
+            log.warning(
+                "nri connect failed, retrying", socket=self.socket_path, error=str(opened), retry_in=delay
+            )
+            return delay
+        if await self._serve(opened):
+            self.backoff.reset()
+        if self.stopping or not self.reconnect:
+            return None
+        delay = self.backoff.next()
+        log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=delay)
+        if self.observer is not None:
+            self.observer.reconnecting()
+        return delay
 
     def stop(self) -> None:
         if self.stopping:
@@ -332,7 +344,7 @@ class Stub:
             self._trunk.close()
 
     async def _back_off(self, delay: float) -> None:
-        if self.stopping:
+        if self.stopping:  # an observer may have stopped us
             return
         self._enter(S.BACKING_OFF)
         await sleep_unless(self.clock, self._stopped, delay)
@@ -347,9 +359,6 @@ class Stub:
             if not self.reconnect:
                 raise StubError(f"cannot connect to the NRI socket {self.socket_path}: {exc}") from exc
             return exc
-        if self.stopping:
-            trunk.close()
-            return OSError("stopped while connecting")
         return trunk
 
     async def _connect(self) -> mux.Trunk:
