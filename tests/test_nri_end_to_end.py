@@ -6,7 +6,7 @@ import asyncio
 import functools
 import socket
 import sys
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,7 +17,7 @@ from mixedcpu_support import plugin_running as running_stub
 
 from api.nri import api_pb2 as api
 from nri_plugin.common.backoff import Backoff
-from nri_plugin.common.clock import ManualClock
+from nri_plugin.common.clock import ManualClock, Timer
 from nri_plugin.nri import mux
 from nri_plugin.nri.connection import ConnectionState
 from nri_plugin.nri.errors import InvalidRequest, PluginFailure, PreconditionFailed
@@ -100,9 +100,32 @@ def make_container(pod: api.PodSandbox, n: int, cpus: str = "2-3") -> api.Contai
     return container
 
 
+class SkippingClock(ManualClock):
+    """Virtual time that jumps to a timer as soon as one is set: the stub's reconnect waits take no
+    real time at all (time moves only when the stub waits, and only as far as it waits)."""
+
+    def call_later(self, seconds: float, callback: Callable[[], object]) -> Timer:
+        timer = super().call_later(seconds, callback)
+        asyncio.get_running_loop().call_soon(self._skip)
+        return timer
+
+    def _skip(self) -> None:
+        due = self.next_due()
+        if due is not None:
+            task = asyncio.ensure_future(self.advance(due - self.monotonic()))
+            self._advancing.add(task)
+            task.add_done_callback(self._advancing.discard)
+
+    @functools.cached_property
+    def _advancing(self) -> set[asyncio.Task[None]]:
+        return set()
+
+
 def plugin_running(plugin: object, socket: Path, **options: Any) -> AbstractAsyncContextManager[Stub]:
-    """The stub as a daemon runs it here: name "test", reconnecting after a runtime restart."""
-    return running_stub(plugin, socket, **{"name": "test", "reconnect": True, **options})
+    """The stub as a daemon runs it here: name "test", reconnecting after a runtime restart, its
+    reconnect waits on virtual time."""
+    defaults = {"name": "test", "reconnect": True, "clock": SkippingClock()}
+    return running_stub(plugin, socket, **{**defaults, **options})
 
 
 @pytest.fixture
@@ -722,7 +745,8 @@ async def test_every_registration_resets_the_reconnect_backoff(socket_path: Path
 
 
 class DropsAfterFirstChunk(RuntimeSimulator):
-    """A runtime that goes away once the plugin has answered the first chunk of a split Synchronize."""
+    """A runtime that goes away (stops listening, drops the plugin) once the plugin has answered the
+    first chunk of a split Synchronize."""
 
     dropped = False
 
@@ -733,6 +757,8 @@ class DropsAfterFirstChunk(RuntimeSimulator):
         chunk = isinstance(request, api.SynchronizeRequest) and request.more
         if method == "Synchronize" and chunk and not self.dropped:
             self.dropped = True
+            assert self._server is not None
+            self._server.close()
             plugin.trunk.close()
         return reply
 
