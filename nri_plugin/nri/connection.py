@@ -1,19 +1,20 @@
 """The states of the stub's connection to the runtime, and the moves allowed between them.
 
-::
+The stub's own steps::
 
-    DISCONNECTED ──> CONNECTING ──> REGISTERING ──> REGISTERED ──> CONFIGURED ──> SYNCHRONIZING ──> READY
-         ^  │            │                                                           ^    │          │
-         │  v            v                                 (a Synchronize that fails goes back)  │
-         │ BACKING_OFF <─┘ (through DISCONNECTED)                                   └──────────────┘
-         └───────────────── every connected state, when the connection ends
-    STOPPED: from anywhere, for good (``stop()``).
+    DISCONNECTED -> CONNECTING -> REGISTERING            (the socket is open, RegisterPlugin sent)
+    CONNECTING -> DISCONNECTED -> BACKING_OFF -> CONNECTING    (the connect failed: wait, retry)
+    any connected state -> DISCONNECTED -> BACKING_OFF         (the connection ended)
+    anything -> STOPPED                                         (stop(): for good)
 
-The runtime drives the middle of the line and NRI does not fix its order: a Configure may be served
-before the reply to RegisterPlugin is read, and a runtime may send Synchronize without Configure. So
-every connected state may move to SYNCHRONIZING, and REGISTERING straight to CONFIGURED. A synchronization
-(from its first chunk until the plugin has answered) is SYNCHRONIZING; unsolicited updates wait while
-it lasts. One that fails goes back to where it started.
+The runtime's steps, while connected::
+
+    REGISTERING -> REGISTERED -> CONFIGURED -> SYNCHRONIZING -> READY
+
+NRI does not fix their order: a Configure may be served before the reply to RegisterPlugin is read
+(REGISTERING -> CONFIGURED), and a runtime may synchronize without configuring. So every connected
+state may move to SYNCHRONIZING. SYNCHRONIZING lasts from a Synchronize's first chunk until the plugin
+has answered the whole (unsolicited updates wait meanwhile); one that fails goes back where it began.
 
 Pure: no asyncio, no I/O. The stub keeps its events (ready, stopped, idle) in step with the state.
 """
