@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from nri_plugin.nri.connection import (
 )
 from nri_plugin.nri.events import Event, mask_of
 from nri_plugin.nri.routes import EVENT_ROUTES, ROUTES, Route
+from nri_plugin.ttrpc.aio import CallContext
 
 ROOT = Path(__file__).resolve().parent.parent
 S = ConnectionState
@@ -329,3 +331,32 @@ def test_a_route_is_generic_in_its_handler() -> None:
     assert isinstance(create, Route)
     assert create.handler is handlers.CreateContainer
     assert create.bind(object()) is None
+
+
+@pytest.mark.asyncio
+async def test_each_method_map_gathers_its_own_synchronize_chunks() -> None:
+    """Every map `_methods()` gives (one per connection; the fuzzer and benchmarks serve their own)
+    joins the chunks it received only: a chunk sent on one never reaches another's Synchronize."""
+    synced: list[list[str]] = []
+
+    class Syncs:
+        async def synchronize(
+            self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
+        ) -> Sequence[api.ContainerUpdate]:
+            synced.append([pod.id for pod in pods])
+            return ()
+
+    served = stub.Stub(Syncs(), name="x", index="10", socket_path="/nonexistent")
+    ctx = CallContext(
+        service=stub.PLUGIN_SERVICE,
+        method="Synchronize",
+        stream_id=1,
+        metadata=(),
+        timeout_nano=0,
+        deadline=None,
+    )
+    lost = served._methods()["Synchronize"].handler
+    await lost(api.SynchronizeRequest(pods=[api.PodSandbox(id="stale")], more=True), ctx)
+    fresh = served._methods()["Synchronize"].handler
+    await fresh(api.SynchronizeRequest(pods=[api.PodSandbox(id="new")]), ctx)
+    assert synced == [["new"]]
