@@ -21,6 +21,7 @@ import sys
 import structlog
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.common.backoff import Backoff
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
@@ -49,8 +50,7 @@ async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
         name="bench",
         index="10",
         socket_path=socket_path,
-        backoff_initial=0.01,
-        backoff_max=0.05,
+        backoff=Backoff(initial=0.01, maximum=0.05),
     )
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stub.stop)

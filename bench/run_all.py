@@ -73,7 +73,7 @@ from api.nri import api_pb2 as api
 from nri_plugin.nri import mux
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub
-from nri_plugin.ttrpc import Server
+from nri_plugin.ttrpc.aio import Server
 from nri_plugin.ttrpc.protocol import ClientSession
 
 MB = 1_000_000 / (1 << 20)  # one MB in MiB

@@ -76,7 +76,7 @@ from nri_plugin.mixedcpu.plugin import MixedCpuPlugin  # noqa: E402
 from nri_plugin.mixedcpu.store import StateStore  # noqa: E402
 from nri_plugin.nri.mux import MAX_PAYLOAD  # noqa: E402
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub  # noqa: E402
-from nri_plugin.ttrpc import Server  # noqa: E402
+from nri_plugin.ttrpc.aio import Server  # noqa: E402
 from nri_plugin.ttrpc.errors import Code, ProtocolError  # noqa: E402
 from nri_plugin.ttrpc.protocol import (  # noqa: E402
     ClientSession,

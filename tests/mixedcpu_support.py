@@ -24,6 +24,7 @@ from cgroups import (
     read_cpu_quota,
     write_cpu_quota,
 )
+from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
@@ -207,8 +208,7 @@ async def plugin_running(plugin: object, socket: Path, **options: Any) -> AsyncI
         "name": "mixed-cpu",
         "index": "10",
         "reconnect": False,
-        "backoff_initial": 0.01,
-        "backoff_max": 0.05,
+        "backoff": Backoff(initial=0.01, maximum=0.05),
     }
     stub = Stub(plugin, socket_path=str(socket), **{**defaults, **options})
     task = asyncio.ensure_future(stub.run())

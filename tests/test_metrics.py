@@ -31,6 +31,7 @@ from probe_support import GUARD, Samples, get, samples, scrape, value
 
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, CgroupPath, write_cpu_quota
+from nri_plugin.common.backoff import Backoff
 from nri_plugin.daemon.metrics import DURATION_BUCKETS, Metrics
 from nri_plugin.daemon.probes import ProbeServer, readiness
 from nri_plugin.daemon.wiring import bind_gauges
@@ -244,7 +245,7 @@ async def test_kernel_refusal_is_counted(short_dir: Path) -> None:
 async def test_reconnect_is_counted_and_readiness_follows_the_runtime(short_dir: Path) -> None:
     tree = FakeCgroups(short_dir / "cgroup", 1)
     async with observed(
-        short_dir, tree.layout, sim_started=False, reconnect=True, backoff_initial=0.01
+        short_dir, tree.layout, sim_started=False, reconnect=True, backoff=Backoff(0.01, 0.05)
     ) as node:
         # No runtime yet: alive, not ready.
         assert (await get("127.0.0.1", node.port, "/healthz")).status == 200

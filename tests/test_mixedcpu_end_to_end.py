@@ -29,7 +29,7 @@ from mixedcpu_support import (
 from api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
-from nri_plugin.ttrpc import Code
+from nri_plugin.ttrpc.errors import Code
 
 RUNTIME_VERSIONS = {
     # containerd 2.3 speaks NRI v0.12 (dedicated event methods); CRI-O 1.36 v0.11 (StateChange).

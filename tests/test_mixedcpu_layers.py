@@ -37,7 +37,9 @@ def test_the_domain_imports_no_transport_and_nothing_of_the_daemon(path: Path) -
 
 @pytest.mark.parametrize("path", sorted(DOMAIN.glob("*.py")), ids=lambda p: p.name)
 def test_the_domain_uses_the_cgroups_library_not_its_internals(path: Path) -> None:
-    internals = {m for m in _imports(path) if m.startswith("cgroups.")}
+    # `cgroups.cpuset` is public and pure: the policy takes cpu lists from it rather than through the
+    # package, whose __init__ brings the file modules (import-linter's policy contract).
+    internals = {m for m in _imports(path) if m.startswith("cgroups.") and m != "cgroups.cpuset"}
     assert internals == set()
 
 

@@ -6,26 +6,37 @@ import asyncio
 import functools
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
+from google.protobuf.message import Message
 from mixedcpu_support import plugin_running as running_stub
 
 from api.nri import api_pb2 as api
+from nri_plugin.common.backoff import Backoff
+from nri_plugin.common.clock import ManualClock, Timer
 from nri_plugin.nri import mux
+from nri_plugin.nri.connection import ConnectionState
+from nri_plugin.nri.errors import InvalidRequest, PluginFailure, PreconditionFailed
 from nri_plugin.nri.events import VALID_EVENTS_V0_9, Event, mask_of
-from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
+from nri_plugin.nri.simulator import PluginConnection, PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub, StubError, resolve_identity
-from nri_plugin.ttrpc import Server, UnaryMethod
-from nri_plugin.ttrpc.errors import Code
+from nri_plugin.ttrpc.aio import Server, UnaryMethod
+from nri_plugin.ttrpc.errors import Code, TtrpcError
 from nri_plugin.ttrpc.protocol import ClientSession, ResponseReceived
 
 ROOT = Path(__file__).resolve().parent.parent
 # Guards against a hung test only; nothing here measures time.
 GUARD = 10.0
+T = TypeVar("T")
+
+
+async def guarded(awaitable: Awaitable[T]) -> T:
+    """Fail instead of hanging when something that must happen does not (not a timing check)."""
+    return await asyncio.wait_for(awaitable, GUARD)
 
 
 class Recorder:
@@ -89,9 +100,32 @@ def make_container(pod: api.PodSandbox, n: int, cpus: str = "2-3") -> api.Contai
     return container
 
 
+class SkippingClock(ManualClock):
+    """Virtual time that jumps to a timer as soon as one is set: the stub's reconnect waits take no
+    real time at all (time moves only when the stub waits, and only as far as it waits)."""
+
+    def call_later(self, seconds: float, callback: Callable[[], object]) -> Timer:
+        timer = super().call_later(seconds, callback)
+        asyncio.get_running_loop().call_soon(self._skip)
+        return timer
+
+    def _skip(self) -> None:
+        due = self.next_due()
+        if due is not None:
+            task = asyncio.ensure_future(self.advance(due - self.monotonic()))
+            self._advancing.add(task)
+            task.add_done_callback(self._advancing.discard)
+
+    @functools.cached_property
+    def _advancing(self) -> set[asyncio.Task[None]]:
+        return set()
+
+
 def plugin_running(plugin: object, socket: Path, **options: Any) -> AbstractAsyncContextManager[Stub]:
-    """The stub as a daemon runs it here: name "test", reconnecting after a runtime restart."""
-    return running_stub(plugin, socket, **{"name": "test", "reconnect": True, **options})
+    """The stub as a daemon runs it here: name "test", reconnecting after a runtime restart, its
+    reconnect waits on virtual time."""
+    defaults = {"name": "test", "reconnect": True, "clock": SkippingClock()}
+    return running_stub(plugin, socket, **{**defaults, **options})
 
 
 @pytest.fixture
@@ -546,3 +580,244 @@ async def test_plugin_launched_by_the_runtime_uses_the_inherited_socket(tmp_path
         # A launched plugin cannot reconnect: the runtime closing fd 3 ends it.
         _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
     assert proc.returncode == 0, stderr.decode()
+
+
+# -- refusals: the plugin's domain errors reach the runtime as ttrpc status codes -----------------------
+
+
+@pytest.mark.parametrize(
+    ("refusal", "code"),
+    [
+        (InvalidRequest("pod spec is wrong: ask for 1 shared-cpu device"), Code.INVALID_ARGUMENT),
+        (PreconditionFailed("the pod cgroup cannot take the quota"), Code.FAILED_PRECONDITION),
+        (PluginFailure("the state file cannot be written"), Code.INTERNAL),
+        # Still accepted until every plugin raises the NRI-level errors.
+        (
+            TtrpcError(Code.FAILED_PRECONDITION, "the pod cgroup cannot take the quota"),
+            Code.FAILED_PRECONDITION,
+        ),
+    ],
+    ids=["invalid", "precondition", "failure", "ttrpc-error"],
+)
+@pytest.mark.asyncio
+async def test_a_refusal_reaches_the_runtime_as_its_status_code(
+    socket_path: Path, refusal: Exception, code: Code
+) -> None:
+    class Refusing(Recorder):
+        async def create_container(
+            self, pod: api.PodSandbox, container: api.Container
+        ) -> api.CreateContainerResponse:
+            raise refusal
+
+    async with RuntimeSimulator(socket_path) as sim, plugin_running(Refusing(), socket_path):
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        with pytest.raises(PluginFailed) as failure:
+            await sim.create_container(make_container(pod, 1))
+        assert failure.value.code == code
+        message = refusal.message if isinstance(refusal, TtrpcError) else str(refusal)
+        assert failure.value.message == message
+        assert "pod1-c1" not in sim.containers
+        assert len(sim.plugins) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_in_a_state_change_reaches_the_runtime_as_its_status_code(socket_path: Path) -> None:
+    class Refusing(Recorder):
+        async def start_container(self, pod: api.PodSandbox, container: api.Container) -> None:
+            raise PreconditionFailed("not now")
+
+    async with (
+        RuntimeSimulator(socket_path, runtime_name="cri-o", runtime_version="1.36.3", nri_version="") as sim,
+        plugin_running(Refusing(), socket_path),
+    ):
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        await sim.create_container(make_container(pod, 1))
+        with pytest.raises(PluginFailed) as failure:
+            await sim.start_container("pod1-c1")
+        assert (failure.value.event, failure.value.code, failure.value.message) == (
+            "StateChange",
+            Code.FAILED_PRECONDITION,
+            "not now",
+        )
+
+
+# -- the connection's states ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_connection_goes_through_its_states(socket_path: Path) -> None:
+    seen: list[tuple[str, ConnectionState]] = []
+
+    class Watching(Recorder):
+        stub: Stub
+
+        async def synchronize(
+            self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
+        ) -> Sequence[api.ContainerUpdate]:
+            seen.append(("synchronize", self.stub.state))
+            return await super().synchronize(pods, containers)
+
+        async def create_container(
+            self, pod: api.PodSandbox, container: api.Container
+        ) -> api.CreateContainerResponse:
+            seen.append(("create", self.stub.state))
+            return await super().create_container(pod, container)
+
+    plugin = Watching()
+    clock = ManualClock()  # the reconnect waits until the test moves time on
+    stub = Stub(plugin, name="test", index="10", socket_path=str(socket_path), clock=clock)
+    plugin.stub = stub
+    before = stub.state
+    running = asyncio.ensure_future(stub.run())
+    try:
+        assert await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF)) is ConnectionState.BACKING_OFF
+        async with RuntimeSimulator(socket_path) as sim:
+            await clock.advance(1.0)
+            await guarded(stub.wait_for_state(ConnectionState.READY))
+            assert stub.ready.is_set()
+            pod = make_pod(1)
+            await sim.run_pod_sandbox(pod)
+            await sim.create_container(make_container(pod, 1))
+        await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF))
+        assert not stub.ready.is_set()
+    finally:
+        stub.stop()
+        await guarded(running)
+    assert (before, stub.state) == (ConnectionState.DISCONNECTED, ConnectionState.STOPPED)
+    assert seen == [("synchronize", ConnectionState.SYNCHRONIZING), ("create", ConnectionState.READY)]
+
+
+@pytest.mark.asyncio
+async def test_stop_ends_the_backoff_wait_at_once(socket_path: Path) -> None:
+    clock = ManualClock()  # never advanced: only stop() can end the wait
+    stub = Stub(Recorder(), name="test", index="10", socket_path=str(socket_path), clock=clock)
+    running = asyncio.ensure_future(stub.run())
+    await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF))
+    stub.stop()
+    await guarded(running)
+    assert stub.state is ConnectionState.STOPPED
+
+
+async def next_backoff(stub: Stub, clock: ManualClock) -> float:
+    """The wait the stub is backing off for, once it waits (the clock has no other timer)."""
+    await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF))
+    while (due := clock.next_due()) is None:
+        await guarded(asyncio.sleep(0))
+    assert stub.state is ConnectionState.BACKING_OFF
+    return due - clock.monotonic()
+
+
+@pytest.mark.asyncio
+async def test_every_registration_resets_the_reconnect_backoff(socket_path: Path) -> None:
+    """Mutation testing found the reset after a successful registration untested: without it, after
+    a few runtime restarts every reconnect waits the longest delay."""
+    clock = ManualClock()
+    backoff = Backoff(initial=1.0, maximum=8.0, jitter=(1.0, 1.0))
+    stub = Stub(
+        Recorder(), name="test", index="10", socket_path=str(socket_path), backoff=backoff, clock=clock
+    )
+    running = asyncio.ensure_future(stub.run())
+    try:
+        for restart in range(3):
+            # The runtime is away: each failed attempt waits twice as long as the one before.
+            assert await next_backoff(stub, clock) == 1.0, f"restart {restart}"
+            await clock.advance(1.0)
+            assert await next_backoff(stub, clock) == 2.0
+            await clock.advance(2.0)
+            assert await next_backoff(stub, clock) == 4.0
+            async with RuntimeSimulator(socket_path) as sim:
+                await clock.advance(4.0)
+                await sim.wait_for_plugins(1, GUARD)
+                await guarded(stub.wait_for_state(ConnectionState.READY))
+            # Registered, then lost: back at the initial delay.
+        assert stub.connections == 3
+        assert await next_backoff(stub, clock) == 1.0
+    finally:
+        stub.stop()
+        await guarded(running)
+
+
+# -- Synchronize chunks belong to their connection -------------------------------------------------------
+
+
+class DropsAfterFirstChunk(RuntimeSimulator):
+    """A runtime that goes away (stops listening, drops the plugin) once the plugin has answered the
+    first chunk of a split Synchronize."""
+
+    dropped = False
+
+    async def _call(
+        self, plugin: PluginConnection, method: str, request: Message, response_type: type[Any], **kwargs: Any
+    ) -> Any:
+        reply = await super()._call(plugin, method, request, response_type, **kwargs)
+        chunk = isinstance(request, api.SynchronizeRequest) and request.more
+        if method == "Synchronize" and chunk and not self.dropped:
+            self.dropped = True
+            assert self._server is not None
+            self._server.close()
+            plugin.trunk.close()
+        return reply
+
+
+@pytest.mark.asyncio
+async def test_chunks_of_a_lost_connection_never_reach_the_next_synchronize(socket_path: Path) -> None:
+    """A connection dropped after Synchronize chunk 1, then a runtime with 3 pods: the plugin gets those
+    3 pods alone, not the lost chunk's too (which would bring containers removed meanwhile back)."""
+    plugin = Recorder()
+    first = DropsAfterFirstChunk(socket_path, max_message_size=8 * 1024)
+    for n in range(60):
+        pod = make_pod(n, annotations=4)
+        first.add_pod(pod)
+        first.add_container(make_container(pod, 1))
+    async with plugin_running(plugin, socket_path) as stub:
+        async with first:
+            while not first.dropped:
+                await guarded(asyncio.sleep(0.01))
+        assert first.sync_chunks[0] < 120  # the first chunk was part of the whole, and went astray
+        async with RuntimeSimulator(socket_path) as second:
+            for n in range(100, 103):
+                second.add_pod(make_pod(n))
+            await second.wait_for_plugins(1, GUARD)
+        assert stub.synchronizations == 1
+    assert plugin.synced == [(3, 0)]
+
+
+# -- unsolicited updates wait for the reply ------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_unsolicited_updates_leave_only_after_the_reply(socket_path: Path) -> None:
+    """Mutation testing found the wait untested: an update queued by a handler that goes on working
+    must reach the runtime after the handler's reply, never while the runtime waits for it."""
+
+    class Updater(Recorder):
+        stub: Stub
+
+        async def create_container(
+            self, pod: api.PodSandbox, container: api.Container
+        ) -> api.CreateContainerResponse:
+            update = api.ContainerUpdate(container_id="pod1-c0")
+            update.linux.resources.cpu.cpus = "0-3"
+            self.pending = self.stub.update_containers([update])
+            # Still handling: long enough for an update sent at once to reach the runtime.
+            for _ in range(50):
+                await asyncio.sleep(0)
+            return api.CreateContainerResponse()
+
+    plugin = Updater()
+    async with RuntimeSimulator(socket_path) as sim:
+        pod = make_pod(1)
+        sim.add_pod(pod)
+        sim.add_container(make_container(pod, 0))
+        async with plugin_running(plugin, socket_path) as stub:
+            plugin.stub = stub
+            await sim.wait_for_plugins(1, GUARD)
+            await sim.create_container(make_container(pod, 1))
+            assert await guarded(plugin.pending) == []
+    assert [(u.plugin, u.containers, u.calls_in_flight) for u in sim.unsolicited] == [
+        ("10-test", ("pod1-c0",), 0)
+    ]

@@ -33,7 +33,7 @@ from nri_plugin.mixedcpu.policy import (
     pod_quota_target,
 )
 from nri_plugin.nri.errors import PluginRefusal
-from nri_plugin.ttrpc import Code
+from nri_plugin.ttrpc.errors import Code
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 KEY = HostKey(b"k" * 32)

@@ -43,6 +43,9 @@ import cgroups
 from cgroups import CgroupLayout, CgroupMode, CgroupModeError, CpusetError, Hierarchy
 from cgroups.mode import DEFAULT_CGROUP_ROOT, DEFAULT_MOUNTINFO
 from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
+from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH
+from nri_plugin.nri.identity import PLUGIN_INDEX as _INDEX
+from nri_plugin.nri.identity import PLUGIN_NAME as _NAME
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -61,18 +64,16 @@ __all__ = [
 
 DEFAULT_CONFIG_PATH: Final = "/etc/mixed-cpu-nri/config.toml"
 DEFAULT_STATE_DIR: Final = "/var/lib/mixed-cpu-nri"
-DEFAULT_NRI_SOCKET: Final = "/var/run/nri/nri.sock"
+DEFAULT_NRI_SOCKET: Final = DEFAULT_SOCKET_PATH
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMATS: Final = ("auto", "console", "json")
 DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:8891"
 CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
 
-_INDEX: Final = re.compile(r"[0-9]{2}")
 _BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
 # Larger than any real config; a bigger file is refused rather than read in part.
 MAX_CONFIG_SIZE: Final = 1 << 20
-_NAME: Final = re.compile(r"[A-Za-z0-9_.+-]+")
 _SOURCES_TABLE: Final = "trusted_sources"
 _DEVICE_PLUGIN_TABLE: Final = "device_plugin"
 _EXAMPLE: Final = 'e.g. shared_cpuset = "0-1"'

@@ -156,7 +156,6 @@ def build_stub(
         index=options.plugin_index or environ.get("NRI_PLUGIN_IDX") or config.plugin_index,
         socket_path=options.socket or config.nri_socket,
         reconnect=options.reconnect,
-        environ=dict(environ),
         observer=observer,
     )
 

@@ -4,6 +4,9 @@ The numbers and mask layout are NRI's (event ``e`` is bit ``1 << (e - 1)``). A r
 plugin whose mask has a bit it does not know, so the mask a plugin sends must be limited to what the
 runtime's NRI version accepts; that version is given by ``ConfigureRequest.NRI_version`` from NRI
 v0.12.0 on and must be inferred from the runtime's name and version before that.
+
+What each event is to a plugin (its method, handler, request and response) is in
+`nri_plugin.nri.routes`. Imports nothing beyond the standard library.
 """
 
 from __future__ import annotations
@@ -11,9 +14,6 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable
-from typing import Any
-
-from api.nri import api_pb2 as api
 
 
 class Event(enum.IntEnum):
@@ -53,41 +53,6 @@ def events_in(mask: int) -> list[Event]:
 VALID_EVENTS_V0_9 = (1 << 11) - 1
 VALID_EVENTS_CRIO_1_33 = (1 << 13) - 1
 VALID_EVENTS_V0_10 = (1 << 14) - 1
-
-# Events that NRI v0.12 runtimes send through a dedicated method (name, request and response type here),
-# and older runtimes, or a plugin answering 12 to that method, through StateChange.
-DEDICATED_METHODS: dict[Event, tuple[str, type[Any], type[Any]]] = {
-    Event.RUN_POD_SANDBOX: ("RunPodSandbox", api.RunPodSandboxRequest, api.RunPodSandboxResponse),
-    Event.STOP_POD_SANDBOX: ("StopPodSandbox", api.StopPodSandboxRequest, api.StopPodSandboxResponse),
-    Event.REMOVE_POD_SANDBOX: ("RemovePodSandbox", api.RemovePodSandboxRequest, api.RemovePodSandboxResponse),
-    Event.POST_UPDATE_POD_SANDBOX: (
-        "PostUpdatePodSandbox",
-        api.PostUpdatePodSandboxRequest,
-        api.PostUpdatePodSandboxResponse,
-    ),
-    Event.POST_CREATE_CONTAINER: (
-        "PostCreateContainer",
-        api.PostCreateContainerRequest,
-        api.PostCreateContainerResponse,
-    ),
-    Event.START_CONTAINER: ("StartContainer", api.StartContainerRequest, api.StartContainerResponse),
-    Event.POST_START_CONTAINER: (
-        "PostStartContainer",
-        api.PostStartContainerRequest,
-        api.PostStartContainerResponse,
-    ),
-    Event.POST_UPDATE_CONTAINER: (
-        "PostUpdateContainer",
-        api.PostUpdateContainerRequest,
-        api.PostUpdateContainerResponse,
-    ),
-    Event.REMOVE_CONTAINER: ("RemoveContainer", api.RemoveContainerRequest, api.RemoveContainerResponse),
-}
-STATE_CHANGE_EVENTS = frozenset(DEDICATED_METHODS)
-# Events about a pod as a whole: their requests carry no container.
-POD_EVENTS = frozenset(
-    {Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX, Event.REMOVE_POD_SANDBOX, Event.POST_UPDATE_POD_SANDBOX}
-)
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
 

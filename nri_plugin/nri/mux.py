@@ -14,7 +14,8 @@ The module has two halves:
 
 * a sans-I/O core (:func:`encode`, :class:`MuxDecoder`) that touches neither
   sockets nor asyncio: bytes in, frames out, in the style of h11
-  (``receive_data`` / ``next_event`` / ``NEED_DATA``);
+  (``receive_data`` / ``next_event`` / ``NEED_DATA``), with the buffer and the
+  sentinel of the ttrpc decoder it sits under (`nri_plugin.ttrpc.buffer`);
 * a thin asyncio edge (:class:`Trunk`, :func:`open_unix`, :func:`adopt_socket`)
   that feeds the socket's bytes to the decoder and hands each frame's payload to
   the receiver registered for its connection id.
@@ -23,7 +24,6 @@ The module has two halves:
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
 import socket
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
 from nri_plugin.common import heap
+from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
@@ -81,11 +82,6 @@ FIRST_FRAME_MAX: Final = 4096
 
 _HEADER: Final = struct.Struct(">II")
 
-# Consumed bytes are dropped from the front of the receive buffer only once they are at least
-# this many and at least half of the buffer, so that compaction costs O(1) amortised per byte
-# and small frames do not cause a memmove each.
-_COMPACT_MIN: Final = 64 * 1024
-
 # The trunk reads the socket into one buffer of this size, the same for every read (asyncio's own
 # reads allocate a fresh 256 KiB each time: above glibc's mmap threshold, so an mmap, mremap and
 # munmap per small message). A 4 MiB Synchronize message takes 64 reads.
@@ -111,16 +107,6 @@ class MuxProtocolError(RemoteProtocolError):
 class LocalMuxError(LocalProtocolError):
     """We asked for something the mux cannot do (connection id 0 or out of range, a channel
     registered twice, data fed to a decoder after end of file). A bug in the caller."""
-
-
-class NeedData(enum.Enum):
-    """Type of the :data:`NEED_DATA` sentinel."""
-
-    NEED_DATA = "NEED_DATA"
-
-
-NEED_DATA: Final = NeedData.NEED_DATA
-"""Returned by :meth:`MuxDecoder.next_event` when no whole frame is buffered."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,8 +158,7 @@ class MuxDecoder:
     """
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._start = 0  # offset of the first unconsumed byte in _buffer
+        self._buffer = ReceiveBuffer()
         self._eof = False
         self._error: MuxProtocolError | None = None
 
@@ -193,8 +178,7 @@ class MuxDecoder:
             return
         if self._eof:
             raise LocalMuxError("data received after end of file")
-        self._compact()
-        self._buffer += data
+        self._buffer.append(data)
 
     def next_event(self) -> MuxFrame | NeedData:
         """Return the next whole frame, or :data:`NEED_DATA`.
@@ -203,13 +187,13 @@ class MuxDecoder:
             :data:`MAX_PAYLOAD`, or closed the trunk in the middle of a frame.
         """
         found = self.next_payload()
-        if found is None:
+        if found is NEED_DATA:
             return NEED_DATA
         return MuxFrame(conn_id=found[0], payload=found[1])
 
-    def next_payload(self) -> tuple[int, bytes] | None:
-        """:meth:`next_event` as a plain ``(conn_id, payload)`` pair, or None for
-        :data:`NEED_DATA` (what :class:`Trunk` uses: one object fewer per frame)."""
+    def next_payload(self) -> tuple[int, bytes] | NeedData:
+        """:meth:`next_event` as a plain ``(conn_id, payload)`` pair (what :class:`Trunk` uses:
+        one object fewer per frame)."""
         if self._error is not None:
             raise MuxProtocolError(f"mux stream already failed: {self._error}")
         try:
@@ -218,42 +202,27 @@ class MuxDecoder:
             self._error = exc
             raise
 
-    def _next_frame(self) -> tuple[int, bytes] | None:
-        available = len(self._buffer) - self._start
+    def _next_frame(self) -> tuple[int, bytes] | NeedData:
+        available = len(self._buffer)
         if available < HEADER_SIZE:
             if self._eof and available:
                 raise MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
-            return None
+            return NEED_DATA
         # The header is checked as soon as it is complete, before any of the payload is kept.
-        conn_id, length = _HEADER.unpack_from(self._buffer, self._start)
+        conn_id, length = self._buffer.unpack_header(_HEADER)
         if conn_id == _RESERVED_CONN:
             raise MuxProtocolError("frame on reserved mux connection id 0")
         if length > MAX_PAYLOAD:
             raise MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
-        end = self._start + HEADER_SIZE + length
-        if len(self._buffer) < end:
+        if available < HEADER_SIZE + length:
             if self._eof:
                 raise MuxProtocolError(
                     f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
                 )
-            return None
-        with memoryview(self._buffer) as view:
-            payload = view[self._start + HEADER_SIZE : end].tobytes()
-        self._start = end
-        if end == len(self._buffer):
-            # All consumed: let go of the memory now, not at the next read (which may be long in
-            # coming after a multi-megabyte Synchronize).
-            self._buffer.clear()
-            self._start = 0
-        return conn_id, payload
-
-    def _compact(self) -> None:
-        if self._start == len(self._buffer):
-            self._buffer.clear()
-            self._start = 0
-        elif self._start >= _COMPACT_MIN and 2 * self._start >= len(self._buffer):
-            del self._buffer[: self._start]
-            self._start = 0
+            return NEED_DATA
+        # Once all is consumed the buffer lets go of its memory now, not at the next read (which may
+        # be long in coming after a multi-megabyte Synchronize).
+        return conn_id, self._buffer.take(HEADER_SIZE, length)
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,7 +378,7 @@ class Trunk(asyncio.BufferedProtocol):
                 logger.warning("NRI mux protocol error, closing the trunk: %s", exc)
                 self._shut_down(exc)
                 return
-            if found is None:
+            if found is NEED_DATA:
                 return
             self._deliver(*found)
 

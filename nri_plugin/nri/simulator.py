@@ -28,17 +28,11 @@ from google.protobuf.message import Message
 
 from api.nri import api_pb2 as api
 from nri_plugin.nri import mux
-from nri_plugin.nri.events import (
-    DEDICATED_METHODS,
-    STATE_CHANGE_EVENTS,
-    Event,
-    events_in,
-    parse_version,
-    valid_events,
-)
+from nri_plugin.nri.events import Event, events_in, parse_version, valid_events
+from nri_plugin.nri.routes import EVENT_ROUTES, STATE_CHANGE, STATE_CHANGE_EVENTS
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE
-from nri_plugin.ttrpc import Client, ConnectionClosed, OversizedMessage, Server, TtrpcError, UnaryMethod
-from nri_plugin.ttrpc.errors import Code
+from nri_plugin.ttrpc.aio import Client, Server, UnaryMethod
+from nri_plugin.ttrpc.errors import Code, ConnectionClosed, OversizedMessage, TtrpcError
 from nri_plugin.ttrpc.protocol import MAX_DATA
 
 log = structlog.get_logger("nri_plugin.nri.simulator")
@@ -71,6 +65,18 @@ class Record:
     container: str = ""
     outcome: str = "ok"  # ok | error | dropped | unimplemented
     detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnsolicitedUpdate:
+    """An UpdateContainers request a plugin sent of its own accord, as it arrived."""
+
+    plugin: str
+    containers: tuple[str, ...]
+    # The runtime's requests to that plugin still unanswered when it arrived. NRI plugins must not
+    # send one while they handle a request (the runtime holds its lock for the whole event), so a
+    # well-behaved plugin's are all 0.
+    calls_in_flight: int
 
 
 @dataclass
@@ -133,6 +139,7 @@ class RuntimeSimulator:
         self.containers: dict[str, api.Container] = {}
         self.records: list[Record] = []
         self.applied_updates: list[api.ContainerUpdate] = []
+        self.unsolicited: list[UnsolicitedUpdate] = []
         self.sync_chunks: list[int] = []  # objects in each Synchronize message sent
         self.sync_seconds: list[float] = []  # duration of each whole synchronization, all chunks
         self._plugins: list[PluginConnection] = []
@@ -208,6 +215,13 @@ class RuntimeSimulator:
             request: api.UpdateContainersRequest, _ctx: object
         ) -> api.UpdateContainersResponse:
             source = link.plugin.full_name if link.plugin else "unregistered"
+            self.unsolicited.append(
+                UnsolicitedUpdate(
+                    plugin=source,
+                    containers=tuple(u.container_id for u in request.update),
+                    calls_in_flight=client.pending_calls,
+                )
+            )
             async with self._lock:
                 failed = [u for u in request.update if not self._apply_update(u, source=source)]
             return api.UpdateContainersResponse(failed=failed)
@@ -404,20 +418,23 @@ class RuntimeSimulator:
     async def _state_event(self, event: Event, pod: api.PodSandbox, container: api.Container | None) -> None:
         """Deliver a StateChange-class event, on the dedicated v0.12 method where the plugin has it."""
         assert event in STATE_CHANGE_EVENTS
+        route = EVENT_ROUTES[event]
         for plugin in self._subscribers(event):
             ident = container.id if container is not None else pod.id
             if self.dedicated_rpcs and not plugin.uses_state_change:
-                method, request_type, response_type = DEDICATED_METHODS[event]
-                request = request_type(pod=pod, container=container) if container else request_type(pod=pod)
+                if route.pod_only:
+                    request = route.request_type(pod=pod)
+                else:
+                    request = route.request_type(pod=pod, container=container)
                 try:
-                    await self._call(plugin, method, request, response_type, container=ident)
+                    await self._call(plugin, route.method, request, route.response_type, container=ident)
                     continue
                 except PluginFailed as exc:
                     if exc.code != Code.UNIMPLEMENTED:
                         raise
                     plugin.uses_state_change = True
             state = api.StateChangeEvent(event=api.Event.ValueType(event), pod=pod, container=container)
-            await self._call(plugin, "StateChange", state, api.Empty, container=ident)
+            await self._call(plugin, STATE_CHANGE, state, api.Empty, container=ident)
 
     # -- the runtime's operations ------------------------------------------------------------------
 
@@ -451,10 +468,11 @@ class RuntimeSimulator:
             merged = api.ContainerAdjustment()
             claims: dict[str, str] = {}
             updates: list[api.ContainerUpdate] = []
+            route = EVENT_ROUTES[Event.CREATE_CONTAINER]
             for plugin in self._subscribers(Event.CREATE_CONTAINER):
                 request = api.CreateContainerRequest(pod=pod, container=current)
                 reply = await self._call(
-                    plugin, "CreateContainer", request, api.CreateContainerResponse, container=current.id
+                    plugin, route.method, request, route.response_type, container=current.id
                 )
                 if reply is None:
                     continue
@@ -462,7 +480,7 @@ class RuntimeSimulator:
                     if update.container_id == current.id:
                         raise PluginFailed(
                             plugin.full_name,
-                            "CreateContainer",
+                            route.method,
                             2,
                             f"asked update of {current.id} during creation",
                         )
@@ -472,7 +490,7 @@ class RuntimeSimulator:
             await self._validate(pod, container, merged, updates)
             self.containers[current.id] = current
             for update in updates:
-                self._apply_update(update, source="CreateContainer")
+                self._apply_update(update, source=route.method)
             return CreateResult(adjustment=merged, container=current, updates=updates)
 
     async def _validate(
@@ -485,22 +503,19 @@ class RuntimeSimulator:
         validators = self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT)
         if not validators:
             return
+        route = EVENT_ROUTES[Event.VALIDATE_CONTAINER_ADJUSTMENT]
         consulted = [api.PluginInstance(name=p.name, index=p.index) for p in self.plugins]
         for plugin in validators:
             request = api.ValidateContainerAdjustmentRequest(
                 pod=pod, container=pristine, adjust=adjust, update=updates, plugins=consulted
             )
             reply = await self._call(
-                plugin,
-                "ValidateContainerAdjustment",
-                request,
-                api.ValidateContainerAdjustmentResponse,
-                container=pristine.id,
+                plugin, route.method, request, route.response_type, container=pristine.id
             )
             if reply is not None and reply.reject:
                 raise PluginFailed(
                     plugin.full_name,
-                    "ValidateContainerAdjustment",
+                    route.method,
                     0,
                     f'validator "{plugin.full_name}" rejected container adjustment, reason: {reply.reason}',
                 )
@@ -519,10 +534,11 @@ class RuntimeSimulator:
             applied = _copy(resources)
             claims: dict[str, str] = {}
             others: list[api.ContainerUpdate] = []
+            route = EVENT_ROUTES[Event.UPDATE_CONTAINER]
             for plugin in self._subscribers(Event.UPDATE_CONTAINER):
                 request = api.UpdateContainerRequest(pod=pod, container=container, linux_resources=resources)
                 reply = await self._call(
-                    plugin, "UpdateContainer", request, api.UpdateContainerResponse, container=container_id
+                    plugin, route.method, request, route.response_type, container=container_id
                 )
                 for update in reply.update if reply is not None else ():
                     if update.container_id == container_id:
@@ -535,22 +551,23 @@ class RuntimeSimulator:
             _merge_resources(merged, applied, {}, "")
             _set_resources(container, merged)
             for update in others:
-                self._apply_update(update, source="UpdateContainer")
+                self._apply_update(update, source=route.method)
             return applied
 
     async def stop_container(self, container_id: str) -> None:
         async with self._lock:
             container = self.containers[container_id]
             container.state = api.CONTAINER_STOPPED
+            route = EVENT_ROUTES[Event.STOP_CONTAINER]
             for plugin in self._subscribers(Event.STOP_CONTAINER):
                 request = api.StopContainerRequest(
                     pod=self.pods[container.pod_sandbox_id], container=container
                 )
                 reply = await self._call(
-                    plugin, "StopContainer", request, api.StopContainerResponse, container=container_id
+                    plugin, route.method, request, route.response_type, container=container_id
                 )
                 for update in reply.update if reply is not None else ():
-                    self._apply_update(update, source="StopContainer")
+                    self._apply_update(update, source=route.method)
 
     async def remove_container(self, container_id: str) -> None:
         async with self._lock:
@@ -676,5 +693,6 @@ __all__ = [
     "PluginFailed",
     "Record",
     "RuntimeSimulator",
+    "UnsolicitedUpdate",
     "env_of",
 ]

@@ -1,91 +1,86 @@
 """The plugin side of NRI: connect, register, configure, synchronize, serve events, reconnect.
 
-The stub knows the protocol and nothing of any policy. A plugin is any object; the stub looks for
-coroutine methods by name (``create_container``, ``update_container``, ...; see ``EVENT_HANDLERS``),
-subscribes to exactly the events the plugin handles (limited to what the runtime accepts), and turns
-each request into a call of that method. Methods the plugin lacks are answered with status 12
-(Unimplemented), which NRI v0.12 runtimes take as "use StateChange instead".
+The stub knows the protocol and nothing of any policy. A plugin is any object implementing some of
+the handler protocols of `nri_plugin.nri.handlers` (``create_container``, ``update_container``, ...;
+best by subclassing them, so mypy checks the signatures). The stub finds them with ``isinstance``
+through the table of `nri_plugin.nri.routes`, subscribes to exactly those events (limited to what the
+runtime accepts), and answers each request through the row's typed call. Methods the plugin lacks are
+answered with status 12 (Unimplemented), which NRI v0.12 runtimes take as "use StateChange instead".
 
-Handler signatures (all ``async``; ``api`` is ``api.nri.api_pb2``)::
+A handler refuses a request by raising one of `nri_plugin.nri.errors`: the runtime gets that status
+code and the message. Any other exception is answered as the ttrpc server answers it (Unknown).
 
-    configure(request: api.ConfigureRequest) -> None
-    synchronize(pods, containers) -> Sequence[api.ContainerUpdate]
-    create_container(pod, container) -> api.CreateContainerResponse | None
-    update_container(pod, container, resources: api.LinuxResources) -> Sequence[api.ContainerUpdate]
-    stop_container(pod, container) -> Sequence[api.ContainerUpdate]
-    update_pod_sandbox(pod, overhead: api.LinuxResources, resources: api.LinuxResources) -> None
-    validate_container_adjustment(request) -> str | None     # a reason rejects the adjustment
-    run_pod_sandbox(pod), stop_pod_sandbox(pod), remove_pod_sandbox(pod),
-    post_update_pod_sandbox(pod) -> None
-    post_create_container(pod, container), start_container(pod, container),
-    post_start_container(pod, container), post_update_container(pod, container),
-    remove_container(pod, container) -> None
-    shutdown() -> None
+The connection goes through the states of `nri_plugin.nri.connection` (``stub.state``); its waits
+run on an injected `Clock`, its reconnects are paced by one `Backoff`, reset by every registration.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
-import random
 import re
 import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from api.nri import api_pb2 as api
-from nri_plugin.nri import mux
-from nri_plugin.nri.errors import PluginRefusal  # merge: superseded by the stub engineer's mapping
-from nri_plugin.nri.events import (
-    DEDICATED_METHODS,
-    POD_EVENTS,
-    STATE_CHANGE_EVENTS,
-    Event,
-    events_in,
-    mask_of,
-    valid_events,
+from nri_plugin.common.backoff import Backoff
+from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless
+from nri_plugin.nri import handlers, mux
+from nri_plugin.nri.connection import ConnectionMachine, ConnectionState
+from nri_plugin.nri.errors import PluginRefusal
+from nri_plugin.nri.events import Event, events_in, mask_of, valid_events
+from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH, valid_index, valid_name
+from nri_plugin.nri.routes import (
+    CONFIGURE,
+    EVENT_LABELS,
+    EVENT_ROUTES,
+    METHOD_LABELS,
+    SHUTDOWN,
+    STATE_CHANGE,
+    SYNCHRONIZE,
+    Call,
+    Deliver,
 )
-from nri_plugin.ttrpc import CallContext, Client, ConnectionClosed, Server, TtrpcError, UnaryMethod
+from nri_plugin.ttrpc.aio import CallContext, Client, Server, UnaryMethod
+from nri_plugin.ttrpc.errors import Code, ConnectionClosed, TtrpcError
+
+__all__ = [
+    "DEFAULT_SOCKET_PATH",
+    "PLUGIN_SERVICE",
+    "RUNTIME_SERVICE",
+    "ConnectionState",
+    "Identity",
+    "RuntimeInfo",
+    "Stub",
+    "StubError",
+    "StubObserver",
+    "resolve_identity",
+    "run_until_signalled",
+]
 
 log = structlog.get_logger("nri_plugin.nri.stub")
 
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
-DEFAULT_SOCKET_PATH = "/var/run/nri/nri.sock"
 # NRI_version we announce in RegisterPlugin: the API level our .proto files describe.
 NRI_VERSION = "v0.12.2"
 DEFAULT_REGISTRATION_TIMEOUT = 5.0
 DEFAULT_REQUEST_TIMEOUT = 2.0
+# The reconnect pacing when none is given: 0.1 s after a lost connection, doubling up to 5 s.
+DEFAULT_BACKOFF_INITIAL = 0.1
+DEFAULT_BACKOFF_MAX = 5.0
 
-# Handler method name → the event it subscribes to.
-EVENT_HANDLERS: dict[str, Event] = {
-    "run_pod_sandbox": Event.RUN_POD_SANDBOX,
-    "stop_pod_sandbox": Event.STOP_POD_SANDBOX,
-    "remove_pod_sandbox": Event.REMOVE_POD_SANDBOX,
-    "create_container": Event.CREATE_CONTAINER,
-    "post_create_container": Event.POST_CREATE_CONTAINER,
-    "start_container": Event.START_CONTAINER,
-    "post_start_container": Event.POST_START_CONTAINER,
-    "update_container": Event.UPDATE_CONTAINER,
-    "post_update_container": Event.POST_UPDATE_CONTAINER,
-    "stop_container": Event.STOP_CONTAINER,
-    "remove_container": Event.REMOVE_CONTAINER,
-    "update_pod_sandbox": Event.UPDATE_POD_SANDBOX,
-    "post_update_pod_sandbox": Event.POST_UPDATE_POD_SANDBOX,
-    "validate_container_adjustment": Event.VALIDATE_CONTAINER_ADJUSTMENT,
-}
-HANDLER_OF_EVENT = {event: name for name, event in EVENT_HANDLERS.items()}
-
-_INDEX = re.compile(r"^[0-9]{2}$")
-_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+S = ConnectionState
+T = TypeVar("T")
+Handler = Callable[[Any, CallContext], Awaitable[Any]]
 
 
 class StubError(Exception):
@@ -114,28 +109,28 @@ class Identity:
 
 
 def resolve_identity(
-    name: str | None = None, index: str | None = None, *, environ: dict[str, str] | None = None
+    name: str | None = None, index: str | None = None, *, environ: Mapping[str, str] | None = None
 ) -> Identity:
     """The plugin's name and index: options first, then NRI_PLUGIN_NAME/IDX, then ``argv[0]`` as NN-name."""
     env = os.environ if environ is None else environ
     name = name or env.get("NRI_PLUGIN_NAME") or None
     index = index or env.get("NRI_PLUGIN_IDX") or None
-    if name and re.match(r"^[0-9]{2}-", name):
+    if name and re.match(r"[0-9]{2}-", name):
         # Runtimes on NRI <= v0.3 pass the whole file name ("10-name") as the name.
         index = index or name[:2]
         name = name[3:]
     if not name or not index:
         base = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         head, sep, tail = base.partition("-")
-        if sep and _INDEX.match(head):
+        if sep and valid_index(head):
             index = index or head
             name = name or tail
-    if not index or not _INDEX.match(index):
+    if not index or not valid_index(index):
         raise StubError(
             f"plugin index {index!r} is invalid: use exactly two digits, e.g. --nri-plugin-index 10 "
             "or NRI_PLUGIN_IDX=10"
         )
-    if not name or not _NAME.match(name):
+    if not name or not valid_name(name):
         raise StubError(
             f"plugin name {name!r} is invalid: use letters, digits and _ . + - only, "
             "e.g. --nri-plugin-name mixed-cpu"
@@ -155,14 +150,70 @@ class RuntimeInfo:
     events: int = 0
 
 
+@dataclass(frozen=True)
+class _PluginHandlers:
+    """A plugin's handlers, found once through the handler protocols and bound to the plugin."""
+
+    configure: handlers.Configure | None
+    synchronize: handlers.Synchronize | None
+    shutdown: handlers.Shutdown | None
+    # Every event the plugin handles: its request as its own method...
+    calls: Mapping[Event, Call[Any, Any]]
+    # ... and, for the StateChange-class ones, as a StateChange carries it.
+    notifiers: Mapping[Event, Deliver]
+
+    @classmethod
+    def of(cls, plugin: object) -> _PluginHandlers:
+        calls: dict[Event, Call[Any, Any]] = {}
+        notifiers: dict[Event, Deliver] = {}
+        for event, route in EVENT_ROUTES.items():
+            call = route.bind(plugin)
+            if call is not None:
+                calls[event] = call
+            notify = route.bind_notify(plugin)
+            if notify is not None:
+                notifiers[event] = notify
+        return cls(
+            configure=plugin if isinstance(plugin, handlers.Configure) else None,
+            synchronize=plugin if isinstance(plugin, handlers.Synchronize) else None,
+            shutdown=plugin if isinstance(plugin, handlers.Shutdown) else None,
+            calls=calls,
+            notifiers=notifiers,
+        )
+
+    @property
+    def subscribed(self) -> int:
+        return mask_of(self.calls)
+
+
 @dataclass
-class _SyncChunks:
+class _Session:
+    """What one connection to the runtime gathers: the chunks of a Synchronize under way.
+
+    A new one for every connection, bound into that connection's handlers: a chunk can only ever
+    join the other chunks of its own connection, whatever order the old connection's handlers and
+    the new connection run in.
+    """
+
     pods: list[api.PodSandbox] = field(default_factory=list)
     containers: list[api.Container] = field(default_factory=list)
+    # Where the connection was when the synchronization began: where a failed one goes back to.
+    before_sync: ConnectionState = ConnectionState.CONFIGURED
+
+    def take(self) -> tuple[list[api.PodSandbox], list[api.Container]]:
+        """All the chunks so far, joined; the next Synchronize starts afresh."""
+        pods, containers = self.pods, self.containers
+        self.pods, self.containers = [], []
+        return pods, containers
 
 
 class Stub:
-    """Runs one plugin against one runtime, reconnecting when the runtime restarts."""
+    """Runs one plugin against one runtime, reconnecting when the runtime restarts.
+
+    `backoff` paces the reconnects (default: 0.1 s doubling up to 5 s, with jitter); `clock` runs the
+    waits (virtual time in tests); `observer` is told of every request and lost connection. Set
+    `registration_timeout` before `run()` to wait longer than 5 s for RegisterPlugin's reply.
+    """
 
     def __init__(
         self,
@@ -172,85 +223,143 @@ class Stub:
         index: str | None = None,
         socket_path: str = DEFAULT_SOCKET_PATH,
         reconnect: bool = True,
-        registration_timeout: float = DEFAULT_REGISTRATION_TIMEOUT,
-        backoff_initial: float = 0.1,
-        backoff_max: float = 5.0,
-        environ: dict[str, str] | None = None,
+        backoff: Backoff | None = None,
         observer: StubObserver | None = None,
+        clock: Clock = LOOP_CLOCK,
     ) -> None:
-        env = os.environ if environ is None else environ
         self.plugin = plugin
         # Read when a connection starts: set it before `run()`.
         self.observer = observer
-        self.identity = resolve_identity(name, index, environ=dict(env))
+        self.identity = resolve_identity(name, index)
         self.socket_path = socket_path
-        self.inherited_fd = _inherited_fd(env)
+        self.inherited_fd = _inherited_fd(os.environ)
         self.reconnect = reconnect and self.inherited_fd is None
-        self.registration_timeout = registration_timeout
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        self.handlers = {name: getattr(plugin, name) for name in EVENT_HANDLERS if _has(plugin, name)}
-        if not self.handlers and not _has(plugin, "synchronize"):
+        self.registration_timeout = DEFAULT_REGISTRATION_TIMEOUT
+        self.backoff = backoff or Backoff(DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX)
+        self.clock = clock
+        self._handlers = _PluginHandlers.of(plugin)
+        if not self._handlers.calls and self._handlers.synchronize is None:
             raise StubError(f"{type(plugin).__name__} defines no NRI handler (e.g. create_container)")
         self.runtime = RuntimeInfo()
-        self.ready = asyncio.Event()
         self.connections = 0
         self.synchronizations = 0
-        self._stopping = asyncio.Event()
-        self._trunk: mux.Trunk | None = None
-        self._client: Client | None = None
-        self._sync = _SyncChunks()
-        self._busy = 0
-        self._sync_busy = False
+        self._machine = ConnectionMachine()
+        # Set while synchronized with a live runtime (from READY until the connection ends).
+        self.ready = asyncio.Event()
+        self._stopped = asyncio.Event()
+        # Set while no runtime request is being handled: unsolicited updates wait for it.
         self._idle = asyncio.Event()
         self._idle.set()
+        self._busy = 0
+        self._state_waiters: list[tuple[frozenset[ConnectionState], asyncio.Future[ConnectionState]]] = []
+        self._session: _Session | None = None
+        self._trunk: mux.Trunk | None = None
+        self._client: Client | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
     def subscribed(self) -> int:
         """The events the plugin handles, before the runtime's limits."""
-        return mask_of(EVENT_HANDLERS[name] for name in self.handlers)
+        return self._handlers.subscribed
+
+    # -- the connection's state --------------------------------------------------------------------
+
+    @property
+    def state(self) -> ConnectionState:
+        return self._machine.state
+
+    @property
+    def stopping(self) -> bool:
+        return self.state is S.STOPPED
+
+    async def wait_for_state(self, *states: ConnectionState) -> ConnectionState:
+        """Wait until the connection enters one of `states` (at once if it is in one); that state."""
+        if self.state in states:
+            return self.state
+        waiter: asyncio.Future[ConnectionState] = asyncio.get_running_loop().create_future()
+        self._state_waiters.append((frozenset(states), waiter))
+        return await waiter
+
+    def _enter(self, target: ConnectionState) -> None:
+        """Move to `target` (`IllegalTransition` if the table forbids it) and keep the events in step."""
+        self._machine.move(target)
+        if target is S.READY:
+            self.ready.set()
+        elif target in (S.DISCONNECTED, S.STOPPED):
+            self.ready.clear()
+        self._refresh_idle()
+        waiting, self._state_waiters = self._state_waiters, []
+        for states, waiter in waiting:
+            if waiter.done():
+                continue
+            if target in states:
+                waiter.set_result(target)
+            else:
+                self._state_waiters.append((states, waiter))
+
+    def _current(self, session: _Session) -> bool:
+        """`session` is the live connection's (not an old one's, nor one served by hand)."""
+        return session is self._session and self._machine.connected
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Serve until ``stop()``; reconnect with backoff when the runtime goes away (if enabled)."""
-        delay = self.backoff_initial
-        while not self._stopping.is_set():
-            try:
-                trunk = await self._connect()
-            except OSError as exc:
-                if not self.reconnect:
-                    raise StubError(f"cannot connect to the NRI socket {self.socket_path}: {exc}") from exc
-                log.warning(
-                    "nri connect failed, retrying", socket=self.socket_path, error=str(exc), retry_in=delay
-                )
-                await self._sleep(delay)
-                delay = min(delay * 2, self.backoff_max)
-                continue
-            registered = await self._serve(trunk)
-            if registered:
-                delay = self.backoff_initial
-            if self._stopping.is_set() or not self.reconnect:
+        while not self.stopping:
+            delay = await self._attempt()
+            if delay is None:
                 return
-            log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=delay)
-            if self.observer is not None:
-                self.observer.reconnecting()
-            await self._sleep(delay * random.uniform(0.8, 1.2))
-            delay = min(delay * 2, self.backoff_max)
+            await self._back_off(delay)
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
+    async def _attempt(self) -> float | None:
+        """Connect and, if that works, serve the connection until it ends; the wait before the next
+        attempt, or None when there is to be none (stopped, or no reconnects)."""
+        opened = await self._open()
+        if self.stopping:
+            if not isinstance(opened, OSError):
+                opened.close()
+            return None
+        if isinstance(opened, OSError):
+            delay = self.backoff.next()
+            log.warning(
+                "nri connect failed, retrying", socket=self.socket_path, error=str(opened), retry_in=delay
+            )
+            return delay
+        if await self._serve(opened):
+            self.backoff.reset()
+        if self.stopping or not self.reconnect:
+            return None
+        delay = self.backoff.next()
+        log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=delay)
+        if self.observer is not None:
+            self.observer.reconnecting()
+        return delay
 
     def stop(self) -> None:
-        self._stopping.set()
+        if self.stopping:
+            return
+        self._enter(S.STOPPED)
+        self._stopped.set()
         if self._trunk is not None:
             self._trunk.close()
 
-    async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
+    async def _back_off(self, delay: float) -> None:
+        if self.stopping:  # an observer may have stopped us
+            return
+        self._enter(S.BACKING_OFF)
+        await sleep_unless(self.clock, self._stopped, delay)
+
+    async def _open(self) -> mux.Trunk | OSError:
+        """A connected trunk, or why there is none (then DISCONNECTED; StubError without reconnects)."""
+        self._enter(S.CONNECTING)
+        try:
+            trunk = await self._connect()
+        except OSError as exc:
+            self._disconnected()
+            if not self.reconnect:
+                raise StubError(f"cannot connect to the NRI socket {self.socket_path}: {exc}") from exc
+            return exc
+        return trunk
 
     async def _connect(self) -> mux.Trunk:
         if self.inherited_fd is not None:
@@ -259,22 +368,34 @@ class Stub:
             return await mux.adopt_socket(sock)
         return await mux.open_unix(self.socket_path)
 
+    def _disconnected(self) -> None:
+        if not self.stopping:
+            self._enter(S.DISCONNECTED)
+
     async def _serve(self, trunk: mux.Trunk) -> bool:
         """One connection: register, then serve until it closes. True if registration succeeded."""
         self.connections += 1
-        self._trunk = trunk
-        self._sync = _SyncChunks()
-        self._busy_sync(False)
+        session = self._session = _Session()
+        self._enter(S.REGISTERING)
         server = Server(
-            {PLUGIN_SERVICE: self._methods()},
+            {PLUGIN_SERVICE: self._methods(session)},
             functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN),
             close_channel=trunk.close,
         )
         trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
         client = Client(functools.partial(trunk.send, mux.RUNTIME_SERVICE_CONN), close_channel=trunk.close)
         trunk.channel(mux.RUNTIME_SERVICE_CONN, client)
-        self._client = client
+        self._trunk, self._client = trunk, client
         registered = False
+        try:
+            registered = await self._register(client)
+            if registered:
+                await trunk.wait_closed()
+        finally:
+            await self._hang_up(trunk, server)
+        return registered
+
+    async def _register(self, client: Client) -> bool:
         try:
             await client.call(
                 RUNTIME_SERVICE,
@@ -285,19 +406,23 @@ class Stub:
                 api.Empty,
                 timeout=self.registration_timeout,
             )
-            registered = True
-            log.info("registered with the runtime", plugin=self.identity.full_name, socket=self.socket_path)
-            await trunk.wait_closed()
         except (TtrpcError, ConnectionClosed) as exc:
             log.error("nri registration failed", plugin=self.identity.full_name, error=str(exc))
-        finally:
-            self.ready.clear()
-            self._client = None
-            self._trunk = None
-            trunk.close()
-            server.close()
-            await server.wait_closed()
-        return registered
+            return False
+        log.info("registered with the runtime", plugin=self.identity.full_name, socket=self.socket_path)
+        if self.state is S.REGISTERING:  # else Configure came first
+            self._enter(S.REGISTERED)
+        return True
+
+    async def _hang_up(self, trunk: mux.Trunk, server: Server) -> None:
+        """End the connection: from here on its handlers change nothing of the stub's state."""
+        self._session = None
+        self._client = None
+        self._trunk = None
+        self._disconnected()
+        trunk.close()
+        server.close()
+        await server.wait_closed()
 
     # -- unsolicited updates -----------------------------------------------------------------------
 
@@ -315,7 +440,7 @@ class Stub:
         return task
 
     async def _send_updates(self, updates: list[api.ContainerUpdate]) -> list[api.ContainerUpdate]:
-        while self._busy:
+        while not self._idle.is_set():
             await self._idle.wait()
         client = self._client
         if client is None:
@@ -329,58 +454,65 @@ class Stub:
         )
         return list(reply.failed)
 
+    def _add_busy(self, delta: int) -> None:
+        self._busy += delta
+        self._refresh_idle()
+
+    def _refresh_idle(self) -> None:
+        # A chunked Synchronize counts as one long request, from its first chunk to the plugin's answer.
+        if self._busy == 0 and self.state is not S.SYNCHRONIZING:
+            self._idle.set()
+        else:
+            self._idle.clear()
+
     # -- the Plugin service ------------------------------------------------------------------------
 
-    def _methods(self) -> dict[str, UnaryMethod[Any, Any]]:
+    def _methods(self, session: _Session | None = None) -> dict[str, UnaryMethod[Any, Any]]:
+        """The Plugin service for one connection (`session`; a detached one when served by hand)."""
+        session = session if session is not None else _Session()
         methods: dict[str, UnaryMethod[Any, Any]] = {
-            "Configure": UnaryMethod(api.ConfigureRequest, self._configure),
-            "Synchronize": UnaryMethod(api.SynchronizeRequest, self._synchronize),
-            "Shutdown": UnaryMethod(api.Empty, self._shutdown),
-            "StateChange": UnaryMethod(api.StateChangeEvent, self._state_change),
-        }
-        wanted: dict[str, tuple[str, type[Any], Callable[[Any, CallContext], Awaitable[Any]]]] = {
-            "CreateContainer": ("create_container", api.CreateContainerRequest, self._create_container),
-            "UpdateContainer": ("update_container", api.UpdateContainerRequest, self._update_container),
-            "StopContainer": ("stop_container", api.StopContainerRequest, self._stop_container),
-            "UpdatePodSandbox": ("update_pod_sandbox", api.UpdatePodSandboxRequest, self._update_pod_sandbox),
-            "ValidateContainerAdjustment": (
-                "validate_container_adjustment",
-                api.ValidateContainerAdjustmentRequest,
-                self._validate,
+            CONFIGURE.method: UnaryMethod(CONFIGURE.request_type, self._configure_for(session)),
+            SYNCHRONIZE.method: UnaryMethod(
+                SYNCHRONIZE.request_type, functools.partial(self._synchronize, session)
             ),
+            SHUTDOWN.method: UnaryMethod(SHUTDOWN.request_type, self._shutdown),
+            STATE_CHANGE: UnaryMethod(api.StateChangeEvent, self._state_change),
         }
-        for method, (handler, request_type, impl) in wanted.items():
-            if handler in self.handlers:
-                methods[method] = UnaryMethod(request_type, impl)
-        for event, (method, request_type, response_type) in DEDICATED_METHODS.items():
-            if HANDLER_OF_EVENT[event] in self.handlers:
-                methods[method] = UnaryMethod(request_type, self._dedicated(event, response_type))
-        if self.observer is not None:
+        for event, call in self._handlers.calls.items():
+            route = EVENT_ROUTES[event]
+            methods[route.method] = UnaryMethod(route.request_type, self._serving(call))
+        observer = self.observer
+        if observer is not None:
             for method, unary in list(methods.items()):
-                label = _state_change_label if method == "StateChange" else _METHOD_LABELS[method]
-                methods[method] = UnaryMethod(
-                    unary.request_type, _observed(self.observer, label, unary.handler)
-                )
+                label = _state_change_label if method == STATE_CHANGE else METHOD_LABELS[method]
+                methods[method] = UnaryMethod(unary.request_type, _observed(observer, label, unary.handler))
         return methods
 
-    async def _call(self, name: str, *args: Any) -> Any:
-        """Run one plugin handler, marking the stub busy so unsolicited updates wait for the reply."""
+    async def _handling(self, work: Awaitable[T]) -> T:
+        """Await one plugin handler: the stub is busy meanwhile (unsolicited updates wait for the
+        reply), and a refusal becomes the ttrpc status it names."""
         self._add_busy(1)
         try:
-            handler: Callable[..., Awaitable[Any]] = getattr(self.plugin, name)
-            try:
-                return await handler(*args)
-            except PluginRefusal as exc:  # merge: superseded by the stub engineer's mapping
-                raise TtrpcError(exc.code, str(exc)) from None
+            return await work
+        except PluginRefusal as exc:
+            raise TtrpcError(exc.code, str(exc)) from exc
         finally:
             self._add_busy(-1)
 
-    def _add_busy(self, delta: int) -> None:
-        self._busy += delta
-        if self._busy:
-            self._idle.clear()
-        else:
-            self._idle.set()
+    def _serving(self, call: Call[Any, Any]) -> Handler:
+        async def handle(request: Any, _ctx: CallContext) -> Any:
+            return await self._handling(call(request))
+
+        return handle
+
+    def _configure_for(self, session: _Session) -> Handler:
+        async def configure(request: api.ConfigureRequest, ctx: CallContext) -> api.ConfigureResponse:
+            reply = await self._configure(request, ctx)
+            if self._current(session) and self.state in (S.REGISTERING, S.REGISTERED):
+                self._enter(S.CONFIGURED)
+            return reply
+
+        return configure
 
     async def _configure(self, request: api.ConfigureRequest, _ctx: object) -> api.ConfigureResponse:
         accepted = valid_events(
@@ -405,8 +537,8 @@ class Stub:
             request_timeout=(request.request_timeout or 2000) / 1000,
             events=events,
         )
-        if _has(self.plugin, "configure"):
-            await self._call("configure", request)
+        if self._handlers.configure is not None:
+            await self._handling(self._handlers.configure.configure(request))
         log.info(
             "configured",
             event_name="Configure",
@@ -418,20 +550,22 @@ class Stub:
         # 0 would mean "every event" to the runtime: never send it for a real subscription.
         return api.ConfigureResponse(events=events)
 
-    async def _synchronize(self, request: api.SynchronizeRequest, _ctx: object) -> api.SynchronizeResponse:
-        self._sync.pods.extend(request.pods)
-        self._sync.containers.extend(request.containers)
+    async def _synchronize(
+        self, session: _Session, request: api.SynchronizeRequest, _ctx: object
+    ) -> api.SynchronizeResponse:
+        self._sync_began(session)
+        session.pods.extend(request.pods)
+        session.containers.extend(request.containers)
         if request.more:
-            self._busy_sync(True)
             return api.SynchronizeResponse(more=True)
-        pods, containers = self._sync.pods, self._sync.containers
-        self._sync = _SyncChunks()
-        self._busy_sync(False)
-        updates: Sequence[api.ContainerUpdate] = ()
-        if _has(self.plugin, "synchronize"):
-            updates = await self._call("synchronize", pods, containers) or ()
+        pods, containers = session.take()
+        try:
+            updates = await self._synchronize_plugin(pods, containers)
+        except BaseException:
+            self._sync_ended(session, session.before_sync)
+            raise
         self.synchronizations += 1
-        self.ready.set()
+        self._sync_ended(session, S.READY)
         log.info(
             "synchronized",
             event_name="Synchronize",
@@ -441,77 +575,38 @@ class Stub:
         )
         return api.SynchronizeResponse(update=updates)
 
-    def _busy_sync(self, in_progress: bool) -> None:
-        """A chunked Synchronize counts as one long request for the update queue."""
-        if in_progress == self._sync_busy:
-            return
-        self._sync_busy = in_progress
-        self._add_busy(1 if in_progress else -1)
+    def _sync_began(self, session: _Session) -> None:
+        if self._current(session) and self.state is not S.SYNCHRONIZING:
+            session.before_sync = self.state
+            self._enter(S.SYNCHRONIZING)
+
+    def _sync_ended(self, session: _Session, target: ConnectionState) -> None:
+        """READY after a synchronization, back where it began after a failed one."""
+        if self._current(session) and self.state is S.SYNCHRONIZING:
+            self._enter(target)
+
+    async def _synchronize_plugin(
+        self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
+    ) -> Sequence[api.ContainerUpdate]:
+        plugin = self._handlers.synchronize
+        if plugin is None:
+            return ()
+        return await self._handling(plugin.synchronize(pods, containers)) or ()
 
     async def _shutdown(self, _request: api.Empty, _ctx: object) -> api.Empty:
-        if _has(self.plugin, "shutdown"):
-            await self._call("shutdown")
+        if self._handlers.shutdown is not None:
+            await self._handling(self._handlers.shutdown.shutdown())
         return api.Empty()
-
-    async def _create_container(
-        self, request: api.CreateContainerRequest, _ctx: object
-    ) -> api.CreateContainerResponse:
-        reply = await self._call("create_container", request.pod, request.container)
-        return reply if reply is not None else api.CreateContainerResponse()
-
-    async def _update_container(
-        self, request: api.UpdateContainerRequest, _ctx: object
-    ) -> api.UpdateContainerResponse:
-        updates = await self._call(
-            "update_container", request.pod, request.container, request.linux_resources
-        )
-        return api.UpdateContainerResponse(update=updates or ())
-
-    async def _stop_container(
-        self, request: api.StopContainerRequest, _ctx: object
-    ) -> api.StopContainerResponse:
-        updates = await self._call("stop_container", request.pod, request.container)
-        return api.StopContainerResponse(update=updates or ())
-
-    async def _update_pod_sandbox(
-        self, request: api.UpdatePodSandboxRequest, _ctx: object
-    ) -> api.UpdatePodSandboxResponse:
-        await self._call(
-            "update_pod_sandbox", request.pod, request.overhead_linux_resources, request.linux_resources
-        )
-        return api.UpdatePodSandboxResponse()
-
-    async def _validate(
-        self, request: api.ValidateContainerAdjustmentRequest, _ctx: object
-    ) -> api.ValidateContainerAdjustmentResponse:
-        reason = await self._call("validate_container_adjustment", request)
-        if reason:
-            return api.ValidateContainerAdjustmentResponse(reject=True, reason=str(reason))
-        return api.ValidateContainerAdjustmentResponse()
-
-    def _dedicated(
-        self, event: Event, response_type: type[Any]
-    ) -> Callable[[Any, CallContext], Awaitable[Any]]:
-        async def handle(request: Any, _ctx: CallContext) -> Any:
-            await self._deliver(event, request.pod, request.container if event not in POD_EVENTS else None)
-            return response_type()
-
-        return handle
 
     async def _state_change(self, request: api.StateChangeEvent, _ctx: object) -> api.Empty:
         try:
             event = Event(request.event)
         except ValueError:
-            raise TtrpcError(3, f"unknown NRI event {request.event}") from None
-        if HANDLER_OF_EVENT[event] in self.handlers and event in STATE_CHANGE_EVENTS:
-            await self._deliver(event, request.pod, request.container)
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"unknown NRI event {request.event}") from None
+        notify = self._handlers.notifiers.get(event)
+        if notify is not None:
+            await self._handling(notify(request.pod, request.container))
         return api.Empty()
-
-    async def _deliver(self, event: Event, pod: api.PodSandbox, container: api.Container | None) -> None:
-        if event in POD_EVENTS:
-            await self._call(HANDLER_OF_EVENT[event], pod)
-        else:
-            await self._call(HANDLER_OF_EVENT[event], pod, container)
 
 
 async def run_until_signalled(stub: Stub) -> None:
@@ -538,30 +633,11 @@ async def run_until_signalled(stub: Stub) -> None:
             loop.remove_signal_handler(signum)
 
 
-# What `StubObserver.request_done` is told for each Plugin method (StateChange: its event's handler).
-_METHOD_LABELS: dict[str, str] = {
-    "Configure": "configure",
-    "Synchronize": "synchronize",
-    "Shutdown": "shutdown",
-    "CreateContainer": "create_container",
-    "UpdateContainer": "update_container",
-    "StopContainer": "stop_container",
-    "UpdatePodSandbox": "update_pod_sandbox",
-    "ValidateContainerAdjustment": "validate_container_adjustment",
-    **{method: HANDLER_OF_EVENT[event] for event, (method, _, _) in DEDICATED_METHODS.items()},
-}
-_EVENT_LABELS: dict[int, str] = {int(event): name for event, name in HANDLER_OF_EVENT.items()}
-
-
 def _state_change_label(request: api.StateChangeEvent) -> str:
-    return _EVENT_LABELS.get(request.event, "unknown")
+    return EVENT_LABELS.get(request.event, "unknown")
 
 
-def _observed(
-    observer: StubObserver,
-    label: str | Callable[[Any], str],
-    handler: Callable[[Any, CallContext], Awaitable[Any]],
-) -> Callable[[Any, CallContext], Awaitable[Any]]:
+def _observed(observer: StubObserver, label: str | Callable[[Any], str], handler: Handler) -> Handler:
     """`handler`, timed and reported to `observer`. A coroutine awaiting another: the handler still
     starts at once, without a task of its own (see `nri_plugin.ttrpc.aio.Server`)."""
 
@@ -582,11 +658,7 @@ def _observed(
     return handle
 
 
-def _has(plugin: object, name: str) -> bool:
-    return callable(getattr(plugin, name, None))
-
-
-def _inherited_fd(env: os._Environ[str] | dict[str, str]) -> int | None:
+def _inherited_fd(env: Mapping[str, str]) -> int | None:
     value = env.get("NRI_PLUGIN_SOCKET")
     if not value:
         return None

@@ -1,84 +1,10 @@
-"""ttrpc for Python: sans-I/O framing and sessions (`protocol`) plus an asyncio client/server (`aio`).
+"""ttrpc for Python, knowing nothing about NRI.
 
-Knows nothing about NRI. Everything in `__all__` is public API.
+* ``errors``: status codes and the two error families (RPC outcomes, protocol violations).
+* ``buffer``: the receive buffer and the ``NEED_DATA`` sentinel of the sans-I/O decoders.
+* ``protocol``: sans-I/O framing and the per-connection rules of both roles.
+* ``aio``: the asyncio `Server` and `Client` over a channel, and plain unix sockets.
+
+Import from the submodules. This ``__init__`` imports nothing, so that loading the sans-I/O parts
+does not load asyncio or socket.
 """
-
-from nri_plugin.ttrpc.aio import (
-    CallContext,
-    Client,
-    Receiver,
-    Send,
-    Server,
-    Services,
-    UnaryMethod,
-    UnixServer,
-    connect_unix,
-    serve_unix,
-)
-from nri_plugin.ttrpc.errors import (
-    Code,
-    ConnectionClosed,
-    LocalProtocolError,
-    OversizedMessage,
-    ProtocolError,
-    RemoteProtocolError,
-    TtrpcError,
-)
-from nri_plugin.ttrpc.protocol import (
-    FLAG_NO_DATA,
-    FLAG_REMOTE_CLOSED,
-    FLAG_REMOTE_OPEN,
-    HEADER_SIZE,
-    MAX_DATA,
-    MAX_STREAM_ID,
-    NEED_DATA,
-    ClientEvent,
-    ClientSession,
-    Frame,
-    FrameDecoder,
-    MessageType,
-    OversizedFrame,
-    RequestReceived,
-    ResponseReceived,
-    ServerSession,
-    UnexpectedResponse,
-    encode_frame,
-)
-
-__all__ = [
-    "FLAG_NO_DATA",
-    "FLAG_REMOTE_CLOSED",
-    "FLAG_REMOTE_OPEN",
-    "HEADER_SIZE",
-    "MAX_DATA",
-    "MAX_STREAM_ID",
-    "NEED_DATA",
-    "CallContext",
-    "Client",
-    "ClientEvent",
-    "ClientSession",
-    "Code",
-    "ConnectionClosed",
-    "Frame",
-    "FrameDecoder",
-    "LocalProtocolError",
-    "MessageType",
-    "OversizedFrame",
-    "OversizedMessage",
-    "ProtocolError",
-    "Receiver",
-    "RemoteProtocolError",
-    "RequestReceived",
-    "ResponseReceived",
-    "Send",
-    "Server",
-    "ServerSession",
-    "Services",
-    "TtrpcError",
-    "UnaryMethod",
-    "UnexpectedResponse",
-    "UnixServer",
-    "connect_unix",
-    "encode_frame",
-    "serve_unix",
-]

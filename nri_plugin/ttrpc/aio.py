@@ -382,6 +382,11 @@ class Client:
     def closed(self) -> bool:
         return self._closed is not None
 
+    @property
+    def pending_calls(self) -> int:
+        """Calls sent and not answered yet; a call counts as answered the moment its reply is read."""
+        return len(self._pending)
+
     async def call(
         self,
         service: str,

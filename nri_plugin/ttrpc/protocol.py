@@ -17,12 +17,13 @@ import enum
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
 from google.protobuf.message import DecodeError
 
 from api.google.rpc import status_pb2
 from api.ttrpc import request_pb2
+from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import (
     Code,
     LocalProtocolError,
@@ -43,6 +44,7 @@ __all__ = [
     "Frame",
     "FrameDecoder",
     "MessageType",
+    "NeedData",
     "OversizedFrame",
     "RequestReceived",
     "ResponseReceived",
@@ -75,13 +77,6 @@ class MessageType(enum.IntEnum):
 
 _TYPES: Final = frozenset(MessageType)
 
-
-class _Sentinel(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-
-# Returned by `FrameDecoder.next_event` when no whole frame is buffered (also after a clean EOF).
-NEED_DATA: Final = _Sentinel.NEED_DATA
 
 # Status texts sent by the Go server for the same conditions; peers may log or compare them.
 _MSG_EVEN_ID = "StreamID must be odd for client initiated streams"
@@ -129,7 +124,7 @@ class FrameDecoder:
 
     def __init__(self, max_data: int = MAX_DATA) -> None:
         self._max_data = max_data
-        self._buffer = bytearray()
+        self._buffer = ReceiveBuffer()
         # Bytes of an oversized frame still to drop as they arrive.
         self._discard = 0
         self._eof = False
@@ -152,9 +147,9 @@ class FrameDecoder:
             dropped = min(self._discard, len(data))
             self._discard -= dropped
             data = data[dropped:]
-        self._buffer += data
+        self._buffer.append(data)
 
-    def next_event(self) -> Frame | OversizedFrame | Literal[_Sentinel.NEED_DATA]:
+    def next_event(self) -> Frame | OversizedFrame | NeedData:
         self._check_not_broken()
         try:
             return self._next_event()
@@ -166,31 +161,26 @@ class FrameDecoder:
         if self._error is not None:
             raise RemoteProtocolError(f"stream already broken: {self._error}")
 
-    def _next_event(self) -> Frame | OversizedFrame | Literal[_Sentinel.NEED_DATA]:
+    def _next_event(self) -> Frame | OversizedFrame | NeedData:
         if self._discard or len(self._buffer) < HEADER_SIZE:
             return self._need_data()
-        length, stream_id, raw_type, flags = _HEADER.unpack_from(self._buffer)
+        length, stream_id, raw_type, flags = self._buffer.unpack_header(_HEADER)
         if raw_type not in _TYPES:
             raise RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
         type_ = MessageType(raw_type)
         if length > self._max_data:
             self._start_discard(length)
             return OversizedFrame(stream_id=stream_id, type=type_, flags=flags, length=length)
-        end = HEADER_SIZE + length
-        if len(self._buffer) < end:
+        if len(self._buffer) < HEADER_SIZE + length:
             return self._need_data()
-        with memoryview(self._buffer) as view:
-            data = bytes(view[HEADER_SIZE:end])
-        del self._buffer[:end]
+        data = self._buffer.take(HEADER_SIZE, length)
         return Frame(stream_id=stream_id, type=type_, flags=flags, data=data)
 
     def _start_discard(self, length: int) -> None:
-        del self._buffer[:HEADER_SIZE]
-        dropped = min(length, len(self._buffer))
-        del self._buffer[:dropped]
-        self._discard = length - dropped
+        self._buffer.discard(HEADER_SIZE)
+        self._discard = length - self._buffer.discard(length)
 
-    def _need_data(self) -> Literal[_Sentinel.NEED_DATA]:
+    def _need_data(self) -> NeedData:
         if self._eof and (self._buffer or self._discard):
             raise RemoteProtocolError("connection closed in the middle of a frame")
         return NEED_DATA

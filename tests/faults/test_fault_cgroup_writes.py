@@ -38,7 +38,7 @@ from api.nri import api_pb2 as api
 from cgroups import CgroupPath, read_cpuset, write_cpu_quota
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri.simulator import PluginFailed
-from nri_plugin.ttrpc import Code
+from nri_plugin.ttrpc.errors import Code
 
 
 def refused_creation(logs: list[MutableMapping[str, Any]]) -> str:

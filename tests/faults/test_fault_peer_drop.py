@@ -11,6 +11,7 @@ from fault_support import PERIOD, Runtime, books_vs_files, inconsistencies, make
 from mixedcpu_support import plugin_running
 
 from api.nri import api_pb2 as api
+from nri_plugin.common.backoff import Backoff
 
 
 async def dropped(runtime: Runtime) -> list[str]:
@@ -31,7 +32,8 @@ async def test_connection_dropped_while_a_request_is_in_flight(
     population, runtime = node.population, node.runtime
     plugin = node.plugin()
     # A reconnect delay long enough to look at the node between the drop and the next sync.
-    async with runtime, plugin_running(plugin, node.socket, reconnect=True, backoff_initial=0.2) as stub:
+    backoff = Backoff(0.2, 0.2)
+    async with runtime, plugin_running(plugin, node.socket, reconnect=True, backoff=backoff) as stub:
         await within(runtime.wait_for_plugins(1))
         _fwd, duo, _free, _plain = await population.standard()
         assert population.pod_quotas()[duo.id] == 8 * PERIOD  # 4 + 2 x 2
@@ -70,7 +72,7 @@ async def test_connection_dropped_while_synchronize_chunks_are_in_flight(short_d
     node = make_node(short_dir, 1)
     population = node.population
     plugin = node.plugin()
-    async with plugin_running(plugin, node.socket, reconnect=True, backoff_initial=0.2) as stub:
+    async with plugin_running(plugin, node.socket, reconnect=True, backoff=Backoff(0.2, 0.2)) as stub:
         async with node.runtime as first:
             await within(first.wait_for_plugins(1))
             pods = [p for tag in ("", "-b", "-c") for p in await population.standard(tag)]

@@ -15,9 +15,9 @@ from typing import Any
 from google.protobuf.message import Message
 
 from api.nri import api_pb2 as api
-from nri_plugin.nri.events import DEDICATED_METHODS
 from nri_plugin.nri.mux import MAX_PAYLOAD, MuxDecoder, MuxFrame, MuxProtocolError
 from nri_plugin.nri.mux import NEED_DATA as MUX_NEED_DATA
+from nri_plugin.nri.routes import DEDICATED_METHODS
 from nri_plugin.ttrpc.errors import ProtocolError
 from nri_plugin.ttrpc.protocol import NEED_DATA, Frame, FrameDecoder, OversizedFrame
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.nri.events import DEDICATED_METHODS
+from nri_plugin.nri.routes import DEDICATED_METHODS
 
 OTHER_NODE_KEY = HostKey(b"\x01" * 32)
 

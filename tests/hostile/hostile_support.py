@@ -36,11 +36,12 @@ from mixedcpu_support import (
 
 from api.nri import api_pb2 as api
 from api.ttrpc import request_pb2
+from nri_plugin.common.backoff import Backoff
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri import mux
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub
-from nri_plugin.ttrpc import Server, UnaryMethod
+from nri_plugin.ttrpc.aio import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import NEED_DATA, FrameDecoder, MessageType, encode_frame
 
@@ -305,8 +306,7 @@ class Node:
             index="10",
             socket_path=str(self.socket),
             reconnect=self._reconnect,
-            backoff_initial=0.01,
-            backoff_max=0.05,
+            backoff=Backoff(initial=0.01, maximum=0.05),
         )
         self._task = asyncio.ensure_future(self.stub.run())
         self.connection = await self.runtime.connected()

@@ -16,22 +16,18 @@ import pytest_asyncio
 from google.protobuf.wrappers_pb2 import StringValue
 
 from api.ttrpc import request_pb2
-from nri_plugin.ttrpc import (
+from nri_plugin.ttrpc.aio import (
     CallContext,
     Client,
-    Code,
-    ConnectionClosed,
-    MessageType,
-    OversizedMessage,
     Server,
     Services,
-    TtrpcError,
     UnaryMethod,
     UnixServer,
     connect_unix,
-    encode_frame,
     serve_unix,
 )
+from nri_plugin.ttrpc.errors import Code, ConnectionClosed, OversizedMessage, TtrpcError
+from nri_plugin.ttrpc.protocol import MessageType, encode_frame
 
 ECHO = "test.Echo"
 BIG = 5 << 20
