@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -31,7 +32,7 @@ from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.ttrpc.errors import Code
 
-RUNTIME_VERSIONS = {
+RUNTIME_VERSIONS: dict[str, dict[str, Any]] = {
     # containerd 2.3 speaks NRI v0.12 (dedicated event methods); CRI-O 1.36 v0.11 (StateChange).
     "containerd": {"runtime_version": "v2.3.4", "nri_version": "v0.12.0"},
     "cri-o": {"runtime_version": "1.36.3", "nri_version": ""},
@@ -61,7 +62,7 @@ class Node:
         self.sim = RuntimeSimulator(self.socket, runtime_name=naming.runtime, **options)
         self.key = load_or_create_host_key(self.state)
 
-    def plugin(self, shared: frozenset[int] = frozenset({0, 1}), **options: bool) -> object:
+    def plugin(self, shared: frozenset[int] = frozenset({0, 1}), **options: Any) -> object:
         return make_plugin(self.state, self.tree.layout, shared, **options)[0]
 
     async def create(self, container: api.Container) -> api.Container:

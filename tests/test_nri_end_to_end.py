@@ -514,7 +514,7 @@ async def test_invalid_event_mask_is_refused(socket_path: Path) -> None:
             reply.events = stub.subscribed
             return reply
 
-        stub._configure = unlimited  # type: ignore[method-assign]
+        stub._configure = unlimited  # type: ignore[method-assign, assignment]
         await asyncio.wait_for(stub.run(), GUARD)
     assert any(r.event == "Configure" and "invalid plugin events" in r.detail for r in sim.records)
     assert sim.plugins == []

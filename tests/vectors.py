@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Final
 
 VECTOR_DIR = Path(__file__).resolve().parent / "data" / "vectors"
-# Where the vectors were first published, beside the repository (absent in a lone clone).
-REFERENCE_DIR = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vectors"
 
 EXPECTED_VECTORS: Final = (
     "01-register-request.hex",

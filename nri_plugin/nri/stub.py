@@ -20,7 +20,6 @@ import asyncio
 import functools
 import os
 import re
-import signal
 import socket
 import sys
 import time
@@ -63,7 +62,6 @@ __all__ = [
     "StubError",
     "StubObserver",
     "resolve_identity",
-    "run_until_signalled",
 ]
 
 log = structlog.get_logger("nri_plugin.nri.stub")
@@ -607,30 +605,6 @@ class Stub:
         if notify is not None:
             await self._handling(notify(request.pod, request.container))
         return api.Empty()
-
-
-async def run_until_signalled(stub: Stub) -> None:
-    """Run the stub until SIGTERM or SIGINT; a second signal ends the process at once.
-
-    The first signal stops the stub (the connection closes, handlers in flight are cancelled) and
-    ``run`` returns normally, so the caller's clean-up runs.
-    """
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-
-    def on_signal(signum: int) -> None:
-        if stub.stopping:
-            os._exit(128 + signum)
-        log.info("signal received, shutting down", signal=signal.Signals(signum).name)
-        stub.stop()
-
-    for signum in signals:
-        loop.add_signal_handler(signum, on_signal, signum)
-    try:
-        await stub.run()
-    finally:
-        for signum in signals:
-            loop.remove_signal_handler(signum)
 
 
 def _state_change_label(request: api.StateChangeEvent) -> str:

@@ -1,7 +1,7 @@
 """Nearly valid NRI wire traffic: a corpus of real messages and hypothesis strategies that mutate it.
 
-The corpus: the messages captured from the Go implementation (when ../shared/reference/vectors is
-present) and the messages our own encoder makes for every Plugin method, responses and a Data
+The corpus: the messages captured from the Go implementation (tests/data/vectors) and the
+messages our own encoder makes for every Plugin method, responses and a Data
 frame. `mutated_message` rewrites a message's ttrpc header (length, type, stream id, flags), flips
 bits, cuts, duplicates and inserts bytes; `streams` concatenates a few; `mutated_wire` does the same
 one layer down, with mux headers (connection id, length).

@@ -2,7 +2,7 @@
 
 What the existing suites already show (tests/ttrpc, tests/test_mux.py): arbitrary bytes give frames
 or a protocol error; valid frames survive any split. Here the inputs are *nearly valid*: messages
-captured from the Go implementation (when ../shared/reference/vectors is present) and messages our
+captured from the Go implementation (tests/data/vectors) and messages our
 own encoder makes for every Plugin method, with headers rewritten (length, type, stream id, flags,
 connection id), bits flipped, bytes cut, duplicated or inserted. Every decoder is compared with a
 small reference model that parses the whole input at once; the incremental decoder fed in any split
