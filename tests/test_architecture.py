@@ -18,11 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PURE_MODULES = (
     "nri_plugin.ttrpc.protocol",
     "nri_plugin.ttrpc.errors",
+    "nri_plugin.ttrpc.buffer",
     "nri_plugin.nri.events",
     "nri_plugin.nri.handlers",
     "nri_plugin.nri.errors",
+    "nri_plugin.nri.routes",
+    "nri_plugin.nri.identity",
+    "nri_plugin.nri.connection",
+    "nri_plugin.deviceplugin.registration",
     "nri_plugin.mixedcpu.policy",
     "nri_plugin.deviceplugin.marker",
+    "nri_plugin.mixedcpu.books",
     "nri_plugin.common.backoff",
 )
 IO_MODULES = ("asyncio", "socket", "selectors", "grpc", "structlog", "prometheus_client")
