@@ -573,10 +573,10 @@ def test_update_quota_falls_back_to_the_containers_current_quota() -> None:
     assert (
         plan_update(
             frozenset({0, 1}), pod, limited, requested, frozenset({4, 5})
-        ).linux.resources.cpu.quota.value
+        ).update.linux.resources.cpu.quota.value
         == 400_000
     )
-    update = plan_update(frozenset({0, 1}), pod, unlimited, requested, frozenset({4, 5}))
+    update = plan_update(frozenset({0, 1}), pod, unlimited, requested, frozenset({4, 5})).update
     assert not update.linux.resources.cpu.HasField("quota")
     bad = api.LinuxResources()
     bad.cpu.cpus = "4,,5"

@@ -9,6 +9,8 @@ What is checked:
 
 * the config file loads (the same `ConfigError` line ``run`` would stop with);
 * the shared CPUs are online and leave some CPUs over;
+* with ``numa_local_shared_cpus``: the shared CPUs of each NUMA node (a node with none is a warning:
+  containers on it get the whole pool);
 * the NRI socket exists and is a socket;
 * the cgroup mode (v1, hybrid, v2) and the hierarchies that serve ``cpu`` and ``cpuset``;
 * kubelet's cgroup driver, from the top cgroup kubelet made: ``kubepods.slice`` (systemd) or
@@ -41,8 +43,11 @@ from nri_plugin.daemon.config import (
     build_layout,
     check_machine,
     load_config,
+    online_cpus,
+    read_numa_nodes,
 )
 from nri_plugin.deviceplugin.config import DevicePluginConfig
+from nri_plugin.mixedcpu.policy import shared_by_node
 
 __all__ = [
     "Finding",
@@ -53,6 +58,7 @@ __all__ = [
     "check_device_plugin_dir",
     "check_kubelet_config",
     "check_nri_socket",
+    "check_numa_nodes",
     "check_shared_cpus",
     "check_state_dir",
     "drivers_in",
@@ -136,6 +142,35 @@ def check_shared_cpus(config: Config) -> Finding:
         return _fail(topic, str(exc))
     left = cgroups.format_cpuset(online - config.shared_cpuset)
     return _ok(topic, f"{config.shared_cpuset_text} online; {left} left for exclusive CPUs")
+
+
+def check_numa_nodes(config: Config) -> list[Finding]:
+    """The shared CPUs of each NUMA node, when numa_local_shared_cpus is on (else no finding)."""
+    if not config.numa_local_shared_cpus:
+        return []
+    topic = "NUMA nodes"
+    try:
+        nodes = read_numa_nodes(config.sysfs_root, online_cpus(config.sysfs_root))
+    except ConfigError as exc:
+        return [_fail(topic, f"{config.source}: {exc}")]
+    split = shared_by_node(config.shared_cpuset, nodes)
+    show = cgroups.format_cpuset
+    detail = "; ".join(
+        f"node{node} CPUs {show(nodes[node])}: shared {show(cpus) or 'none'}" for node, cpus in split.items()
+    )
+    bare = [node for node, cpus in split.items() if not cpus]
+    if bare:
+        names = ", ".join(f"node{node}" for node in bare)
+        return [
+            _warn(
+                topic,
+                detail,
+                f"add CPUs of {names} to shared_cpuset and to kubelet's reservedSystemCPUs; until then a "
+                f"container whose exclusive CPUs are on {names} gets the whole shared pool, across the "
+                "interconnect",
+            )
+        ]
+    return [_ok(topic, detail)]
 
 
 def check_nri_socket(path: str) -> Finding:
@@ -377,6 +412,7 @@ def run_checks(
     findings = [
         _ok("config", f'{config.source} is valid; shared_cpuset = "{config.shared_cpuset_text}"'),
         check_shared_cpus(config),
+        *check_numa_nodes(config),
         check_nri_socket(config.nri_socket),
     ]
     cgroup_finding, layout = check_cgroups(config, mountinfo_path)

@@ -10,6 +10,7 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     cgroup_root = "/sys/fs/cgroup"         # where the host's cgroup tree is mounted
     cgroup_version = "auto"                # auto (from mountinfo) | v1 (<root>/cpu, <root>/cpuset) | v2
     sysfs_root = "/sys"                    # online CPUs: <sysfs_root>/devices/system/cpu/online
+    numa_local_shared_cpus = false         # true: only the shared CPUs on a container's NUMA nodes
     state_dir = "/var/lib/mixed-cpu-nri"   # pod quota bookkeeping and the device plugin's marker key
     log_level = "info"                     # debug | info | warning | error; --log-level wins
     log_format = "auto"                    # auto (JSON when stderr is not a terminal) | console | json
@@ -58,8 +59,10 @@ __all__ = [
     "ConfigError",
     "build_layout",
     "load_config",
+    "numa_nodes_from_cpulists",
     "online_cpus",
     "parse_config",
+    "read_numa_nodes",
 ]
 
 DEFAULT_CONFIG_PATH: Final = "/etc/mixed-cpu-nri/config.toml"
@@ -70,6 +73,8 @@ LOG_FORMATS: Final = ("auto", "console", "json")
 DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:8891"
 CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
+NUMA_NODES_DIR: Final = "devices/system/node"
+_NUMA_NODE: Final = re.compile(r"node([0-9]+)")
 
 _BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
 # Larger than any real config; a bigger file is refused rather than read in part.
@@ -100,6 +105,7 @@ class Config:
     cgroup_root: str = DEFAULT_CGROUP_ROOT
     cgroup_version: str = "auto"
     sysfs_root: str = "/sys"
+    numa_local_shared_cpus: bool = False
     state_dir: str = DEFAULT_STATE_DIR
     trust_device_plugin_marker: bool = True
     trust_pod_annotation: bool = False
@@ -121,6 +127,7 @@ _TOP_KEYS: Final = (
     "plugin_name",
     "plugin_index",
     *_PATH_KEYS,
+    "numa_local_shared_cpus",
     "cgroup_version",
     "log_level",
     "log_format",
@@ -267,6 +274,7 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "plugin_name": functools.partial(_plugin_name, check),
         "plugin_index": functools.partial(_plugin_index, check),
         **{key: functools.partial(check.path, key) for key in _PATH_KEYS},
+        "numa_local_shared_cpus": functools.partial(check.boolean, "numa_local_shared_cpus"),
         "cgroup_version": functools.partial(check.choice, "cgroup_version", choices=CGROUP_VERSIONS),
         "log_level": functools.partial(check.choice, "log_level", choices=LOG_LEVELS),
         "log_format": functools.partial(check.choice, "log_format", choices=LOG_FORMATS),
@@ -324,6 +332,48 @@ def online_cpus(sysfs_root: str) -> frozenset[int]:
             f"sysfs_root: cannot read the online CPUs from {path}: {exc}; set sysfs_root to where the "
             "host's /sys is mounted"
         ) from None
+
+
+def numa_nodes_from_cpulists(
+    cpulists: Mapping[str, str], online: frozenset[int]
+) -> dict[int, frozenset[int]]:
+    """NUMA node id -> its online CPUs, from each node directory's name (``node1``) and the text of its
+    ``cpulist``; other names are ignored. Raises `CpusetError` for a malformed list."""
+    nodes: dict[int, frozenset[int]] = {}
+    for name, text in cpulists.items():
+        match = _NUMA_NODE.fullmatch(name)
+        if match is not None:
+            nodes[int(match[1])] = cgroups.parse_cpuset(text.strip()) & online
+    return dict(sorted(nodes.items()))
+
+
+def read_numa_nodes(sysfs_root: str, online: frozenset[int]) -> dict[int, frozenset[int]]:
+    """NUMA node id -> its online CPUs, from ``<sysfs_root>/devices/system/node/node*/cpulist``. A kernel
+    built without NUMA lists no nodes: then one node 0 holds every online CPU. `ConfigError` when a
+    list cannot be read."""
+    directory = os.path.join(sysfs_root, NUMA_NODES_DIR)
+    try:
+        names = [name for name in os.listdir(directory) if _NUMA_NODE.fullmatch(name)]
+    except FileNotFoundError:
+        names = []
+    except OSError as exc:
+        raise _numa_error(directory, exc) from None
+    nodes: dict[int, frozenset[int]] = {}
+    for name in names:
+        path = os.path.join(directory, name, "cpulist")
+        try:
+            with open(path, encoding="ascii") as file:
+                nodes.update(numa_nodes_from_cpulists({name: file.read(65536)}, online))
+        except (OSError, UnicodeDecodeError, CpusetError) as exc:
+            raise _numa_error(path, exc) from None
+    return dict(sorted(nodes.items())) or {0: online}
+
+
+def _numa_error(path: str, exc: Exception) -> ConfigError:
+    return ConfigError(
+        f"sysfs_root: cannot read the NUMA nodes' CPUs from {path}: {exc}; set sysfs_root to where the "
+        "host's /sys is mounted, or numa_local_shared_cpus = false"
+    )
 
 
 def check_machine(config: Config) -> frozenset[int]:

@@ -18,12 +18,21 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import structlog
 
-from cgroups import CgroupLayout
+from cgroups import CgroupLayout, format_cpuset
 from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, Daemon, DaemonError, Service
-from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH, Config, ConfigError, build_layout, load_config
+from nri_plugin.daemon.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    build_layout,
+    load_config,
+    online_cpus,
+    read_numa_nodes,
+)
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import ProbeError, ProbeServer, readiness
@@ -31,6 +40,7 @@ from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_ke
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.policy import SharedPool, shared_by_node
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub, StubError
 
@@ -45,6 +55,7 @@ __all__ = [
     "build_stub",
     "load_marker_key",
     "load_settings",
+    "shared_pool",
 ]
 
 log = structlog.get_logger("nri_plugin.daemon.wiring")
@@ -85,6 +96,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     if metrics is not None:
         bind_gauges(metrics, stub, plugin, device_plugin)
     _log_start(config, layout, stub)
+    _log_numa(plugin.pool)
     # Started in this order and closed in the reverse: a port already taken fails the start before
     # kubelet or the runtime ever see us.
     services: list[Service] = [part for part in (probes, device_plugin) if part is not None]
@@ -120,10 +132,11 @@ def build_plugin(
     config: Config, layout: CgroupLayout, key: HostKey | None, *, observer: Metrics | None = None
 ) -> MixedCpuPlugin:
     """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir.
-    Raises `ConfigError` when state_dir cannot be used."""
+    Raises `ConfigError` when state_dir (or, with numa_local_shared_cpus, sysfs_root) cannot be used."""
+    pool = shared_pool(config)
     try:
         return MixedCpuPlugin(
-            shared=config.shared_cpuset,
+            shared=pool,
             layout=layout,
             store=StateStore(config.state_dir),
             marker_key=key,
@@ -132,6 +145,18 @@ def build_plugin(
         )
     except OSError as exc:
         raise _state_dir_error(config, exc) from None
+
+
+def shared_pool(config: Config) -> SharedPool:
+    """The shared CPUs as the plugin hands them out: with numa_local_shared_cpus, with the NUMA nodes'
+    online CPUs (read from sysfs_root now, passed on as plain data). Raises `ConfigError`."""
+    if not config.numa_local_shared_cpus:
+        return SharedPool(config.shared_cpuset)
+    try:
+        nodes = read_numa_nodes(config.sysfs_root, online_cpus(config.sysfs_root))
+    except ConfigError as exc:
+        raise ConfigError(f"{config.source}: {exc}") from None
+    return SharedPool(config.shared_cpuset, MappingProxyType(nodes))
 
 
 def _state_dir_error(config: Config, exc: Exception) -> ConfigError:
@@ -206,3 +231,22 @@ def _log_start(config: Config, layout: CgroupLayout, stub: Stub) -> None:
         cpu_hierarchy=layout.cpu.mount_point,
         trusted_sources=[name for name, on in trusted if on],
     )
+
+
+def _log_numa(pool: SharedPool) -> None:
+    """With NUMA-local shared CPUs: the pool by node, and a warning for each node that has none."""
+    if pool.numa_nodes is None:
+        return
+    split = shared_by_node(pool.cpus, pool.numa_nodes)
+    log.info(
+        "shared CPUs are NUMA-local: each container gets those on the nodes of its exclusive CPUs",
+        shared_by_numa_node={str(node): format_cpuset(cpus) or "none" for node, cpus in split.items()},
+    )
+    for node, cpus in split.items():
+        if not cpus:
+            log.warning(
+                "a NUMA node has no shared CPU: containers whose exclusive CPUs are all on it get the whole "
+                "shared pool; add some of its CPUs to shared_cpuset (and to kubelet's reservedSystemCPUs)",
+                numa_node=node,
+                node_cpus=format_cpuset(pool.numa_nodes[node]),
+            )

@@ -12,6 +12,8 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   down to its new target (retried when the kernel refuses it yet).
 * **UpdateContainer** of a shared container: the requested cpus plus the shared ones, the quota
   kept raised. Any other container: no update at all, so kubelet's request goes through untouched.
+  With NUMA-local shared CPUs, new exclusive CPUs on other nodes bring other shared CPUs: the books
+  and the pod quota follow (the pod's raised before the reply).
 * **Synchronize**: the books are rebuilt from the running containers, containers that prove a
   request but lack the current shared CPUs get ``ContainerUpdate``s, and pod quotas are brought to
   their targets.
@@ -22,6 +24,7 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import structlog
 
@@ -35,6 +38,9 @@ from nri_plugin.mixedcpu.policy import (
     MarkerKey,
     PolicyError,
     RequestCheck,
+    SharedChoice,
+    SharedPool,
+    UpdatePlan,
     check_request,
     container_slot,
     cpus_or_empty,
@@ -71,14 +77,16 @@ class MixedCpuPlugin(
 ):
     """The NRI handlers; see the module docstring.
 
-    `marker_key` checks device-plugin markers (None: markers are not a trusted source); `books`
-    replaces the ones `store` holds (tests); `clock` runs the retry and deferred-save timers.
+    `shared`: the node's shared CPUs, or a `SharedPool` that also gives their NUMA nodes when each
+    container is to get only those local to its exclusive CPUs. `marker_key` checks device-plugin
+    markers (None: markers are not a trusted source); `books` replaces the ones `store` holds (tests);
+    `clock` runs the retry and deferred-save timers.
     """
 
     def __init__(
         self,
         *,
-        shared: frozenset[int],
+        shared: frozenset[int] | SharedPool,
         layout: CgroupLayout,
         store: StateStore,
         marker_key: MarkerKey | None,
@@ -87,7 +95,8 @@ class MixedCpuPlugin(
         observer: CgroupObserver | None = None,
         clock: Clock = LOOP_CLOCK,
     ) -> None:
-        self.shared = frozenset(shared)
+        self.pool = shared if isinstance(shared, SharedPool) else SharedPool(frozenset(shared))
+        self.shared = self.pool.cpus
         self.marker_key = marker_key
         self.trust_pod_annotation = trust_pod_annotation
         self.runtime = ""
@@ -167,16 +176,17 @@ class MixedCpuPlugin(
             self._settle_displaced(displaced, pod)
             return None
         try:
-            plan = plan_create(self.shared, pod, container)
+            plan = plan_create(self.shared, pod, container, numa_nodes=self.pool.numa_nodes)
         except PolicyError as exc:
             log.warning(
                 "refused shared CPUs", reason=str(exc), **pod_fields(pod, container, event="CreateContainer")
             )
             self._settle_displaced(displaced, pod)
             raise _refusal(exc) from None
+        _log_fallback(plan.shared, pod, container, "CreateContainer")
         record = ContainerRecord(
             id=container.id,
-            shared_cpus=len(self.shared),
+            shared_cpus=len(plan.shared.cpus),
             exclusive=format_cpuset(plan.exclusive),
             device=check.proof.device,
         )
@@ -197,9 +207,16 @@ class MixedCpuPlugin(
         found = self.books.find(container.id)
         if found is None:
             return ()
-        _, record = found
+        slot, record = found
         try:
-            update = plan_update(self.shared, pod, container, resources, cpus_or_empty(record.exclusive))
+            plan = plan_update(
+                self.shared,
+                pod,
+                container,
+                resources,
+                cpus_or_empty(record.exclusive),
+                numa_nodes=self.pool.numa_nodes,
+            )
         except PolicyError as exc:
             log.warning(
                 "cannot keep shared CPUs on update",
@@ -208,6 +225,9 @@ class MixedCpuPlugin(
             )
             # Whatever its kind: the update request itself carries what cannot be honoured.
             raise InvalidRequest(str(exc)) from None
+        _log_fallback(plan.shared, pod, container, "UpdateContainer")
+        self._follow_update(pod, container, slot, record, plan)
+        update = plan.update
         cpu = update.linux.resources.cpu
         log.info(
             "kept shared CPUs on update",
@@ -251,7 +271,9 @@ class MixedCpuPlugin(
         self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
     ) -> Sequence[api.ContainerUpdate]:
         previous = self.books
-        rebuilt = rebuild_books(self.shared, previous, pods, containers, self._check_at_sync)
+        rebuilt = rebuild_books(
+            self.shared, previous, pods, containers, self._check_at_sync, numa_nodes=self.pool.numa_nodes
+        )
         present = {pod_key(pod): pod for pod in pods}
         failed = self.quotas.sync_pods(present, rebuilt.books, previous, rebuilt.applied)
         updates = updates_to_send(rebuilt, failed)
@@ -290,6 +312,34 @@ class MixedCpuPlugin(
     ) -> RequestCheck:
         return self._check(pod, container, holders, event="Synchronize")
 
+    def _follow_update(
+        self,
+        pod: api.PodSandbox,
+        container: api.Container,
+        slot: Slot,
+        record: ContainerRecord,
+        plan: UpdatePlan,
+    ) -> None:
+        """The books follow an update that moves the container's exclusive CPUs; when its share
+        changes with them (NUMA-local shared CPUs on other nodes), so does the pod quota, raised
+        before the reply. Raises a `PluginRefusal` (nothing changed) when the pod cgroup fails us."""
+        now = replace(record, shared_cpus=len(plan.shared.cpus), exclusive=format_cpuset(plan.exclusive))
+        if now == record:
+            return
+        if now.shared_cpus == record.shared_cpus:
+            self.books.hold(slot, now)
+            self.keeper.save_quietly()
+            return
+        before, after = self.quotas.raise_for(
+            pod, container, slot, now, self.books.pods.get(slot.pod), event="UpdateContainer"
+        )
+        log.info(
+            "the pod quota follows the container's shared CPUs",
+            shared_cpus=format_cpuset(plan.shared.cpus),
+            pod_quota=f"{show_quota(before)} -> {show_quota(after)}",
+            **pod_fields(pod, container, event="UpdateContainer"),
+        )
+
     def _settle_displaced(self, displaced: ContainerRecord | None, pod: api.PodSandbox) -> None:
         """A refused or unproven new instance of a container: the old one's share is gone."""
         if displaced is not None:
@@ -307,3 +357,13 @@ class MixedCpuPlugin(
             )
         if key in self.books.pods:
             self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
+
+
+def _log_fallback(choice: SharedChoice, pod: api.PodSandbox, container: api.Container, event: str) -> None:
+    """Say why a container gets the whole shared pool although NUMA-local shared CPUs are on."""
+    if choice.fallback is not None:
+        log.warning(
+            "no NUMA-local shared CPU: the container gets the whole shared pool",
+            reason=choice.fallback,
+            **pod_fields(pod, container, event=event),
+        )

@@ -18,6 +18,11 @@ the pod author set. Only the fields that change are set in the adjustment. Its p
 n(shared) * the pod's period (`pod_quota_target`). A requesting container that has no exclusive CPUs
 (not Guaranteed, a fractional CPU request, an empty cpuset, a cpuset inside the shared pool) or a
 node with an empty shared pool is a `PolicyError` whose message says why and how to fix the pod spec.
+
+NUMA-local shared CPUs (opt-in, `SharedPool.numa_nodes`): "shared" above then means the shared CPUs on
+the NUMA nodes of the container's exclusive CPUs (`choose_shared`), in its cpus, quota, environment and
+pod quota share alike; a container whose nodes hold no shared CPU gets the whole pool, and the choice
+says why.
 """
 
 from __future__ import annotations
@@ -43,12 +48,17 @@ __all__ = [
     "SHARED_ENV",
     "CreatePlan",
     "MarkerKey",
+    "NumaNodes",
     "PolicyError",
     "Proof",
     "RequestCheck",
+    "SharedChoice",
+    "SharedPool",
     "SyncPlan",
+    "UpdatePlan",
     "baseline_from_pod_resources",
     "check_request",
+    "choose_shared",
     "container_slot",
     "cpus_or_empty",
     "describe",
@@ -58,6 +68,7 @@ __all__ = [
     "plan_update",
     "pod_key",
     "pod_quota_target",
+    "shared_by_node",
 ]
 
 SHARED_ENV: Final = "OPENSHIFT_SHARED_CPUS"
@@ -227,6 +238,71 @@ def _env_notes(container: api.Container) -> list[str]:
     ]
 
 
+# -- NUMA-local shared CPUs ---------------------------------------------------------------------------
+
+# NUMA node id -> its online CPUs, as the daemon read them from sysfs at start.
+NumaNodes = Mapping[int, frozenset[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPool:
+    """The node's shared CPUs, and how a container's are chosen among them.
+
+    `numa_nodes` None (the default): every container gets the whole pool. Given: each container gets
+    the shared CPUs on the NUMA nodes of its exclusive CPUs (`choose_shared`), so that the threads it
+    runs on them touch memory and caches local to its exclusive CPUs.
+    """
+
+    cpus: frozenset[int]
+    numa_nodes: NumaNodes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SharedChoice:
+    """The shared CPUs one container gets, and why.
+
+    `nodes`: the NUMA nodes its exclusive CPUs are on (empty when locality is off). `fallback`: why it
+    gets the whole pool although locality is on (no shared CPU is local to it); None otherwise.
+    """
+
+    cpus: frozenset[int]
+    nodes: tuple[int, ...] = ()
+    fallback: str | None = None
+
+
+def choose_shared(
+    shared: frozenset[int], exclusive: frozenset[int], numa_nodes: NumaNodes | None
+) -> SharedChoice:
+    """The shared CPUs of a container with `exclusive` CPUs: all of `shared` when `numa_nodes` is None,
+    else those on the nodes its exclusive CPUs touch (every such node: a container spanning nodes gets
+    the shared CPUs of each); the whole pool, with the reason, when none of them is local."""
+    if numa_nodes is None:
+        return SharedChoice(shared)
+    nodes = tuple(sorted(node for node, cpus in numa_nodes.items() if cpus & exclusive))
+    local = shared.intersection(frozenset().union(*(numa_nodes[node] for node in nodes)))
+    if local:
+        return SharedChoice(local, nodes)
+    if not nodes:
+        why = (
+            f"none of its exclusive CPUs ({format_cpuset(exclusive) or 'none'}) is on a NUMA node with "
+            "online CPUs"
+        )
+    else:
+        where = ", ".join(str(node) for node in nodes)
+        why = (
+            f"none of the shared CPUs ({format_cpuset(shared)}) is on NUMA node {where}, where its exclusive "
+            f"CPUs ({format_cpuset(exclusive)}) are; add CPUs of that node to shared_cpuset (and to "
+            "kubelet's reservedSystemCPUs)"
+        )
+    return SharedChoice(shared, nodes, why)
+
+
+def shared_by_node(shared: frozenset[int], numa_nodes: NumaNodes) -> dict[int, frozenset[int]]:
+    """Each NUMA node with online CPUs -> the shared CPUs on it; an empty set: none, so a container
+    whose exclusive CPUs are all on that node gets the whole pool."""
+    return {node: shared & cpus for node, cpus in sorted(numa_nodes.items()) if cpus}
+
+
 # -- eligibility and container values ---------------------------------------------------------------
 
 
@@ -317,12 +393,21 @@ class CreatePlan:
     quota: int | None  # the container's new quota; None: unlimited, left alone
     period: int
     adjustment: api.ContainerAdjustment
+    shared: SharedChoice  # its shared CPUs (the pod quota share is their number)
 
 
-def plan_create(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> CreatePlan:
-    """The CreateContainer adjustment of a proven container; `PolicyError` if it cannot have one."""
+def plan_create(
+    shared: frozenset[int],
+    pod: api.PodSandbox,
+    container: api.Container,
+    *,
+    numa_nodes: NumaNodes | None = None,
+) -> CreatePlan:
+    """The CreateContainer adjustment of a proven container; `PolicyError` if it cannot have one.
+    `numa_nodes` given: its shared CPUs are those local to its exclusive ones (`choose_shared`)."""
     exclusive = exclusive_cpus(shared, pod, container)
-    cpus = exclusive | shared
+    given = choose_shared(shared, exclusive, numa_nodes)
+    cpus = exclusive | given.cpus
     cpu = container.linux.resources.cpu
     period = _period(cpu)
     quota = len(cpus) * period if _limited(cpu) else None
@@ -332,8 +417,17 @@ def plan_create(shared: frozenset[int], pod: api.PodSandbox, container: api.Cont
         adjust.linux.resources.cpu.cpus = text
     if quota is not None and quota != cpu.quota.value:
         adjust.linux.resources.cpu.quota.value = quota
-    _env(adjust, shared, exclusive)
-    return CreatePlan(exclusive, cpus, quota, period, adjust)
+    _env(adjust, given.cpus, exclusive)
+    return CreatePlan(exclusive, cpus, quota, period, adjust, given)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdatePlan:
+    """The UpdateContainer answer for a shared container, and what it then holds."""
+
+    update: api.ContainerUpdate
+    exclusive: frozenset[int]  # its exclusive CPUs as the update leaves them
+    shared: SharedChoice  # its shared CPUs as the update leaves them
 
 
 def plan_update(
@@ -342,10 +436,14 @@ def plan_update(
     container: api.Container,
     requested: api.LinuxResources,
     exclusive: frozenset[int],
-) -> api.ContainerUpdate:
-    """The UpdateContainer answer for a shared container: the requested cpus | shared (an empty
-    requested cpuset keeps the current one), and the quota raised to match unless unlimited.
+    *,
+    numa_nodes: NumaNodes | None = None,
+) -> UpdatePlan:
+    """The UpdateContainer answer for a shared container: the requested cpus plus its shared ones (an
+    empty requested cpuset keeps the current one), and the quota raised to match unless unlimited.
+    `exclusive`: the ones the books recorded, for a request that names none outside the pool.
 
+    Its shared CPUs follow the requested exclusive ones (with `numa_nodes`, those local to them).
     Only cpus and quota are set: the runtime merges them over the requested resources.
     """
     who = f"container {describe(pod, container)}"
@@ -353,7 +451,9 @@ def plan_update(
     wanted = _cpus(requested.cpu.cpus, "requested cpuset", who)
     if not wanted:
         wanted = _cpus(current_cpu.cpus, "cpuset", who) or exclusive
-    cpus = wanted | shared
+    own = wanted - shared
+    given = choose_shared(shared, own or exclusive, numa_nodes)
+    cpus = own | given.cpus  # (wanted | shared when every container gets the whole pool)
     update = api.ContainerUpdate(container_id=container.id)
     update.linux.resources.cpu.cpus = format_cpuset(cpus)
     limited = _limited(requested.cpu)
@@ -361,7 +461,7 @@ def plan_update(
         limited = _limited(current_cpu)
     if limited:
         update.linux.resources.cpu.quota.value = len(cpus) * _period(requested.cpu, current_cpu)
-    return update
+    return UpdatePlan(update, own or exclusive, given)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,6 +473,7 @@ class SyncPlan:
     update: api.ContainerUpdate | None  # None: it already has what it should
     env_stale: bool  # its environment does not show the current sets (a restart would fix it)
     applied_shared: int  # how many of its CPUs are beyond its exclusive ones (already given shared)
+    shared: SharedChoice  # the shared CPUs it is to have (the pod quota share is their number)
 
 
 def _cpu_env(container: api.Container) -> tuple[str | None, str | None]:
@@ -392,10 +493,11 @@ def _cpu_env(container: api.Container) -> tuple[str | None, str | None]:
     return shared, isolated
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)
 def _format_shared(shared: frozenset[int]) -> str:
     """The shared set's text, formatted once: `plan_sync` needs it for every container of a
-    Synchronize, and the set changes only with the config."""
+    Synchronize, and the set changes only with the config (one per combination of NUMA nodes when
+    shared CPUs are NUMA-local)."""
     return format_cpuset(shared)
 
 
@@ -412,8 +514,11 @@ def plan_sync(
     pod: api.PodSandbox,
     container: api.Container,
     recorded_exclusive: frozenset[int] = frozenset(),
+    *,
+    numa_nodes: NumaNodes | None = None,
 ) -> SyncPlan:
-    """Bring an existing proven container to the current shared set.
+    """Bring an existing proven container to the current shared set (with `numa_nodes`, the shared
+    CPUs local to its exclusive ones: `choose_shared`).
 
     Its exclusive CPUs are, in order of trust: those the books recorded at creation; those in the
     ``OPENSHIFT_ISOLATED_CPUS`` we injected (only CPUs it really has count); its CPUs minus the shared
@@ -432,7 +537,8 @@ def plan_sync(
         exclusive = current - shared
     # The same checks as at creation, on the exclusive CPUs found.
     exclusive = _exclusive_of(exclusive, shared, _check_eligible(shared, pod, container))
-    cpus = exclusive | shared
+    given = choose_shared(shared, exclusive, numa_nodes)
+    cpus = exclusive | given.cpus
     quota = len(cpus) * _period(cpu) if _limited(cpu) else None
     update = api.ContainerUpdate(container_id=container.id)
     if cpus != current:
@@ -440,8 +546,9 @@ def plan_sync(
     if quota is not None and quota != cpu.quota.value:
         update.linux.resources.cpu.quota.value = quota
     changed = update.linux.resources.cpu.cpus != "" or update.linux.resources.cpu.HasField("quota")
-    env_stale = shared_env != _format_shared(shared) or isolated_env != format_cpuset(exclusive)
-    return SyncPlan(exclusive, cpus, update if changed else None, env_stale, len(current - exclusive))
+    env_stale = shared_env != _format_shared(given.cpus) or isolated_env != format_cpuset(exclusive)
+    applied = len(current - exclusive)
+    return SyncPlan(exclusive, cpus, update if changed else None, env_stale, applied, given)
 
 
 # -- pod quota -----------------------------------------------------------------------------------------

@@ -186,8 +186,11 @@ class PodQuotas:
         slot: Slot,
         record: ContainerRecord,
         saved: PodRecord | None,
+        *,
+        event: str = "CreateContainer",
     ) -> tuple[CpuQuota, CpuQuota]:
-        """Hold the slot and raise the pod's quota; the pod's limit before and after.
+        """Hold the slot and raise the pod's quota; the pod's limit before and after. `event`: the NRI
+        event it is done for (CreateContainer; UpdateContainer when a container's share changes).
 
         On failure everything is undone (the pod's record back to `saved`, no device bound, the pod
         quota written back) and a `PreconditionFailed` (cgroup) or `PluginFailure` (state file) raised.
@@ -208,14 +211,14 @@ class PodQuotas:
             _restore(books.pods, slot.pod, saved)
             books.devices = devices  # a failed creation binds no device
             undone = self._undo(pod_dir, before)
-            raise self._creation_refused(exc, pod, container, undone) from None
+            raise self._creation_refused(exc, pod, container, undone, event) from None
         finally:
             if pod_dir is not None:
                 pod_dir.close()
         return before, after
 
     def _creation_refused(
-        self, exc: Exception, pod: api.PodSandbox, container: api.Container, undone: bool
+        self, exc: Exception, pod: api.PodSandbox, container: api.Container, undone: bool, event: str
     ) -> PluginRefusal:
         refusal: type[PluginRefusal]
         if isinstance(exc, CgroupError):
@@ -225,10 +228,10 @@ class PodQuotas:
             message = f"cannot save the plugin's state in {self.keeper.store.directory}: {exc}"
             refusal = PluginFailure
         log.error(
-            "creation refused",
+            "creation refused" if event == "CreateContainer" else "update refused",
             error=message,
             rolled_back=undone,
-            **pod_fields(pod, container, event="CreateContainer"),
+            **pod_fields(pod, container, event=event),
         )
         return refusal(f"{message}{'; the pod quota was put back' if undone else ''}")
 

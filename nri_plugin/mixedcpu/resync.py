@@ -4,7 +4,10 @@ Which container holds which slot is taken from the running containers, not from 
 saved books only supply each container's exclusive CPUs (here) and each pod's baseline (in
 `nri_plugin.mixedcpu.quota`). Containers that prove a request but lack the current shared CPUs get a
 ``ContainerUpdate``, sent only if their pod's quota could be raised (`updates_to_send`); containers
-whose environment shows old values are logged (env cannot change after start).
+whose environment shows old values are logged (env cannot change after start). With NUMA-local shared
+CPUs, "the current shared CPUs" of a container are those local to its exclusive ones, and its slot
+counts their number: a change of the key or of the pool between restarts brings each container, and
+its pod's quota, to its own.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from cgroups import format_cpuset
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields
 from nri_plugin.mixedcpu.policy import (
+    NumaNodes,
     PolicyError,
     RequestCheck,
+    SharedPool,
     SyncPlan,
     container_slot,
     cpus_or_empty,
@@ -68,9 +73,12 @@ def rebuild_books(
     pods: Sequence[api.PodSandbox],
     containers: Sequence[api.Container],
     check: CheckRequest,
+    *,
+    numa_nodes: NumaNodes | None = None,
 ) -> Rebuilt:
     """New books holding a slot for every live container that proves a request and can have the
-    `shared` CPUs; pods get placeholder records (`quota.PodQuotas.sync_pods` fills them in)."""
+    `shared` CPUs (with `numa_nodes`, those local to its exclusive ones); pods get placeholder records
+    (`quota.PodQuotas.sync_pods` fills them in)."""
     by_sandbox = {pod.id: pod for pod in pods}
     present = {pod_key(pod) for pod in pods}
     known = {record.id: record for _, record in previous.slots()}
@@ -78,9 +86,10 @@ def rebuild_books(
     # stopped: a copy of the marker in another pod must not take the device meanwhile.
     bound = {device: slot for device, slot in previous.device_holders().items() if slot.pod in present}
     rebuilt = Rebuilt(Books({}, bound))
+    pool = SharedPool(shared, numa_nodes)
     for container in _live(containers, by_sandbox, known):
         pod = by_sandbox[container.pod_sandbox_id]
-        _adopt(rebuilt, shared, pod, container, known.get(container.id), check)
+        _adopt(rebuilt, pool, pod, container, known.get(container.id), check)
     return rebuilt
 
 
@@ -96,7 +105,7 @@ def _live(
 
 def _adopt(
     rebuilt: Rebuilt,
-    shared: frozenset[int],
+    pool: SharedPool,
     pod: api.PodSandbox,
     container: api.Container,
     before: ContainerRecord | None,
@@ -109,7 +118,7 @@ def _adopt(
         return
     recorded = cpus_or_empty(before.exclusive) if before is not None else frozenset()
     try:
-        plan = plan_sync(shared, pod, container, recorded)
+        plan = plan_sync(pool.cpus, pod, container, recorded, numa_nodes=pool.numa_nodes)
     except PolicyError as exc:
         log.warning(
             "existing container cannot have shared CPUs",
@@ -120,14 +129,15 @@ def _adopt(
     slot = container_slot(pod, container)
     if slot.pod not in books.pods:
         books.pods[slot.pod] = PodRecord(pod.linux.cgroup_parent, None, 1)
-    books.hold(slot, ContainerRecord(container.id, len(shared), format_cpuset(plan.exclusive), proof.device))
+    given = plan.shared
+    books.hold(
+        slot, ContainerRecord(container.id, len(given.cpus), format_cpuset(plan.exclusive), proof.device)
+    )
     rebuilt.applied[slot.pod] += plan.applied_shared
-    _note_plan(rebuilt, shared, plan, pod, container)
+    _note_plan(rebuilt, plan, pod, container)
 
 
-def _note_plan(
-    rebuilt: Rebuilt, shared: frozenset[int], plan: SyncPlan, pod: api.PodSandbox, container: api.Container
-) -> None:
+def _note_plan(rebuilt: Rebuilt, plan: SyncPlan, pod: api.PodSandbox, container: api.Container) -> None:
     """Keep the container's update for later, and log what it will (and will not) see."""
     if plan.update is not None:
         rebuilt.pending.append(PendingUpdate(pod_key(pod), plan.applied_shared, plan.update, pod, container))
@@ -136,10 +146,16 @@ def _note_plan(
             cpus=plan.update.linux.resources.cpu.cpus or "unchanged",
             **pod_fields(pod, container, event="Synchronize"),
         )
+    if plan.shared.fallback is not None:
+        log.warning(
+            "no NUMA-local shared CPU: the container gets the whole shared pool",
+            reason=plan.shared.fallback,
+            **pod_fields(pod, container, event="Synchronize"),
+        )
     if plan.env_stale:
         log.warning(
             "container must restart to see the current CPU sets in its environment",
-            OPENSHIFT_SHARED_CPUS=format_cpuset(shared),
+            OPENSHIFT_SHARED_CPUS=format_cpuset(plan.shared.cpus),
             OPENSHIFT_ISOLATED_CPUS=format_cpuset(plan.exclusive),
             **pod_fields(pod, container, event="Synchronize"),
         )
