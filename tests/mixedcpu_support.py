@@ -29,6 +29,7 @@ from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.policy import SharedPool
 from nri_plugin.mixedcpu.quota import CgroupObserver
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
@@ -181,7 +182,7 @@ def marker(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:
 def make_plugin(
     state_dir: Path,
     layout: CgroupLayout,
-    shared: frozenset[int] = frozenset({0, 1}),
+    shared: frozenset[int] | SharedPool = frozenset({0, 1}),
     *,
     trust_pod_annotation: bool = False,
     trust_marker: bool = True,
