@@ -167,6 +167,30 @@ async def test_demo_shows_what_the_plugin_did(runtime: str, version: str, pod_cg
     assert "11 NRI exchanges, 1 failed (the Burstable request); plugin still connected: True" in text
 
 
+@pytest.mark.asyncio
+async def test_demo_shows_numa_local_shared_cpus_on_two_nodes() -> None:
+    out = io.StringIO()
+    assert await run_demo(out) == 0
+    text = out.getvalue()
+    assert (
+        "NUMA: node0 CPUs 0,2,4,6 (shared 0), node1 CPUs 1,3,5,7 (shared 1); numa_local_shared_cpus = true"
+    ) in text
+    # The forwarder's exclusive CPUs are on both nodes: it gets the shared CPUs of each.
+    assert (
+        "  NUMA: exclusive CPUs 4-5 on node0 and node1: shared CPUs 0-1, so its pod quota gains 2 CPU(s)\n"
+        in text
+    )
+    # A container on node 1 alone gets node 1's shared CPU: cpuset, quota, env and pod quota.
+    worker = text.split("CreateContainer telco/dpdk-node1/worker")[1]
+    assert (
+        "\n  before: cpus=3,7         quota=200000  env: -"
+        "\n  after:  cpus=1,3,7       quota=300000  env: OPENSHIFT_SHARED_CPUS=1 OPENSHIFT_ISOLATED_CPUS=3,7"
+        "\n  pod quota: 200000 -> 300000"
+        "\n  NUMA: exclusive CPUs 3,7 on node1: shared CPUs 1, so its pod quota gains 1 CPU(s)"
+        "\n1 more NRI exchange(s), 0 failed\n"
+    ) in worker
+
+
 @pytest.fixture
 def device_plugins() -> Iterator[Path]:
     """kubelet's device-plugin directory for the daemon; no kubelet listens there.

@@ -7,6 +7,11 @@ quota as the plugin left it in the tree. Pod and container cgroups are named as 
 names them: containerd with the cgroupfs driver (``/kubepods/pod<uid>/<id>``), CRI-O with the systemd
 driver (``kubepods-pod<uid>.slice`` and ``crio-<id>.scope``).
 
+The node has two NUMA nodes, numbered as many two-socket machines do (even CPUs on node 0, odd ones on
+node 1), one shared CPU on each, and NUMA-local shared CPUs on: a container gets the shared CPUs of
+the nodes its exclusive CPUs are on. The forwarder's are on both nodes, so it gets both; the last
+container's are on node 1 alone, so it gets node 1's.
+
 Containers ask for shared CPUs the way a real pod does: kubelet's device manager hands the runtime
 the allocation marker our device plugin returned, signed with the node's key (here the demo signs
 it, as the device plugin would).
@@ -22,16 +27,19 @@ from pathlib import Path
 from typing import TextIO
 
 from api.nri import api_pb2 as api
-from cgroups import CgroupDir, CgroupLayout, pod_cgroup_path, read_cpu_quota
+from cgroups import CgroupDir, CgroupLayout, format_cpuset, parse_cpuset, pod_cgroup_path, read_cpu_quota
 from nri_plugin.daemon.config import build_layout, load_config
 from nri_plugin.daemon.wiring import build_plugin, load_marker_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
+from nri_plugin.mixedcpu.policy import choose_shared, shared_by_node
 from nri_plugin.nri.events import events_in
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.nri.stub import Stub
 
 NODE_CPUS = "0-7"
 SHARED_CPUS = "0-1"
+# NUMA node -> its CPUs, interleaved as on many two-socket machines.
+NUMA_NODES = {0: "0,2,4,6", 1: "1,3,5,7"}
 PERIOD = 100_000
 ENV_KEYS = ("OPENSHIFT_SHARED_CPUS", "OPENSHIFT_ISOLATED_CPUS")
 CONFIG = """\
@@ -41,6 +49,7 @@ cgroup_root = "{root}/cgroup"
 cgroup_version = "v1"
 sysfs_root = "{root}/sys"
 state_dir = "{root}/state"
+numa_local_shared_cpus = true
 """
 
 
@@ -109,6 +118,10 @@ class _Node:
         online = root / "sys" / "devices" / "system" / "cpu"
         online.mkdir(parents=True)
         (online / "online").write_text(NODE_CPUS + "\n")
+        for node, cpus in NUMA_NODES.items():
+            directory = root / "sys" / "devices" / "system" / "node" / f"node{node}"
+            directory.mkdir(parents=True)
+            (directory / "cpulist").write_text(cpus + "\n")
         for controller in ("cpu", "cpuset"):
             (root / "cgroup" / controller).mkdir(parents=True)
         (root / "state").mkdir(mode=0o700)
@@ -192,6 +205,7 @@ class _Scenario:
             await self.kubelet_update()
             await self.restart_and_remove()
             self.summary()
+            await self.numa_local()
             return 0
         finally:
             stub.stop()
@@ -216,6 +230,17 @@ class _Scenario:
             f"node: CPUs {NODE_CPUS}, shared pool {config.shared_cpuset_text} "
             f"(from {self.node.config_path.name}), cgroup v1 tree in {config.cgroup_root}, "
             f"{self.naming.driver} cgroup names; 1 pod already running"
+        )
+        numa = self.plugin.pool.numa_nodes
+        assert numa is not None, "the demo's config turns numa_local_shared_cpus on"
+        split = shared_by_node(config.shared_cpuset, numa)
+        self.say(
+            "NUMA: "
+            + ", ".join(
+                f"node{node} CPUs {format_cpuset(numa[node])} (shared {format_cpuset(cpus)})"
+                for node, cpus in split.items()
+            )
+            + "; numa_local_shared_cpus = true: a container gets the shared CPUs of its exclusive CPUs' nodes"
         )
 
     async def connect(self) -> None:
@@ -265,6 +290,8 @@ class _Scenario:
         ]
         for pod, container, why in steps:
             await self.create(pod, container, why)
+            if container.name == "fwd":
+                self.say(self.numa_note(container))
         self.say()
 
     async def create(self, pod: api.PodSandbox, container: api.Container, why: str) -> None:
@@ -314,3 +341,39 @@ class _Scenario:
             f"{len(self.sim.records)} NRI exchanges, {failed} failed (the Burstable request); "
             f"plugin still connected: {bool(self.sim.plugins)}"
         )
+
+    def numa_note(self, container: api.Container) -> str:
+        """Which NUMA nodes a container's exclusive CPUs are on, and the shared CPUs it got for them."""
+        pool = self.plugin.pool
+        exclusive = parse_cpuset(container.linux.resources.cpu.cpus) - pool.cpus
+        choice = choose_shared(pool.cpus, exclusive, pool.numa_nodes)
+        nodes = " and ".join(f"node{node}" for node in choice.nodes)
+        return (
+            f"  NUMA: exclusive CPUs {format_cpuset(exclusive)} on {nodes}: shared CPUs "
+            f"{format_cpuset(choice.cpus)}, so its pod quota gains {len(choice.cpus)} CPU(s)"
+        )
+
+    async def numa_local(self) -> None:
+        """A container on one NUMA node: only that node's shared CPUs, and a pod quota share to match."""
+        self.say()
+        self.say("NUMA-local shared CPUs: a container whose exclusive CPUs are all on node1")
+        naming = self.naming
+        pod = naming.pod("4444-cccc", "telco", "dpdk-node1")
+        self.pod_dir = self.node.add_pod_cgroup(self.layout, pod, 2 * PERIOD)
+        await self.sim.run_pod_sandbox(pod)
+        self.say(f"pod {pod.namespace}/{pod.name} (Guaranteed), cgroup {self.pod_dir.path}")
+        before = len(self.sim.records)
+        worker = naming.container(
+            pod,
+            "worker-1",
+            "worker",
+            cpus="3,7",
+            quota=2 * PERIOD,
+            shares=2048,
+            annotations=self.marker("shared-cpus-2"),
+        )
+        await self.create(pod, worker, "asks for shared CPUs; its exclusive CPUs are all on one node")
+        self.say(self.numa_note(worker))
+        records = self.sim.records[before:]
+        failed = sum(r.outcome != "ok" for r in records)
+        self.say(f"{len(records)} more NRI exchange(s), {failed} failed")
