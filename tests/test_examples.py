@@ -38,6 +38,11 @@ from api.deviceplugin.v1beta1 import api_pb2 as dp
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset, parse_cpuset
 from nri_plugin.daemon import config as config_module
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10 only
+    import tomli as tomllib
 from nri_plugin.deviceplugin.config import DEFAULT_DEVICE_COUNT, DevicePluginConfig
 from nri_plugin.deviceplugin.server import AllocationError, allocate, device_ids
 from nri_plugin.mixedcpu.policy import ISOLATED_ENV, REQUEST_RESOURCE, SHARED_ENV
@@ -65,7 +70,7 @@ def _known_keys() -> dict[str, set[str]]:
 
 
 def test_config_example_sets_every_known_key() -> None:
-    document = config_module.tomllib.loads(CONFIG.read_text(encoding="utf-8"))
+    document = tomllib.loads(CONFIG.read_text(encoding="utf-8"))
     known = _known_keys()
     tables = {name: value for name, value in document.items() if isinstance(value, dict)}
     assert set(tables) == set(known) - {""}
@@ -78,7 +83,7 @@ def test_config_example_sets_every_known_key() -> None:
 def test_config_example_loads_and_shows_the_defaults() -> None:
     config = config_module.load_config(CONFIG, check=False)  # check=False: this machine's CPUs differ
     assert config == config_module.parse_config(
-        config_module.tomllib.loads(CONFIG.read_text(encoding="utf-8")), source=str(CONFIG)
+        tomllib.loads(CONFIG.read_text(encoding="utf-8")), source=str(CONFIG)
     )
     assert config.shared_cpuset_text == "0-1"
     # Every other value is the default, so the file documents the defaults truthfully.

@@ -39,6 +39,7 @@ from nri_plugin.daemon.config import (
     Config,
     parse_config,
 )
+from nri_plugin.daemon.wiring import LAUNCHED_ENDED
 from nri_plugin.deviceplugin.config import DEFAULT_PLUGIN_DIR
 from nri_plugin.nri.simulator import RuntimeSimulator
 
@@ -817,6 +818,13 @@ async def test_the_runtime_can_launch_the_wrapper(tmp_path: Path) -> None:
     text = log.read_text()
     assert "registered with the runtime" in text
     assert "Traceback" not in text
+    # The log names the connection the runtime handed over, and why the plugin ended (issue 15).
+    [starting] = [json.loads(line) for line in text.splitlines() if '"msg": "starting"' in line]
+    assert starting["socket"] == "fd 3 from the runtime (NRI_PLUGIN_SOCKET)"
+    [ended] = [json.loads(line) for line in text.splitlines() if "not reconnecting" in line]
+    assert ended["why"] == LAUNCHED_ENDED
+    assert text.splitlines()[-1] == f"error: {LAUNCHED_ENDED}"
+    assert proc.returncode == 1
 
 
 # -- docs ----------------------------------------------------------------------------------------------
