@@ -428,3 +428,10 @@ def test_run_refuses_a_state_dir_others_may_write_with_status_2(tmp_path: Path, 
         f"{state}; point state_dir at a directory only root can write"
     ]
     assert not (state / "device-plugin-hmac.key").exists(), "nothing written there"
+
+
+def test_a_relative_plugin_dir_is_shown_as_written_not_as_a_python_object() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"shared_cpuset": "0", "device_plugin": {"plugin_dir": "relative"}}, source="c.toml")
+    assert str(info.value).startswith("c.toml: [device_plugin] plugin_dir = 'relative': must be an absolute")
+    assert "PurePosixPath" not in str(info.value)
