@@ -1,4 +1,4 @@
-"""Command line: ``mixed-cpu-nri-plugin run | check | demo | version``.
+"""Command line: ``mixed-cpu-nri-plugin run | check | demo | enable-nri | version``.
 
 Parsing the arguments and printing failures is all this module does: ``run`` is
 `nri_plugin.daemon.wiring.build_daemon` (the parts, from the config) and `Daemon.run`
@@ -184,6 +184,28 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the demo's temporary directory (config, cgroup tree, state file) and print where",
     )
+    enable = commands.add_parser(
+        "enable-nri",
+        parents=[level],
+        help="turn NRI on in the node's runtime config and restart the runtime (the chart's init container)",
+        description="Turn NRI on in containerd's config.toml or with a CRI-O drop-in, under --host-root,\n"
+        "and restart the runtime over systemd's D-Bus; nothing at all when the runtime already\n"
+        "accepts connections on its NRI socket. For the Helm chart's opt-in init container\n"
+        "(nri.runtime.patchConfig); by hand, packaging/runtime/ has the drop-ins to install.",
+        epilog="Exit status: 0 when NRI is on (or turned on and the runtime restarting), 1 when a file could "
+        "not be written or the runtime restarted, 2 when the config cannot be changed safely.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    enable.add_argument(
+        "--runtime", choices=("containerd", "cri-o"), required=True, help="the node's runtime"
+    )
+    enable.add_argument(
+        "--host-root",
+        default="/host",
+        metavar="PATH",
+        help="where the host's /etc/containerd (or /etc/crio), /var/run/nri and /run/dbus are mounted "
+        "(default: /host)",
+    )
     commands.add_parser(
         "version", parents=[level], help="print the version", description="Print the version and exit."
     )
@@ -226,6 +248,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "version":
         print(f"{_PROG} {__version__}")
         return 0
+    if args.command == "enable-nri":
+        from nri_plugin.daemon.enable_nri import enable_nri
+
+        return enable_nri(args.runtime, host_root=args.host_root)
     if args.command == "check":
         from nri_plugin.daemon.check import run_checks
 
