@@ -7,7 +7,8 @@
 3. the node's marker key, then the mixed-CPU plugin (which checks markers with it);
 4. the NRI stub serving that plugin;
 5. the kubelet device plugin (which signs markers with the same key);
-6. the probe server, and the gauges bound to the parts they read at scrape time.
+6. the probe server, and the gauges bound to the parts they read at scrape time;
+7. the not-ready warnings, which read what ``/readyz`` reads, metrics or not.
 
 A config problem is a `DaemonError` with exit status 2, one line the command line prints. Whatever
 is configured counts, wherever it comes from: the config file, the options (``--nri-plugin-index``)
