@@ -158,26 +158,34 @@ def test_the_console_script_prints_the_report(node: Node) -> None:
     assert result.stdout.splitlines()[-1] == "6 OK, 0 WARN, 1 FAIL: not ready: fix each FAIL above"
 
 
+# Shared CPUs that kubelet may hand out as exclusive ones, or a file kubelet refuses to start with:
+# the feature cannot work, so FAIL (issue 15, item 10).
 @pytest.mark.parametrize(
     ("text", "status", "detail", "fix"),
     [
         (
             'reservedSystemCPUs: "0"\ncpuManagerPolicy: static\n',
-            "WARN",
+            "FAIL",
             "reservedSystemCPUs 0 leave out the shared CPUs 1",
             'set reservedSystemCPUs: "0-1" (or a superset) in {path} and restart kubelet',
         ),
         (
             "cpuManagerPolicy: static\n",
-            "WARN",
+            "FAIL",
             "{path} sets no reservedSystemCPUs",
             'set reservedSystemCPUs: "0-1" (or a superset) in {path}',
         ),
         (
             "reservedSystemCPUs: 1\ncpuManagerPolicy: static\n",  # YAML reads a lone CPU as a number
-            "WARN",
-            "reservedSystemCPUs 1 leave out the shared CPUs 0",
-            "set reservedSystemCPUs",
+            "FAIL",
+            "{path}: reservedSystemCPUs: 1 is a YAML number, which kubelet refuses",
+            'set reservedSystemCPUs: "0-1" (or a superset)',
+        ),
+        (
+            "reservedSystemCPUs: 0\ncpuManagerPolicy: static\n",  # a number even when it is right
+            "FAIL",
+            "{path}: reservedSystemCPUs: 0 is a YAML number, which kubelet refuses (it wants a quoted",
+            'set reservedSystemCPUs: "0-1" (or a superset)',
         ),
         (
             'reservedSystemCPUs: "0-1,x"\n',
@@ -186,7 +194,7 @@ def test_the_console_script_prints_the_report(node: Node) -> None:
             "fix reservedSystemCPUs in {path}",
         ),
     ],
-    ids=["outside", "missing-key", "number", "bad-list"],
+    ids=["outside", "missing-key", "number", "number-zero", "bad-list"],
 )
 def test_kubelet_reserved_cpus(
     node: Node, capsys: pytest.CaptureFixture[str], text: str, status: str, detail: str, fix: str
@@ -200,17 +208,15 @@ def test_kubelet_reserved_cpus(
     assert code == (1 if status == "FAIL" else 0)  # a warning alone still exits 0
 
 
-def test_kubelet_without_the_static_cpu_manager_is_a_warning(
-    node: Node, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_kubelet_without_the_static_cpu_manager_fails(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
     kubelet = node.kubelet_config('reservedSystemCPUs: "0-1"\n')
     code, lines = check(capsys, "--config", str(node.config), "--kubelet-config", str(kubelet))
     assert line_of(lines, "kubelet CPU manager").startswith(
-        "WARN  kubelet CPU manager    cpuManagerPolicy is none, so no container has exclusive CPUs"
+        "FAIL  kubelet CPU manager    cpuManagerPolicy is none, so no container has exclusive CPUs"
     )
     assert fix_of(lines, "kubelet CPU manager").startswith(f"set cpuManagerPolicy: static in {kubelet}")
-    assert lines[-1] == "8 OK, 1 WARN, 0 FAIL: ready"
-    assert code == 0
+    assert lines[-1] == "8 OK, 0 WARN, 1 FAIL: not ready: fix each FAIL above"
+    assert code == 1
 
 
 @pytest.mark.parametrize(
@@ -415,3 +421,100 @@ def test_device_plugin_dir(node: Node, capsys: pytest.CaptureFixture[str]) -> No
         "not used: [device_plugin] enabled = false (kubelet must advertise the resource)",
     )
     assert report.exit_code == 0
+
+
+# -- what operators tripped over (issue 15) ------------------------------------------------------------
+
+
+def test_without_a_config_file_the_node_is_checked_with_the_defaults(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator's first run: one FAIL for the missing file, and still a report of the node."""
+    missing = node.root / "absent.toml"
+    code, lines = check(capsys, "--config", str(missing))
+    assert lines[0] == (
+        f"mixed-cpu-nri-plugin check of {missing} (no such file: the node checked with the defaults)"
+    )
+    assert lines[1].startswith(f"FAIL  config                 {missing}: no such file;")
+    topics = [line[6:28].strip() for line in lines[1:-1] if not line.startswith(" ")]
+    assert topics[:4] == ["config", "shared CPUs", "NRI socket", "cgroups"]
+    assert topics[-2:] == ["state directory", "device-plugin dir"]
+    # Not checkable without shared_cpuset, but the online CPUs to choose from are named.
+    assert line_of(lines, "shared CPUs").startswith(
+        "WARN  shared CPUs            shared_cpuset is not set (online CPUs: "
+    )
+    assert line_of(lines, "NRI socket")[29:].startswith("/var/run/nri/nri.sock ")  # the default
+    assert code == 1
+
+
+def test_without_a_config_file_kubelet_reserved_cpus_are_offered_as_the_pool(node: Node) -> None:
+    kubelet = node.kubelet_config('reservedSystemCPUs: "0-1"\ncpuManagerPolicy: static\n')
+    report = run_checks(str(node.root / "absent.toml"), kubelet_config=str(kubelet))
+    [reserved] = [f for f in report.findings if f.topic == "kubelet reserved CPUs"]
+    assert (reserved.status, reserved.detail) == (
+        Status.WARN,
+        "reservedSystemCPUs 0-1; shared_cpuset is not set",
+    )
+    assert reserved.fix == 'choose shared_cpuset among these, e.g. shared_cpuset = "0-1"'
+
+
+def test_a_stale_nri_socket_nobody_listens_on_fails(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    """A runtime stopped with SIGTERM leaves its socket behind; `run` would see connection refused."""
+    [listener] = [s for s in node.sockets if s.getsockname() == str(node.nri_socket)]
+    listener.close()  # the file stays, nothing listens
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "NRI socket") == (
+        f"FAIL  NRI socket             {node.nri_socket} is a socket, but nothing listens on it (connection "
+        "refused): a runtime that stopped, or restarted with NRI off, left it behind"
+    )
+    assert fix_of(lines, "NRI socket").startswith("start the runtime with NRI on; enable NRI in the runtime")
+    assert code == 1
+
+
+def test_a_state_dir_others_may_write_fails(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    state = node.root / "state"
+    state.mkdir()
+    os.chmod(state, 0o777)
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "state directory") == (
+        f"FAIL  state directory        {state} is writable by its group and others (mode 0777); "
+        f"chmod 0700 {state}"
+    )
+    assert (
+        fix_of(lines, "state directory") == "point state_dir at a directory only root can write (mode 0700)"
+    )
+    assert code == 1
+
+
+def test_a_forced_cgroup_version_the_mounts_contradict_fails(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """cgroup_version = "v2" on a host whose cpu and cpuset controllers are v1 hierarchies."""
+    for controller in ("cpu", "cpuset"):
+        (node.cgroup / controller).mkdir()
+    mountinfo = _mountinfo(
+        node,
+        "30 20 0:26 / ROOT/cpu rw - cgroup cgroup rw,cpu,cpuacct\n"
+        "31 20 0:27 / ROOT/cpuset rw - cgroup cgroup rw,cpuset\n",
+    )
+    code, lines = check(capsys, "--config", str(node.config), "--mountinfo", str(mountinfo))
+    assert line_of(lines, "cgroups").startswith(
+        f'FAIL  cgroups                {node.config}: cgroup_version: "v2" is forced, but {mountinfo} shows '
+        f"the cpu controller served by a cgroup v1 hierarchy at {node.cgroup}/cpu"
+    )
+    assert code == 1
+
+
+def test_kubelets_cgroup_driver_is_compared_with_the_node(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The node's pod cgroups were made by the systemd driver (kubepods.slice); kubelet's file says
+    cgroupfs. Only a warning: since Kubernetes 1.31 kubelet may take the driver from the runtime
+    and ignore the file's."""
+    kubelet = node.kubelet_config(KUBELET_OK.replace("cgroupDriver: systemd", "cgroupDriver: cgroupfs"))
+    code, lines = check(capsys, "--config", str(node.config), "--kubelet-config", str(kubelet))
+    assert line_of(lines, "cgroup driver") == (
+        f"WARN  cgroup driver          kubepods.slice in {node.cgroup} was made by the systemd driver, but "
+        "kubelet's cgroupDriver is cgroupfs"
+    )
+    assert code == 0

@@ -6,17 +6,20 @@ import asyncio
 import io
 import json
 import logging
+import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_config
+from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
 
 from api.nri import api_pb2 as api
-from nri_plugin.daemon.cli import main
+from nri_plugin.daemon.cli import EXIT_OUTPUT_CLOSED, main
 from nri_plugin.daemon.demo import run_demo
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
@@ -162,8 +165,15 @@ async def test_demo_shows_what_the_plugin_did(runtime: str, version: str, pod_cg
     # A restart does not grow the pod quota; removal brings it back.
     restart = text.split("fwd restarts:")[1]
     assert "  after:  cpus=0-1,4-5     quota=400000  env: OPENSHIFT_SHARED_CPUS=0-1" in restart
-    assert "  pod quota: 500000 -> 300000 -> 500000 -> 500000\n" in restart
-    assert "StopContainer, RemoveContainer fwd-2\n  pod quota: 500000 -> 300000\n" in text
+    # Each pod-quota step says what moved it (issue 15, item 16).
+    assert (
+        "  pod quota: 500000 (running) -> 300000 (fwd-1 stopped: its share given back) -> 500000 "
+        "(fwd-2 created: the share again, once) -> 500000 (fwd-1 removed)\n"
+    ) in restart
+    assert (
+        "fwd ends: StopContainer, RemoveContainer fwd-2\n"
+        "  pod quota: 500000 (running) -> 300000 (fwd-2 gone: back to the pod's own)\n"
+    ) in text
     assert "11 NRI exchanges, 1 failed (the Burstable request); plugin still connected: True" in text
 
 
@@ -202,7 +212,7 @@ def device_plugins() -> Iterator[Path]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 async def test_run_shuts_down_cleanly_on_signal(tmp_path: Path, device_plugins: Path, signum: int) -> None:
     socket_path = tmp_path / "nri.sock"
     config = write_daemon_config(tmp_path, device_plugins)
@@ -232,7 +242,7 @@ def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path, device_plugins: 
         "7",
         timeout=GUARD,
     )
-    assert result.returncode == 1
+    assert result.returncode == 2  # a config error (issue 15, item 2)
     assert result.stderr.strip().splitlines() == [
         "error: plugin index '7' is invalid: use exactly two digits, "
         "e.g. --nri-plugin-index 10 or NRI_PLUGIN_IDX=10"
@@ -293,3 +303,72 @@ async def test_leftover_tasks_may_finish_after_shutdown_but_not_hold_it_forever(
     assert finishing.result() == "done"
     assert not stuck.done()
     stuck.cancel()
+
+
+# -- what operators tripped over (issue 15) ------------------------------------------------------------
+
+
+def test_version_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("mixed-cpu-nri-plugin 0.")
+
+
+@pytest.mark.parametrize("runtime", ["cri-o", "crio"])
+def test_demo_takes_crio_by_either_name(capsys: pytest.CaptureFixture[str], runtime: str) -> None:
+    assert main(["demo", "--runtime", runtime]) == 0
+    assert "NRI runtime simulator: cri-o v1.36.3" in capsys.readouterr().out
+
+
+def test_demo_keep_leaves_its_directory_and_says_where(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--keep"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("kept /")
+    kept = Path(last.split()[1].rstrip(":"))
+    try:
+        assert (kept / "config.toml").is_file()
+        assert (kept / "state" / "pod-quotas.json").is_file()
+        assert (kept / "cgroup" / "cpu").is_dir()
+    finally:
+        shutil.rmtree(kept)
+
+
+def test_demo_cleans_up_without_keep(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def recording(*args: str, **kwargs: str) -> str:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr("nri_plugin.daemon.demo.tempfile.mkdtemp", recording)
+    assert main(["demo"]) == 0
+    [tmp] = made
+    assert not Path(tmp).exists()
+    assert "kept" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["demo"], ["check", "--config", "/nonexistent.toml"], ["version"]])
+def test_output_nobody_reads_ends_quietly_like_sigpipe(command: list[str]) -> None:
+    """``demo | head -1``: the reader is gone before the output is; no traceback, no report-it line,
+    and the status of a command that SIGPIPE ended (141)."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "nri_plugin.daemon.cli", *command],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=GUARD,
+            check=False,
+        )
+    finally:
+        os.close(writer)
+    assert result.stderr == ""
+    assert result.returncode == 128 + signal.SIGPIPE == EXIT_OUTPUT_CLOSED

@@ -9,7 +9,15 @@ import pytest
 from mixedcpu_support import run_cli
 
 from cgroups import CgroupMode
-from nri_plugin.daemon.config import Config, ConfigError, build_layout, load_config, parse_config
+from nri_plugin.daemon.config import (
+    Config,
+    ConfigError,
+    ConfigMissing,
+    build_layout,
+    load_config,
+    parse_config,
+    state_dir_problem,
+)
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 
 
@@ -137,8 +145,8 @@ WRONG = [
     ),
     (
         'shared_cpuset = "0"\n[device_plugin]\ncount = 3',
-        "[device_plugin] unknown key(s) 'count'",
-        "device_count",
+        "device_plugin.count: unknown key (a typo?)",  # as in every other table
+        "did you mean device_plugin.device_count?",
     ),
     (
         'shared_cpuset = "0"\n[device_plugin]\ndevice_count = 0',
@@ -274,3 +282,156 @@ def test_cli_unusable_state_dir_exits_2(tmp_path: Path, sysfs: Path) -> None:
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"error: {path}: state_dir: ")
     assert "5 bytes, a marker secret is 32" in line
+
+
+# -- what operators tripped over (issue 15) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (
+            {"shared_cpuset": "0", "state_dirr": "/x"},
+            "state_dirr: unknown key (a typo?): did you mean state_dir? known keys: shared_cpuset, ",
+        ),
+        (
+            {"shared_cpuset": "0", "trusted_sources": {"pod_anotation": True}},
+            "trusted_sources.pod_anotation: unknown key (a typo?): did you mean "
+            "trusted_sources.pod_annotation? known keys: device_plugin_marker, pod_annotation",
+        ),
+        (
+            {"shared_cpuset": "0", "device_plugin": {"dir": "/x"}},
+            "device_plugin.dir: unknown key (a typo?): did you mean device_plugin.plugin_dir? known keys: "
+            "enabled, resource_name, device_count, plugin_dir, endpoint",
+        ),
+        (
+            {"shared_cpuset": "0", "colour": "blue"},
+            "colour: unknown key (a typo?): known keys: shared_cpuset, ",  # nothing near: no guess
+        ),
+    ],
+    ids=["top-level", "trusted_sources", "device_plugin", "no-guess"],
+)
+def test_unknown_keys_read_alike_in_every_table_and_name_the_nearest(
+    document: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(document, source="c.toml")
+    assert str(info.value).startswith(f"c.toml: {message}")
+
+
+def test_a_go_style_address_listens_everywhere_and_a_bad_port_says_so() -> None:
+    assert parse_config({"shared_cpuset": "0", "metrics_address": ":8891"}).metrics_address == ":8891"
+    for text, problem in (
+        ("localhost:99999", "the port 99999 is out of range (0 to 65535)"),
+        ("8891", "it has no :port at the end"),
+        ("[]:8891", 'the host "" is not a host name or address'),
+    ):
+        with pytest.raises(ConfigError) as info:
+            parse_config({"shared_cpuset": "0", "metrics_address": text})
+        assert f"is not host:port: {problem};" in str(info.value)
+
+
+def test_a_missing_file_is_its_own_error() -> None:
+    with pytest.raises(ConfigMissing):
+        load_config("/nonexistent/mixed-cpu/config.toml")
+
+
+def _tree(tmp_path: Path) -> Path:
+    for controller in ("cpu", "cpuset"):
+        (tmp_path / controller).mkdir()
+    return tmp_path
+
+
+V1_MOUNTS = (
+    "30 20 0:26 / ROOT/cpu rw - cgroup cgroup rw,cpu,cpuacct\n"
+    "31 20 0:27 / ROOT/cpuset rw - cgroup cgroup rw,cpuset\n"
+)
+V2_MOUNT = "30 20 0:26 / ROOT rw - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+@pytest.mark.parametrize(
+    ("forced", "mounts", "served", "actual"),
+    [
+        ("v2", V1_MOUNTS, "cpu controller served by a cgroup v1 hierarchy at ROOT/cpu;", "v1"),
+        ("v1", V2_MOUNT, "cpu controller served by a cgroup v2 hierarchy at ROOT;", "v2"),
+    ],
+    ids=["v2-on-a-v1-host", "v1-on-a-v2-host"],
+)
+def test_a_forced_version_the_mounts_contradict_is_refused(
+    tmp_path: Path, forced: str, mounts: str, served: str, actual: str
+) -> None:
+    root = _tree(tmp_path)
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(mounts.replace("ROOT", str(root)))
+    config = parse_config({"shared_cpuset": "0", "cgroup_root": str(root), "cgroup_version": forced})
+    with pytest.raises(ConfigError) as info:
+        build_layout(config, mountinfo_path=str(mountinfo))
+    message = str(info.value)
+    assert f'cgroup_version: "{forced}" is forced, but {mountinfo} shows the ' in message
+    assert served.replace("ROOT", str(root)) in message
+    assert message.endswith(f'set cgroup_version = "auto" (or "{actual}")')
+
+
+def test_a_forced_version_the_mounts_agree_with_or_do_not_show_is_taken(tmp_path: Path) -> None:
+    root = _tree(tmp_path)
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(V1_MOUNTS.replace("ROOT", str(root)))
+    forced_v1 = parse_config({"shared_cpuset": "0", "cgroup_root": str(root), "cgroup_version": "v1"})
+    assert build_layout(forced_v1, mountinfo_path=str(mountinfo)).mode is CgroupMode.V1
+    mountinfo.write_text(V1_MOUNTS.replace("ROOT", "/elsewhere"))  # what forcing is for
+    forced_v2 = parse_config({"shared_cpuset": "0", "cgroup_root": str(root), "cgroup_version": "v2"})
+    assert build_layout(forced_v2, mountinfo_path=str(mountinfo)).mode is CgroupMode.V2
+    assert build_layout(forced_v2, mountinfo_path=str(tmp_path / "unreadable")).mode is CgroupMode.V2
+
+
+def test_the_state_dir_must_be_the_daemons_alone(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    assert state_dir_problem(str(state)) is None  # made by the daemon, 0700
+    state.mkdir(mode=0o700)
+    assert state_dir_problem(str(state)) is None
+    os.chmod(state, 0o777)
+    assert state_dir_problem(str(state)) == (
+        f"{state} is writable by its group and others (mode 0777); chmod 0700 {state}"
+    )
+    os.chmod(state, 0o1773)
+    assert state_dir_problem(str(state)) == (
+        f"{state} is writable by its group and others (mode 1773); chmod 0700 {state}"
+    )
+    os.chmod(state, 0o730)
+    assert (
+        state_dir_problem(str(state)) == f"{state} is writable by its group (mode 0730); chmod 0700 {state}"
+    )
+    os.chmod(state, 0o700)
+    (tmp_path / "file").write_text("")
+    assert state_dir_problem(str(tmp_path / "file")) == f"{tmp_path / 'file'} is not a directory"
+    if os.geteuid() == 0:
+        os.chown(state, 12345, -1)
+        assert state_dir_problem(str(state)) == (
+            f"{state} belongs to uid 12345, not to uid 0 that runs the daemon"
+        )
+
+
+def test_run_refuses_a_state_dir_others_may_write_with_status_2(tmp_path: Path, sysfs: Path) -> None:
+    """The key that proves requests would be written where anyone could replace it."""
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, 0o777)
+    path = write(
+        tmp_path,
+        f'shared_cpuset = "0"\nstate_dir = "{state}"\ncgroup_version = "v2"\ncgroup_root = "{tmp_path}"\n',
+        sysfs,
+    )
+    result = run_cli("run", "--config", str(path), timeout=20)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: {path}: state_dir: {state} is writable by its group and others (mode 0777); chmod 0700 "
+        f"{state}; point state_dir at a directory only root can write"
+    ]
+    assert not (state / "device-plugin-hmac.key").exists(), "nothing written there"
+
+
+def test_a_relative_plugin_dir_is_shown_as_written_not_as_a_python_object() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"shared_cpuset": "0", "device_plugin": {"plugin_dir": "relative"}}, source="c.toml")
+    assert str(info.value).startswith("c.toml: [device_plugin] plugin_dir = 'relative': must be an absolute")
+    assert "PurePosixPath" not in str(info.value)

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -22,13 +23,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
 
 from api.nri import api_pb2 as api
-from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, Daemon, DaemonError
+from nri_plugin.common.clock import ManualClock
+from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, NRI_ENDED, Daemon, DaemonError
+from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
-from nri_plugin.daemon.probes import ProbeError, ProbeServer
-from nri_plugin.daemon.wiring import RunOptions, build_daemon
+from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
+from nri_plugin.daemon.wiring import LAUNCHED_ENDED, RunOptions, build_daemon
 from nri_plugin.deviceplugin.keyfile import KEY_FILE_NAME, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.deviceplugin.server import DevicePluginServer
@@ -37,7 +42,9 @@ from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import Stub, StubError
 
 GUARD = 20.0  # against hangs only
-STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT]
+# SIGHUP too: a hang-up stops the daemon in order, saying so, instead of killing it (issue 15, item 4).
+STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+STOP_SIGNAL_IDS = ["SIGTERM", "SIGINT", "SIGHUP"]
 
 
 # -- stand-in parts -------------------------------------------------------------------------------------
@@ -111,7 +118,7 @@ class StandInState:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=STOP_SIGNAL_IDS)
 async def test_first_signal_stops_everything_in_order_and_flushes(signum: int) -> None:
     log: list[str] = []
     nri = StandInNri(log)
@@ -140,7 +147,7 @@ async def test_first_signal_stops_everything_in_order_and_flushes(signum: int) -
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=STOP_SIGNAL_IDS)
 async def test_second_signal_during_a_hung_shutdown_exits_at_once(signum: int) -> None:
     log: list[str] = []
     hang = asyncio.Event()
@@ -188,7 +195,8 @@ async def test_the_runtime_going_away_for_good_is_status_1_after_a_full_shutdown
 
 
 @pytest.mark.asyncio
-async def test_a_service_that_cannot_start_is_status_1_and_the_runtime_never_sees_us() -> None:
+async def test_a_probe_server_that_cannot_listen_is_status_2_and_the_runtime_never_sees_us() -> None:
+    """metrics_address taken, or not this host's: a config error that no restart mends."""
     log: list[str] = []
     taken = ProbeError("cannot serve metrics and probes on 127.0.0.1:1: Address already in use")
     daemon = Daemon(
@@ -203,7 +211,7 @@ async def test_a_service_that_cannot_start_is_status_1_and_the_runtime_never_see
     )
     with pytest.raises(DaemonError) as info:
         await daemon.main()
-    assert (info.value.status, str(info.value)) == (1, str(taken))
+    assert (info.value.status, str(info.value)) == (EXIT_CONFIG, str(taken))
     assert log == ["start first", "close first", "flush"]
 
 
@@ -261,7 +269,7 @@ async def _expect_line(proc: asyncio.subprocess.Process, text: str) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=STOP_SIGNAL_IDS)
 async def test_a_real_process_stops_on_the_first_signal_with_status_0(signum: int) -> None:
     proc = await _child()
     try:
@@ -279,7 +287,7 @@ async def test_a_real_process_stops_on_the_first_signal_with_status_0(signum: in
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=STOP_SIGNAL_IDS)
 async def test_a_real_process_exits_at_once_on_the_second_signal(signum: int) -> None:
     proc = await _child("hang")
     try:
@@ -399,9 +407,10 @@ def test_every_part_is_built_with_the_metrics_as_its_observer(
     assert isinstance(stub, Stub)
     assert isinstance(plugin, MixedCpuPlugin)
     assert stub.plugin is plugin
-    probes, device_plugin = daemon.services
+    probes, device_plugin, warnings = daemon.services
     assert isinstance(probes, ProbeServer)
     assert isinstance(device_plugin, DevicePluginServer)
+    assert isinstance(warnings, NotReadyWarnings)
     metrics = stub.observer
     assert isinstance(metrics, Metrics)
     assert plugin.observer is metrics
@@ -424,9 +433,10 @@ def test_with_metrics_off_nothing_observes_and_no_port_is_served(
     assert isinstance(daemon.state, MixedCpuPlugin)
     assert daemon.nri.observer is None
     assert daemon.state.observer is None
-    [device_plugin] = daemon.services
+    device_plugin, warnings = daemon.services
     assert isinstance(device_plugin, DevicePluginServer)
     assert device_plugin.observer is None
+    assert isinstance(warnings, NotReadyWarnings), "not-ready warnings do not need the metrics"
 
 
 @pytest.mark.parametrize(
@@ -473,7 +483,7 @@ def test_build_failures_carry_the_documented_status(
     assert str(info.value).startswith(f"{tmp_path / 'missing.toml'}: no such file;")
     with pytest.raises(DaemonError) as info:
         build_daemon(RunOptions(config_path=str(config), plugin_index="7"), environ={})
-    assert info.value.status == EXIT_CANNOT_SERVE == 1
+    assert info.value.status == EXIT_CONFIG  # wherever the index comes from (issue 15, item 2)
     assert str(info.value).startswith("plugin index '7' is invalid")
     (tmp_path / "state").mkdir(exist_ok=True)
     (tmp_path / "state" / KEY_FILE_NAME).write_bytes(b"short")
@@ -482,3 +492,158 @@ def test_build_failures_carry_the_documented_status(
     assert info.value.status == EXIT_CONFIG
     assert str(info.value).startswith(f"{config}: state_dir: ")
     assert str(info.value).endswith("; point state_dir at a directory only root can write")
+
+
+# -- what operators tripped over (issue 15) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "environ", "problem"),
+    [
+        (RunOptions(), {"NRI_PLUGIN_IDX": "7"}, "plugin index '7' is invalid"),
+        (RunOptions(plugin_index="100"), {}, "plugin index '100' is invalid"),
+        (RunOptions(plugin_name="bad name"), {}, "plugin name 'bad name' is invalid"),
+        (RunOptions(), {"NRI_PLUGIN_NAME": "bad name"}, "plugin name 'bad name' is invalid"),
+        (RunOptions(), {"NRI_PLUGIN_SOCKET": "x"}, "NRI_PLUGIN_SOCKET='x' is not a file descriptor number"),
+    ],
+    ids=["env-index", "option-index", "option-name", "env-name", "env-socket"],
+)
+def test_identity_mistakes_are_config_errors_wherever_they_come_from(
+    tmp_path: Path,
+    device_plugins: Path,
+    quiet_wiring: None,
+    options: RunOptions,
+    environ: dict[str, str],
+    problem: str,
+) -> None:
+    """Status 2, so that a systemd unit with RestartPreventExitStatus=2 does not restart-loop."""
+    config = write_daemon_config(tmp_path, device_plugins)
+    with pytest.raises(DaemonError) as info:
+        build_daemon(dataclasses.replace(options, config_path=str(config)), environ=environ)
+    assert info.value.status == EXIT_CONFIG
+    assert str(info.value).startswith(problem)
+
+
+def test_an_old_runtimes_whole_file_name_is_still_a_name(
+    tmp_path: Path, device_plugins: Path, quiet_wiring: None
+) -> None:
+    """Runtimes on NRI v0.3 and older pass NRI_PLUGIN_NAME=10-mixed-cpu; the stub strips the index."""
+    config = write_daemon_config(tmp_path, device_plugins)
+    daemon = build_daemon(RunOptions(config_path=str(config)), environ={"NRI_PLUGIN_NAME": "10-mixed-cpu"})
+    assert isinstance(daemon.nri, Stub)
+    assert daemon.nri.identity.full_name == "10-mixed-cpu"
+
+
+def test_run_exits_2_for_a_bad_index_in_the_environment(tmp_path: Path, device_plugins: Path) -> None:
+    config = write_daemon_config(tmp_path, device_plugins)
+    result = subprocess.run(
+        [sys.executable, "-m", "nri_plugin.daemon.cli", "run", "--config", str(config)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NRI_PLUGIN_IDX": "7"},
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: plugin index '7' is invalid: use exactly two digits, e.g. --nri-plugin-index 10 or "
+        "NRI_PLUGIN_IDX=10"
+    ]
+
+
+def test_a_runtime_launched_daemon_names_its_connection_and_its_end(
+    tmp_path: Path, device_plugins: Path, quiet_wiring: None
+) -> None:
+    """Started by the runtime on fd 3: the logs name fd 3, not the config's nri_socket, and the end of
+    the connection is told as what it is (the runtime will start the plugin again), not as a
+    --no-reconnect the operator never gave."""
+    config = write_daemon_config(tmp_path, device_plugins)
+    environ = {"NRI_PLUGIN_NAME": "mixed-cpu", "NRI_PLUGIN_IDX": "10", "NRI_PLUGIN_SOCKET": "3"}
+    daemon = build_daemon(RunOptions(config_path=str(config)), environ=environ)
+    assert isinstance(daemon.nri, Stub)
+    assert daemon.nri.socket_path == "fd 3 from the runtime (NRI_PLUGIN_SOCKET)"
+    assert daemon.nri_ended == LAUNCHED_ENDED
+    plain = build_daemon(RunOptions(config_path=str(config)), environ={})
+    assert plain.nri_ended == NRI_ENDED
+
+
+@pytest.mark.asyncio
+async def test_the_end_of_the_connection_is_logged_not_only_printed() -> None:
+    """The runtime-launched daemon's stderr is its log file: the reason is a log line there too."""
+    log: list[str] = []
+    daemon = Daemon(StandInNri(log, ends=True), drain_seconds=0.0, nri_ended=LAUNCHED_ENDED)
+    with structlog.testing.capture_logs() as logged, pytest.raises(DaemonError) as info:
+        await daemon.main()
+    assert (info.value.status, str(info.value)) == (EXIT_CANNOT_SERVE, LAUNCHED_ENDED)
+    assert {"event": "the connection to the runtime ended; not reconnecting", "why": LAUNCHED_ENDED,
+            "log_level": "warning"} in logged  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_not_ready_is_said_at_warning_while_it_lasts() -> None:
+    """A rolling update waits on /readyz: the log says why it waits, every period, and when it ends."""
+    missing: list[str | None] = ["not registered with kubelet yet"]
+    clock = ManualClock()
+    warnings = NotReadyWarnings(lambda: missing[0], clock=clock, period=30.0)
+    with structlog.testing.capture_logs() as logged:
+        await warnings.start()
+        await clock.advance(29.0)
+        assert logged == [], "a normal start is ready well within a period"
+        await clock.advance(1.0)
+        await clock.advance(30.0)
+        missing[0] = None
+        await clock.advance(30.0)
+        await clock.advance(30.0)
+        await warnings.close()
+    assert [(entry["log_level"], entry["event"], entry.get("missing")) for entry in logged] == [
+        ("warning", "not ready", "not registered with kubelet yet"),
+        ("warning", "not ready", "not registered with kubelet yet"),
+        ("info", "ready", None),
+    ]
+    assert warnings.warnings == 2
+    assert clock.pending == 0, "closed: no timer left behind"
+
+
+def test_readiness_names_a_missing_kubelet_directory(
+    tmp_path: Path, device_plugins: Path, quiet_wiring: None
+) -> None:
+    missing_dir = device_plugins / "absent"
+    daemon = build_daemon(RunOptions(config_path=str(write_daemon_config(tmp_path, missing_dir))), environ={})
+    stub = daemon.nri
+    _, device_plugin, _ = daemon.services
+    assert isinstance(stub, Stub)
+    assert isinstance(device_plugin, DevicePluginServer)
+    stub.ready.set()
+    assert readiness(stub, device_plugin)() == (
+        f"not registered with kubelet yet: its device-plugin directory {missing_dir} does not exist; "
+        "mount the host's directory there, or set [device_plugin] plugin_dir"
+    )
+    missing_dir.mkdir()
+    assert readiness(stub, device_plugin)() == "not registered with kubelet yet"
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Leave the process's logging as the test found it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
+    structlog.reset_defaults()
+
+
+def test_every_log_line_names_the_node(restore_logging: None) -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream=stream, node="worker-3")
+    structlog.get_logger("nri_plugin.test").info("hello", pod="p")
+    logging.getLogger("grpc").warning("a stdlib line")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(line["node"], line["msg"]) for line in lines] == [
+        ("worker-3", "hello"),
+        ("worker-3", "a stdlib line"),
+    ]
+    assert list(lines[0])[:3] == ["timestamp", "level", "node"]

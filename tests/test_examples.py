@@ -43,6 +43,11 @@ from api.deviceplugin.v1beta1 import api_pb2 as dp
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset, parse_cpuset
 from nri_plugin.daemon import config as config_module
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10 only
+    import tomli as tomllib
 from nri_plugin.deviceplugin.config import DEFAULT_DEVICE_COUNT, DevicePluginConfig
 from nri_plugin.deviceplugin.server import AllocationError, allocate, device_ids
 from nri_plugin.mixedcpu.policy import ISOLATED_ENV, REQUEST_RESOURCE, SHARED_ENV

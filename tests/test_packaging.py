@@ -39,6 +39,9 @@ from nri_plugin.daemon.config import (
     Config,
     parse_config,
 )
+from nri_plugin.daemon.dbus import SYSTEM_BUS
+from nri_plugin.daemon.enable_nri import CONTAINERD_CONFIG, CRIO_DROP_IN, NRI_SOCKET
+from nri_plugin.daemon.wiring import LAUNCHED_ENDED
 from nri_plugin.deviceplugin.config import DEFAULT_PLUGIN_DIR
 from nri_plugin.nri.simulator import RuntimeSimulator
 
@@ -390,7 +393,8 @@ def test_helm_lint_is_clean() -> None:
 def test_helm_default_render_matches_the_kustomize_base() -> None:
     docs = helm_template()
     ds = check_daemonset(docs)
-    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "DaemonSet"}
+    # The ResourceQuota lets system-node-critical pods in outside kube-system (issue 15, item 13).
+    assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "DaemonSet", "ResourceQuota"}
     assert ds["metadata"]["namespace"] == "nri-test"
     config = config_of(docs)
     assert config.shared_cpuset_text == values()["sharedCpuset"]
@@ -461,6 +465,185 @@ def test_helm_schema_rejects_bad_values(bad: str) -> None:
     result = helm("template", "rel", str(CHART), "--set", bad)
     assert result.returncode != 0
     assert "values don't meet the specifications of the schema" in result.stderr
+
+
+# -- what operators tripped over (issue 15) ----------------------------------------------------------
+
+
+def env_of(container: Doc) -> dict[str, Doc]:
+    return {entry["name"]: entry for entry in container.get("env", [])}
+
+
+def check_critical_pod_quota(docs: list[Doc], ds: Doc) -> None:
+    """The quota admits exactly the DaemonSet's priority class, in its namespace."""
+    quota = one(docs, "ResourceQuota")
+    assert quota["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    [match] = quota["spec"]["scopeSelector"]["matchExpressions"]
+    assert (match["scopeName"], match["operator"]) == ("PriorityClass", "In")
+    assert match["values"] == [ds["spec"]["template"]["spec"]["priorityClassName"]]
+    assert int(quota["spec"]["hard"]["pods"]) > 5000, "more pods than a cluster has nodes"
+
+
+def test_kustomize_pods_get_their_critical_pod_quota_and_node_name() -> None:
+    docs = kustomize("containerd")
+    ds = one(docs, "DaemonSet")
+    check_critical_pod_quota(docs, ds)
+    [container] = ds["spec"]["template"]["spec"]["containers"]
+    assert env_of(container)["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_helm_critical_pod_quota_only_where_it_is_needed() -> None:
+    docs = helm_template()
+    check_critical_pod_quota(docs, one(docs, "DaemonSet"))
+    result = helm("template", "rel", str(CHART), "--namespace", "kube-system")
+    assert result.returncode == 0, result.stderr
+    assert not [d for d in load_documents(result.stdout) if d["kind"] == "ResourceQuota"]
+    for values in ("priorityClassName=", "criticalPodQuota.create=false"):
+        assert not [d for d in helm_template(values) if d["kind"] == "ResourceQuota"], values
+
+
+def test_helm_takes_a_lone_cpu_as_a_number() -> None:
+    """``--set sharedCpuset=0`` makes an integer; it is a one-CPU list all the same."""
+    assert config_of(helm_template("sharedCpuset=0")).shared_cpuset_text == "0"
+    assert config_of(helm_template("sharedCpuset=0\\,2-3")).shared_cpuset_text == "0,2-3"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["sharedCpuset=3-1"], 'sharedCpuset "3-1": the range 3-1 is reversed'),
+        (["sharedCpuset=0\\,5-4"], 'sharedCpuset "0,5-4": the range 5-4 is reversed'),
+        (["devicePlugin.enabled=false"], "devicePlugin.enabled=false leaves nothing to prove a request"),
+        (
+            ["trustedSources.devicePluginMarker=false", "trustedSources.podAnnotation=false"],
+            "trustedSources: both sources are off",
+        ),
+        (["metrics.bindHost=127.0.0.1"], "metrics.bindHost=127.0.0.1 is the pod's own loopback"),
+        (["metrics.bindHost=::1"], "metrics.bindHost=::1 is the pod's own loopback"),
+        (["metrics.bindHost=localhost"], "metrics.bindHost=localhost is the pod's own loopback"),
+        (["metrics.podMonitor.enabled=true", "hostNetwork=true"], "metrics.podMonitor.enabled needs"),
+        (
+            ["nri.runtime.patchConfig=true", "runtime=openshift"],
+            "nri.runtime.patchConfig is not for OpenShift",
+        ),
+    ],
+    ids=[
+        "reversed",
+        "reversed-later",
+        "no-proof",
+        "no-source",
+        "loopback",
+        "loopback-v6",
+        "localhost",
+        "podmonitor-hostnetwork",
+        "patch-openshift",
+    ],
+)
+def test_helm_refuses_what_the_daemon_would_refuse(values: list[str], message: str) -> None:
+    """Values the schema lets through but the daemon (or kubelet's probes) would not: refused at install
+    with the reason, instead of a crash loop (or a pod never ready) on every node."""
+    args = ["template", "rel", str(CHART)]
+    for value in values:
+        args += ["--set", value]
+    result = helm(*args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_helm_still_renders_what_the_daemon_takes() -> None:
+    for values in (
+        ["devicePlugin.enabled=false", "trustedSources.podAnnotation=true"],
+        ["hostNetwork=true", "metrics.bindHost=127.0.0.1"],  # ignored with hostNetwork
+        ["metrics.bindHost=::"],
+        ["sharedCpuset=0-0"],
+    ):
+        config_of(helm_template(*values))
+
+
+@pytest.mark.parametrize(
+    ("release", "extra", "name"),
+    [
+        ("mixed-cpu", [], "mixed-cpu"),
+        ("mixed-cpu-nri-plugin", [], "mixed-cpu-nri-plugin"),
+        ("pool-a", [], "pool-a-mixed-cpu-nri-plugin"),
+        ("pool-a", ["fullnameOverride=shared-cpus"], "shared-cpus"),
+    ],
+)
+def test_helm_object_names(release: str, extra: list[str], name: str) -> None:
+    args = ["template", release, str(CHART), "--namespace", "nri-test"]
+    for value in extra:
+        args += ["--set", value]
+    result = helm(*args)
+    assert result.returncode == 0, result.stderr
+    docs = load_documents(result.stdout)
+    assert one(docs, "DaemonSet")["metadata"]["name"] == name
+    assert one(docs, "ConfigMap")["metadata"]["name"] == name
+
+
+def test_helm_pod_monitor_scrapes_the_pods_metrics_port() -> None:
+    docs = helm_template("metrics.podMonitor.enabled=true", "metrics.podMonitor.labels.release=prom")
+    ds = check_daemonset(docs)
+    monitor = one(docs, "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    [port] = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert (endpoint["port"], endpoint["path"]) == (port["name"], "/metrics")
+    assert not [d for d in helm_template() if d["kind"] == "PodMonitor"], "off by default"
+
+
+def test_helm_env_names_the_node_and_takes_extra_variables() -> None:
+    docs = helm_template("extraEnv[0].name=HTTPS_PROXY", "extraEnv[0].value=http://proxy:3128")
+    [container] = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    env = env_of(container)
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["HTTPS_PROXY"] == {"name": "HTTPS_PROXY", "value": "http://proxy:3128"}
+    assert list(env) == ["NODE_NAME", "HTTPS_PROXY"]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "config_dir"),
+    [("containerd", posixpath.dirname(CONTAINERD_CONFIG)), ("cri-o", posixpath.dirname(CRIO_DROP_IN))],
+)
+def test_helm_patch_config_init_container_runs_enable_nri(runtime: str, config_dir: str) -> None:
+    """nri.runtime.patchConfig: an init container of the same image runs ``enable-nri`` with the host's
+    directories mounted where that command looks for them."""
+    from nri_plugin.daemon.cli import _parser
+
+    docs = helm_template("nri.runtime.patchConfig=true", f"runtime={runtime}")
+    spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    [init] = spec["initContainers"]
+    assert init["image"] == spec["containers"][0]["image"]
+    args = _parser().parse_args(init["args"])
+    assert (args.command, args.runtime) == ("enable-nri", runtime)
+    assert init["securityContext"]["privileged"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in init["volumeMounts"]}
+    host = args.host_root
+    assert mounts[posixpath.join(host, config_dir)]["hostPath"]["path"] == "/" + config_dir
+    assert mounts[posixpath.join(host, posixpath.dirname(NRI_SOCKET))]["name"] == "nri-sockets"
+    bus_dir = posixpath.dirname(SYSTEM_BUS)
+    bus_volume = mounts[posixpath.join(host, bus_dir.lstrip("/"))]
+    assert bus_volume["hostPath"] == {"path": bus_dir, "type": "Directory"}
+    # The pod must start before NRI is on, when the runtime has not made its socket directory yet.
+    assert volumes["nri-sockets"]["hostPath"]["type"] == "DirectoryOrCreate"
+    assert "initContainers" not in one(helm_template(), "DaemonSet")["spec"]["template"]["spec"]
+
+
+def test_manifest_configs_point_at_the_example_with_every_key() -> None:
+    """The config files the manifests carry say where every key is explained, and that place exists."""
+    rendered = one(helm_template(), "ConfigMap")["data"]["config.toml"]
+    texts = {
+        "chart": rendered,
+        **{str(p.relative_to(ROOT)): p.read_text() for p in KUSTOMIZE.rglob("config.toml")},
+    }
+    for name, text in texts.items():
+        assert "examples/config.toml" in text, name
+        assert 'README.md, "Every key' not in text, f"{name}: points at a README section that is gone"
+    assert (ROOT / "examples" / "config.toml").is_file()
 
 
 # -- the image -----------------------------------------------------------------------------------------
@@ -817,6 +1000,13 @@ async def test_the_runtime_can_launch_the_wrapper(tmp_path: Path) -> None:
     text = log.read_text()
     assert "registered with the runtime" in text
     assert "Traceback" not in text
+    # The log names the connection the runtime handed over, and why the plugin ended (issue 15).
+    [starting] = [json.loads(line) for line in text.splitlines() if '"msg": "starting"' in line]
+    assert starting["socket"] == "fd 3 from the runtime (NRI_PLUGIN_SOCKET)"
+    [ended] = [json.loads(line) for line in text.splitlines() if "not reconnecting" in line]
+    assert ended["why"] == LAUNCHED_ENDED
+    assert text.splitlines()[-1] == f"error: {LAUNCHED_ENDED}"
+    assert proc.returncode == 1
 
 
 # -- docs ----------------------------------------------------------------------------------------------

@@ -271,9 +271,17 @@ def test_parse_address() -> None:
     assert parse_address("127.0.0.1:8891") == ("127.0.0.1", 8891)
     assert parse_address("[::1]:0") == ("::1", 0)
     assert parse_address("node.example:9000") == ("node.example", 9000)
-    for bad in ("127.0.0.1", ":8891", "127.0.0.1:http", "[::1]:70000"):
-        with pytest.raises(ProbeError, match="is not host:port"):
+    # Go's way of saying every address: asyncio takes the empty host the same way.
+    assert parse_address(":8891") == ("", 8891)
+    for bad, problem in (
+        ("127.0.0.1", "it has no :port at the end"),
+        ("127.0.0.1:http", "it has no :port at the end"),
+        ("[::1]:70000", "the port 70000 is out of range (0 to 65535)"),
+        ("[]:80", 'the host "" is not a host name or address'),
+    ):
+        with pytest.raises(ProbeError, match="is not host:port") as info:
             parse_address(bad)
+        assert problem in str(info.value)
 
 
 @pytest.mark.asyncio
@@ -299,20 +307,33 @@ def device_plugins() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_daemon_exits_1_with_one_line_when_the_port_is_taken(tmp_path: Path, device_plugins: Path) -> None:
+def test_daemon_exits_2_with_one_line_when_the_port_is_taken(tmp_path: Path, device_plugins: Path) -> None:
+    """A metrics_address that cannot be listened on is a config error: no restart mends it."""
     with socket.socket() as taken:
         taken.bind((HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
         config = write_daemon_config(tmp_path, device_plugins, metrics_address=f"{HOST}:{port}")
         result = run_cli("run", "--config", str(config), timeout=GUARD)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
         f"error: cannot serve metrics and probes on {HOST}:{port}: Address already in use; set "
         'metrics_address to a free host:port, or "" to turn them off'
     ], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_daemon_exits_2_when_the_address_is_not_this_hosts(tmp_path: Path, device_plugins: Path) -> None:
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of this machine.
+    config = write_daemon_config(tmp_path, device_plugins, metrics_address="192.0.2.1:8891")
+    result = run_cli("run", "--config", str(config), timeout=GUARD)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: cannot serve metrics and probes on 192.0.2.1:8891: Cannot assign requested address; set "
+        'metrics_address to a free host:port, or "" to turn them off'
+    ], result.stderr
 
 
 @pytest.mark.asyncio

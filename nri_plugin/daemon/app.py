@@ -11,16 +11,21 @@ config) and knows them only by what it does with them:
 
 Signals, while the daemon runs:
 
-* the first SIGTERM or SIGINT stops the NRI side (the connection closes, handlers in flight are
-  cancelled); the services are closed and the state flushed; the exit status is 0;
+* the first SIGTERM, SIGINT or SIGHUP stops the NRI side (the connection closes, handlers in flight
+  are cancelled); the services are closed and the state flushed; the exit status is 0. SIGHUP is
+  a stop signal too, not a reload: the config is read once, at start, so under a supervisor that
+  restarts the daemon (systemd, a DaemonSet) SIGHUP amounts to a restart that reads it anew, and
+  at a terminal that hangs up the daemon still stops in order, saying so;
 * a second one, while that is under way, ends the process at once with 128 + the signal number,
   skipping whatever clean-up is left (an operator's way out of a shutdown that hangs);
 * SIGUSR1 toggles debug logging (`nri_plugin.daemon.logs.debug_toggle_on_sigusr1`).
 
 Exit statuses, as ``run --help`` documents them: `EXIT_OK` after a stop signal,
-`EXIT_CANNOT_SERVE` when the runtime cannot be served (a part failed to start, or the connection
-ended for good with reconnecting off), `EXIT_CONFIG` for a config error (raised by the wiring).
-Failures are raised as `DaemonError`, whose one-line message the command line prints.
+`EXIT_CANNOT_SERVE` when the runtime cannot be served (the NRI side failed, or the connection
+ended for good with reconnecting off), `EXIT_CONFIG` for a config error: raised by the wiring, or
+by the probe server when metrics_address cannot be listened on (taken, or not an address of this
+host), which no restart mends. Failures are raised as `DaemonError`, whose one-line message the
+command line prints.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ __all__ = [
     "EXIT_CANNOT_SERVE",
     "EXIT_CONFIG",
     "EXIT_OK",
+    "NRI_ENDED",
     "STOP_SIGNALS",
     "Daemon",
     "DaemonError",
@@ -57,9 +63,15 @@ log = structlog.get_logger("nri_plugin.daemon.app")
 EXIT_OK: Final = 0
 EXIT_CANNOT_SERVE: Final = 1
 EXIT_CONFIG: Final = 2
-STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # After shutdown, how long tasks we did not start (grpc's per-RPC tasks) may take to end by themselves.
 DRAIN_SECONDS: Final = 1.0
+# What the operator reads when the NRI side ends by itself: the connection ended, reconnecting is
+# off (the wiring gives the runtime-launched daemon its own wording).
+NRI_ENDED: Final = (
+    "the connection to the runtime ended and reconnecting is off; restart the daemon "
+    "(or run it without --no-reconnect)"
+)
 
 
 class DaemonError(Exception):
@@ -101,7 +113,8 @@ class Daemon:
 
     `hard_exit` ends the process at a second stop signal (`os._exit`: no clean-up, no waiting);
     `stderr` takes the line saying the state could not be saved (the exit status stays 0: the
-    books are rebuilt at the next start's Synchronize).
+    books are rebuilt at the next start's Synchronize); `nri_ended` is the error when the NRI
+    side ends by itself.
     """
 
     def __init__(
@@ -113,11 +126,13 @@ class Daemon:
         hard_exit: Callable[[int], object] = os._exit,
         stderr: TextIO | None = None,
         drain_seconds: float = DRAIN_SECONDS,
+        nri_ended: str = NRI_ENDED,
     ) -> None:
         self.nri = nri
         self.services = tuple(services)
         self.state = state
         self.drain_seconds = drain_seconds
+        self.nri_ended = nri_ended
         self._hard_exit = hard_exit
         self._stderr = stderr
         self._stopping = False
@@ -157,12 +172,13 @@ class Daemon:
                 started.append(service)
             await self.nri.run()
             if not self._stopping:
-                raise DaemonError(
-                    "the connection to the runtime ended and reconnecting is off; restart the daemon "
-                    "(or run it without --no-reconnect)"
-                )
-        except (StubError, ProbeError) as exc:
+                # Also in the log, not only on stderr: the runtime-launched daemon's log is a file.
+                log.warning("the connection to the runtime ended; not reconnecting", why=self.nri_ended)
+                raise DaemonError(self.nri_ended)
+        except StubError as exc:
             raise DaemonError(str(exc)) from None
+        except ProbeError as exc:
+            raise DaemonError(str(exc), EXIT_CONFIG) from None
         finally:
             await self._shut_down(started)
 

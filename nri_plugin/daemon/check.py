@@ -2,30 +2,37 @@
 
 Each check returns a `Finding` (OK, WARN or FAIL, what was seen, and for WARN and FAIL how to fix
 it); `run_checks` gathers them into a `Report` that renders as text, one line per check. Nothing is
-changed on the node: files are read and stat'ed, never written, and no socket is connected to (a
-connection to the NRI socket that never registers would show up in the runtime's log).
+changed on the node: files are read and stat'ed, never written. The one thing done beyond reading
+is a connection to the NRI socket, closed at once: a socket file alone does not say whether a
+runtime still listens on it (a stopped containerd leaves its socket behind). The runtime may log
+that connection as a plugin that never registered.
 
 What is checked:
 
-* the config file loads (the same `ConfigError` line ``run`` would stop with);
+* the config file loads (the same `ConfigError` line ``run`` would stop with); when there is no
+  config file at all, the rest is still checked, with the defaults, and the report says so;
 * the shared CPUs are online and leave some CPUs over;
 * with ``numa_local_shared_cpus``: the shared CPUs of each NUMA node (a node with none is a warning:
   containers on it get the whole pool);
-* the NRI socket exists and is a socket;
-* the cgroup mode (v1, hybrid, v2) and the hierarchies that serve ``cpu`` and ``cpuset``;
+* the NRI socket exists, is a socket, and a runtime accepts connections on it;
+* the cgroup mode (v1, hybrid, v2) and the hierarchies that serve ``cpu`` and ``cpuset``, and that
+  a forced ``cgroup_version`` agrees with the mounts;
 * kubelet's cgroup driver, from the top cgroup kubelet made: ``kubepods.slice`` (systemd) or
   ``kubepods`` (cgroupfs), compared with the ``cgroupDriver`` of kubelet's config when given;
-* the state directory is writable (or can be created);
+* the state directory is root's alone (or can be created): it holds the key that signs requests;
 * kubelet's device-plugin directory is there and ours to write, when the device plugin is enabled;
-* with kubelet's config file (``KubeletConfiguration`` YAML): ``reservedSystemCPUs`` holds the shared
-  CPUs (else kubelet may hand them out as exclusive CPUs), and ``cpuManagerPolicy`` is ``static``
-  (else no container has exclusive CPUs, and none can ask for shared ones).
+* with kubelet's config file (``KubeletConfiguration`` YAML): ``reservedSystemCPUs`` is a cpu list
+  kubelet accepts and holds the shared CPUs (else kubelet may hand them out as exclusive CPUs), and
+  ``cpuManagerPolicy`` is ``static`` (else no container has exclusive CPUs, and none can ask for
+  shared ones). Either failing means the feature cannot work: FAIL, not WARN.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import os
+import socket
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -40,11 +47,13 @@ from nri_plugin.daemon.config import (
     DEFAULT_CONFIG_PATH,
     Config,
     ConfigError,
+    ConfigMissing,
     build_layout,
     check_machine,
     load_config,
     online_cpus,
     read_numa_nodes,
+    state_dir_problem,
 )
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.mixedcpu.policy import shared_by_node
@@ -69,6 +78,8 @@ SYSTEMD_TOP: Final = "kubepods.slice"
 CGROUPFS_TOP: Final = "kubepods"
 KUBELET_CONFIG_HINT: Final = "kubelet's --config file, often /var/lib/kubelet/config.yaml"
 _TOPIC_WIDTH: Final = 22
+# A runtime answers a connection on its NRI socket at once; this only bounds a wedged one.
+CONNECT_TIMEOUT: Final = 2.0
 _NRI_FIX: Final = (
     "enable NRI in the runtime and restart it: containerd 1.7 needs "
     '[plugins."io.containerd.nri.v1.nri"] disable = false in /etc/containerd/config.toml (2.x has it '
@@ -109,6 +120,8 @@ def _fail(topic: str, detail: str, fix: str = "") -> Finding:
 class Report:
     config_path: str
     findings: tuple[Finding, ...]
+    # Said in the heading: e.g. that the node was checked with the defaults.
+    note: str = ""
 
     def count(self, status: Status) -> int:
         return sum(1 for f in self.findings if f.status is status)
@@ -120,7 +133,7 @@ class Report:
 
     def render(self) -> str:
         """The report as text: a heading, one line per check (a fix below it), a summary line."""
-        lines = [f"mixed-cpu-nri-plugin check of {self.config_path}"]
+        lines = [f"mixed-cpu-nri-plugin check of {self.config_path}{self.note}"]
         for finding in self.findings:
             lines.append(f"{finding.status.value:<5} {finding.topic:<{_TOPIC_WIDTH}} {finding.detail}")
             if finding.fix:
@@ -136,6 +149,8 @@ class Report:
 
 def check_shared_cpus(config: Config) -> Finding:
     topic = "shared CPUs"
+    if not config.shared_cpuset:
+        return _unset_shared_cpus(topic, config)
     try:
         online = check_machine(config)
     except ConfigError as exc:
@@ -173,6 +188,19 @@ def check_numa_nodes(config: Config) -> list[Finding]:
     return [_ok(topic, detail)]
 
 
+def _unset_shared_cpus(topic: str, config: Config) -> Finding:
+    """No shared_cpuset to check (no config file): what the online CPUs are to choose from."""
+    try:
+        online = cgroups.format_cpuset(online_cpus(config.sysfs_root))
+    except ConfigError as exc:
+        return _fail(topic, f"shared_cpuset is not set; {exc}")
+    return _warn(
+        topic,
+        f"shared_cpuset is not set (online CPUs: {online})",
+        "set shared_cpuset to a few of the online CPUs, also listed in kubelet's reservedSystemCPUs",
+    )
+
+
 def check_nri_socket(path: str) -> Finding:
     topic = "NRI socket"
     try:
@@ -188,7 +216,34 @@ def check_nri_socket(path: str) -> Finding:
             "set nri_socket to the runtime's NRI socket (containerd's and CRI-O's default is "
             "/var/run/nri/nri.sock)",
         )
+    refused = _connect_problem(path)
+    if refused is not None:
+        return refused
     return _ok(topic, f"{path} is a socket")
+
+
+def _connect_problem(path: str) -> Finding | None:
+    """A FAIL when nothing accepts a connection on the socket at `path`, else None."""
+    topic = "NRI socket"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(CONNECT_TIMEOUT)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return _fail(
+                topic,
+                f"{path} is a socket, but nothing listens on it (connection refused): a runtime that "
+                "stopped, or restarted with NRI off, left it behind",
+                f"start the runtime with NRI on; {_NRI_FIX}",
+            )
+        except PermissionError:
+            return _fail(topic, f"{path} may not be connected to by uid {os.geteuid()}", "run check as root")
+        except (OSError, TimeoutError) as exc:
+            reason = os.strerror(exc.errno) if exc.errno else "no answer"
+            if exc.errno == errno.EAGAIN:
+                reason = "the runtime accepts no more connections for now"
+            return _fail(topic, f"cannot connect to {path}: {reason}", "look at the runtime's log")
+    return None
 
 
 def _describe_layout(layout: CgroupLayout) -> str:
@@ -267,6 +322,9 @@ def check_state_dir(path: str) -> Finding:
     topic = "state directory"
     fix = "run the daemon as root, or point state_dir at a directory only root can write"
     if os.path.isdir(path):
+        problem = state_dir_problem(path)
+        if problem is not None:
+            return _fail(topic, problem, "point state_dir at a directory only root can write (mode 0700)")
         if os.access(path, os.W_OK | os.X_OK):
             return _ok(topic, f"{path} is writable")
         return _fail(topic, f"{path} is not writable by uid {os.geteuid()}", fix)
@@ -340,32 +398,56 @@ def _load_kubelet_config(path: str) -> Mapping[str, Any] | Finding:
 
 
 def _reserved_cpus(path: str, document: Mapping[str, Any], shared: frozenset[int]) -> Finding:
+    """reservedSystemCPUs must hold the shared CPUs, or kubelet may give them out as exclusive CPUs:
+    the feature cannot work, so anything else FAILs."""
     topic = "kubelet reserved CPUs"
-    shared_text = cgroups.format_cpuset(shared)
-    add = (
-        f'set reservedSystemCPUs: "{shared_text}" (or a superset) in {path} and restart kubelet, so it '
-        "never gives the shared CPUs to a container as exclusive CPUs"
-    )
     value = document.get("reservedSystemCPUs")
     if value is None or value == "":
-        return _warn(topic, f"{path} sets no reservedSystemCPUs", add)
-    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        return _fail(
+            topic,
+            f"{path} sets no reservedSystemCPUs",
+            _reserve(path, frozenset(), shared) + " (unless kubelet gets them with --reserved-cpus)",
+        )
+    if isinstance(value, int) and not isinstance(value, bool):
+        # YAML reads a lone CPU as a number; kubelet wants a string and refuses to start.
+        return _fail(
+            topic,
+            f"{path}: reservedSystemCPUs: {value} is a YAML number, which kubelet refuses (it wants a "
+            "quoted cpu list)",
+            _reserve(path, frozenset({value}) if value >= 0 else frozenset(), shared),
+        )
     try:
-        if not isinstance(text, str):
+        if not isinstance(value, str):
             raise CpusetError(f"{value!r} is not a cpu list")
-        reserved = cgroups.parse_cpuset(text)
+        reserved = cgroups.parse_cpuset(value)
     except CpusetError as exc:
         return _fail(topic, f"{path}: reservedSystemCPUs: {exc}", f"fix reservedSystemCPUs in {path}")
     outside = shared - reserved
     if outside:
-        return _warn(
+        return _fail(
             topic,
             f"reservedSystemCPUs {cgroups.format_cpuset(reserved)} leave out the shared CPUs "
             f"{cgroups.format_cpuset(outside)}",
-            add,
+            _reserve(path, reserved, shared),
+        )
+    if not shared:
+        return _warn(
+            topic,
+            f"reservedSystemCPUs {cgroups.format_cpuset(reserved)}; shared_cpuset is not set",
+            f'choose shared_cpuset among these, e.g. shared_cpuset = "{cgroups.format_cpuset(reserved)}"',
         )
     return _ok(
-        topic, f"reservedSystemCPUs {cgroups.format_cpuset(reserved)} hold the shared CPUs {shared_text}"
+        topic,
+        f"reservedSystemCPUs {cgroups.format_cpuset(reserved)} hold the shared CPUs "
+        f"{cgroups.format_cpuset(shared)}",
+    )
+
+
+def _reserve(path: str, reserved: frozenset[int], shared: frozenset[int]) -> str:
+    wanted = cgroups.format_cpuset(reserved | shared) or "<the shared CPUs>"
+    return (
+        f'set reservedSystemCPUs: "{wanted}" (or a superset) in {path} and restart kubelet, '
+        "so it never gives the shared CPUs to a container as exclusive CPUs"
     )
 
 
@@ -373,11 +455,11 @@ def _cpu_manager(path: str, document: Mapping[str, Any]) -> Finding:
     topic = "kubelet CPU manager"
     policy = document.get("cpuManagerPolicy") or "none"
     if policy != "static":
-        return _warn(
+        return _fail(
             topic,
             f"cpuManagerPolicy is {policy}, so no container has exclusive CPUs to add shared ones to",
             f"set cpuManagerPolicy: static in {path} (kubelet then needs its cpu_manager_state removed "
-            "and a restart)",
+            "and a restart; a --cpu-manager-policy flag on kubelet's command line wins over the file)",
         )
     return _ok(topic, "cpuManagerPolicy is static")
 
@@ -404,17 +486,22 @@ def run_checks(
     mountinfo_path: str = DEFAULT_MOUNTINFO,
 ) -> Report:
     """Every check, in the order a newcomer would fix them. A config that does not load stops the
-    report there: the other checks need its paths."""
+    report there (the other checks need its paths), unless there is no config file at all: an
+    operator's first run, which still gets the node checked, with the defaults."""
+    note = ""
     try:
         config = load_config(config_path, check=False)
+        first = _ok("config", f'{config.source} is valid; shared_cpuset = "{config.shared_cpuset_text}"')
+    except ConfigMissing as exc:
+        config = Config(shared_cpuset=frozenset(), source=config_path)
+        first, note = _fail("config", str(exc)), " (no such file: the node checked with the defaults)"
     except ConfigError as exc:
         return Report(config_path, (_fail("config", str(exc)),))
-    findings = [
-        _ok("config", f'{config.source} is valid; shared_cpuset = "{config.shared_cpuset_text}"'),
-        check_shared_cpus(config),
-        *check_numa_nodes(config),
-        check_nri_socket(config.nri_socket),
-    ]
+    return Report(config.source, (first, *_node_findings(config, kubelet_config, mountinfo_path)), note)
+
+
+def _node_findings(config: Config, kubelet_config: str | None, mountinfo_path: str) -> list[Finding]:
+    findings = [check_shared_cpus(config), *check_numa_nodes(config), check_nri_socket(config.nri_socket)]
     cgroup_finding, layout = check_cgroups(config, mountinfo_path)
     findings.append(cgroup_finding)
     kubelet_findings: list[Finding] = []
@@ -426,4 +513,4 @@ def run_checks(
     findings.append(check_state_dir(config.state_dir))
     findings.append(check_device_plugin_dir(config.device_plugin))
     findings.extend(kubelet_findings)
-    return Report(config.source, tuple(findings))
+    return findings

@@ -1,14 +1,21 @@
-"""Command line: ``mixed-cpu-nri-plugin run | check | demo | version``.
+"""Command line: ``mixed-cpu-nri-plugin run | check | demo | enable-nri | version``.
 
 Parsing the arguments and printing failures is all this module does: ``run`` is
 `nri_plugin.daemon.wiring.build_daemon` (the parts, from the config) and `Daemon.run`
 (`nri_plugin.daemon.app`: signals, shutdown, exit status).
+
+Output that nobody reads any more (``demo | head -1``) ends the command quietly with the status a
+command killed by SIGPIPE has, `EXIT_OUTPUT_CLOSED`, as ``cat`` or ``grep`` would; it is no error
+to report.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import select
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Final, NoReturn
@@ -20,10 +27,15 @@ from nri_plugin import __version__
 from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH
 from nri_plugin.daemon.logs import LEVELS, configure_logging
 
-__all__ = ["main"]
+__all__ = ["EXIT_OUTPUT_CLOSED", "main"]
 
 
 _PROG: Final = "mixed-cpu-nri-plugin"
+# The status of a command whose reader went away (a shell shows a SIGPIPE death as 128 + 13).
+EXIT_OUTPUT_CLOSED: Final = 128 + signal.SIGPIPE
+# demo --runtime: the simulated runtime's name, and its version; "crio" is CRI-O's command name.
+_DEMO_RUNTIMES: Final = {"containerd": ("containerd", "v2.3.4"), "cri-o": ("cri-o", "v1.36.3")}
+_DEMO_RUNTIME_ALIASES: Final = {"crio": "cri-o"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,18 +61,27 @@ The config file sets the shared CPUs (shared_cpuset) and where the NRI socket, t
 the state directory and kubelet's device-plugin directory are; `{_PROG} check`
 tells whether they suit this node. Options given here win over the config.
 
-Signals: SIGTERM or SIGINT closes the connection, saves the state and exits 0 (a second one exits
-at once, with status 128 + its number); SIGUSR1 turns debug logging on, and the next one turns it
-back off.
+Signals: SIGTERM, SIGINT or SIGHUP closes the connection, saves the state and exits 0 (a second one
+exits at once, with status 128 + its number). SIGHUP does not reload: the config is read at start,
+so restart the daemon to apply a change (under systemd or in a pod, the restart after SIGHUP does).
+SIGUSR1 turns debug logging on, and the next one turns it back off.
 
-Exit status: 0 after a signal, 1 when the runtime cannot be served (e.g. --no-reconnect and the
-connection is lost), 2 when the config is wrong (one line names the file, the key and the fix)."""
+Exit status: 0 after a signal; 1 when the runtime cannot be served (e.g. --no-reconnect and the
+connection is lost, or the runtime that started the plugin closed its connection); 2 when what is
+configured is wrong: the config file, --nri-plugin-name, --nri-plugin-index, NRI_PLUGIN_NAME,
+NRI_PLUGIN_IDX, or a metrics_address that cannot be listened on (one line names which, and the
+fix). A systemd unit should not restart the daemon after 2."""
 
 _CHECK_EPILOG: Final = """\
 Each line is OK, WARN or FAIL, with a fix under each WARN and FAIL. Checked: the config file, the
-shared CPUs online with some left over, the NRI socket, the cgroup mode and kubelet's cgroup driver,
-the state directory, kubelet's device-plugin directory, and, with --kubelet-config, that kubelet
-reserves the shared CPUs (reservedSystemCPUs) and runs the static CPU manager policy.
+shared CPUs online with some left over, the NRI socket (that the runtime accepts a connection on
+it), the cgroup mode and kubelet's cgroup driver, the state directory (only root may write it),
+kubelet's device-plugin directory, and, with --kubelet-config, that kubelet reserves the shared
+CPUs (reservedSystemCPUs) and runs the static CPU manager policy. Without a config file, the node
+is still checked, with the defaults, and the report says so.
+
+The connection to the NRI socket is closed at once; the runtime may log it as a plugin that did
+not register.
 
 Exit status: 0 when nothing FAILs (warnings included), 1 otherwise."""
 
@@ -74,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"'{_PROG} COMMAND --help' describes each command.",
     )
     _log_level_option(parser, None)
+    parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
     # The same option after the command name; SUPPRESS keeps a value given before it.
     level = _Parser(add_help=False)
     _log_level_option(level, argparse.SUPPRESS)
@@ -152,9 +174,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--runtime",
-        choices=("containerd", "cri-o"),
+        choices=(*_DEMO_RUNTIMES, *_DEMO_RUNTIME_ALIASES),
         default="containerd",
-        help="which runtime the simulator pretends to be (default: containerd)",
+        help="which runtime the simulator pretends to be: containerd or cri-o (also crio; default: "
+        "containerd)",
+    )
+    demo.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the demo's temporary directory (config, cgroup tree, state file) and print where",
+    )
+    enable = commands.add_parser(
+        "enable-nri",
+        parents=[level],
+        help="turn NRI on in the node's runtime config and restart the runtime (the chart's init container)",
+        description="Turn NRI on in containerd's config.toml or with a CRI-O drop-in, under --host-root,\n"
+        "and restart the runtime over systemd's D-Bus; nothing at all when the runtime already\n"
+        "accepts connections on its NRI socket. For the Helm chart's opt-in init container\n"
+        "(nri.runtime.patchConfig); by hand, packaging/runtime/ has the drop-ins to install.",
+        epilog="Exit status: 0 when NRI is on (or turned on and the runtime restarting), 1 when a file could "
+        "not be written or the runtime restarted, 2 when the config cannot be changed safely.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    enable.add_argument(
+        "--runtime", choices=("containerd", "cri-o"), required=True, help="the node's runtime"
+    )
+    enable.add_argument(
+        "--host-root",
+        default="/host",
+        metavar="PATH",
+        help="where the host's /etc/containerd (or /etc/crio), /var/run/nri and /run/dbus are mounted "
+        "(default: /host)",
     )
     commands.add_parser(
         "version", parents=[level], help="print the version", description="Print the version and exit."
@@ -167,9 +217,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     --log-level debug, an unexpected one is also logged with its traceback)."""
     args = _parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        status = _dispatch(args)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is seen below
+        return status
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        _discard_stdout()
+        return EXIT_OUTPUT_CLOSED
     except Exception as exc:
         structlog.get_logger("nri_plugin.daemon.cli").debug("unexpected error", exc_info=True)
         text = " ".join(str(exc).split()) or "(no message)"
@@ -191,6 +248,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "version":
         print(f"{_PROG} {__version__}")
         return 0
+    if args.command == "enable-nri":
+        from nri_plugin.daemon.enable_nri import enable_nri
+
+        return enable_nri(args.runtime, host_root=args.host_root)
     if args.command == "check":
         from nri_plugin.daemon.check import run_checks
 
@@ -199,8 +260,29 @@ def _dispatch(args: argparse.Namespace) -> int:
         return report.exit_code
     from nri_plugin.daemon.demo import run_demo
 
-    version = "v2.3.4" if args.runtime == "containerd" else "v1.36.3"
-    return asyncio.run(run_demo(sys.stdout, runtime_name=args.runtime, runtime_version=version))
+    name, version = _DEMO_RUNTIMES[_DEMO_RUNTIME_ALIASES.get(args.runtime, args.runtime)]
+    return asyncio.run(run_demo(sys.stdout, runtime_name=name, runtime_version=version, keep=args.keep))
+
+
+def _stdout_closed() -> bool:
+    """True when nobody reads our standard output any more (the reader of its pipe has gone)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null, so that what is still buffered, flushed at exit, goes
+    nowhere instead of raising once more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def _run(args: argparse.Namespace) -> int:

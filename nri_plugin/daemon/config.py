@@ -14,7 +14,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     state_dir = "/var/lib/mixed-cpu-nri"   # pod quota bookkeeping and the device plugin's marker key
     log_level = "info"                     # debug | info | warning | error; --log-level wins
     log_format = "auto"                    # auto (JSON when stderr is not a terminal) | console | json
-    metrics_address = "127.0.0.1:8891"     # host:port of /metrics, /healthz, /readyz; "" turns it off
+    metrics_address = "127.0.0.1:8891"     # host:port (":8891": every address) of /metrics, /healthz,
+                                           # /readyz; "" turns it off
 
     [trusted_sources]                      # what proves that a container asked for shared CPUs
     device_plugin_marker = true            # our device plugin's signed allocation marker
@@ -24,20 +25,23 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     enabled = true
 
 Every problem is a `ConfigError` whose one-line message names the file, the key, what is wrong and
-how to fix it. Unknown keys are errors too: a misspelt key must not silently fall back to a default.
+how to fix it. Unknown keys are errors too, in every table alike, with the nearest known key offered:
+a misspelt key must not silently fall back to a default. A missing file is `ConfigMissing`.
 `parse_config` checks a parsed document; `load_config` reads the file, parses it and checks it
 against the machine (every shared CPU online).
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 import cgroups
@@ -57,12 +61,17 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "Config",
     "ConfigError",
+    "ConfigMissing",
     "build_layout",
     "load_config",
+    "metrics_address_problem",
     "numa_nodes_from_cpulists",
     "online_cpus",
     "parse_config",
+    "plugin_index_problem",
+    "plugin_name_problem",
     "read_numa_nodes",
+    "state_dir_problem",
 ]
 
 DEFAULT_CONFIG_PATH: Final = "/etc/mixed-cpu-nri/config.toml"
@@ -86,6 +95,10 @@ _EXAMPLE: Final = 'e.g. shared_cpuset = "0-1"'
 
 class ConfigError(Exception):
     """The configuration cannot be used. The message is one line: file, key, problem, fix."""
+
+
+class ConfigMissing(ConfigError):
+    """There is no config file at the path: `check` then goes on with the defaults."""
 
 
 def _show(value: object) -> str:
@@ -173,12 +186,26 @@ class _Checker:
     def unknown(
         self, table: Mapping[str, Any], known: tuple[str, ...] | Mapping[str, str], where: str
     ) -> None:
+        """Every table's unknown keys are refused alike: the first one, the known key nearest to it
+        when one is close, and the known keys."""
         extra = sorted(set(table) - set(known))
         if extra:
             # A key outside TOML's bare-key alphabet is shown quoted and escaped: a newline or a
             # right-to-left override in it must not break or disguise the one-line message.
             key = extra[0] if _BARE_KEY.fullmatch(extra[0]) else _show(extra[0])
-            raise self.error(f"{where}{key}", f"unknown key (a typo?); known keys: {', '.join(known)}")
+            nearest = _nearest_key(extra[0], tuple(known))
+            guess = f" did you mean {where}{nearest}?" if nearest else ""
+            raise self.error(f"{where}{key}", f"unknown key (a typo?):{guess} known keys: {', '.join(known)}")
+
+
+def _nearest_key(key: str, known: tuple[str, ...]) -> str | None:
+    """The known key `key` was probably meant to be: a close spelling ("state_dirr"), else the one
+    known key that has `key` as a whole word ("count" for device_count)."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    holding = [name for name in known if key in name.split("_")]
+    return holding[0] if len(holding) == 1 else None
 
 
 def _shared_cpuset(check: _Checker, value: object) -> frozenset[int]:
@@ -215,34 +242,68 @@ def _plugin_name(check: _Checker, value: object) -> str:
     return text
 
 
-def split_host_port(text: str) -> tuple[str, int] | None:
-    """``"host:port"`` or ``"[v6]:port"`` → (host, port), or None when `text` is neither."""
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if (
-        not sep
-        or not host
-        or not port.isdigit()
-        or not 0 <= int(port) < 65536
-        or any(c.isspace() or c in "/[]" for c in host)
-        or not host.isprintable()
-    ):
+def plugin_index_problem(index: str) -> str | None:
+    """What is wrong with an index given on the command line or in NRI_PLUGIN_IDX (the config
+    file's own is checked by `parse_config`), or None. The rules are NRI's."""
+    if _INDEX.fullmatch(index):
         return None
-    return host, int(port)
+    return (
+        f"plugin index {index!r} is invalid: use exactly two digits, e.g. --nri-plugin-index 10 "
+        "or NRI_PLUGIN_IDX=10"
+    )
+
+
+def plugin_name_problem(name: str) -> str | None:
+    """What is wrong with a name given on the command line or in NRI_PLUGIN_NAME, or None. Runtimes
+    before NRI v0.4 pass the whole file name ("10-mixed-cpu"), which these rules also accept."""
+    if _NAME.fullmatch(name):
+        return None
+    return (
+        f"plugin name {name!r} is invalid: use letters, digits and _ . + - only, "
+        "e.g. --nri-plugin-name mixed-cpu"
+    )
+
+
+MAX_PORT: Final = 65535
+
+
+def split_host_port(text: str) -> tuple[str, int] | None:
+    """``"host:port"``, ``"[v6]:port"`` or ``":port"`` → (host, port), or None when `text` is none of
+    them. ``":port"`` (Go's way of saying every address) gives the host "", which asyncio takes as
+    every address of every family."""
+    if metrics_address_problem(text) is not None:
+        return None
+    host, _, port = text.rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def metrics_address_problem(text: str) -> str | None:
+    """What keeps `text` from being a listening address, in words, or None when it is one."""
+    host, sep, port = text.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    if not sep or not port.isdigit():
+        return "it has no :port at the end"
+    if (bracketed and not host) or any(c.isspace() or c in "/[]" for c in host) or not host.isprintable():
+        return f"the host {_show(host)} is not a host name or address"
+    if int(port) > MAX_PORT:
+        return f"the port {port} is out of range (0 to {MAX_PORT})"
+    return None
 
 
 def _metrics_address(check: _Checker, value: object) -> str:
-    """``host:port`` (``[v6]:port`` for IPv6), or "" for no metrics/probe endpoint. Port 0 picks a free
-    port (the daemon logs the one it bound)."""
+    """``host:port`` (``[v6]:port`` for IPv6, ``:port`` for every address), or "" for no
+    metrics/probe endpoint. Port 0 picks a free port (the daemon logs the one it bound)."""
     text = check.string("metrics_address", value)
     if text == "":
         return text
-    if split_host_port(text) is None:
+    problem = metrics_address_problem(text)
+    if problem is not None:
         raise check.error(
             "metrics_address",
-            f'{_show(text)} is not host:port; use e.g. "127.0.0.1:8891" (or "[::1]:8891"), or "" to turn '
-            "metrics and probes off",
+            f'{_show(text)} is not host:port: {problem}; use e.g. "127.0.0.1:8891" (or "[::1]:8891", or '
+            '":8891" for every address), or "" to turn metrics and probes off',
         )
     return text
 
@@ -262,7 +323,7 @@ def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Co
         shared_cpuset=_shared_cpuset(check, document["shared_cpuset"]),
         **_optional_values(check, document),
         **_trusted_sources(check, document.get(_SOURCES_TABLE, {})),
-        device_plugin=_device_plugin(source, document.get(_DEVICE_PLUGIN_TABLE, {})),
+        device_plugin=_device_plugin(check, document.get(_DEVICE_PLUGIN_TABLE, {})),
     )
     _check_requests_provable(check, config)
     return config
@@ -295,11 +356,17 @@ def _trusted_sources(check: _Checker, sources: object) -> dict[str, Any]:
     }
 
 
-def _device_plugin(source: str, table: Any) -> DevicePluginConfig:
+_DEVICE_PLUGIN_KEYS: Final = tuple(f.name for f in fields(DevicePluginConfig))
+
+
+def _device_plugin(check: _Checker, table: Any) -> DevicePluginConfig:
+    """The ``[device_plugin]`` table; its unknown keys are refused as every other table's are."""
+    if isinstance(table, Mapping):
+        check.unknown(table, _DEVICE_PLUGIN_KEYS, f"{_DEVICE_PLUGIN_TABLE}.")
     try:
         return DevicePluginConfig.from_table(table)
     except DevicePluginConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{check.source}: {exc}") from None
 
 
 def _check_requests_provable(check: _Checker, config: Config) -> None:
@@ -402,7 +469,7 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bo
         with open(source, "rb") as file:
             data = file.read(MAX_CONFIG_SIZE + 1)
     except FileNotFoundError:
-        raise ConfigError(
+        raise ConfigMissing(
             f"{source}: no such file; create it with at least shared_cpuset set ({_EXAMPLE}), "
             "or pass --config PATH"
         ) from None
@@ -431,25 +498,85 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bo
 
 
 def build_layout(config: Config, *, mountinfo_path: str = DEFAULT_MOUNTINFO) -> CgroupLayout:
-    """The cgroup layout the plugin works in: detected from mountinfo, or forced by cgroup_version."""
+    """The cgroup layout the plugin works in: detected from mountinfo, or forced by cgroup_version.
+
+    A forced version must not contradict the mounts: when mountinfo shows cgroup hierarchies under
+    cgroup_root serving cpu or cpuset in the other version, the config is refused (a v2 layout on
+    a v1 host would write files that do not exist there, or worse, ones that mean something else).
+    """
+    if config.cgroup_version == "auto":
+        try:
+            return cgroups.read_layout(mountinfo_path=mountinfo_path, root=config.cgroup_root)
+        except CgroupModeError as exc:
+            raise ConfigError(
+                f'{config.source}: cgroup_root: {exc}; or set cgroup_version = "v1" or "v2" to skip detection'
+            ) from None
+    layout = _forced_layout(config)
+    _check_forced_version(config, layout, mountinfo_path)
+    return layout
+
+
+def _forced_layout(config: Config) -> CgroupLayout:
     root = config.cgroup_root
-    if config.cgroup_version != "auto":
-        if config.cgroup_version == "v1":
-            cpu, cpuset = Hierarchy(1, os.path.join(root, "cpu")), Hierarchy(1, os.path.join(root, "cpuset"))
-            layout = CgroupLayout(CgroupMode.V1, cpu, cpuset)
-        else:
-            layout = CgroupLayout(CgroupMode.V2, Hierarchy(2, root), Hierarchy(2, root))
-        for hierarchy in (layout.cpu, layout.cpuset):
-            if not os.path.isdir(hierarchy.mount_point):
-                raise ConfigError(
-                    f"{config.source}: cgroup_root: {hierarchy.mount_point} is not a directory, but "
-                    f'cgroup_version = "{config.cgroup_version}" expects one; fix cgroup_root, or set '
-                    'cgroup_version = "auto" to detect the mounts'
-                )
-        return layout
+    if config.cgroup_version == "v1":
+        cpu, cpuset = Hierarchy(1, os.path.join(root, "cpu")), Hierarchy(1, os.path.join(root, "cpuset"))
+        layout = CgroupLayout(CgroupMode.V1, cpu, cpuset)
+    else:
+        layout = CgroupLayout(CgroupMode.V2, Hierarchy(2, root), Hierarchy(2, root))
+    for hierarchy in (layout.cpu, layout.cpuset):
+        if not os.path.isdir(hierarchy.mount_point):
+            raise ConfigError(
+                f"{config.source}: cgroup_root: {hierarchy.mount_point} is not a directory, but "
+                f'cgroup_version = "{config.cgroup_version}" expects one; fix cgroup_root, or set '
+                'cgroup_version = "auto" to detect the mounts'
+            )
+    return layout
+
+
+def _check_forced_version(config: Config, layout: CgroupLayout, mountinfo_path: str) -> None:
+    """Refuse a forced version that the mounts under cgroup_root contradict. Mounts that cannot be
+    read, or none under cgroup_root (a tree mounted where mountinfo does not show it: what forcing
+    is for), leave the forced version as it is."""
     try:
-        return cgroups.read_layout(mountinfo_path=mountinfo_path, root=root)
-    except CgroupModeError as exc:
-        raise ConfigError(
-            f'{config.source}: cgroup_root: {exc}; or set cgroup_version = "v1" or "v2" to skip detection'
-        ) from None
+        with open(mountinfo_path, encoding="utf-8", errors="surrogateescape") as file:
+            mounted = cgroups.detect_layout(file.read(), root=config.cgroup_root)
+    except (OSError, CgroupModeError):
+        return
+    forced = layout.cpu.version
+    for name, hierarchy in (("cpu", mounted.cpu), ("cpuset", mounted.cpuset)):
+        if hierarchy.version != forced:
+            actual = f"v{hierarchy.version}"
+            raise ConfigError(
+                f'{config.source}: cgroup_version: "{config.cgroup_version}" is forced, but {mountinfo_path} '
+                f"shows the {name} controller served by a cgroup {actual} hierarchy at "
+                f'{hierarchy.mount_point}; set cgroup_version = "auto" (or "{actual}")'
+            )
+
+
+def state_dir_problem(path: str) -> str | None:
+    """Why `path` is no place for the daemon's books and signing key, or None.
+
+    Anyone who can write the state directory can replace the key that proves requests, or the
+    books that say which pod quotas were raised. So it must belong to this user (root, in
+    production) and be writable by nobody else. A directory that does not exist yet is fine: the
+    daemon creates it, mode 0700.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot look at {path}: {exc.strerror}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"{path} belongs to uid {info.st_uid}, not to uid {os.geteuid()} that runs the daemon"
+    writers = [
+        who for who, bit in (("its group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if info.st_mode & bit
+    ]
+    if writers:
+        return (
+            f"{path} is writable by {' and '.join(writers)} (mode {stat.S_IMODE(info.st_mode):04o}); "
+            f"chmod 0700 {path}"
+        )
+    return None

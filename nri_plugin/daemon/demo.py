@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,16 +141,30 @@ class _Node:
         return cpu_dir
 
 
-async def run_demo(out: TextIO, *, runtime_name: str = "containerd", runtime_version: str = "v2.3.4") -> int:
-    """Run the scenario and print it; returns a process exit status."""
-    with tempfile.TemporaryDirectory(prefix="mixed-cpu-demo-") as tmp:
+async def run_demo(
+    out: TextIO, *, runtime_name: str = "containerd", runtime_version: str = "v2.3.4", keep: bool = False
+) -> int:
+    """Run the scenario and print it; returns a process exit status. With `keep` the temporary
+    directory stays, and its last line says where it is."""
+    tmp = tempfile.mkdtemp(prefix="mixed-cpu-demo-")
+    try:
         root = Path(tmp)
         node = _Node(root)
         socket_path = str(root / "nri.sock")
         async with RuntimeSimulator(
             socket_path, runtime_name=runtime_name, runtime_version=runtime_version
         ) as sim:
-            return await _Scenario(sim, node, NAMING.get(runtime_name, Naming("cgroupfs")), out).run()
+            status = await _Scenario(sim, node, NAMING.get(runtime_name, Naming("cgroupfs")), out).run()
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if keep:
+        print(
+            f"kept {tmp}: config.toml, cgroup/ (the pod quotas as the plugin left them), "
+            "state/pod-quotas.json (its books), state/device-plugin-hmac.key",
+            file=out,
+        )
+    return status
 
 
 class _Scenario:
@@ -319,20 +334,20 @@ class _Scenario:
             "fwd restarts: StopContainer fwd-1, CreateContainer fwd-2 (same allocation), "
             "RemoveContainer fwd-1"
         )
-        quotas = [self.pod_quota()]
+        steps = [f"{self.pod_quota()} (running)"]
         await self.sim.stop_container("fwd-1")
-        quotas.append(self.pod_quota())
+        steps.append(f"{self.pod_quota()} (fwd-1 stopped: its share given back)")
         result = await self.sim.create_container(self.fwd("fwd-2"))
-        quotas.append(self.pod_quota())
+        steps.append(f"{self.pod_quota()} (fwd-2 created: the share again, once)")
         await self.sim.remove_container("fwd-1")
-        quotas.append(self.pod_quota())
+        steps.append(f"{self.pod_quota()} (fwd-1 removed)")
         self.say(f"  after:  {_describe(result.container)}")
-        self.say(f"  pod quota: {' -> '.join(quotas)}")
-        self.say("StopContainer, RemoveContainer fwd-2")
+        self.say(f"  pod quota: {' -> '.join(steps)}")
+        self.say("fwd ends: StopContainer, RemoveContainer fwd-2")
         before = self.pod_quota()
         await self.sim.stop_container("fwd-2")
         await self.sim.remove_container("fwd-2")
-        self.say(f"  pod quota: {before} -> {self.pod_quota()}")
+        self.say(f"  pod quota: {before} (running) -> {self.pod_quota()} (fwd-2 gone: back to the pod's own)")
         self.say()
 
     def summary(self) -> None:

@@ -16,6 +16,10 @@ the renderer moves it to ``event``.
 
 One threshold, the root logger's level, filters both kinds of logger, so it can change at run time:
 `toggle_debug` (SIGUSR1 in the daemon, see `debug_toggle_on_sigusr1`) switches debug on and back.
+
+Given a node name (the daemon takes NODE_NAME from its environment; the manifests set it from the
+pod's ``spec.nodeName``), every line carries it as ``node``: ``kubectl logs`` of a DaemonSet's pods
+says which node a line is from.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ FORMATS: Final = ("auto", "console", "json")
 # The keyword a caller names its NRI or kubelet request with; rendered as "event".
 EVENT_NAME: Final = "event_name"
 MESSAGE_KEY: Final = "msg"
-# JSON keys put first, in this order, so a line reads left to right: when, how bad, who, what.
-_LEADING_KEYS: Final = ("timestamp", "level", "logger", MESSAGE_KEY, "event")
+NODE_KEY: Final = "node"
+# JSON keys put first, in this order, so a line reads left to right: when, how bad, where, who, what.
+_LEADING_KEYS: Final = ("timestamp", "level", NODE_KEY, "logger", MESSAGE_KEY, "event")
 
 log = structlog.get_logger("nri_plugin.daemon.logs")
 
@@ -107,11 +112,23 @@ def _leading_keys_first(
     return ordered
 
 
-def _renderer_chain(rendered: str, colors: bool) -> list[structlog.types.Processor]:
+def _naming_node(node: str) -> structlog.types.Processor:
+    def add_node(
+        _logger: object, _method: str, event_dict: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        event_dict.setdefault(NODE_KEY, node)
+        return event_dict
+
+    return add_node
+
+
+def _renderer_chain(rendered: str, colors: bool, node: str | None) -> list[structlog.types.Processor]:
     common: list[structlog.types.Processor] = [
         structlog.stdlib.ProcessorFormatter.remove_processors_meta,
         structlog.processors.EventRenamer(MESSAGE_KEY, replace_by=EVENT_NAME),
     ]
+    if node is not None:
+        common.append(_naming_node(node))
     if rendered == "json":
         return [
             *common,
@@ -142,10 +159,16 @@ def _escape_unprintable(
 
 
 def configure_logging(
-    level: str, log_format: str = "auto", *, stream: TextIO | None = None, cache_loggers: bool = False
+    level: str,
+    log_format: str = "auto",
+    *,
+    stream: TextIO | None = None,
+    cache_loggers: bool = False,
+    node: str | None = None,
 ) -> str:
     """Send every log line, structlog's and stdlib's, to `stream` (stderr when None) at `level` and
-    above, in `log_format` (see the module docstring). Returns the format used, console or json.
+    above, in `log_format` (see the module docstring), naming `node` when given. Returns the format
+    used, console or json.
 
     May be called again: the new settings replace the old ones, except for loggers already cached:
     with `cache_loggers` each structlog logger keeps the settings of its first use (it is not bound
@@ -164,7 +187,7 @@ def configure_logging(
     handler = _Handler(stream)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            processors=_renderer_chain(rendered, colors),
+            processors=_renderer_chain(rendered, colors, node),
             # What a stdlib record (grpc, asyncio, our ttrpc and mux modules) gets before rendering.
             foreign_pre_chain=[
                 structlog.stdlib.add_logger_name,

@@ -4,7 +4,8 @@
 * ``GET /healthz``: 200 ``ok`` whenever the loop answers at all. Because it is served on the loop
   that also serves NRI, a wedged loop fails liveness instead of looking healthy from another thread.
 * ``GET /readyz``: 200 ``ok`` when registered and synchronized with the runtime and, with the device
-  plugin on, registered with kubelet; otherwise 503 and one line saying what is missing.
+  plugin on, registered with kubelet; otherwise 503 and one line saying what is missing. The same
+  line goes to the log at warning every 30 s while it lasts (`NotReadyWarnings`), metrics on or off.
 
 Deliberately small: one request per connection (``Connection: close``), GET and HEAD only (405 for
 other methods), no request body read, the request head limited to `MAX_HEAD` bytes (431) and
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
@@ -25,13 +27,14 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from nri_plugin.daemon.config import split_host_port
+from nri_plugin.common.clock import LOOP_CLOCK, Clock
+from nri_plugin.daemon.config import metrics_address_problem, split_host_port
 
 if TYPE_CHECKING:
     from nri_plugin.deviceplugin.server import DevicePluginServer
     from nri_plugin.nri.stub import Stub
 
-__all__ = ["MAX_HEAD", "ProbeError", "ProbeServer", "parse_address", "readiness"]
+__all__ = ["MAX_HEAD", "NotReadyWarnings", "ProbeError", "ProbeServer", "parse_address", "readiness"]
 
 log = structlog.get_logger("nri_plugin.daemon.probes")
 
@@ -65,11 +68,13 @@ class ProbeError(Exception):
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6]:port"`` → (host, port). Port 0 asks for any free port."""
+    """``"host:port"``, ``"[v6]:port"`` or ``":port"`` (every address) → (host, port). Port 0 asks for
+    any free port."""
     parsed = split_host_port(text)
     if parsed is None:
         raise ProbeError(
-            f'metrics address {text!r} is not host:port; use e.g. "127.0.0.1:8891" or "[::1]:8891"'
+            f"metrics address {json.dumps(text)} is not host:port: {metrics_address_problem(text)}; use "
+            'e.g. "127.0.0.1:8891", "[::1]:8891" or ":8891"'
         )
     return parsed
 
@@ -82,10 +87,63 @@ def readiness(stub: Stub, device_plugin: DevicePluginServer | None) -> Callable[
         if not stub.ready.is_set():
             missing.append("not registered with the runtime (NRI) yet")
         if device_plugin is not None and device_plugin.config.enabled and not device_plugin.registered:
-            missing.append("not registered with kubelet yet")
+            missing.append(_kubelet_missing(str(device_plugin.config.plugin_dir)))
         return "; ".join(missing) or None
 
     return check
+
+
+def _kubelet_missing(plugin_dir: str) -> str:
+    """Not registered with kubelet: and when kubelet's directory itself is missing, which no waiting
+    mends (a mount or a config to fix), that too."""
+    if os.path.isdir(plugin_dir):
+        return "not registered with kubelet yet"
+    return (
+        f"not registered with kubelet yet: its device-plugin directory {plugin_dir} does not exist; "
+        "mount the host's directory there, or set [device_plugin] plugin_dir"
+    )
+
+
+class NotReadyWarnings:
+    """Says at warning, every `period` seconds, what keeps the daemon from being ready.
+
+    ``/readyz`` answers 503 while the daemon is not ready, and a rolling update waits on it. That
+    wait must not be quiet: a missing kubelet directory or an NRI socket nobody serves otherwise
+    shows only as a rolling update that stalls. A daemon that becomes ready within `period`
+    (every normal start) never warns; one that recovers after warning says so at info.
+    """
+
+    def __init__(
+        self, readiness: Callable[[], str | None], *, clock: Clock = LOOP_CLOCK, period: float = 30.0
+    ) -> None:
+        self._readiness = readiness
+        self._clock = clock
+        self.period = period
+        self.warnings = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _watch(self) -> None:
+        warned = False
+        while True:
+            await self._clock.sleep(self.period)
+            missing = self._readiness()
+            if missing is not None:
+                self.warnings += 1
+                log.warning("not ready", missing=missing, readyz=503)
+                warned = True
+            elif warned:
+                log.info("ready", readyz=200)
+                warned = False
 
 
 class _Refused(Exception):

@@ -7,10 +7,13 @@
 3. the node's marker key, then the mixed-CPU plugin (which checks markers with it);
 4. the NRI stub serving that plugin;
 5. the kubelet device plugin (which signs markers with the same key);
-6. the probe server, and the gauges bound to the parts they read at scrape time.
+6. the probe server, and the gauges bound to the parts they read at scrape time;
+7. the not-ready warnings, which read what ``/readyz`` reads, metrics or not.
 
-A config problem is a `DaemonError` with exit status 2, a part that cannot be built as configured
-(a bad plugin index, say) one with status 1; either way one line the command line prints.
+A config problem is a `DaemonError` with exit status 2, one line the command line prints. Whatever
+is configured counts, wherever it comes from: the config file, the options (``--nri-plugin-index``)
+and the environment (``NRI_PLUGIN_IDX``, ``NRI_PLUGIN_SOCKET``) are all checked here, before any part
+is built, so a systemd unit that does not restart on status 2 does not restart-loop on them either.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from types import MappingProxyType
 import structlog
 
 from cgroups import CgroupLayout, format_cpuset
-from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, Daemon, DaemonError, Service
+from nri_plugin.daemon.app import EXIT_CONFIG, NRI_ENDED, Daemon, DaemonError, Service
 from nri_plugin.daemon.config import (
     DEFAULT_CONFIG_PATH,
     Config,
@@ -31,11 +34,14 @@ from nri_plugin.daemon.config import (
     build_layout,
     load_config,
     online_cpus,
+    plugin_index_problem,
+    plugin_name_problem,
     read_numa_nodes,
+    state_dir_problem,
 )
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
-from nri_plugin.daemon.probes import ProbeError, ProbeServer, readiness
+from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.deviceplugin.server import DevicePluginServer
@@ -45,6 +51,8 @@ from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub, StubError
 
 __all__ = [
+    "LAUNCHED_ENDED",
+    "PluginIdentity",
     "RunOptions",
     "bind_gauges",
     "build_daemon",
@@ -55,10 +63,18 @@ __all__ = [
     "build_stub",
     "load_marker_key",
     "load_settings",
+    "resolve_identity",
     "shared_pool",
 ]
 
 log = structlog.get_logger("nri_plugin.daemon.wiring")
+
+# The end of a daemon the runtime started itself: its connection was the runtime's to give, and
+# the runtime starts it again when it starts again.
+LAUNCHED_ENDED = (
+    "the runtime closed the connection it started the plugin with (NRI_PLUGIN_SOCKET); a plugin "
+    "the runtime launches does not reconnect: the runtime starts it again when it starts again"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,43 +89,85 @@ class RunOptions:
     log_level: str | None = None
 
 
+@dataclass(frozen=True)
+class PluginIdentity:
+    """Who the plugin is to the runtime and how it reaches it, as the options, the environment and
+    the config file decide together (each one given wins over the next)."""
+
+    name: str
+    index: str
+    # The runtime's socket, or None when the runtime started us and handed over a connection.
+    socket: str | None
+    # The inherited connection's file descriptor (NRI_PLUGIN_SOCKET), when the runtime started us.
+    inherited_fd: int | None
+
+    @property
+    def connection(self) -> str:
+        """Where the connection comes from, for the log."""
+        if self.inherited_fd is not None:
+            return f"fd {self.inherited_fd} from the runtime (NRI_PLUGIN_SOCKET)"
+        return str(self.socket)
+
+
 def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = None) -> Daemon:
     """The daemon as `options` and its config file describe it, ready to `run()`.
 
-    `environ` (default: the process's) supplies NRI_PLUGIN_NAME, NRI_PLUGIN_IDX and
-    NRI_PLUGIN_SOCKET. Raises `DaemonError`.
+    `environ` (default: the process's) supplies NRI_PLUGIN_NAME, NRI_PLUGIN_IDX, NRI_PLUGIN_SOCKET
+    and NODE_NAME. Raises `DaemonError`.
     """
     env = os.environ if environ is None else environ
     try:
-        config, layout = load_settings(options)
+        config, layout = load_settings(options, node=env.get("NODE_NAME"))
+        identity = resolve_identity(options, config, env)
         metrics = build_metrics(config)
         key = load_marker_key(config)
         plugin = build_plugin(config, layout, key, observer=metrics)
-    except ConfigError as exc:
-        raise DaemonError(str(exc), EXIT_CONFIG) from None
-    try:
-        stub = build_stub(plugin, config, options, observer=metrics, environ=env)
+        stub = build_stub(plugin, identity, options, observer=metrics, environ=env)
         device_plugin = build_device_plugin(config, key, observer=metrics)
         probes = build_probes(config, metrics, stub, device_plugin)
-    except (StubError, ProbeError) as exc:
-        raise DaemonError(str(exc), EXIT_CANNOT_SERVE) from None
+    except (ConfigError, StubError, ProbeError) as exc:
+        raise DaemonError(str(exc), EXIT_CONFIG) from None
     if metrics is not None:
         bind_gauges(metrics, stub, plugin, device_plugin)
-    _log_start(config, layout, stub)
+    _log_start(config, layout, stub, identity)
     _log_numa(plugin.pool)
     # Started in this order and closed in the reverse: a port already taken fails the start before
     # kubelet or the runtime ever see us.
     services: list[Service] = [part for part in (probes, device_plugin) if part is not None]
-    return Daemon(stub, services=services, state=plugin)
+    services.append(NotReadyWarnings(readiness(stub, device_plugin)))
+    ended = LAUNCHED_ENDED if identity.inherited_fd is not None else NRI_ENDED
+    return Daemon(stub, services=services, state=plugin, nri_ended=ended)
 
 
-def load_settings(options: RunOptions) -> tuple[Config, CgroupLayout]:
-    """The checked config, logging set up as it says (for good), and the cgroup layout.
-    Raises `ConfigError`."""
+def load_settings(options: RunOptions, *, node: str | None = None) -> tuple[Config, CgroupLayout]:
+    """The checked config, logging set up as it says (for good; every line naming `node` when
+    given), and the cgroup layout. Raises `ConfigError`."""
     config = load_config(options.config_path)
     # For good: each logger is cached at its first use (the level still follows SIGUSR1).
-    configure_logging(options.log_level or config.log_level, config.log_format, cache_loggers=True)
+    configure_logging(
+        options.log_level or config.log_level, config.log_format, cache_loggers=True, node=node or None
+    )
     return config, build_layout(config)
+
+
+def resolve_identity(options: RunOptions, config: Config, environ: Mapping[str, str]) -> PluginIdentity:
+    """The plugin's name and index (options, else NRI_PLUGIN_NAME / NRI_PLUGIN_IDX, else the config)
+    and its connection (NRI_PLUGIN_SOCKET, else --socket, else the config), checked by NRI's rules
+    before the stub is built: a wrong one is a config error. Raises `ConfigError`."""
+    name = options.plugin_name or environ.get("NRI_PLUGIN_NAME") or config.plugin_name
+    index = options.plugin_index or environ.get("NRI_PLUGIN_IDX") or config.plugin_index
+    problem = plugin_index_problem(index) or plugin_name_problem(name)
+    if problem is not None:
+        raise ConfigError(problem)
+    fd = environ.get("NRI_PLUGIN_SOCKET")
+    if fd is not None and not fd.isdigit():
+        raise ConfigError(
+            f"NRI_PLUGIN_SOCKET={fd!r} is not a file descriptor number; the runtime sets it (to 3) when "
+            "it starts the plugin itself, so unset it when starting the daemon any other way"
+        )
+    if fd is not None:
+        return PluginIdentity(name, index, None, int(fd))
+    return PluginIdentity(name, index, options.socket or config.nri_socket, None)
 
 
 def build_metrics(config: Config) -> Metrics | None:
@@ -119,7 +177,11 @@ def build_metrics(config: Config) -> Metrics | None:
 
 def load_marker_key(config: Config) -> HostKey | None:
     """The node's marker key in state_dir (created at the first start), or None when device-plugin
-    markers are not trusted. Raises `ConfigError` when it cannot be used."""
+    markers are not trusted. Raises `ConfigError` when it cannot be used, or when state_dir is not
+    the daemon's alone (anyone who may write there could plant a key of their own)."""
+    problem = state_dir_problem(config.state_dir)
+    if problem is not None:
+        raise _state_dir_error(config, problem)
     if not config.trust_device_plugin_marker:
         return None
     try:
@@ -159,27 +221,28 @@ def shared_pool(config: Config) -> SharedPool:
     return SharedPool(config.shared_cpuset, MappingProxyType(nodes))
 
 
-def _state_dir_error(config: Config, exc: Exception) -> ConfigError:
+def _state_dir_error(config: Config, problem: object) -> ConfigError:
     return ConfigError(
-        f"{config.source}: state_dir: {exc}; point state_dir at a directory only root can write"
+        f"{config.source}: state_dir: {problem}; point state_dir at a directory only root can write"
     )
 
 
 def build_stub(
     plugin: MixedCpuPlugin,
-    config: Config,
+    identity: PluginIdentity,
     options: RunOptions,
     *,
     observer: Metrics | None = None,
     environ: Mapping[str, str],
 ) -> Stub:
-    """The NRI stub serving `plugin`: name and index from the options, else the environment, else the
-    config; the socket from the options, else the config. Raises `StubError`."""
+    """The NRI stub serving `plugin` as `identity` says. Raises `StubError`."""
     return Stub(
         plugin,
-        name=options.plugin_name or environ.get("NRI_PLUGIN_NAME") or config.plugin_name,
-        index=options.plugin_index or environ.get("NRI_PLUGIN_IDX") or config.plugin_index,
-        socket_path=options.socket or config.nri_socket,
+        name=identity.name,
+        index=identity.index,
+        # With a connection handed over, the stub never dials and uses the path only in its log
+        # lines: there it names the connection it really has.
+        socket_path=identity.connection,
         reconnect=options.reconnect,
         observer=observer,
     )
@@ -216,7 +279,7 @@ def bind_gauges(
         metrics.track(kubelet_registered=lambda: device_plugin.registered)
 
 
-def _log_start(config: Config, layout: CgroupLayout, stub: Stub) -> None:
+def _log_start(config: Config, layout: CgroupLayout, stub: Stub, identity: PluginIdentity) -> None:
     trusted = (
         ("device-plugin-marker", config.trust_device_plugin_marker),
         ("pod-annotation", config.trust_pod_annotation),
@@ -225,7 +288,7 @@ def _log_start(config: Config, layout: CgroupLayout, stub: Stub) -> None:
         "starting",
         config=config.source,
         plugin=stub.identity.full_name,
-        socket=stub.socket_path,
+        socket=identity.connection,
         shared_cpuset=config.shared_cpuset_text,
         cgroup_mode=layout.mode.value,
         cpu_hierarchy=layout.cpu.mount_point,

@@ -126,7 +126,9 @@ class DevicePluginConfig:
 
 
 def _error(key: str, value: object, problem: str) -> DevicePluginConfigError:
-    return DevicePluginConfigError(f"[{TABLE}] {key} = {value!r}: {problem}")
+    # A path is shown as the string the config file holds, not as Python's PurePosixPath('...').
+    shown = str(value) if isinstance(value, PurePosixPath) else value
+    return DevicePluginConfigError(f"[{TABLE}] {key} = {shown!r}: {problem}")
 
 
 def _check_type(key: str, value: object, kind: type, wanted: str) -> None:

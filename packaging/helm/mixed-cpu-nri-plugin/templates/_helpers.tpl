@@ -1,9 +1,45 @@
-{{/* The release's name for every object: the release name, with the chart name added unless present. */}}
+{{/* The release's name for every object: fullnameOverride; else the release name when it holds the
+     chart's name or begins it (release "mixed-cpu" gives "mixed-cpu", not "mixed-cpu-mixed-cpu-nri-plugin");
+     else the release name with the chart's added. */}}
 {{- define "mixed-cpu-nri-plugin.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if or (contains .Chart.Name .Release.Name) (hasPrefix .Release.Name .Chart.Name) -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
 {{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The shared CPUs as text: --set sharedCpuset=0 makes a number. */}}
+{{- define "mixed-cpu-nri-plugin.sharedCpuset" -}}
+{{- .Values.sharedCpuset | toString -}}
+{{- end -}}
+
+{{/* What the schema cannot say and the daemon would refuse at start (a pod in a crash loop on every
+     node): refused here, at install, with the daemon's reason. */}}
+{{- define "mixed-cpu-nri-plugin.validate" -}}
+{{- $cpus := include "mixed-cpu-nri-plugin.sharedCpuset" . -}}
+{{- range $part := splitList "," $cpus -}}
+{{- $ends := splitList "-" $part -}}
+{{- if and (eq (len $ends) 2) (gt (atoi (index $ends 0)) (atoi (index $ends 1))) -}}
+{{- fail (printf "sharedCpuset %q: the range %s is reversed; write it low-high" $cpus $part) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (or .Values.trustedSources.devicePluginMarker .Values.trustedSources.podAnnotation) -}}
+{{- fail "trustedSources: both sources are off, so no container could ever get shared CPUs; set trustedSources.devicePluginMarker=true (or podAnnotation=true where OpenShift's admission plugin adds the annotation)" -}}
+{{- end -}}
+{{- if and (not .Values.devicePlugin.enabled) (not .Values.trustedSources.podAnnotation) -}}
+{{- fail "devicePlugin.enabled=false leaves nothing to prove a request unless trustedSources.podAnnotation=true (where an admission plugin adds cpu-shared.crio.io annotations); keep the device plugin on otherwise" -}}
+{{- end -}}
+{{- if and .Values.metrics.enabled (not .Values.hostNetwork) (regexMatch "^(127\\.|::1$|localhost$|\\[::1\\]$)" .Values.metrics.bindHost) -}}
+{{- fail (printf "metrics.bindHost=%s is the pod's own loopback, which kubelet's probes (sent to the pod IP) never reach; use 0.0.0.0 (or ::), or hostNetwork=true" .Values.metrics.bindHost) -}}
+{{- end -}}
+{{- if and .Values.metrics.podMonitor.enabled (or .Values.hostNetwork (not .Values.metrics.enabled)) -}}
+{{- fail "metrics.podMonitor.enabled needs metrics.enabled=true and hostNetwork=false: with hostNetwork the daemon listens on the node's 127.0.0.1, which Prometheus cannot scrape" -}}
+{{- end -}}
+{{- if and .Values.nri.runtime.patchConfig (eq .Values.runtime "openshift") -}}
+{{- fail "nri.runtime.patchConfig is not for OpenShift, whose nodes are configured through MachineConfigs: apply packaging/runtime/openshift/machineconfig-crio.yaml instead" -}}
 {{- end -}}
 {{- end -}}
 
