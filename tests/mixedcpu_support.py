@@ -186,6 +186,7 @@ def make_plugin(
     trust_marker: bool = True,
     observer: PluginObserver | None = None,
     clock: Clock = LOOP_CLOCK,
+    reconcile_interval: float | None = None,
 ) -> tuple[MixedCpuPlugin, HostKey]:
     key = load_or_create_host_key(state_dir)
     plugin = MixedCpuPlugin(
@@ -196,6 +197,7 @@ def make_plugin(
         trust_pod_annotation=trust_pod_annotation,
         observer=observer,
         clock=clock,
+        reconcile_interval=reconcile_interval,
     )
     return plugin, key
 
