@@ -589,20 +589,35 @@ def make_node(
 # -- the daemon as a subprocess ----------------------------------------------------------------------
 
 
-def write_config(directory: Path, tree: Tree, *, plugin_dir: Path | None = None) -> Path:
-    """The daemon's config: shared CPUs 0-1 of online 0-15 (a fake sysfs), the fake tree `tree`, the
-    state dir ``state``; no metrics listener; kubelet's device-plugin directory `plugin_dir` (default
-    ``kubelet`` in `directory`: no kubelet there, the device plugin waits for one)."""
+def write_config(
+    directory: Path,
+    tree: Tree,
+    *,
+    plugin_dir: Path | None = None,
+    shared: frozenset[int] = frozenset({0, 1}),
+    metrics: bool = False,
+    extra: str = "",
+) -> Path:
+    """The daemon's config: shared CPUs `shared` of online 0-15 (a fake sysfs), the tree `tree` (a
+    fake one, or the real kernel's mounts, detected), the state dir ``state``; metrics and probes on
+    a free port of 127.0.0.1 with `metrics` (the daemon logs which), else none; kubelet's
+    device-plugin directory `plugin_dir` (default ``kubelet`` in `directory`: no kubelet there, the
+    device plugin waits for one); `extra`: more top-level lines."""
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-15\n")
-    assert tree.root is not None, "the daemon runs on a fake tree"
+    if tree.is_kernel:
+        cgroups = 'cgroup_root = "/sys/fs/cgroup"\ncgroup_version = "auto"\n'
+    else:
+        assert tree.root is not None
+        cgroups = f'cgroup_root = "{tree.root}"\ncgroup_version = "v{tree.version}"\n'
     device_plugin = f'plugin_dir = "{plugin_dir or directory / "kubelet"}"'
     config = directory / "config.toml"
     config.write_text(
-        f'shared_cpuset = "0-1"\nsysfs_root = "{directory}/sys"\nstate_dir = "{directory}/state"\n'
-        f'cgroup_root = "{tree.root}"\ncgroup_version = "v{tree.version}"\nlog_format = "console"\n'
-        f'metrics_address = ""\n[device_plugin]\n{device_plugin}\n'
+        f'shared_cpuset = "{format_cpuset(shared)}"\nsysfs_root = "{directory}/sys"\n'
+        f'state_dir = "{directory}/state"\n{cgroups}log_format = "console"\n'
+        f'metrics_address = "{"127.0.0.1:0" if metrics else ""}"\n{extra}\n'
+        f"[device_plugin]\n{device_plugin}\n"
     )
     return config
 
