@@ -83,6 +83,8 @@ log = structlog.get_logger(LOGGER_NAME)
 # After a container cgroup is deleted, the v1 kernel still counts its quota for some 20-30 ms (the
 # cgroup is released after an RCU grace period): a lower pod quota refused then is retried.
 LOWER_RETRY_DELAYS = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+# Validated pod cgroup paths kept: more than a node's pods, few enough that churn cannot grow it.
+_MAX_CACHED_DIRS = 16384
 
 
 class CgroupObserver(Protocol):
@@ -207,6 +209,7 @@ class PodQuotas:
         self.observer = observer
         self._clock = clock
         self._retries: dict[str, Timer] = {}
+        self._dirs: dict[str, CgroupDir] = {}  # cgroup parent -> its validated pod cgroup
 
     @property
     def books(self) -> Books:
@@ -218,7 +221,15 @@ class PodQuotas:
         return frozenset(self._retries)
 
     def pod_dir(self, cgroup_parent: str) -> CgroupDir:
-        return self.layout.cpu.dir(pod_cgroup_path(cgroup_parent))
+        """The pod's cgroup in the cpu hierarchy; `CgroupPathError` for a parent we refuse. Validated
+        once per parent and layout: the reconciler asks again for every pod at every pass."""
+        hierarchy = self.layout.cpu
+        found = self._dirs.get(cgroup_parent)
+        if found is None or found.hierarchy != hierarchy:
+            if len(self._dirs) >= _MAX_CACHED_DIRS:
+                self._dirs.clear()
+            found = self._dirs[cgroup_parent] = hierarchy.dir(pod_cgroup_path(cgroup_parent))
+        return found
 
     # -- CreateContainer -------------------------------------------------------------------------------
 
