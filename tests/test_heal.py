@@ -30,6 +30,8 @@ from mixedcpu_support import (
 from api.nri import api_pb2 as api
 from cgroups import Cgroup, CpuQuota, read_cpu_quota, write_cpu_quota
 from nri_plugin.common.clock import ManualClock
+from nri_plugin.daemon import config as config_module
+from nri_plugin.daemon.wiring import build_plugin
 from nri_plugin.mixedcpu import quota
 from nri_plugin.mixedcpu.books import Books, Slot
 from nri_plugin.mixedcpu.heal import CREATION_GRACE, Healer, PassReport
@@ -390,3 +392,60 @@ async def test_the_timer_starts_once_runs_every_interval_and_stops(node: Node) -
     with pytest.raises(ValueError, match="positive"):
         Healer(node.plugin.quotas, interval=0)
     assert Healer(node.plugin.quotas, interval=2).grace == 2  # never longer than one interval
+
+
+@pytest.mark.asyncio
+async def test_the_pass_drops_a_vanished_pod_that_still_held_shared_containers(node: Node) -> None:
+    plugin = node.plugin
+    pod, other = node.pod("1-1", "vanished"), node.pod("2-2", "stays")
+    await plugin.synchronize([pod, other], [])
+    await node.create(pod, "c1")
+    await node.create(other, "c2", device="dev-2")
+    await node.clock.advance(CREATION_GRACE)  # both containers' cgroups seen
+    node.delete_pod(pod)  # with its running container, and no event at all
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(INTERVAL - CREATION_GRACE)
+    [gone] = heals(logs, "pod_gone")
+    assert (gone["pod_key"], gone["containers"], gone["devices"]) == (pod.uid, ["fwd"], ["dev-1"])
+    assert list(plugin.books.pods) == [other.uid]
+    assert plugin.shared_containers == 1
+    assert node.saved().load().pods.keys() == {other.uid}
+    assert node.tree.pod_quota(other) == RAISED
+    # A pod gone before its new container's deadline: the pod is gone, not a failed creation.
+    brief = node.pod("3-3", "brief")
+    await node.create(brief, "c3", device="dev-3")
+    node.delete_pod(brief)
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(CREATION_GRACE)
+    assert [e["pod_key"] for e in heals(logs, "pod_gone")] == [brief.uid]
+    assert heals(logs, "container_never_created") == []
+    assert node.seen.heals == {"pod_gone": 2}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_stop_of_a_container_with_a_refused_path_is_logged_not_counted(tmp_path: Path) -> None:
+    node = Node(tmp_path, interval=None)
+    pod = node.pod("1-1")
+    container = await node.create(pod, "c1")
+    container.linux.cgroups_path = "/kubepods/../etc"  # what no runtime sends: refused, never walked
+    with structlog.testing.capture_logs() as logs:
+        await node.plugin.stop_container(pod, container)
+    [refused] = [e for e in logs if e["event"] == "cannot put the stopped container's own quota back"]
+    assert "'..'" in refused["error"]
+    assert node.seen.failures == {}
+    assert node.tree.pod_quota(pod) == BASELINE  # the pod's share is released all the same
+
+
+def test_reconcile_interval_is_configurable_and_reaches_the_plugin(tmp_path: Path) -> None:
+    document: dict[str, object] = {"shared_cpuset": "0-1"}
+    assert config_module.parse_config(document).reconcile_interval == 30
+    for good in (1, 2.5, 3600):
+        assert config_module.parse_config({**document, "reconcile_interval": good}).reconcile_interval == good
+    for bad in (0, 0.5, 3601, -1, "30", True):
+        with pytest.raises(config_module.ConfigError, match=r"reconcile_interval: .* seconds from 1 to 3600"):
+            config_module.parse_config({**document, "reconcile_interval": bad})
+    config = config_module.parse_config({**document, "reconcile_interval": 5, "state_dir": str(tmp_path)})
+    plugin = build_plugin(config, FakeCgroups(tmp_path / "cgroup").layout, None)
+    assert plugin.healer.interval == 5
+    assert plugin.healer.grace == 5

@@ -324,7 +324,8 @@ class Healer:
         due = [c for c in self._creations.values() if c.due <= now and key in (None, c.slot.pod)]
         healed = 0
         for creation in due:
-            del self._creations[creation.container_id]
+            if self._creations.pop(creation.container_id, None) is None:
+                continue  # its pod was dropped meanwhile
             holder = self.books.holder(creation.slot)
             if holder is None or holder.id != creation.container_id:
                 continue  # ended, or displaced, meanwhile
@@ -333,7 +334,11 @@ class Healer:
                     continue
             except CgroupError:  # cannot tell: its events still can end it
                 continue
-            self._give_back(creation)
+            if self._pod_gone(creation.slot.pod):  # not a failed creation: the whole pod went
+                self._drop_pod(creation.slot.pod, _WHY_FORGOTTEN)
+                self.quotas.keeper.save_quietly()
+            else:
+                self._give_back(creation)
             healed += 1
         return healed
 

@@ -51,6 +51,7 @@ from cgroups import (
     CgroupError,
     CgroupLayout,
     CgroupNotFound,
+    CgroupPathError,
     CgroupWriteRejected,
     CpuQuota,
     OpenCgroup,
@@ -348,6 +349,9 @@ class PodQuotas:
                 write_cpu_quota(held, own, current=current)
         except CgroupNotFound:
             return False  # removed already: nothing lingers
+        except CgroupPathError as exc:
+            log.warning("cannot put the stopped container's own quota back", error=str(exc), **fields)
+            return False
         except CgroupError as exc:
             self._write_failed("container_quota_lower")
             log.warning("cannot put the stopped container's own quota back", error=str(exc), **fields)
