@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import structlog
 
@@ -59,6 +59,8 @@ log = structlog.get_logger(LOGGER_NAME)
 # one period.
 CREATION_GRACE: Final = 10.0
 HEAL_KINDS: Final = ("pod_gone", "container_never_created", "container_gone", "pod_quota")
+
+_T = TypeVar("_T")
 
 _WHY_FORGOTTEN = "its cgroup directory is gone, and the runtime never reported the pod stopped or removed"
 
@@ -112,10 +114,12 @@ class Healer:
         self.grace = grace if grace is not None else min(CREATION_GRACE, interval or CREATION_GRACE)
         self.observer = observer
         self._clock = clock
-        self._creations: dict[str, _Creation] = {}
-        # Container id -> (pod key, record) of an instance another one displaced (kubelet created its
-        # successor first): its own quota is put back when it is reported stopped.
-        self._displaced: dict[str, tuple[str, ContainerRecord]] = {}
+        # Pod key -> slot name -> the latest creation in that slot whose cgroup is yet to be seen.
+        self._creations: dict[str, dict[str, _Creation]] = {}
+        # Pod key -> slot name -> the record of the instance a newer one displaced (kubelet created
+        # its successor first): its own quota is put back when it is reported stopped. One per slot,
+        # like the watches: neither grows with a pod's restarts.
+        self._displaced: dict[str, dict[str, ContainerRecord]] = {}
         self._tick: Timer | None = None
         self._grace_timer: Timer | None = None
         self._grace_due = 0.0
@@ -132,7 +136,7 @@ class Healer:
     @property
     def watched(self) -> frozenset[str]:
         """The ids of the containers whose cgroup has yet to be seen."""
-        return frozenset(self._creations)
+        return frozenset(c.container_id for slots in self._creations.values() for c in slots.values())
 
     # -- the timer --------------------------------------------------------------------------------------
 
@@ -163,7 +167,7 @@ class Healer:
         """Have the earliest creation checked when it falls due (only while the timer runs)."""
         if self._tick is None or not self._creations:
             return
-        due = min(creation.due for creation in self._creations.values())
+        due = min(c.due for slots in self._creations.values() for c in slots.values())
         if self._grace_timer is not None:
             if self._grace_due <= due:
                 return
@@ -185,33 +189,36 @@ class Healer:
         except CgroupError:  # no path, or one we would refuse: only its events can end it
             return
         due = self._clock.monotonic() + self.grace
-        self._creations[container.id] = _Creation(slot, container.id, cgroup, due)
+        self._creations.setdefault(slot.pod, {})[slot.name] = _Creation(slot, container.id, cgroup, due)
         self._arm_grace()
 
-    def note_displaced(self, key: str, record: ContainerRecord) -> None:
-        """A new instance took the slot of `record`'s container, which is dead or dying."""
-        self._displaced[record.id] = (key, record)
+    def note_displaced(self, slot: Slot, record: ContainerRecord) -> None:
+        """A new instance took `slot` from `record`'s container, which is dead or dying."""
+        self._displaced.setdefault(slot.pod, {})[slot.name] = record
 
     def container_ended(
-        self, container: api.Container, record: ContainerRecord | None, fields: Mapping[str, str]
+        self, slot: Slot, container: api.Container, record: ContainerRecord | None, fields: Mapping[str, str]
     ) -> None:
-        """The runtime reported the container stopped or removed; `record`: the slot it held, if it
-        still held one. Stop means stop: a shared container's own quota is put back."""
-        self._creations.pop(container.id, None)
-        displaced = self._displaced.pop(container.id, None)
-        if record is None and displaced is not None:
-            record = displaced[1]
+        """The runtime reported the container (of `slot`) stopped or removed; `record`: the slot's
+        record if it still held it. Stop means stop: a shared container's own quota is put back."""
+        creation = self._creations.get(slot.pod, {}).get(slot.name)
+        if creation is not None and creation.container_id == container.id:
+            _drop(self._creations, slot)
+        displaced = self._displaced.get(slot.pod, {}).get(slot.name)
+        if displaced is not None and displaced.id == container.id:
+            _drop(self._displaced, slot)
+            record = record or displaced
         if record is not None:
             self.quotas.restore_container(container.linux.cgroups_path, record.exclusive, fields)
 
     def forget_pod(self, key: str) -> None:
         """The pod is gone: nothing of it is watched any more."""
-        self._creations = {cid: c for cid, c in self._creations.items() if c.slot.pod != key}
-        self._displaced = {cid: held for cid, held in self._displaced.items() if held[0] != key}
+        self._creations.pop(key, None)
+        self._displaced.pop(key, None)
 
     def at_pod_event(self, key: str) -> None:
         """An event of the pod: its creations past their grace are looked at now."""
-        if any(creation.slot.pod == key for creation in self._creations.values()):
+        if key in self._creations:
             self._check_creations(key)
 
     def free_stale_holder(self, device: str | None, slot: Slot) -> None:
@@ -234,7 +241,7 @@ class Healer:
         if not stopped:
             return
         held = {record.id: record for _, record in previous.slots()}
-        held.update((cid, record) for cid, (_, record) in self._displaced.items())
+        held.update((r.id, r) for slots in self._displaced.values() for r in slots.values())
         for container in stopped:
             record = held.get(container.id)
             if record is not None:
@@ -321,11 +328,13 @@ class Healer:
         """The creations past their grace (of pod `key`, or all): a container whose cgroup never
         appeared gives its share back. How many did."""
         now = self._clock.monotonic()
-        due = [c for c in self._creations.values() if c.due <= now and key in (None, c.slot.pod)]
+        pods = list(self._creations) if key is None else [key]
+        due = [c for pod in pods for c in self._creations.get(pod, {}).values() if c.due <= now]
         healed = 0
         for creation in due:
-            if self._creations.pop(creation.container_id, None) is None:
+            if self._creations.get(creation.slot.pod, {}).get(creation.slot.name) is not creation:
                 continue  # its pod was dropped meanwhile
+            _drop(self._creations, creation.slot)
             holder = self.books.holder(creation.slot)
             if holder is None or holder.id != creation.container_id:
                 continue  # ended, or displaced, meanwhile
@@ -389,6 +398,15 @@ class Healer:
         log.info(message, heal=kind, **fields)
         if self.observer is not None:
             self.observer.healed(kind)
+
+
+def _drop(by_pod: dict[str, dict[str, _T]], slot: Slot) -> None:
+    """Remove `slot`'s entry from a pod key -> slot name map, and the pod's map once empty."""
+    slots = by_pod.get(slot.pod)
+    if slots is not None:
+        slots.pop(slot.name, None)
+        if not slots:
+            del by_pod[slot.pod]
 
 
 def _changed(records: Mapping[str, object], books: Books) -> bool:

@@ -175,7 +175,7 @@ class MixedCpuPlugin(
             saved = self.books.pods.get(slot.pod)
         displaced = self.books.displace(slot, container.id)
         if displaced is not None:
-            self.healer.note_displaced(slot.pod, displaced)
+            self.healer.note_displaced(slot, displaced)
             log.info(
                 "container restarted: the new instance takes its slot",
                 previous_id=displaced.id,
@@ -331,8 +331,9 @@ class MixedCpuPlugin(
                 **pod_fields(pod, container, event=event),
             )
         # The container's own quota first: cgroup v1 refuses a pod quota below a child's.
+        fields = pod_fields(pod, container, event=event)
         self.healer.container_ended(
-            container, held[1] if held else None, pod_fields(pod, container, event=event)
+            container_slot(pod, container), container, held[1] if held else None, fields
         )
         self.healer.at_pod_event(key)
         if key in self.books.pods:
