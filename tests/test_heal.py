@@ -449,3 +449,21 @@ def test_reconcile_interval_is_configurable_and_reaches_the_plugin(tmp_path: Pat
     plugin = build_plugin(config, FakeCgroups(tmp_path / "cgroup").layout, None)
     assert plugin.healer.interval == 5
     assert plugin.healer.grace == 5
+
+
+@pytest.mark.asyncio
+async def test_a_pass_that_fails_is_logged_and_the_next_one_still_comes(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    healer = node.plugin.healer
+    await node.plugin.synchronize([], [])
+
+    def broken() -> PassReport:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(healer, "reconcile", broken)
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(INTERVAL)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["reconcile pass failed"]
+    assert healer.running
+    healer.stop()

@@ -160,8 +160,12 @@ class Healer:
 
     def _on_tick(self) -> None:
         self._tick = None
-        self.reconcile()
-        self.start()
+        try:
+            self.reconcile()
+        except Exception:  # a bug: said, and the next pass still comes
+            log.exception("reconcile pass failed")
+        finally:
+            self.start()
 
     def _arm_grace(self) -> None:
         """Have the earliest creation checked when it falls due (only while the timer runs)."""
@@ -177,8 +181,12 @@ class Healer:
 
     def _on_grace(self) -> None:
         self._grace_timer = None
-        self._check_creations()
-        self._arm_grace()
+        try:
+            self._check_creations()
+        except Exception:  # a bug: said, and the next deadline still comes
+            log.exception("creation check failed")
+        finally:
+            self._arm_grace()
 
     # -- the events ---------------------------------------------------------------------------------------
 
