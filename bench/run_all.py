@@ -30,7 +30,9 @@ and measures, in order:
   through the runtime's lock again, onto a plugin whose books hold those 1,000 pods; and the largest
   RSS right after a Synchronize and half a second later;
 * the plugin's own processing per CreateContainer in this process, bytes in to bytes out, with no
-  socket or peer.
+  socket or peer;
+* the reconciler's whole pass over books holding 1,000 shared pods with nothing to heal, in this
+  process (bench/heal_pass.py; it also runs on the real kernel's cgroup v1 tree with --kernel).
 
 With --repeat N (default 3) each row shows the median of the N rounds and, in brackets, their range
 (a count shows its worst round); "met?" judges the median. A burst "meets" its target when all are
@@ -57,6 +59,7 @@ from pathlib import Path
 
 import structlog
 from google.protobuf.internal import api_implementation
+from heal_pass import on_fake_tree
 from workload import (
     CONTAINERS_PER_POD,
     PluginProcess,
@@ -460,6 +463,22 @@ async def plugin_processing(table: Table, calls: int, node: Path) -> None:
     )
 
 
+# -- the reconciler -----------------------------------------------------------------------------------
+
+
+async def heal_round(table: Table, settings: Settings, node: Path) -> None:
+    """One whole reconcile pass over books holding `sync_pods` shared pods, nothing to heal (median
+    of 20 passes): what the plugin does every reconcile_interval seconds."""
+    pods = settings.sync_pods
+    samples = await on_fake_tree(node / "heal", pods, passes=20)
+    table.add(
+        f"reconcile pass over {pods:,} shared pods, nothing to heal (in-process, fake v1 tree)",
+        statistics.median(samples) * 1e3,
+        "ms",
+        section=4,
+    )
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
 
@@ -471,6 +490,7 @@ async def run(settings: Settings) -> Table:
             await creations_round(table, settings, node)
             await synchronize_round(table, settings, node)
             await plugin_processing(table, settings.calls, node)
+            await heal_round(table, settings, node)
     return table
 
 

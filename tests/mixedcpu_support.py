@@ -28,9 +28,8 @@ from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, PluginObserver
 from nri_plugin.mixedcpu.policy import SharedPool
-from nri_plugin.mixedcpu.quota import CgroupObserver
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
 
@@ -186,8 +185,9 @@ def make_plugin(
     *,
     trust_pod_annotation: bool = False,
     trust_marker: bool = True,
-    observer: CgroupObserver | None = None,
+    observer: PluginObserver | None = None,
     clock: Clock = LOOP_CLOCK,
+    reconcile_interval: float | None = None,
 ) -> tuple[MixedCpuPlugin, HostKey]:
     key = load_or_create_host_key(state_dir)
     plugin = MixedCpuPlugin(
@@ -198,6 +198,7 @@ def make_plugin(
         trust_pod_annotation=trust_pod_annotation,
         observer=observer,
         clock=clock,
+        reconcile_interval=reconcile_interval,
     )
     return plugin, key
 

@@ -32,6 +32,7 @@ EXPECTED_ROWS = (
     "Synchronize 200 pods / 1,000 containers, plugin restart: 1.5 MB in 2 messages",
     "plugin RSS right after Synchronize",
     "plugin RSS 0.5 s after Synchronize",
+    "reconcile pass over 200 shared pods",
 )
 
 

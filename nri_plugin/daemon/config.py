@@ -16,6 +16,7 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     log_format = "auto"                    # auto (JSON when stderr is not a terminal) | console | json
     metrics_address = "127.0.0.1:8891"     # host:port (":8891": every address) of /metrics, /healthz,
                                            # /readyz; "" turns it off
+    reconcile_interval = 30                # seconds between the reconciler's checks of the node
 
     [trusted_sources]                      # what proves that a container asked for shared CPUs
     device_plugin_marker = true            # our device plugin's signed allocation marker
@@ -81,6 +82,8 @@ LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMATS: Final = ("auto", "console", "json")
 DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:8891"
 CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
+DEFAULT_RECONCILE_INTERVAL: Final = 30.0
+RECONCILE_INTERVAL_RANGE: Final = (1.0, 3600.0)
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
 NUMA_NODES_DIR: Final = "devices/system/node"
 _NUMA_NODE: Final = re.compile(r"node([0-9]+)")
@@ -125,6 +128,7 @@ class Config:
     log_level: str = "info"
     log_format: str = "auto"
     metrics_address: str = DEFAULT_METRICS_ADDRESS
+    reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     source: str = "<config>"
 
@@ -145,6 +149,7 @@ _TOP_KEYS: Final = (
     "log_level",
     "log_format",
     "metrics_address",
+    "reconcile_interval",
     _SOURCES_TABLE,
     _DEVICE_PLUGIN_TABLE,
 )
@@ -308,6 +313,17 @@ def _metrics_address(check: _Checker, value: object) -> str:
     return text
 
 
+def _reconcile_interval(check: _Checker, value: object) -> float:
+    """Seconds between the reconciler's passes over the node (`nri_plugin.mixedcpu.heal`)."""
+    low, high = RECONCILE_INTERVAL_RANGE
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high:
+        return float(value)
+    raise check.error(
+        "reconcile_interval",
+        f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; e.g. reconcile_interval = 30",
+    )
+
+
 def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Config:
     """Check a parsed TOML document and build the `Config`; no file or machine access.
 
@@ -340,6 +356,7 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "log_level": functools.partial(check.choice, "log_level", choices=LOG_LEVELS),
         "log_format": functools.partial(check.choice, "log_format", choices=LOG_FORMATS),
         "metrics_address": functools.partial(_metrics_address, check),
+        "reconcile_interval": functools.partial(_reconcile_interval, check),
     }
     return {key: parse(document[key]) for key, parse in parsers.items() if key in document}
 

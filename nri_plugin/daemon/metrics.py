@@ -3,8 +3,8 @@
 One `Metrics` object per daemon (tests make as many as they like: nothing goes to prometheus_client's
 global registry), made before the parts it observes: each is built with it as its observer, and
 none of them imports this module. The stub calls ``request_done`` and ``reconnecting``
-(`nri_plugin.nri.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed``
-(`nri_plugin.mixedcpu.quota.CgroupObserver`), the device plugin ``registration_done``
+(`nri_plugin.nri.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed`` and ``healed``
+(`nri_plugin.mixedcpu.plugin.PluginObserver`), the device plugin ``registration_done``
 (`nri_plugin.deviceplugin.server.RegistrationObserver`). Gauges are read from their owners when
 scraped, through callables bound once the owners exist (``track``; `nri_plugin.daemon.wiring` does
 it): the shared-container count from the plugin's books, readiness from the stub and the device
@@ -15,7 +15,8 @@ plugin, so they cannot drift from what they describe and cost nothing per reques
 | `mixed_cpu_nri_requests_total` | counter | `event`, `outcome` | NRI requests answered |
 | `mixed_cpu_nri_request_duration_seconds` | histogram | `event` | time to answer one, 100 µs to 2 s |
 | `mixed_cpu_shared_containers` | gauge | | containers holding the shared CPUs now |
-| `mixed_cpu_cgroup_write_failures_total` | counter | `kind` | pod cgroup quota writes that failed |
+| `mixed_cpu_cgroup_write_failures_total` | counter | `kind` | cgroup quota writes that failed |
+| `mixed_cpu_heals_total` | counter | `kind` | books or quotas put right by the reconciler |
 | `mixed_cpu_nri_reconnects_total` | counter | | connections to the runtime lost (then retried) |
 | `mixed_cpu_device_plugin_registrations_total` | counter | `outcome` | registrations with kubelet |
 | `mixed_cpu_nri_ready` | gauge | | 1 while registered with the runtime and synchronized |
@@ -33,8 +34,14 @@ Labels:
   could not be served).
 * `kind`: `pod_quota_raise` (at a creation, which is then refused; or at Synchronize),
   `pod_quota_lower` (retried later; on cgroup v1 a few are normal right after a container stops),
-  `pod_quota_restore` (putting the pod quota back after a failed creation). A write the kernel
-  took but that reads back different counts too.
+  `pod_quota_restore` (putting the pod quota back after a failed creation),
+  `container_quota_lower` (a stopped container's own quota put back). A write the kernel took but
+  that reads back different counts too.
+* `kind` of a heal (`nri_plugin.mixedcpu.heal`): `pod_gone` (a pod's cgroup gone, or the runtime
+  no longer lists it, with no end reported: its books and device bindings dropped),
+  `container_never_created` (no cgroup after the grace period: the creation failed after our
+  adjustment), `container_gone` (the runtime's Synchronize no longer runs a container we held),
+  `pod_quota` (a pod quota found off its target and brought back).
 """
 
 from __future__ import annotations
@@ -43,13 +50,15 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["DURATION_BUCKETS", "WRITE_FAILURE_KINDS", "Metrics"]
+from nri_plugin.mixedcpu.heal import HEAL_KINDS
+
+__all__ = ["DURATION_BUCKETS", "HEAL_KINDS", "WRITE_FAILURE_KINDS", "Metrics"]
 
 # From 100 µs (a cheap event) to 2 s, the runtime's default request deadline.
 DURATION_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0
 )
-WRITE_FAILURE_KINDS = ("pod_quota_raise", "pod_quota_lower", "pod_quota_restore")
+WRITE_FAILURE_KINDS = ("pod_quota_raise", "pod_quota_lower", "pod_quota_restore", "container_quota_lower")
 REGISTRATION_OUTCOMES = ("ok", "failed")
 
 
@@ -77,7 +86,13 @@ class Metrics:
         )
         self.write_failures = Counter(
             "mixed_cpu_cgroup_write_failures",
-            "Pod cgroup quota writes that failed, by kind.",
+            "Cgroup quota writes that failed, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.heals = Counter(
+            "mixed_cpu_heals",
+            "Books or quotas put right by the reconciler (what the runtime did not report), by kind.",
             ["kind"],
             registry=r,
         )
@@ -98,6 +113,8 @@ class Metrics:
         )
         for kind in WRITE_FAILURE_KINDS:
             self.write_failures.labels(kind)
+        for kind in HEAL_KINDS:
+            self.heals.labels(kind)
         for outcome in REGISTRATION_OUTCOMES:
             self.registrations.labels(outcome)
         # Label lookups take a lock and build tuples; a request pays a dict lookup instead.
@@ -118,6 +135,9 @@ class Metrics:
 
     def cgroup_write_failed(self, kind: str) -> None:
         self.write_failures.labels(kind).inc()
+
+    def healed(self, kind: str) -> None:
+        self.heals.labels(kind).inc()
 
     def registration_done(self, outcome: str) -> None:
         self.registrations.labels(outcome).inc()

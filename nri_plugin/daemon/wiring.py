@@ -204,6 +204,7 @@ def build_plugin(
             marker_key=key,
             trust_pod_annotation=config.trust_pod_annotation,
             observer=observer,
+            reconcile_interval=config.reconcile_interval,
         )
     except OSError as exc:
         raise _state_dir_error(config, exc) from None

@@ -25,6 +25,9 @@ device id is bound to it, and stays bound while its container stops, restarts an
 the runtime stops or removes that pod's sandbox (when kubelet's allocation of the device to that pod
 ends). A marker whose device id is bound to another slot is a replay, refused even while the
 rightful holder is stopped (crash-loop back-off, a restart under way); its own restart is accepted.
+A runtime does not always report a pod's end (containerd forgets the pods it ran before its own
+restart), so the reconciler (`nri_plugin.mixedcpu.heal`) also ends a binding when the pod's cgroup
+is gone: ``pod_cgroups`` remembers where each bound pod's cgroup is, even once its record is dropped.
 
 Records are immutable: `PodRecord`, its `Containers` and `ContainerRecord` cannot be changed in place
 (assigning a field raises), so every change makes a new record and puts it in ``Books.pods`` in place
@@ -160,11 +163,18 @@ class Books:
     new `PodRecord` under its key."""
 
     def __init__(
-        self, pods: dict[str, PodRecord] | None = None, devices: dict[str, Slot] | None = None
+        self,
+        pods: dict[str, PodRecord] | None = None,
+        devices: dict[str, Slot] | None = None,
+        pod_cgroups: dict[str, str] | None = None,
     ) -> None:
         self.pods: dict[str, PodRecord] = pods if pods is not None else {}
         # Device id -> the slot it is bound to. Without saved bindings, those of the live slots.
         self.devices: dict[str, Slot] = devices if devices is not None else self.live_devices()
+        # Pod key -> cgroup parent of the pods devices were bound to, as the binding event (or
+        # Synchronize) named it: where to look for a bound pod whose record is gone. An index, not
+        # part of the books' value (not compared, not saved: Synchronize rebuilds it).
+        self.pod_cgroups: dict[str, str] = pod_cgroups if pod_cgroups is not None else {}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Books) and self.pods == other.pods and self.devices == other.devices
@@ -176,7 +186,7 @@ class Books:
 
     def copy(self) -> Books:
         """Books that change apart from these (the records themselves are immutable, so shared)."""
-        return Books(dict(self.pods), dict(self.devices))
+        return Books(dict(self.pods), dict(self.devices), dict(self.pod_cgroups))
 
     def slots(self) -> Iterator[tuple[Slot, ContainerRecord]]:
         for key, pod in self.pods.items():
@@ -210,6 +220,15 @@ class Books:
         holders.update(self.devices)
         return holders
 
+    def bound_pods(self) -> set[str]:
+        """The keys of the pods some device id is bound to."""
+        return {slot.pod for slot in self.devices.values()}
+
+    def cgroup_parent(self, key: str) -> str | None:
+        """The pod's cgroup parent as its record, or the event that bound a device to it, named it."""
+        record = self.pods.get(key)
+        return record.cgroup_parent if record is not None else self.pod_cgroups.get(key)
+
     def bind(self, device: str, slot: Slot) -> None:
         """Bind a device id to the slot that proved its request with it. A slot has one device: a
         slot presenting another one (a new allocation) gives up the one it had."""
@@ -223,6 +242,7 @@ class Books:
         freed = sorted(device for device, slot in self.devices.items() if slot.pod == key)
         for device in freed:
             del self.devices[device]
+        self.pod_cgroups.pop(key, None)
         return freed
 
     def hold(self, slot: Slot, record: ContainerRecord) -> ContainerRecord | None:
@@ -233,6 +253,7 @@ class Books:
         self.pods[slot.pod] = pod.holding(slot.name, record)
         if record.device is not None:
             self.bind(record.device, slot)
+            self.pod_cgroups[slot.pod] = pod.cgroup_parent
         return previous
 
     def displace(self, slot: Slot, container_id: str) -> ContainerRecord | None:
@@ -248,9 +269,14 @@ class Books:
 
     def release(self, container_id: str) -> Slot | None:
         """The container stopped or went away: free its slot if it still holds one."""
+        found = self.release_holder(container_id)
+        return found[0] if found is not None else None
+
+    def release_holder(self, container_id: str) -> tuple[Slot, ContainerRecord] | None:
+        """`release`, returning the slot and the record that held it."""
         found = self.find(container_id)
         if found is None:
             return None
         slot, _ = found
         self.pods[slot.pod] = self.pods[slot.pod].without(slot.name)
-        return slot
+        return found

@@ -8,8 +8,9 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   reply, the books saved, and the adjustment goes back. A request that cannot be honoured, or a pod
   cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors` refusal (the stub
   answers the runtime with its status code): nothing is left half-configured.
-* **StopContainer / RemoveContainer**: the container's slot is released and the pod quota written
-  down to its new target (retried when the kernel refuses it yet).
+* **StopContainer / RemoveContainer**: the container's slot is released, its own cgroup quota put
+  back to its own value (stop means stop: its cgroup may linger until removal), and the pod quota
+  written down to its new target (retried when the kernel refuses it yet).
 * **UpdateContainer** of a shared container: the requested cpus plus the shared ones, the quota
   kept raised. Any other container: no update at all, so kubelet's request goes through untouched.
   With NUMA-local shared CPUs, new exclusive CPUs on other nodes bring other shared CPUs: the books
@@ -19,12 +20,17 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   their targets.
 * **StopPodSandbox / RemovePodSandbox**: the pod's device bindings end; at removal its books too.
 * **Shutdown**: the books are written.
+
+Beside the events, `heal.Healer` checks the books against the node (pods whose cgroup is gone,
+containers whose cgroup never appeared, pod quotas off their target): at each pod's events, at
+Synchronize, and every `reconcile_interval` seconds once synchronized.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import structlog
 
@@ -32,6 +38,7 @@ from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, format_cpuset
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
+from nri_plugin.mixedcpu.heal import Healer, HealObserver
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import (
     MARKER_ANNOTATION,
@@ -54,9 +61,13 @@ from nri_plugin.mixedcpu.store import Bookkeeper, StateStore
 from nri_plugin.nri import handlers
 from nri_plugin.nri.errors import InvalidRequest, PluginRefusal, PreconditionFailed
 
-__all__ = ["CgroupObserver", "MixedCpuPlugin"]
+__all__ = ["CgroupObserver", "MixedCpuPlugin", "PluginObserver"]
 
 log = structlog.get_logger(LOGGER_NAME)
+
+
+class PluginObserver(CgroupObserver, HealObserver, Protocol):
+    """Told of failed cgroup writes and of heals (`nri_plugin.daemon.metrics.Metrics` is one)."""
 
 
 def _refusal(exc: PolicyError) -> PluginRefusal:
@@ -79,8 +90,9 @@ class MixedCpuPlugin(
 
     `shared`: the node's shared CPUs, or a `SharedPool` that also gives their NUMA nodes when each
     container is to get only those local to its exclusive CPUs. `marker_key` checks device-plugin
-    markers (None: markers are not a trusted source); `books` replaces the ones `store` holds (tests);
-    `clock` runs the retry and deferred-save timers.
+    markers (None: markers are not a trusted source); `clock` runs the retry, deferred-save and
+    reconcile timers; `reconcile_interval` (seconds) paces the reconciler's whole passes once the
+    runtime has synchronized us (None: at events only).
     """
 
     def __init__(
@@ -91,17 +103,18 @@ class MixedCpuPlugin(
         store: StateStore,
         marker_key: MarkerKey | None,
         trust_pod_annotation: bool = False,
-        books: Books | None = None,
-        observer: CgroupObserver | None = None,
+        observer: PluginObserver | None = None,
         clock: Clock = LOOP_CLOCK,
+        reconcile_interval: float | None = None,
     ) -> None:
         self.pool = shared if isinstance(shared, SharedPool) else SharedPool(frozenset(shared))
         self.shared = self.pool.cpus
         self.marker_key = marker_key
         self.trust_pod_annotation = trust_pod_annotation
         self.runtime = ""
-        self.keeper = Bookkeeper(store, books, clock=clock)
+        self.keeper = Bookkeeper(store, clock=clock)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
+        self.healer = Healer(self.quotas, interval=reconcile_interval, observer=observer, clock=clock)
 
     @property
     def books(self) -> Books:
@@ -128,8 +141,9 @@ class MixedCpuPlugin(
         return self.quotas.observer
 
     @observer.setter
-    def observer(self, observer: CgroupObserver | None) -> None:
+    def observer(self, observer: PluginObserver | None) -> None:
         self.quotas.observer = observer
+        self.healer.observer = observer
 
     @property
     def shared_containers(self) -> int:
@@ -159,12 +173,18 @@ class MixedCpuPlugin(
         self, pod: api.PodSandbox, container: api.Container
     ) -> api.CreateContainerResponse | None:
         slot = container_slot(pod, container)
+        self.healer.at_pod_event(slot.pod)
+        if self.marker_key is not None and MARKER_ANNOTATION in container.annotations:
+            self.healer.free_stale_holder(
+                self.marker_key.verify(container.annotations[MARKER_ANNOTATION]), slot
+            )
         saved = self.books.pods.get(slot.pod)
         if saved is not None and saved.baseline_source == "unknown":
             self.quotas.resolve_unknown(slot.pod, pod.linux.cgroup_parent)
             saved = self.books.pods.get(slot.pod)
         displaced = self.books.displace(slot, container.id)
         if displaced is not None:
+            self.healer.note_displaced(slot, displaced)
             log.info(
                 "container restarted: the new instance takes its slot",
                 previous_id=displaced.id,
@@ -191,6 +211,7 @@ class MixedCpuPlugin(
             device=check.proof.device,
         )
         before, after = self.quotas.raise_for(pod, container, slot, record, saved)
+        self.healer.watch_creation(slot, container)
         log.info(
             "shared CPUs given",
             proof=str(check.proof),
@@ -258,6 +279,7 @@ class MixedCpuPlugin(
     async def remove_pod_sandbox(self, pod: api.PodSandbox) -> None:
         key = pod_key(pod)
         self.quotas.cancel_retry(key)
+        self.healer.forget_pod(key)
         unbound = self.books.unbind_pod(key)
         if self.books.pods.pop(key, None) is not None:
             log.info(
@@ -275,9 +297,11 @@ class MixedCpuPlugin(
             self.shared, previous, pods, containers, self._check_at_sync, numa_nodes=self.pool.numa_nodes
         )
         present = {pod_key(pod): pod for pod in pods}
+        self.healer.before_sync(previous, containers)
         failed = self.quotas.sync_pods(present, rebuilt.books, previous, rebuilt.applied)
         updates = updates_to_send(rebuilt, failed)
         self.books = rebuilt.books
+        self.healer.after_sync(previous, pods, containers)
         self.keeper.save_quietly()
         return updates
 
@@ -350,11 +374,18 @@ class MixedCpuPlugin(
         event = "StopContainer" if why == "stopped" else "RemoveContainer"
         key = pod_key(pod)
         self.quotas.resolve_unknown(key, pod.linux.cgroup_parent)
-        if self.books.release(container.id) is not None:
+        held = self.books.release_holder(container.id)
+        if held is not None:
             log.info(
                 f"shared container {why}: its pod quota share is released",
                 **pod_fields(pod, container, event=event),
             )
+        # The container's own quota first: cgroup v1 refuses a pod quota below a child's.
+        fields = pod_fields(pod, container, event=event)
+        self.healer.container_ended(
+            container_slot(pod, container), container, held[1] if held else None, fields
+        )
+        self.healer.at_pod_event(key)
         if key in self.books.pods:
             self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
 

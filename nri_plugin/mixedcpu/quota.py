@@ -16,6 +16,17 @@ A pod's target is its own quota (the baseline) plus n(shared) * period for each 
   next event.
 * `PodQuotas.sync_pods` (Synchronize): each pod's baseline from the saved books, else rebuilt from
   its cgroup, and its quota brought to its target.
+* `PodQuotas.restore_container` (a shared container stopped): *stop means stop*. The container's
+  own cgroup quota goes back to n(exclusive) * its period, before its pod's quota is lowered. A
+  stopped container's cgroup lingers until its removal (CRI-O always, containerd for exited
+  containers, and kubelet keeps a pod's last dead container), still holding the raised quota, and
+  cgroup v1 refuses a pod quota below a child's: without this the pod would keep the share. The
+  value is the quota kubelet gives a Guaranteed container with those exclusive CPUs (the only kind
+  that gets shared CPUs), which is what the pod's own quota counts for it; read from the books'
+  exclusive CPUs, so it needs no record of what the container had before. A restart raises both
+  again (a new container, a new CreateContainer).
+* `PodQuotas.check_pod` (the reconciler, `nri_plugin.mixedcpu.heal`): does the pod's cgroup still
+  exist, and is its quota at its target? Brought there if not.
 
 Pod cgroups are found with `cgroups.pod_cgroup_path` in the configured layout; every path is
 validated there. Nothing here runs a shell or a subprocess.
@@ -24,9 +35,10 @@ validated there. Nothing here runs a shell or a subprocess.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import structlog
@@ -39,9 +51,11 @@ from cgroups import (
     CgroupError,
     CgroupLayout,
     CgroupNotFound,
+    CgroupPathError,
     CgroupWriteRejected,
     CpuQuota,
     OpenCgroup,
+    container_cgroup_path,
     open_cgroup,
     pod_cgroup_path,
     read_cpu_quota,
@@ -51,24 +65,56 @@ from cgroups import (
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
-from nri_plugin.mixedcpu.policy import baseline_from_pod_resources, describe, pod_key
+from nri_plugin.mixedcpu.policy import baseline_from_pod_resources, cpus_or_empty, describe, pod_key
 from nri_plugin.mixedcpu.store import Bookkeeper
 from nri_plugin.nri.errors import PluginFailure, PluginRefusal, PreconditionFailed
 
-__all__ = ["LOWER_RETRY_DELAYS", "CgroupObserver", "PodQuotas", "new_pod_record", "rebase"]
+__all__ = [
+    "LOWER_RETRY_DELAYS",
+    "CgroupObserver",
+    "PodCheck",
+    "PodQuotas",
+    "PodState",
+    "new_pod_record",
+    "rebase",
+]
 
 log = structlog.get_logger(LOGGER_NAME)
 
 # After a container cgroup is deleted, the v1 kernel still counts its quota for some 20-30 ms (the
 # cgroup is released after an RCU grace period): a lower pod quota refused then is retried.
 LOWER_RETRY_DELAYS = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+# Validated pod cgroup paths kept: more than a node's pods, few enough that churn cannot grow it.
+_MAX_CACHED_DIRS = 16384
 
 
 class CgroupObserver(Protocol):
-    """Told of every pod cgroup write that failed (`nri_plugin.daemon.metrics`)."""
+    """Told of every cgroup write that failed (`nri_plugin.daemon.metrics`)."""
 
     def cgroup_write_failed(self, kind: str) -> None:
-        """`kind`: ``pod_quota_raise``, ``pod_quota_lower`` or ``pod_quota_restore``."""
+        """`kind`: ``pod_quota_raise``, ``pod_quota_lower``, ``pod_quota_restore`` or
+        ``container_quota_lower``."""
+
+
+class PodState(enum.Enum):
+    """What `PodQuotas.check_pod` found."""
+
+    GONE = "gone"  # the pod's cgroup directory no longer exists
+    AT_TARGET = "at-target"  # its quota is what the books say (or unlimited)
+    BROUGHT = "brought"  # its quota was off its target, and is at it now
+    PENDING = "pending"  # a lowering the kernel refuses yet (a retry is on it, or the next pass)
+    FAILED = "failed"  # its cgroup cannot be read or written: left as it is
+
+
+@dataclass(frozen=True, slots=True)
+class PodCheck:
+    """The outcome of one `PodQuotas.check_pod`: the state, the pod's limit before and after (when
+    read), and the error that stopped it (FAILED)."""
+
+    state: PodState
+    before: CpuQuota | None = None
+    after: CpuQuota | None = None
+    error: str = ""
 
 
 # -- the books' side: pure ---------------------------------------------------------------------------------
@@ -164,6 +210,7 @@ class PodQuotas:
         self.observer = observer
         self._clock = clock
         self._retries: dict[str, Timer] = {}
+        self._dirs: dict[str, CgroupDir] = {}  # cgroup parent -> its validated pod cgroup
 
     @property
     def books(self) -> Books:
@@ -175,7 +222,15 @@ class PodQuotas:
         return frozenset(self._retries)
 
     def pod_dir(self, cgroup_parent: str) -> CgroupDir:
-        return self.layout.cpu.dir(pod_cgroup_path(cgroup_parent))
+        """The pod's cgroup in the cpu hierarchy; `CgroupPathError` for a parent we refuse. Validated
+        once per parent and layout: the reconciler asks again for every pod at every pass."""
+        hierarchy = self.layout.cpu
+        found = self._dirs.get(cgroup_parent)
+        if found is None or found.hierarchy != hierarchy:
+            if len(self._dirs) >= _MAX_CACHED_DIRS:
+                self._dirs.clear()
+            found = self._dirs[cgroup_parent] = hierarchy.dir(pod_cgroup_path(cgroup_parent))
+        return found
 
     # -- CreateContainer -------------------------------------------------------------------------------
 
@@ -278,6 +333,39 @@ class PodQuotas:
                 del pods[key]  # the pod cgroup is gone: nothing left to lower
         self.keeper.save_quietly()
 
+    def restore_container(self, cgroups_path: str, exclusive: str, fields: Mapping[str, str]) -> bool:
+        """Stop means stop: put a stopped shared container's own cgroup quota back to n(exclusive) *
+        its period (see the module docstring), before its pod's is lowered. True if it was written.
+
+        Never fails the event: a cgroup already gone has nothing to put back; any other failure is
+        logged and counted (the pod's lowering may then be refused on v1, and retried)."""
+        cpus = len(cpus_or_empty(exclusive))
+        if not cpus or not cgroups_path:
+            return False  # a record from before the books kept exclusive CPUs, or no path given
+        try:
+            cgroup = self.layout.cpu.dir(container_cgroup_path(cgroups_path))  # validated, as every path
+            with open_cgroup(cgroup) as held:
+                current = read_cpu_quota(held)
+                own = cpus * current.period
+                if current.quota is None or current.quota <= own:
+                    return False  # unlimited (never raised), or already its own
+                write_cpu_quota(held, own, current=current)
+        except CgroupNotFound:
+            return False  # removed already: nothing lingers
+        except CgroupPathError as exc:
+            log.warning("cannot put the stopped container's own quota back", error=str(exc), **fields)
+            return False
+        except CgroupError as exc:
+            self._write_failed("container_quota_lower")
+            log.warning("cannot put the stopped container's own quota back", error=str(exc), **fields)
+            return False
+        log.info(
+            "stopped container's own quota put back",
+            quota=f"{show_quota(current)} -> {show_quota(current.with_quota(own))}",
+            **fields,
+        )
+        return True
+
     def cancel_retry(self, key: str) -> None:
         """The pod is gone: no more tries to lower its quota."""
         pending = self._retries.pop(key, None)
@@ -310,6 +398,35 @@ class PodQuotas:
         record = self.books.pods.get(key)
         if record is not None:
             self.settle(key, record.cgroup_parent, {"pod_key": key}, attempt)
+
+    # -- the reconciler's check ----------------------------------------------------------------------------
+
+    def check_pod(self, key: str) -> PodCheck:
+        """Does the pod's cgroup directory still exist, and is its quota at its target? A quota off
+        its target is written back (a lowering the kernel refuses is left to a pending retry or the
+        next check; none is scheduled here). A pod back at its own quota with no shared container
+        left is dropped from the books, as after a release. Nothing is logged: the caller says what
+        was healed."""
+        record = self.books.pods[key]
+        try:
+            pod_dir = open_cgroup(self.pod_dir(record.cgroup_parent))
+        except CgroupNotFound:
+            return PodCheck(PodState.GONE)
+        except CgroupError as exc:  # an invalid path, a permission: nothing to say about the pod
+            return PodCheck(PodState.FAILED, error=str(exc))
+        with pod_dir:
+            try:
+                current = read_cpu_quota(pod_dir)
+                if key in self._retries:
+                    return PodCheck(PodState.PENDING, current, current)  # the retry is on it
+                now = self._reconcile(pod_dir, self.books.pods, key, current, None)
+            except CgroupError as exc:
+                return PodCheck(PodState.FAILED, error=str(exc))
+        target = self.books.pods[key].target()
+        _forget_if_done(self.books.pods, key, now)
+        if target is not None and now.quota is not None and now.quota != target:
+            return PodCheck(PodState.PENDING, current, now)
+        return PodCheck(PodState.AT_TARGET if now == current else PodState.BROUGHT, current, now)
 
     # -- Synchronize ---------------------------------------------------------------------------------------
 
@@ -364,14 +481,20 @@ class PodQuotas:
     # -- the write -----------------------------------------------------------------------------------------
 
     def _reconcile(
-        self, pod_dir: Cgroup, pods: dict[str, PodRecord], key: str, current: CpuQuota, attempt: int = 0
+        self,
+        pod_dir: Cgroup,
+        pods: dict[str, PodRecord],
+        key: str,
+        current: CpuQuota,
+        attempt: int | None = 0,
     ) -> CpuQuota:
         """Rebase the pod's record on `current` (kept in `pods` even if the write then fails), and write
         its target to the pod cgroup; returns what the pod cgroup now holds.
 
         Raising failures raise. A lowering the kernel refuses (v1: a child cgroup still has a higher
         quota, or was deleted moments ago and is not released yet) is retried a few times with
-        backoff, then at the pod's next event.
+        backoff, then at the pod's next event; `attempt` None (the reconciler's check) schedules no
+        retry and logs nothing: its next check tries again.
         """
         record = pods[key] = rebase(pods[key], current)
         target = record.target()
@@ -384,6 +507,8 @@ class PodQuotas:
             self._write_failed(kind)
             if target > current.quota or not isinstance(exc, CgroupWriteRejected):
                 raise
+            if attempt is None:
+                return current
             if attempt == 0:
                 log.info(
                     "the kernel refuses to lower the pod quota yet (a container cgroup still has a "

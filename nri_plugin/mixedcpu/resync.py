@@ -80,12 +80,13 @@ def rebuild_books(
     `shared` CPUs (with `numa_nodes`, those local to its exclusive ones); pods get placeholder records
     (`quota.PodQuotas.sync_pods` fills them in)."""
     by_sandbox = {pod.id: pod for pod in pods}
-    present = {pod_key(pod) for pod in pods}
+    present = {pod_key(pod): pod for pod in pods}
     known = {record.id: record for _, record in previous.slots()}
     # Device ids stay bound to their slots while the slot's pod exists, even with its container
     # stopped: a copy of the marker in another pod must not take the device meanwhile.
     bound = {device: slot for device, slot in previous.device_holders().items() if slot.pod in present}
-    rebuilt = Rebuilt(Books({}, bound))
+    where = {slot.pod: present[slot.pod].linux.cgroup_parent for slot in bound.values()}
+    rebuilt = Rebuilt(Books({}, bound, where))
     pool = SharedPool(shared, numa_nodes)
     for container in _live(containers, by_sandbox, known):
         pod = by_sandbox[container.pod_sandbox_id]

@@ -8,6 +8,13 @@ events through the plugins in index order, merging their adjustments and applyin
 small container model. Plugins that miss the request timeout or close their connection are dropped,
 and the operation goes on without them, as on a real node; an error status fails the operation.
 
+Real runtimes do not keep every promise of that model; `RuntimeModes` (``sim.modes``, all off by
+default) switches on the behaviours seen on them that leave a plugin's view of the node behind:
+pods forgotten across a restart, creations that fail after the plugins adjusted them, stopped
+containers whose resources linger until removal. The simulator holds no resources itself: it calls
+`RuntimeSimulator.release_resources` when the runtime would delete a container's cgroup, for a
+subclass that plays the cgroups (the tests' fake tree) to do it.
+
 It uses the same ttrpc and multiplexer modules as the plugin side.
 """
 
@@ -20,7 +27,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 import structlog
@@ -50,6 +57,36 @@ class PluginFailed(Exception):
         self.event = event
         self.code = code
         self.message = message
+
+
+class CreationFailed(Exception):
+    """The runtime could not create the container after the plugins adjusted it (`RuntimeModes.
+    create_fails_after_adjustment`): the CRI call fails, and no plugin hears of the container again."""
+
+    def __init__(self, container_id: str) -> None:
+        super().__init__(
+            f"failed to create container {container_id}: runc create failed after the NRI adjustment "
+            '(exec: "no-such-command": executable file not found in $PATH)'
+        )
+        self.container_id = container_id
+
+
+@dataclass
+class RuntimeModes:
+    """Behaviours of real runtimes that a plugin cannot learn from its events (``runtime-observations.
+    md``, "The project's plugin on real runtimes"); each off by default, switched on to reproduce it."""
+
+    # containerd (its issue 8426, still so in v2.4): after its own restart it never reports the pods it
+    # ran before as stopped or removed (no StopPodSandbox, no RemovePodSandbox); their containers'
+    # events still come. Takes effect in `RuntimeSimulator.restore`.
+    forgets_pods_on_restart: bool = False
+    # CRI-O runs ``runc create`` after NRI CreateContainer: when that fails (a command that does not
+    # exist, an image problem), the creation fails after the plugins adjusted it, and no StopContainer
+    # or RemoveContainer ever follows (`CreationFailed`).
+    create_fails_after_adjustment: bool = False
+    # CRI-O always, containerd for exited containers: a stopped container's cgroup (with its quota)
+    # is deleted only at its removal; off, it goes at the stop, before plugins hear of it.
+    stopped_cgroup_lingers: bool = False
 
 
 class AdjustmentConflict(Exception):
@@ -142,6 +179,12 @@ class RuntimeSimulator:
         self.unsolicited: list[UnsolicitedUpdate] = []
         self.sync_chunks: list[int] = []  # objects in each Synchronize message sent
         self.sync_seconds: list[float] = []  # duration of each whole synchronization, all chunks
+        self.modes = RuntimeModes()
+        # Pods this runtime ran before its restart and forgot (`RuntimeModes.forgets_pods_on_restart`),
+        # and the events it did not send for them: (event, pod id).
+        self.forgotten_pods: set[str] = set()
+        self.omitted: list[tuple[str, str]] = []
+        self._released: set[str] = set()  # containers whose resources are gone
         self._plugins: list[PluginConnection] = []
         self._changed = asyncio.Condition()
         # Runtimes hold one lock for a whole event across all plugins, and take it again to apply a
@@ -445,6 +488,40 @@ class RuntimeSimulator:
     def add_container(self, container: api.Container) -> None:
         self.containers[container.id] = container
 
+    def restore(self, before: RuntimeSimulator) -> None:
+        """Become `before` started again: its modes, and its pods and containers restored from its
+        own state, as containerd and CRI-O do after a restart (no events: the next Synchronize carries
+        them). With `RuntimeModes.forgets_pods_on_restart` the pods restored are forgotten: their
+        stop and removal are never reported."""
+        self.modes = replace(before.modes)
+        for pod in before.pods.values():
+            self.add_pod(_copy(pod))
+        for container in before.containers.values():
+            self.add_container(_copy(container))
+        self._released |= before._released & set(self.containers)
+        if self.modes.forgets_pods_on_restart:
+            self.forgotten_pods |= set(self.pods)
+
+    def release_resources(self, container: api.Container) -> None:
+        """Where the runtime deletes a container's cgroup: at its stop, or with
+        `RuntimeModes.stopped_cgroup_lingers` only at its removal; before plugins hear of either.
+        Nothing here (the simulator holds no cgroups): a subclass that plays them deletes them."""
+
+    def _release(self, container: api.Container) -> None:
+        if container.id not in self._released:
+            self._released.add(container.id)
+            self.release_resources(container)
+
+    def _forgets(self, event: str, pod_id: str) -> bool:
+        """True (and noted) when the runtime does not report `event` of a pod it forgot."""
+        if pod_id not in self.forgotten_pods:
+            return False
+        self.omitted.append((event, pod_id))
+        log.info(
+            "pod event not sent: the runtime forgot the pod across its restart", nri_event=event, pod=pod_id
+        )
+        return True
+
     async def run_pod_sandbox(self, pod: api.PodSandbox) -> None:
         async with self._lock:
             self.pods[pod.id] = pod
@@ -452,12 +529,16 @@ class RuntimeSimulator:
 
     async def stop_pod_sandbox(self, pod_id: str) -> None:
         async with self._lock:
-            await self._state_event(Event.STOP_POD_SANDBOX, self.pods[pod_id], None)
+            pod = self.pods[pod_id]
+            if not self._forgets("StopPodSandbox", pod_id):
+                await self._state_event(Event.STOP_POD_SANDBOX, pod, None)
 
     async def remove_pod_sandbox(self, pod_id: str) -> None:
         async with self._lock:
             pod = self.pods.pop(pod_id)
-            await self._state_event(Event.REMOVE_POD_SANDBOX, pod, None)
+            if not self._forgets("RemovePodSandbox", pod_id):
+                await self._state_event(Event.REMOVE_POD_SANDBOX, pod, None)
+            self.forgotten_pods.discard(pod_id)
 
     async def create_container(self, container: api.Container) -> CreateResult:
         """CreateContainer through every subscribed plugin; the adjusted container is stored."""
@@ -488,6 +569,8 @@ class RuntimeSimulator:
                 _apply_adjustment(current, reply.adjust)
                 updates.extend(reply.update)
             await self._validate(pod, container, merged, updates)
+            if self.modes.create_fails_after_adjustment:
+                raise CreationFailed(current.id)
             self.containers[current.id] = current
             for update in updates:
                 self._apply_update(update, source=route.method)
@@ -558,6 +641,8 @@ class RuntimeSimulator:
         async with self._lock:
             container = self.containers[container_id]
             container.state = api.CONTAINER_STOPPED
+            if not self.modes.stopped_cgroup_lingers:
+                self._release(container)
             route = EVENT_ROUTES[Event.STOP_CONTAINER]
             for plugin in self._subscribers(Event.STOP_CONTAINER):
                 request = api.StopContainerRequest(
@@ -572,6 +657,8 @@ class RuntimeSimulator:
     async def remove_container(self, container_id: str) -> None:
         async with self._lock:
             container = self.containers.pop(container_id)
+            self._release(container)
+            self._released.discard(container_id)
             await self._state_event(Event.REMOVE_CONTAINER, self.pods[container.pod_sandbox_id], container)
 
     def _apply_update(self, update: api.ContainerUpdate, *, source: str) -> bool:
@@ -689,9 +776,11 @@ def env_of(container: api.Container) -> dict[str, str]:
 __all__ = [
     "AdjustmentConflict",
     "CreateResult",
+    "CreationFailed",
     "PluginConnection",
     "PluginFailed",
     "Record",
+    "RuntimeModes",
     "RuntimeSimulator",
     "UnsolicitedUpdate",
     "env_of",

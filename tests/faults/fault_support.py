@@ -4,8 +4,9 @@ fault test ends with (`inconsistencies`).
 
 The runtime (`Runtime`) is the project's simulator plus what containerd or CRI-O do to the container
 cgroups: create them with the (adjusted) cpuset and quota, write the updates plugins ask for, delete
-them before RemoveContainer. On a fake v1 tree it also enforces the one v1 kernel rule a wrong write
-order would meet (a child quota above its parent's is refused); on the real kernel, the kernel does.
+them before RemoveContainer (or at the stop, with the simulator's `stopped_cgroup_lingers` mode
+off). On a fake v1 tree it also enforces the one v1 kernel rule a wrong write order would meet (a
+child quota above its parent's is refused); on the real kernel, the kernel does.
 
 `inconsistencies(population, books=...)` walks every container the runtime knows and returns one line
 per container (or pod) left inconsistent; a fault test asserts that list is empty.
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from google.protobuf.message import Message
 from kernel_support import make_cgroups, scratch_subtree
 from mixedcpu_support import Daemon, fake_layout, make_fake_cgroup, make_plugin, start_daemon
 
@@ -47,7 +47,7 @@ from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.books import Books
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-from nri_plugin.nri.simulator import CreateResult, RuntimeSimulator, env_of
+from nri_plugin.nri.simulator import CreateResult, RuntimeModes, RuntimeSimulator, env_of
 
 PERIOD = 100_000
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,6 @@ GUARD = 15.0
 SHARED_ENV, ISOLATED_ENV = "OPENSHIFT_SHARED_CPUS", "OPENSHIFT_ISOLATED_CPUS"
 
 T = TypeVar("T")
-M = TypeVar("M", bound=Message)
 
 # Totals over the session, printed by conftest.py: every check run, every container walked.
 TOTALS = {"checks": 0, "containers": 0, "inconsistent": 0}
@@ -172,6 +171,17 @@ class Tree:
         except CgroupError as exc:
             self.refused[container.id].append(f"runtime write refused: {exc}")
 
+    def delete_pod(self, pod: api.PodSandbox) -> None:
+        """kubelet removes a pod's cgroups once the pod is gone (its containers' first)."""
+        path = pod_cgroup_path(pod.linux.cgroup_parent)
+        for hierarchy in (self.layout.cpu, self.layout.cpuset):
+            cgroup = hierarchy.dir(path)
+            if self.is_kernel:
+                for dirpath, _, _ in sorted(os.walk(cgroup.fs_path), key=lambda e: -e[0].count("/")):
+                    os.rmdir(dirpath)
+            else:
+                shutil.rmtree(cgroup.fs_path, ignore_errors=True)
+
     def delete_container(self, container: api.Container) -> None:
         for cgroup in (self.cpu_dir(container), self.cpuset_dir(container)):
             if self.is_kernel:
@@ -201,10 +211,14 @@ class Runtime(RuntimeSimulator):
     request is written, before its reply can arrive: the plugin receives and handles it, and its
     answer is lost, as when a runtime goes away in the middle of a request."""
 
-    def __init__(self, socket_path: Path, tree: Tree, **options: Any) -> None:
+    def __init__(
+        self, socket_path: Path, tree: Tree, *, modes: RuntimeModes | None = None, **options: Any
+    ) -> None:
         super().__init__(socket_path, **options)
         self.tree = tree
         self.options = options
+        # As CRI-O always does (and containerd for exited containers): cgroups go at removal.
+        self.modes = modes if modes is not None else RuntimeModes(stopped_cgroup_lingers=True)
         self.drop_if: Callable[[str, Any], bool] | None = None
         self.calls: dict[str, int] = defaultdict(int)
 
@@ -216,10 +230,7 @@ class Runtime(RuntimeSimulator):
         """The same runtime after a restart: a new listener on the same socket, its pods and
         containers restored from its own state (as containerd and CRI-O do)."""
         again = Runtime(Path(self.socket_path), self.tree, **self.options)
-        for pod in self.pods.values():
-            again.add_pod(_copy(pod))
-        for container in self.containers.values():
-            again.add_container(_copy(container))
+        again.restore(self)
         return again
 
     async def create_container(self, container: api.Container) -> CreateResult:
@@ -238,9 +249,8 @@ class Runtime(RuntimeSimulator):
         self.tree.apply(self.containers[container_id], applied)
         return applied
 
-    async def remove_container(self, container_id: str) -> None:
-        self.tree.delete_container(self.containers[container_id])  # the cgroup goes first
-        await super().remove_container(container_id)
+    def release_resources(self, container: api.Container) -> None:
+        self.tree.delete_container(container)  # before plugins hear of the stop or removal
 
     def _apply_update(self, update: api.ContainerUpdate, *, source: str) -> bool:
         applied = super()._apply_update(update, source=source)
@@ -258,12 +268,6 @@ class Runtime(RuntimeSimulator):
 
     def dropped(self) -> list[str]:
         return [r.detail for r in self.records if r.outcome == "dropped"]
-
-
-def _copy(message: M) -> M:
-    clone = type(message)()
-    clone.CopyFrom(message)
-    return clone
 
 
 # -- the population ----------------------------------------------------------------------------------
@@ -585,20 +589,35 @@ def make_node(
 # -- the daemon as a subprocess ----------------------------------------------------------------------
 
 
-def write_config(directory: Path, tree: Tree, *, plugin_dir: Path | None = None) -> Path:
-    """The daemon's config: shared CPUs 0-1 of online 0-15 (a fake sysfs), the fake tree `tree`, the
-    state dir ``state``; no metrics listener; kubelet's device-plugin directory `plugin_dir` (default
-    ``kubelet`` in `directory`: no kubelet there, the device plugin waits for one)."""
+def write_config(
+    directory: Path,
+    tree: Tree,
+    *,
+    plugin_dir: Path | None = None,
+    shared: frozenset[int] = frozenset({0, 1}),
+    metrics: bool = False,
+    extra: str = "",
+) -> Path:
+    """The daemon's config: shared CPUs `shared` of online 0-15 (a fake sysfs), the tree `tree` (a
+    fake one, or the real kernel's mounts, detected), the state dir ``state``; metrics and probes on
+    a free port of 127.0.0.1 with `metrics` (the daemon logs which), else none; kubelet's
+    device-plugin directory `plugin_dir` (default ``kubelet`` in `directory`: no kubelet there, the
+    device plugin waits for one); `extra`: more top-level lines."""
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-15\n")
-    assert tree.root is not None, "the daemon runs on a fake tree"
+    if tree.is_kernel:
+        cgroups = 'cgroup_root = "/sys/fs/cgroup"\ncgroup_version = "auto"\n'
+    else:
+        assert tree.root is not None
+        cgroups = f'cgroup_root = "{tree.root}"\ncgroup_version = "v{tree.version}"\n'
     device_plugin = f'plugin_dir = "{plugin_dir or directory / "kubelet"}"'
     config = directory / "config.toml"
     config.write_text(
-        f'shared_cpuset = "0-1"\nsysfs_root = "{directory}/sys"\nstate_dir = "{directory}/state"\n'
-        f'cgroup_root = "{tree.root}"\ncgroup_version = "v{tree.version}"\nlog_format = "console"\n'
-        f'metrics_address = ""\n[device_plugin]\n{device_plugin}\n'
+        f'shared_cpuset = "{format_cpuset(shared)}"\nsysfs_root = "{directory}/sys"\n'
+        f'state_dir = "{directory}/state"\n{cgroups}log_format = "console"\n'
+        f'metrics_address = "{"127.0.0.1:0" if metrics else ""}"\n{extra}\n'
+        f"[device_plugin]\n{device_plugin}\n"
     )
     return config
 

@@ -1,0 +1,422 @@
+"""The reconciler: what the books say checked against what exists on the node, not against the
+history of events.
+
+The handlers keep the books from the runtime's events, but real runtimes do not report every end
+they cause (``runtime-observations.md``, "The project's plugin on real runtimes"):
+
+* containerd forgets the pods it ran before its own restart: they are never reported stopped or
+  removed, so their device bindings would never end, and the next pod kubelet gives such a device
+  id would see its valid marker refused as a replay;
+* CRI-O calls NRI CreateContainer before ``runc create``; when that fails, no StopContainer or
+  RemoveContainer follows: the container would keep its share of the pod quota, and its place in
+  the books and in ``mixed_cpu_shared_containers``, for good;
+* a stopped container's cgroup lingers until removal with its raised quota, so cgroup v1 refuses
+  the lower pod quota (put right at the stop itself: `quota.PodQuotas.restore_container`).
+
+So the `Healer` trusts the node:
+
+* a pod whose cgroup directory is gone is dropped from the books with its device bindings
+  (``pod_gone``);
+* a container whose cgroup has not appeared `grace` seconds after its CreateContainer (longer than
+  any normal creation) gives its share back (``container_never_created``);
+* at Synchronize, a container the books held that the runtime no longer runs has given its share
+  back (``container_gone``), and a pod the runtime no longer lists has ended its bindings
+  (``pod_gone``);
+* every pod quota is brought to its target, whoever moved it (``pod_quota``).
+
+When: at the events of a pod (its overdue creations are looked at; a marker whose device is bound
+to another pod first has that pod looked for), at Synchronize, and every `interval` seconds on the
+clock once the runtime has synchronized us (a whole pass). A pass costs one cgroup directory walk
+and one quota read per pod in the books (the pods holding shared containers) and one existence check
+per pod holding only a device binding; it writes, saves and logs nothing when nothing changed. Each
+heal is logged (what, and why) and counted (`HealObserver.healed`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol, TypeVar
+
+import structlog
+
+from api.nri import api_pb2 as api
+from cgroups import CgroupDir, CgroupError, cgroup_exists, container_cgroup_path
+from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
+from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota
+from nri_plugin.mixedcpu.policy import pod_key
+from nri_plugin.mixedcpu.quota import PodQuotas, PodState
+
+__all__ = ["CREATION_GRACE", "HEAL_KINDS", "HealObserver", "Healer", "PassReport"]
+
+log = structlog.get_logger(LOGGER_NAME)
+
+# How long after its CreateContainer a container's cgroup may take to appear: far longer than a
+# creation takes (containerd makes it at StartContainer, milliseconds later; CRI-O in runc create,
+# tens of milliseconds), and at most one reconcile interval, so a failed creation is healed within
+# one period.
+CREATION_GRACE: Final = 10.0
+HEAL_KINDS: Final = ("pod_gone", "container_never_created", "container_gone", "pod_quota")
+
+_T = TypeVar("_T")
+
+_WHY_FORGOTTEN = "its cgroup directory is gone, and the runtime never reported the pod stopped or removed"
+
+
+class HealObserver(Protocol):
+    """Told of every heal (`nri_plugin.daemon.metrics`)."""
+
+    def healed(self, kind: str) -> None:
+        """`kind`: one of `HEAL_KINDS`."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Creation:
+    """A container given a share whose cgroup has not been seen yet."""
+
+    slot: Slot
+    container_id: str
+    cgroup: CgroupDir
+    due: float  # on the clock: when its cgroup must exist
+
+
+@dataclass(frozen=True, slots=True)
+class PassReport:
+    """What one whole reconcile pass looked at and healed, and its time on the wall clock."""
+
+    pods: int
+    healed: int
+    seconds: float
+
+
+class Healer:
+    """Checks the books held by `quotas` against the node; see the module docstring.
+
+    `interval` None: no timer, the checks run at events and Synchronize only. `grace` defaults to
+    `CREATION_GRACE`, or the interval when that is shorter.
+    """
+
+    def __init__(
+        self,
+        quotas: PodQuotas,
+        *,
+        interval: float | None = None,
+        grace: float | None = None,
+        observer: HealObserver | None = None,
+        clock: Clock = LOOP_CLOCK,
+    ) -> None:
+        if interval is not None and interval <= 0:
+            raise ValueError(f"reconcile interval must be positive, not {interval}")
+        self.quotas = quotas
+        self.interval = interval
+        self.grace = grace if grace is not None else min(CREATION_GRACE, interval or CREATION_GRACE)
+        self.observer = observer
+        self._clock = clock
+        # Pod key -> slot name -> the latest creation in that slot whose cgroup is yet to be seen.
+        self._creations: dict[str, dict[str, _Creation]] = {}
+        # Pod key -> slot name -> the record of the instance a newer one displaced (kubelet created
+        # its successor first): its own quota is put back when it is reported stopped. One per slot,
+        # like the watches: neither grows with a pod's restarts.
+        self._displaced: dict[str, dict[str, ContainerRecord]] = {}
+        self._tick: Timer | None = None
+        self._grace_timer: Timer | None = None
+        self._grace_due = 0.0
+
+    @property
+    def books(self) -> Books:
+        return self.quotas.books
+
+    @property
+    def running(self) -> bool:
+        """True while the periodic pass is scheduled."""
+        return self._tick is not None
+
+    @property
+    def watched(self) -> frozenset[str]:
+        """The ids of the containers whose cgroup has yet to be seen."""
+        return frozenset(c.container_id for slots in self._creations.values() for c in slots.values())
+
+    # -- the timer --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run a whole pass every `interval` seconds from now on (nothing without an interval or a
+        running loop; nothing more if already running)."""
+        if self.interval is None or self._tick is not None:
+            return
+        try:
+            self._tick = self._clock.call_later(self.interval, self._on_tick)
+        except RuntimeError:  # no running loop: the events and Synchronize still heal
+            return
+        self._arm_grace()
+
+    def stop(self) -> None:
+        """No more timers (at the end of a run or a test)."""
+        for timer in (self._tick, self._grace_timer):
+            if timer is not None:
+                timer.cancel()
+        self._tick = self._grace_timer = None
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        try:
+            self.reconcile()
+        except Exception:  # a bug: said, and the next pass still comes
+            log.exception("reconcile pass failed")
+        finally:
+            self.start()
+
+    def _arm_grace(self) -> None:
+        """Have the earliest creation checked when it falls due (only while the timer runs)."""
+        if self._tick is None or not self._creations:
+            return
+        due = min(c.due for slots in self._creations.values() for c in slots.values())
+        if self._grace_timer is not None:
+            if self._grace_due <= due:
+                return
+            self._grace_timer.cancel()
+        self._grace_timer = self._clock.call_later(max(due - self._clock.monotonic(), 0.0), self._on_grace)
+        self._grace_due = due
+
+    def _on_grace(self) -> None:
+        self._grace_timer = None
+        try:
+            self._check_creations()
+        except Exception:  # a bug: said, and the next deadline still comes
+            log.exception("creation check failed")
+        finally:
+            self._arm_grace()
+
+    # -- the events ---------------------------------------------------------------------------------------
+
+    def watch_creation(self, slot: Slot, container: api.Container) -> None:
+        """A container was given a share: its cgroup must appear within `grace` seconds."""
+        try:
+            cgroup = self.quotas.layout.cpu.dir(container_cgroup_path(container.linux.cgroups_path))
+        except CgroupError:  # no path, or one we would refuse: only its events can end it
+            return
+        due = self._clock.monotonic() + self.grace
+        self._creations.setdefault(slot.pod, {})[slot.name] = _Creation(slot, container.id, cgroup, due)
+        self._arm_grace()
+
+    def note_displaced(self, slot: Slot, record: ContainerRecord) -> None:
+        """A new instance took `slot` from `record`'s container, which is dead or dying."""
+        self._displaced.setdefault(slot.pod, {})[slot.name] = record
+
+    def container_ended(
+        self, slot: Slot, container: api.Container, record: ContainerRecord | None, fields: Mapping[str, str]
+    ) -> None:
+        """The runtime reported the container (of `slot`) stopped or removed; `record`: the slot's
+        record if it still held it. Stop means stop: a shared container's own quota is put back."""
+        creation = self._creations.get(slot.pod, {}).get(slot.name)
+        if creation is not None and creation.container_id == container.id:
+            _drop(self._creations, slot)
+        displaced = self._displaced.get(slot.pod, {}).get(slot.name)
+        if displaced is not None and displaced.id == container.id:
+            _drop(self._displaced, slot)
+            record = record or displaced
+        if record is not None:
+            self.quotas.restore_container(container.linux.cgroups_path, record.exclusive, fields)
+
+    def forget_pod(self, key: str) -> None:
+        """The pod is gone: nothing of it is watched any more."""
+        self._creations.pop(key, None)
+        self._displaced.pop(key, None)
+
+    def at_pod_event(self, key: str) -> None:
+        """An event of the pod: its creations past their grace are looked at now."""
+        if key in self._creations:
+            self._check_creations(key)
+
+    def free_stale_holder(self, device: str | None, slot: Slot) -> None:
+        """`slot` presents a valid marker for `device`: if another pod holds that device and its cgroup
+        is gone, that pod ended unreported, and its bindings end now (before the replay check)."""
+        holder = self.books.devices.get(device) if device is not None else None
+        if holder is None or holder.pod == slot.pod:
+            return
+        if self._pod_gone(holder.pod):
+            self._drop_pod(holder.pod, f"{_WHY_FORGOTTEN}; device {device} is presented again by {slot}")
+            self.quotas.keeper.save_quietly()
+
+    # -- Synchronize --------------------------------------------------------------------------------------
+
+    def before_sync(self, previous: Books, containers: Sequence[api.Container]) -> None:
+        """Stop means stop for the containers that stopped while we were not told: each one the books
+        held (or that was displaced) and the runtime lists stopped gets its own quota back before the
+        pod quotas are brought to their targets."""
+        stopped = [c for c in containers if c.state == api.CONTAINER_STOPPED]
+        if not stopped:
+            return
+        held = {record.id: record for _, record in previous.slots()}
+        held.update((r.id, r) for slots in self._displaced.values() for r in slots.values())
+        for container in stopped:
+            record = held.get(container.id)
+            if record is not None:
+                fields = {"container_id": container.id, EVENT_NAME: "Synchronize"}
+                self.quotas.restore_container(container.linux.cgroups_path, record.exclusive, fields)
+
+    def after_sync(
+        self, previous: Books, pods: Iterable[api.PodSandbox], containers: Iterable[api.Container]
+    ) -> None:
+        """Say what Synchronize, the runtime's own view, healed of the previous books; the watches
+        end (the runtime lists what it created); the timer starts."""
+        present = {pod_key(pod) for pod in pods}
+        states = {container.id: container.state for container in containers}
+        for slot, record in previous.slots():
+            state = states.get(record.id)
+            if state is not None and state != api.CONTAINER_STOPPED:
+                continue
+            why = "the runtime lists it stopped" if state is not None else "the runtime does not know it"
+            self._healed(
+                "container_gone",
+                "shared container no longer running: its share is given back",
+                why=f"{why}, and no StopContainer or RemoveContainer reached the plugin",
+                container_id=record.id,
+                slot=str(slot),
+            )
+        for key in sorted((set(previous.pods) | previous.bound_pods()) - present):
+            self._healed(
+                "pod_gone",
+                "pod gone: its books and device bindings are dropped",
+                why="the runtime no longer lists it, and its end was not reported to the plugin",
+                pod_key=key,
+            )
+        self._creations.clear()
+        self._displaced.clear()
+        self.start()
+
+    # -- the whole pass -----------------------------------------------------------------------------------
+
+    def reconcile(self) -> PassReport:
+        """One whole pass over the books (see the module docstring); saved if anything changed."""
+        started = time.perf_counter()
+        books = self.books
+        healed = self._check_creations()
+        records = dict(books.pods)
+        for key in records:
+            if key in books.pods:
+                healed += self._check_pod(key)
+        bound_only = books.bound_pods() - set(books.pods)
+        for key in sorted(bound_only):
+            if self._pod_gone(key):
+                self._drop_pod(key, _WHY_FORGOTTEN)
+                healed += 1
+        for key in set(books.pod_cgroups) - bound_only - set(books.pods):
+            del books.pod_cgroups[key]  # an index entry nothing refers to any more
+        if healed or _changed(records, books):
+            self.quotas.keeper.save_quietly()
+        report = PassReport(len(records) + len(bound_only), healed, time.perf_counter() - started)
+        log.debug("reconcile pass", pods=report.pods, healed=report.healed, seconds=round(report.seconds, 6))
+        return report
+
+    def _check_pod(self, key: str) -> int:
+        """Is the pod there, its quota at its target? 1 if something was healed."""
+        cgroup_parent = self.books.pods[key].cgroup_parent
+        check = self.quotas.check_pod(key)
+        if check.state is PodState.GONE:
+            self._drop_pod(key, _WHY_FORGOTTEN, cgroup_parent)
+            return 1
+        if check.state is PodState.BROUGHT:
+            self._healed(
+                "pod_quota",
+                "pod quota was off its target: brought back",
+                why="changed behind the plugin's back (another agent, systemd re-applying a unit), or a "
+                "lowering the kernel refused earlier",
+                pod_key=key,
+                pod_cgroup=cgroup_parent,
+                pod_quota=f"{show_quota(check.before)} -> {show_quota(check.after)}",
+            )
+            return 1
+        if check.state is PodState.FAILED:
+            log.debug("cannot check the pod quota", pod_key=key, pod_cgroup=cgroup_parent, error=check.error)
+        return 0
+
+    def _check_creations(self, key: str | None = None) -> int:
+        """The creations past their grace (of pod `key`, or all): a container whose cgroup never
+        appeared gives its share back. How many did."""
+        now = self._clock.monotonic()
+        pods = list(self._creations) if key is None else [key]
+        due = [c for pod in pods for c in self._creations.get(pod, {}).values() if c.due <= now]
+        healed = 0
+        for creation in due:
+            if self._creations.get(creation.slot.pod, {}).get(creation.slot.name) is not creation:
+                continue  # its pod was dropped meanwhile
+            _drop(self._creations, creation.slot)
+            holder = self.books.holder(creation.slot)
+            if holder is None or holder.id != creation.container_id:
+                continue  # ended, or displaced, meanwhile
+            try:
+                if cgroup_exists(creation.cgroup):
+                    continue
+            except CgroupError:  # cannot tell: its events still can end it
+                continue
+            if self._pod_gone(creation.slot.pod):  # not a failed creation: the whole pod went
+                self._drop_pod(creation.slot.pod, _WHY_FORGOTTEN)
+                self.quotas.keeper.save_quietly()
+            else:
+                self._give_back(creation)
+            healed += 1
+        return healed
+
+    def _give_back(self, creation: _Creation) -> None:
+        """The container never came to be: its slot is freed and its pod quota lowered."""
+        self.books.release(creation.container_id)
+        key = creation.slot.pod
+        record = self.books.pods[key]
+        self._healed(
+            "container_never_created",
+            "container never created: its share is given back",
+            why=f"its cgroup did not appear within {self.grace:g} s of CreateContainer: the runtime's "
+            "creation failed after the plugin's adjustment, and no StopContainer or RemoveContainer follows",
+            container_id=creation.container_id,
+            slot=str(creation.slot),
+            container_cgroup=creation.cgroup.fs_path,
+        )
+        self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
+
+    def _pod_gone(self, key: str) -> bool:
+        """True when the pod's cgroup directory is known and gone."""
+        cgroup_parent = self.books.cgroup_parent(key)
+        if cgroup_parent is None:
+            return False  # bound before a restart and not listed since: Synchronize decides
+        try:
+            return not cgroup_exists(self.quotas.pod_dir(cgroup_parent))
+        except CgroupError:
+            return False
+
+    def _drop_pod(self, key: str, why: str, cgroup_parent: str | None = None) -> None:
+        books = self.books
+        cgroup_parent = cgroup_parent or books.cgroup_parent(key) or "?"
+        record = books.pods.pop(key, None)
+        freed = books.unbind_pod(key)
+        self.quotas.cancel_retry(key)
+        self.forget_pod(key)
+        self._healed(
+            "pod_gone",
+            "pod gone: its books and device bindings are dropped",
+            why=why,
+            pod_key=key,
+            pod_cgroup=cgroup_parent,
+            containers=sorted(record.containers) if record is not None else [],
+            devices=freed,
+        )
+
+    def _healed(self, kind: str, message: str, **fields: object) -> None:
+        log.info(message, heal=kind, **fields)
+        if self.observer is not None:
+            self.observer.healed(kind)
+
+
+def _drop(by_pod: dict[str, dict[str, _T]], slot: Slot) -> None:
+    """Remove `slot`'s entry from a pod key -> slot name map, and the pod's map once empty."""
+    slots = by_pod.get(slot.pod)
+    if slots is not None:
+        slots.pop(slot.name, None)
+        if not slots:
+            del by_pod[slot.pod]
+
+
+def _changed(records: Mapping[str, object], books: Books) -> bool:
+    """Whether any pod record changed (records are immutable: a change is a new object)."""
+    return len(records) != len(books.pods) or any(books.pods.get(k) is not r for k, r in records.items())

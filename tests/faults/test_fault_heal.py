@@ -1,0 +1,168 @@
+"""Fault 7: what real runtimes leave behind (issue 11). Each runtime behaviour seen on containerd and
+CRI-O that leaves the node or the books wrong, reproduced with the simulator's modes, through the
+daemon process; each ends with the invariant check.
+
+* 7a containerd forgets its pods across its own restart: the forgotten pod is deleted with no
+  StopPodSandbox or RemovePodSandbox, and kubelet gives its device to a new pod. The reconciler finds
+  the pod's cgroup gone within one period, and the new pod's valid marker is accepted.
+* 7b CRI-O's creation fails after our adjustment (``runc create``), and nothing more is ever said of
+  the container: within one period its share is given back and it leaves the books and the
+  ``mixed_cpu_shared_containers`` gauge.
+* 7c a stopped container's cgroup lingers with its raised quota: the daemon puts the container's own
+  quota back at the StopContainer, so the pod quota comes down then, on the real v1 kernel (which
+  refuses a pod quota below a child's) and on a fake v2 tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fault_support import (
+    PERIOD,
+    Node,
+    Tree,
+    daemon_running,
+    inconsistencies,
+    make_node,
+    within,
+    write_config,
+)
+from kernel_support import require_v1_layout
+from probe_support import scrape, value
+
+from cgroups import CgroupPath, parse_cpuset, read_cpuset
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
+from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri.simulator import CreationFailed
+
+# The reconcile interval of these daemons, in seconds; "within one period" allows this much more for
+# the log line to cross the pipe on a busy machine.
+INTERVAL = 2
+SLACK = 2.0
+
+
+def elapsed_since(started: float) -> float:
+    return asyncio.get_running_loop().time() - started
+
+
+@pytest.mark.asyncio
+async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_one_period(short_dir: Path) -> None:
+    node = make_node(short_dir, 1)  # containerd's naming, cgroupfs driver, v1
+    population, first = node.population, node.runtime
+    first.modes.forgets_pods_on_restart = True
+    config = write_config(short_dir, node.tree, extra=f"reconcile_interval = {INTERVAL}")
+    device = {ANNOTATION_KEY: population.key.sign("shared-cpus-7")}  # what the device plugin gave it
+    async with daemon_running(config, node.socket) as daemon:
+        async with first:
+            await within(first.wait_for_plugins(1))
+            old = population.pod("old", 2 * PERIOD)
+            await population.create(old, "old-a", "fwd", "2-3", asks=True, annotations=dict(device))
+            assert inconsistencies(population) == []
+        # containerd restarts: it restores its containers for NRI, not its pods.
+        second = population.runtime = first.restarted()
+        async with second:
+            await within(second.wait_for_plugins(1))
+            # kubelet deletes the pod: its container's stop and removal are reported, not the pod's.
+            await second.stop_container("old-a")
+            await second.remove_container("old-a")
+            await second.stop_pod_sandbox(old.id)
+            await second.remove_pod_sandbox(old.id)
+            assert second.omitted == [("StopPodSandbox", old.id), ("RemovePodSandbox", old.id)]
+            node.tree.delete_pod(old)
+            started = asyncio.get_running_loop().time()
+            line = await daemon.wait_log("pod gone", f"pod_key={old.uid}")
+            assert elapsed_since(started) <= INTERVAL + SLACK, line
+            assert "heal=pod_gone" in line, line
+            assert "shared-cpus-7" in line, line
+            assert "never reported the pod stopped or removed" in line, line
+            # kubelet gives the device to a new pod: its (valid) marker is not a replay.
+            new = population.pod("new", 2 * PERIOD)
+            await population.create(new, "new-a", "fwd", "4-5", asks=True, annotations=dict(device))
+            assert not daemon.logged("request refused"), daemon.stderr
+            assert inconsistencies(population) == []
+    assert inconsistencies(population, books=StateStore(node.state).load()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_failed_creation_leaves_no_phantom_within_one_period(short_dir: Path) -> None:
+    node = make_node(short_dir, 2)  # CRI-O's naming, systemd driver, v2
+    population, runtime, tree = node.population, node.runtime, node.tree
+    config = write_config(short_dir, tree, metrics=True, extra=f"reconcile_interval = {INTERVAL}")
+    async with runtime, daemon_running(config, node.socket) as daemon:
+        await within(runtime.wait_for_plugins(1))
+        match = re.search(r"127\.0\.0\.1:(\d+)", await daemon.wait_log("serving metrics and probes"))
+        assert match is not None
+        port = int(match.group(1))
+        pod = population.pod("crio", 3 * PERIOD)
+        await population.create(pod, "side-a", "side", "4")
+        # runc create fails (a command that does not exist) after the plugin adjusted the container.
+        runtime.modes.create_fails_after_adjustment = True
+        with pytest.raises(CreationFailed):
+            await population.create(pod, "bad-a", "fwd", "2-3", asks=True)
+        runtime.modes.create_fails_after_adjustment = False
+        started = asyncio.get_running_loop().time()
+        assert tree.pod_quota(pod) == 5 * PERIOD  # raised for a container that will never run
+        line = await daemon.wait_log("container never created", "container_id=bad-a")
+        assert elapsed_since(started) <= INTERVAL + SLACK, line
+        assert "heal=container_never_created" in line, line
+        assert tree.pod_quota(pod) == 3 * PERIOD
+        found = await scrape("127.0.0.1", port)
+        assert value(found, "mixed_cpu_shared_containers") == 0
+        assert value(found, "mixed_cpu_heals_total", kind="container_never_created") == 1
+        assert inconsistencies(population) == []
+        # kubelet's retry, with a command that exists: the share is given once.
+        await population.create(pod, "bad-a2", "fwd", "2-3", asks=True)
+        assert tree.pod_quota(pod) == 5 * PERIOD
+        assert value(await scrape("127.0.0.1", port), "mixed_cpu_shared_containers") == 1
+        assert inconsistencies(population) == []
+    assert inconsistencies(population, books=StateStore(node.state).load()) == []
+
+
+@contextlib.contextmanager
+def node_on(where: str, short_dir: Path) -> Iterator[tuple[Node, str]]:
+    """A node on the real kernel's v1 hierarchies (a scratch subtree) or a fake v2 tree, and the
+    exclusive CPUs of its asking container."""
+    if where == "fake-v2":
+        yield make_node(short_dir, 2), "2-3"
+        return
+    layout = require_v1_layout(min_cpus=2)
+    cpus = sorted(read_cpuset(layout.cpuset.dir(CgroupPath())))
+    with Tree.kernel(layout) as tree:
+        yield make_node(short_dir, tree, frozenset(cpus[:1])), str(cpus[1])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("where", ["kernel-v1", "fake-v2"])
+async def test_the_pod_quota_comes_down_at_the_stop_of_a_lingering_container(
+    short_dir: Path, where: str
+) -> None:
+    with node_on(where, short_dir) as (node, exclusive):
+        population, runtime, tree = node.population, node.runtime, node.tree
+        assert runtime.modes.stopped_cgroup_lingers  # as CRI-O always, containerd for exited ones
+        config = write_config(short_dir, tree, shared=population.shared)
+        own = len(parse_cpuset(exclusive)) * PERIOD  # its own quota, and its pod's
+        share = len(population.shared) * PERIOD
+        async with runtime, daemon_running(config, node.socket):
+            await within(runtime.wait_for_plugins(1))
+            pod = population.pod("job", own)
+            await population.create(pod, "job-a", "job", exclusive, asks=True)
+            job = runtime.containers["job-a"]
+            assert tree.pod_quota(pod) == own + share
+            assert tree.container_quota(job) == own + share
+            # The job completes: stopped, its cgroup kept until removal (kubelet keeps the last one).
+            await runtime.stop_container("job-a")
+            assert tree.container_quota(job) == own, "its own quota back"
+            assert tree.pod_quota(pod) == own, "the pod's share given back at the stop"
+            assert inconsistencies(population) == []
+            # kubelet starts it again (a new instance): both are raised again.
+            await population.create(pod, "job-b", "job", exclusive, asks=True)
+            assert tree.pod_quota(pod) == own + share
+            assert tree.container_quota(runtime.containers["job-b"]) == own + share
+            await runtime.remove_container("job-a")
+            assert inconsistencies(population) == []
+        assert inconsistencies(population, books=StateStore(node.state).load()) == []

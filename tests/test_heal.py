@@ -1,0 +1,469 @@
+"""The reconciler (`nri_plugin.mixedcpu.heal`) in process, on virtual time: what real runtimes leave
+behind is put right from what the node shows, at events, at Synchronize and on the timer; and stop
+means stop (a stopped container's own quota back, then its pod's).
+
+The plugin's handlers are called directly; a fake cgroup tree plays the node (the test does the
+runtime's and kubelet's part on it: container cgroups made after creation, pod cgroups deleted).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from mixedcpu_support import (
+    PERIOD,
+    FakeCgroups,
+    Naming,
+    apply_adjustment,
+    make_container,
+    make_plugin,
+    make_pod,
+    marker,
+)
+
+from api.nri import api_pb2 as api
+from cgroups import Cgroup, CpuQuota, read_cpu_quota, write_cpu_quota
+from nri_plugin.common.clock import ManualClock
+from nri_plugin.daemon import config as config_module
+from nri_plugin.daemon.wiring import build_plugin
+from nri_plugin.mixedcpu import quota
+from nri_plugin.mixedcpu.books import Books, Slot
+from nri_plugin.mixedcpu.heal import CREATION_GRACE, Healer, PassReport
+from nri_plugin.mixedcpu.store import StateStore
+
+SHARED = frozenset({0, 1})
+BASELINE = 2 * PERIOD  # the pod's own quota: its container's 2 exclusive CPUs
+RAISED = BASELINE + len(SHARED) * PERIOD
+OWN = 2 * PERIOD  # a shared container's own quota: n(exclusive) x period
+INTERVAL = 30.0
+NAMING = {1: Naming("containerd", "cgroupfs"), 2: Naming("cri-o", "systemd")}
+
+
+class Seen:
+    """The plugin's observer: heals and failed writes, counted by kind."""
+
+    def __init__(self) -> None:
+        self.heals: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+
+    def healed(self, kind: str) -> None:
+        self.heals[kind] += 1
+
+    def cgroup_write_failed(self, kind: str) -> None:
+        self.failures[kind] += 1
+
+
+class Node:
+    """A plugin on a fake tree and a manual clock; the test plays the runtime and kubelet."""
+
+    def __init__(self, tmp_path: Path, *, version: int = 1, interval: float | None = INTERVAL) -> None:
+        self.clock = ManualClock()
+        self.naming = NAMING[version]
+        self.tree = FakeCgroups(tmp_path / "cgroup", version)
+        self.seen = Seen()
+        self.plugin, self.key = make_plugin(
+            tmp_path / "state",
+            self.tree.layout,
+            SHARED,
+            observer=self.seen,
+            clock=self.clock,
+            reconcile_interval=interval,
+        )
+
+    def pod(self, uid: str, name: str = "app") -> api.PodSandbox:
+        pod = make_pod(self.naming, uid, name=name)
+        self.tree.add_pod(pod, BASELINE)
+        return pod
+
+    async def create(
+        self, pod: api.PodSandbox, cid: str, name: str = "fwd", *, device: str = "dev-1", run: bool = True
+    ) -> api.Container:
+        """kubelet's CreateContainer; with `run`, the runtime then makes its cgroup (adjusted)."""
+        container = make_container(self.naming, pod, cid, name, annotations=marker(self.key, device))
+        response = await self.plugin.create_container(pod, container)
+        apply_adjustment(container, response.adjust if response is not None else None)
+        if run:
+            self.tree.run_container(container)
+            container.state = api.CONTAINER_RUNNING
+        return container
+
+    def container_quota(self, container: api.Container) -> int | None:
+        return read_cpu_quota(self.tree.container_dir(container)).quota
+
+    def delete_pod(self, pod: api.PodSandbox) -> None:
+        """kubelet removes the pod's cgroup (its containers' with it)."""
+        shutil.rmtree(self.tree.pod_dir(pod).fs_path)
+
+    def saved(self) -> StateStore:
+        return StateStore(self.plugin.store.directory)
+
+
+def heals(logs: list[MutableMapping[str, Any]], kind: str) -> list[MutableMapping[str, Any]]:
+    return [entry for entry in logs if entry.get("heal") == kind]
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path)
+
+
+# -- pods the runtime never reported gone -------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_timer_drops_a_pod_whose_cgroup_is_gone_with_its_bindings(node: Node) -> None:
+    """containerd after its restart: the pod's end is never reported; its cgroup is gone all the same."""
+    plugin = node.plugin
+    forgotten = node.pod("1-1", "forgotten")
+    await plugin.synchronize([forgotten], [])  # synchronized: the timer runs
+    container = await node.create(forgotten, "c1")
+    await plugin.stop_container(forgotten, container)
+    node.tree.remove_container(container)
+    await plugin.remove_container(forgotten, container)
+    assert plugin.books.pods == {}  # back at its own quota: forgotten by the books, but still bound
+    assert plugin.books.devices == {"dev-1": Slot(forgotten.uid, "fwd")}
+    node.delete_pod(forgotten)  # no StopPodSandbox, no RemovePodSandbox
+    await node.clock.advance(INTERVAL - 1)
+    assert plugin.books.devices != {}, "not before the pass"
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(1)
+    [gone] = heals(logs, "pod_gone")
+    assert gone["pod_key"] == forgotten.uid
+    assert gone["devices"] == ["dev-1"]
+    assert "never reported the pod stopped or removed" in gone["why"]
+    assert plugin.books.devices == {}
+    assert node.saved().load().devices == {}
+    assert node.seen.heals == {"pod_gone": 1}
+    # ... so kubelet's next holder of that device id gets the shared CPUs.
+    successor = node.pod("2-2", "successor")
+    taken = await node.create(successor, "c2")
+    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
+    assert plugin.books.devices == {"dev-1": Slot(successor.uid, "fwd")}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_marker_bound_to_a_vanished_pod_is_accepted_at_once(tmp_path: Path) -> None:
+    """No timer at all: the replay check first looks for the holder's pod, and finds it gone."""
+    node = Node(tmp_path, interval=None)
+    plugin = node.plugin
+    holder = node.pod("1-1", "holder")
+    await node.create(holder, "c1")
+    node.delete_pod(holder)  # and its running container, with no event of either
+    successor = node.pod("2-2", "successor")
+    with structlog.testing.capture_logs() as logs:
+        taken = await node.create(successor, "c2")
+    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
+    [gone] = heals(logs, "pod_gone")
+    assert gone["containers"] == ["fwd"]
+    assert "presented again" in gone["why"]
+    assert not [e for e in logs if e["event"] == "request refused"]
+    assert list(plugin.books.pods) == [successor.uid]
+    assert plugin.shared_containers == 1
+    # A holder whose pod is still there keeps its device: a copy is a replay, as before.
+    thief = node.pod("3-3", "thief")
+    assert (
+        await plugin.create_container(
+            thief, make_container(node.naming, thief, "c3", "x", annotations=marker(node.key, "dev-1"))
+        )
+        is None
+    )
+
+
+# -- creations that failed after our adjustment ------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node: Node) -> None:
+    """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it."""
+    plugin = node.plugin
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    await node.create(pod, "c1", run=False)
+    assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.healer.watched == {"c1"}
+    await node.clock.advance(CREATION_GRACE - 0.01)
+    assert node.tree.pod_quota(pod) == RAISED, "within the grace period"
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(0.01)  # its own timer, not the 30 s pass
+    [phantom] = heals(logs, "container_never_created")
+    assert phantom["container_id"] == "c1"
+    assert (
+        phantom["container_cgroup"] == node.tree.container_dir(make_container(node.naming, pod, "c1")).fs_path
+    )
+    assert node.tree.pod_quota(pod) == BASELINE
+    assert plugin.shared_containers == 0
+    assert node.saved().load().pods == {}
+    assert node.seen.heals == {"container_never_created": 1}
+    assert plugin.healer.watched == frozenset()
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_container_whose_cgroup_appears_is_left_alone(node: Node) -> None:
+    plugin = node.plugin
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    await node.create(pod, "c1")
+    await node.clock.advance(INTERVAL * 3)
+    assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.healer.watched == frozenset()
+    assert node.seen.heals == {}
+    assert plugin.shared_containers == 1
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_without_a_timer_an_overdue_creation_is_looked_at_the_pods_next_event(tmp_path: Path) -> None:
+    node = Node(tmp_path, interval=None)
+    pod = node.pod("1-1")
+    await node.plugin.synchronize([pod], [])
+    await node.create(pod, "c1", run=False)
+    await node.clock.advance(CREATION_GRACE * 2)
+    assert node.tree.pod_quota(pod) == RAISED, "no timer: nothing happens by itself"
+    assert node.clock.pending == 0
+    await node.create(pod, "c2", "side", device="dev-2")  # the pod's next event
+    assert node.tree.pod_quota(pod) == RAISED  # c2's share only: c1's is back
+    assert [record.id for record in node.plugin.books.pods[pod.uid].containers.values()] == ["c2"]
+    assert node.seen.heals == {"container_never_created": 1}
+
+
+# -- pod quotas off their target ----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_pass_brings_a_pod_quota_moved_behind_our_back_to_its_target(node: Node) -> None:
+    plugin = node.plugin
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    await node.create(pod, "c1")
+    write_cpu_quota(node.tree.pod_dir(pod), BASELINE)  # systemd re-applied the slice's own value
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(INTERVAL)
+    [brought] = heals(logs, "pod_quota")
+    assert brought["pod_quota"] == f"{BASELINE} -> {RAISED}"
+    assert node.tree.pod_quota(pod) == RAISED
+    assert node.seen.heals == {"pod_quota": 1}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_pass_over_an_unchanged_node_writes_saves_and_says_nothing(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin = node.plugin
+    pods = [node.pod(f"{i}-{i}", f"app{i}") for i in range(5)]
+    for i, pod in enumerate(pods):
+        await node.create(pod, f"c{i}", device=f"dev-{i}")
+    plugin.flush()
+    writes: list[object] = []
+    saves: list[object] = []
+
+    def write(cgroup: Cgroup, value: int | None, *, current: CpuQuota | None = None) -> CpuQuota:
+        writes.append(cgroup)
+        return write_cpu_quota(cgroup, value, current=current)
+
+    def save(_store: StateStore, books: Books) -> None:
+        saves.append(books)
+
+    monkeypatch.setattr(quota, "write_cpu_quota", write)
+    monkeypatch.setattr(StateStore, "save", save)
+    with structlog.testing.capture_logs() as logs:
+        report = plugin.healer.reconcile()
+    assert (report.pods, report.healed) == (5, 0)
+    assert writes == saves == []
+    assert [e["event"] for e in logs if e["log_level"] != "debug"] == []
+    assert not plugin.keeper.flush_pending
+    assert node.clock.pending == 0
+
+
+# -- stop means stop ------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2"])
+async def test_stop_puts_the_container_quota_back_then_lowers_the_pod(tmp_path: Path, version: int) -> None:
+    node = Node(tmp_path, version=version, interval=None)
+    plugin = node.plugin
+    pod = node.pod("1-1")
+    container = await node.create(pod, "c1")
+    assert node.container_quota(container) == len(SHARED | {4, 5}) * PERIOD
+    with structlog.testing.capture_logs() as logs:
+        await plugin.stop_container(pod, container)  # its cgroup lingers until removal
+    assert node.container_quota(container) == OWN
+    assert node.tree.pod_quota(pod) == BASELINE
+    [put_back] = [e for e in logs if e["event"] == "stopped container's own quota put back"]
+    assert put_back["quota"] == f"{4 * PERIOD} -> {OWN}"
+    # A restart raises both again: the new instance's pod quota before the reply, its own by the runtime.
+    again = await node.create(pod, "c2")
+    assert node.container_quota(again) == 4 * PERIOD
+    assert node.tree.pod_quota(pod) == RAISED
+
+
+@pytest.mark.asyncio
+async def test_a_displaced_instance_gets_its_own_quota_back_at_its_stop(tmp_path: Path) -> None:
+    """kubelet created the successor first: the old instance holds no slot when it is reported stopped."""
+    node = Node(tmp_path, interval=None)
+    plugin = node.plugin
+    pod = node.pod("1-1")
+    old = await node.create(pod, "c1")
+    new = await node.create(pod, "c2")  # same name: it takes the slot
+    await plugin.stop_container(pod, old)
+    assert node.container_quota(old) == OWN
+    assert node.tree.pod_quota(pod) == RAISED  # the new instance holds the share
+    await plugin.stop_container(pod, new)
+    assert node.container_quota(new) == OWN
+    assert node.tree.pod_quota(pod) == BASELINE
+
+
+@pytest.mark.asyncio
+async def test_stop_leaves_an_unlimited_or_already_lowered_container_alone(tmp_path: Path) -> None:
+    node = Node(tmp_path, interval=None)
+    plugin = node.plugin
+    pod = node.pod("1-1")
+    container = await node.create(pod, "c1")
+    write_cpu_quota(node.tree.container_dir(container), None)  # someone made it unlimited
+    await plugin.stop_container(pod, container)
+    assert node.container_quota(container) is None
+    assert node.tree.pod_quota(pod) == BASELINE
+    plain = make_container(node.naming, pod, "c9", "plain")  # never shared: not ours to touch
+    node.tree.run_container(plain)
+    await plugin.stop_container(pod, plain)
+    assert node.container_quota(plain) == 200_000
+    assert node.seen.failures == {}
+
+
+# -- Synchronize ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_synchronize_says_what_the_runtime_no_longer_runs(node: Node) -> None:
+    plugin = node.plugin
+    kept, stopped, gone = node.pod("1-1", "kept"), node.pod("2-2", "stopped"), node.pod("3-3", "gone")
+    first = await node.create(kept, "k1")
+    halted = await node.create(stopped, "s1", device="dev-2")
+    await node.create(gone, "g1", device="dev-3")
+    halted.state = api.CONTAINER_STOPPED  # stopped while the plugin was away: no event
+    with structlog.testing.capture_logs() as logs:
+        await plugin.synchronize([kept, stopped], [first, halted])
+    assert sorted(e["container_id"] for e in heals(logs, "container_gone")) == ["g1", "s1"]
+    [why_stopped] = [e["why"] for e in heals(logs, "container_gone") if e["container_id"] == "s1"]
+    assert why_stopped.startswith("the runtime lists it stopped")
+    assert [e["pod_key"] for e in heals(logs, "pod_gone")] == [gone.uid]
+    assert node.seen.heals == {"container_gone": 2, "pod_gone": 1}
+    # The stopped one's own quota went back before its pod quota came down.
+    assert node.container_quota(halted) == OWN
+    assert node.tree.pod_quota(stopped) == BASELINE
+    assert set(plugin.books.pods) == {kept.uid}
+    assert plugin.healer.running
+    plugin.healer.stop()
+
+
+# -- the timer ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_timer_starts_once_runs_every_interval_and_stops(node: Node) -> None:
+    healer = node.plugin.healer
+    passes: list[float] = []
+    reconcile = healer.reconcile
+
+    def counted() -> PassReport:
+        passes.append(node.clock.monotonic())
+        return reconcile()
+
+    healer.reconcile = counted  # type: ignore[method-assign]
+    assert not healer.running
+    await node.plugin.synchronize([], [])
+    await node.plugin.synchronize([], [])  # a second Synchronize does not add a timer
+    node.plugin.flush()  # (the books' deferred write)
+    assert node.clock.pending == 1
+    await node.clock.advance(INTERVAL * 3)
+    assert passes == [INTERVAL, 2 * INTERVAL, 3 * INTERVAL]
+    healer.stop()
+    assert node.clock.pending == 0
+    assert not healer.running
+    with pytest.raises(ValueError, match="positive"):
+        Healer(node.plugin.quotas, interval=0)
+    assert Healer(node.plugin.quotas, interval=2).grace == 2  # never longer than one interval
+
+
+@pytest.mark.asyncio
+async def test_the_pass_drops_a_vanished_pod_that_still_held_shared_containers(node: Node) -> None:
+    plugin = node.plugin
+    pod, other = node.pod("1-1", "vanished"), node.pod("2-2", "stays")
+    await plugin.synchronize([pod, other], [])
+    await node.create(pod, "c1")
+    await node.create(other, "c2", device="dev-2")
+    await node.clock.advance(CREATION_GRACE)  # both containers' cgroups seen
+    node.delete_pod(pod)  # with its running container, and no event at all
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(INTERVAL - CREATION_GRACE)
+    [gone] = heals(logs, "pod_gone")
+    assert (gone["pod_key"], gone["containers"], gone["devices"]) == (pod.uid, ["fwd"], ["dev-1"])
+    assert list(plugin.books.pods) == [other.uid]
+    assert plugin.shared_containers == 1
+    assert node.saved().load().pods.keys() == {other.uid}
+    assert node.tree.pod_quota(other) == RAISED
+    # A pod gone before its new container's deadline: the pod is gone, not a failed creation.
+    brief = node.pod("3-3", "brief")
+    await node.create(brief, "c3", device="dev-3")
+    node.delete_pod(brief)
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(CREATION_GRACE)
+    assert [e["pod_key"] for e in heals(logs, "pod_gone")] == [brief.uid]
+    assert heals(logs, "container_never_created") == []
+    assert node.seen.heals == {"pod_gone": 2}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_stop_of_a_container_with_a_refused_path_is_logged_not_counted(tmp_path: Path) -> None:
+    node = Node(tmp_path, interval=None)
+    pod = node.pod("1-1")
+    container = await node.create(pod, "c1")
+    container.linux.cgroups_path = "/kubepods/../etc"  # what no runtime sends: refused, never walked
+    with structlog.testing.capture_logs() as logs:
+        await node.plugin.stop_container(pod, container)
+    [refused] = [e for e in logs if e["event"] == "cannot put the stopped container's own quota back"]
+    assert "'..'" in refused["error"]
+    assert node.seen.failures == {}
+    assert node.tree.pod_quota(pod) == BASELINE  # the pod's share is released all the same
+
+
+def test_reconcile_interval_is_configurable_and_reaches_the_plugin(tmp_path: Path) -> None:
+    document: dict[str, object] = {"shared_cpuset": "0-1"}
+    assert config_module.parse_config(document).reconcile_interval == 30
+    for good in (1, 2.5, 3600):
+        assert config_module.parse_config({**document, "reconcile_interval": good}).reconcile_interval == good
+    for bad in (0, 0.5, 3601, -1, "30", True):
+        with pytest.raises(config_module.ConfigError, match=r"reconcile_interval: .* seconds from 1 to 3600"):
+            config_module.parse_config({**document, "reconcile_interval": bad})
+    config = config_module.parse_config({**document, "reconcile_interval": 5, "state_dir": str(tmp_path)})
+    plugin = build_plugin(config, FakeCgroups(tmp_path / "cgroup").layout, None)
+    assert plugin.healer.interval == 5
+    assert plugin.healer.grace == 5
+
+
+@pytest.mark.asyncio
+async def test_a_pass_that_fails_is_logged_and_the_next_one_still_comes(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    healer = node.plugin.healer
+    await node.plugin.synchronize([], [])
+
+    def broken() -> PassReport:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(healer, "reconcile", broken)
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(INTERVAL)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["reconcile pass failed"]
+    assert healer.running
+    healer.stop()
