@@ -34,6 +34,12 @@ if [ ! -d "$target/boot" ]; then
   mv "$target.partial" "$target"
 fi
 ln -sfn "$(basename "$target")" "$cache/current"
+# Kernels the metapackage no longer points at (~400 MB each unpacked).
+for old in "$cache"/linux-image-*; do
+  if [ "$old" != "$target" ]; then
+    rm -rf "$old"
+  fi
+done
 qemu="$(dpkg-query -W -f '${Version}' qemu-system-x86)"
 busybox="$(dpkg-query -W -f '${Version}' busybox-static)"
 echo "vm-setup: qemu-system-x86 $qemu, busybox-static $busybox, $package $version in $target"

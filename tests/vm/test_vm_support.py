@@ -102,8 +102,8 @@ def test_every_missing_tool_is_named(tmp_path: Path) -> None:
     with pytest.raises(ToolsMissing) as info:
         find_tools(environ)
     message = str(info.value)
-    assert "qemu-system-x86_64 (Debian: qemu-system-x86)" in message
-    assert "a static busybox (Debian: busybox-static)" in message
+    assert "no qemu-system-x86_64 on PATH (Debian: qemu-system-x86)" in message
+    assert "no static busybox on PATH (Debian: busybox-static)" in message
     assert "no unpacked linux-image package in" in message
 
 
@@ -120,13 +120,13 @@ def test_found_tools(tmp_path: Path) -> None:
 
 
 def test_missing_tools_skip_the_tier_here(tmp_path: Path) -> None:
-    with pytest.raises(pytest.skip.Exception, match=r"the VM tier needs .*scripts/vm-setup\.sh"):
+    with pytest.raises(pytest.skip.Exception, match=r"VM tier cannot run: .*scripts/vm-setup\.sh installs"):
         require_tools({"PATH": str(tmp_path), "MIXED_CPU_VM_KERNEL_DIR": str(tmp_path)})
 
 
 def test_missing_tools_fail_the_tier_under_ci(tmp_path: Path) -> None:
     environ = {"PATH": str(tmp_path), "MIXED_CPU_VM_KERNEL_DIR": str(tmp_path), "CI": "true"}
-    with pytest.raises(pytest.fail.Exception, match=r"CI=true: the VM tier needs .*qemu"):
+    with pytest.raises(pytest.fail.Exception, match=r"CI=true: the VM tier cannot run: no qemu"):
         require_tools(environ)
 
 

@@ -49,7 +49,7 @@ HERE: Final = Path(__file__).resolve().parent
 ROOT: Final = HERE.parent.parent
 KERNEL_DIR_ENV: Final = "MIXED_CPU_VM_KERNEL_DIR"
 DEFAULT_KERNEL_DIR: Final = "mixed-cpu-nri-plugin/vm-kernel/current"
-SETUP_HINT: Final = "run scripts/vm-setup.sh (as .ci/run does) to install them"
+SETUP_HINT: Final = "scripts/vm-setup.sh installs what it needs (.ci/run runs it)"
 
 # What the guest needs from the kernel's modules: the PCI transport, the serial port of the agent,
 # 9p over virtio for the host's root, overlayfs above it. Their dependencies are read from the files.
@@ -129,10 +129,10 @@ def find_tools(environ: Mapping[str, str] = os.environ) -> Tools:
     missing = []
     qemu = shutil.which("qemu-system-x86_64", path=environ.get("PATH"))
     if qemu is None:
-        missing.append("qemu-system-x86_64 (Debian: qemu-system-x86)")
+        missing.append("no qemu-system-x86_64 on PATH (Debian: qemu-system-x86)")
     busybox = shutil.which("busybox", path=environ.get("PATH"))
     if busybox is None or not is_static_elf(busybox):
-        missing.append("a static busybox (Debian: busybox-static)")
+        missing.append("no static busybox on PATH (Debian: busybox-static)")
     try:
         image, modules = find_kernel(kernel_dir(environ))
     except ToolsMissing as exc:
@@ -150,7 +150,7 @@ def require_tools(environ: Mapping[str, str] = os.environ) -> Tools:
     try:
         return find_tools(environ)
     except ToolsMissing as exc:
-        message = f"the VM tier needs {exc}; {SETUP_HINT}"
+        message = f"the VM tier cannot run: {exc}; {SETUP_HINT}"
         if in_ci(environ):
             pytest.fail(f"CI=true: {message}", pytrace=False)
         pytest.skip(message)
