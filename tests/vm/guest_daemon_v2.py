@@ -41,7 +41,6 @@ from cgroups import (
     parse_cpuset,
     pod_cgroup_path,
     read_layout,
-    write_cpu_quota,
     write_cpuset,
     write_value,
 )
@@ -103,11 +102,12 @@ class Kernel:
             if depth < len(path.parts) or delegate_last:
                 write_value(cgroup, "cgroup.subtree_control", CONTROLLERS)
 
-    def make_pod(self, pod: api.PodSandbox, baseline: int) -> None:
-        """kubelet: the pod cgroup, its quota the sum of its containers' limits."""
+    def make_pod(self, pod: api.PodSandbox, baseline: int | None, period: int = PERIOD) -> None:
+        """kubelet: the pod cgroup, its quota the sum of its containers' limits (None: a container
+        without a limit), at kubelet's CFS period."""
         path = pod_cgroup_path(pod.linux.cgroup_parent)
         self.make_levels(path)
-        write_cpu_quota(self.layout.cpu.dir(path), baseline)
+        write_value(self.layout.cpu.dir(path), "cpu.max", f"{baseline or 'max'} {period}")
 
     def pod_quota(self, pod: api.PodSandbox) -> str | None:
         return read_text(self.fs(pod_cgroup_path(pod.linux.cgroup_parent)), "cpu.max")
@@ -127,14 +127,18 @@ class Kernel:
         return None
 
     def apply(self, container: api.Container, resources: api.LinuxResources) -> str | None:
-        """What runc does with a container's CPU resources (at create, on update)."""
+        """What runc does with a container's CPU resources (at create, on update): the cpuset, then
+        ``cpu.max`` as runc's cgroup v2 code writes it (the quota, or "max", and the period if given)."""
         cgroup = self.layout.cpu.dir(container_cgroup_path(container.linux.cgroups_path))
         cpu = resources.cpu
+        quota = cpu.quota.value if cpu.HasField("quota") else 0
+        period = cpu.period.value if cpu.HasField("period") else 0
         try:
             if cpu.cpus:
                 write_cpuset(cgroup, parse_cpuset(cpu.cpus))
-            if cpu.HasField("quota") and cpu.quota.value != 0:
-                write_cpu_quota(cgroup, None if cpu.quota.value < 0 else cpu.quota.value)
+            if quota or period:
+                value = str(quota) if quota > 0 else "max"
+                write_value(cgroup, "cpu.max", f"{value} {period}" if period else value)
         except CgroupError as exc:
             return str(exc)
         return None
@@ -222,22 +226,31 @@ class Node:
         while self.runtime.plugins:  # noqa: ASYNC110 (the simulator notices the close by itself)
             await asyncio.sleep(0.05)
 
-    def pod(self, naming: Naming, uid: str, baseline: int) -> api.PodSandbox:
+    def pod(self, naming: Naming, uid: str, baseline: int | None, period: int = PERIOD) -> api.PodSandbox:
         pod = make_pod(naming, uid)
-        self.kernel.make_pod(pod, baseline)
+        self.kernel.make_pod(pod, baseline, period)
         self.pods[uid] = pod
         return pod
 
     def container(
-        self, naming: Naming, pod: api.PodSandbox, cid: str, cpus: str, *, device: str | None = None
+        self,
+        naming: Naming,
+        pod: api.PodSandbox,
+        cid: str,
+        cpus: str,
+        *,
+        device: str | None = None,
+        period: int = PERIOD,
+        unlimited: bool = False,
     ) -> api.Container:
-        """A container of `pod` with exclusive `cpus` and a quota to match; asking (with the device
-        plugin's signed marker for `device`) when a device is given."""
+        """A container of `pod` with exclusive `cpus` and a quota to match (or none: `unlimited`);
+        asking (with the device plugin's signed marker for `device`) when a device is given."""
         count = len(parse_cpuset(cpus))
         annotations = marker(self.key, device) if device is not None else None
         container = make_container(
             naming, pod, cid, "main" if device is None else f"main-{device}",
-            cpus=cpus, quota=count * PERIOD, shares=1024 * count, annotations=annotations,
+            cpus=cpus, quota=-1 if unlimited else count * period, period=period, shares=1024 * count,
+            annotations=annotations,
         )  # fmt: skip
         self.containers[cid] = container
         return container
@@ -314,10 +327,19 @@ async def lifecycle(node: Node, out: dict[str, Any]) -> None:
         asking = node.container(naming, pod, f"c{index}", EXCLUSIVE[naming.id], device=f"dev-{index}")
         out["create"][naming.id] = await node.create(asking)
         out["update"][naming.id] = await node.update(f"c{index}", EXCLUSIVE[naming.id])
-    plain_naming = NAMINGS[0]
-    plain = node.pod(plain_naming, "plain", PERIOD)
-    out["create"]["plain"] = await node.create(node.container(plain_naming, plain, "plain-c", "3"))
+    naming = NAMINGS[0]
+    plain = node.pod(naming, "plain", PERIOD)
+    out["create"]["plain"] = await node.create(node.container(naming, plain, "plain-c", "3"))
     out["create"]["plain"]["pod cpu.max now"] = node.kernel.pod_quota(plain)
+    # A pod without a CPU limit, and a pod at kubelet's cpuCFSQuotaPeriod of 50 ms.
+    free = node.pod(naming, "free", None)
+    out["create"]["unlimited"] = await node.create(
+        node.container(naming, free, "free-c", "2", device="dev-free", unlimited=True)
+    )
+    short = node.pod(naming, "short", PERIOD // 2, PERIOD // 2)
+    out["create"]["period 50 ms"] = await node.create(
+        node.container(naming, short, "short-c", "3", device="dev-short", period=PERIOD // 2)
+    )
 
     # kubelet restarts container c0: the new instance first, then the old one stopped and removed.
     naming, pod = NAMINGS[0], node.pods["life-0"]
@@ -355,7 +377,7 @@ async def daemon_restart(node: Node, out: dict[str, Any]) -> None:
 
 async def teardown(node: Node, out: dict[str, Any]) -> None:
     """Stop every asking container (pod quota read with its cgroup still there), then remove it."""
-    for cid in ("c0-again", "c1", "c2", "c3", "late-c"):
+    for cid in ("c0-again", "c1", "c2", "c3", "late-c", "free-c", "short-c"):
         container = node.runtime.containers[cid]
         pod = next(p for p in node.pods.values() if p.id == container.pod_sandbox_id)
         await node.stop(cid)

@@ -154,6 +154,21 @@ def test_a_container_that_does_not_ask_is_untouched(daemon: Any) -> None:
     assert plain["container"] == runs_on("3", BASELINE)
 
 
+def test_an_unlimited_container_in_an_unlimited_pod_gets_the_cpus_and_stays_unlimited(daemon: Any) -> None:
+    created = daemon["create"]["unlimited"]
+    assert (created["adjusted cpus"], created["adjusted quota"]) == ("0-2", None)
+    assert created["pod cpu.max at reply"] == f"max {PERIOD}"
+    assert created["container"] == runs_on("0-2", f"max {PERIOD}")
+
+
+def test_kubelets_cfs_period_is_kept_in_the_pod_and_the_container(daemon: Any) -> None:
+    """kubelet's cpuCFSQuotaPeriod of 50 ms: v2 holds the period in the same file as the quota."""
+    created = daemon["create"]["period 50 ms"]
+    assert (created["adjusted cpus"], created["adjusted quota"]) == ("0-1,3", 150_000)
+    assert created["pod cpu.max at reply"] == "150000 50000"
+    assert created["container"] == runs_on("0-1,3", "150000 50000")
+
+
 @pytest.mark.parametrize("naming", sorted(NAMINGS))
 def test_an_update_to_the_exclusive_cpus_keeps_the_shared_ones(daemon: Any, naming: str) -> None:
     cpus = WITH_SHARED[NAMINGS[naming]]
@@ -178,13 +193,8 @@ def test_a_daemon_restart_synchronizes_without_growth_and_adopts_a_new_container
     restart = daemon["daemon restart"]
     before, after = restart["pod quotas before"], restart["pod quotas after"]
     assert {uid: after[uid] for uid in before} == before  # nothing grew
-    assert before == {
-        "life-0": RAISED,
-        "life-1": RAISED,
-        "life-2": RAISED,
-        "life-3": RAISED,
-        "plain": BASELINE,
-    }
+    raised = {f"life-{index}": RAISED for index in range(4)}
+    assert before == {**raised, "plain": BASELINE, "free": f"max {PERIOD}", "short": "150000 50000"}
     # Started while the daemon was away (CRI-O, systemd naming): widened and raised at Synchronize.
     assert restart["late container while away"] == runs_on("3", BASELINE)
     assert after["late"] == RAISED
@@ -193,14 +203,21 @@ def test_a_daemon_restart_synchronizes_without_growth_and_adopts_a_new_container
     assert restart["runtime refused"] == []
 
 
-@pytest.mark.parametrize("cid", ["c0-again", "c1", "c2", "c3", "late-c"])
-def test_stop_lowers_the_pod_quota_at_once_on_v2(daemon: Any, cid: str) -> None:
+@pytest.mark.parametrize(
+    ("cid", "pod", "container"),
+    [
+        *((cid, BASELINE, RAISED) for cid in ("c0-again", "c1", "c2", "c3", "late-c")),
+        ("free-c", f"max {PERIOD}", f"max {PERIOD}"),
+        ("short-c", "50000 50000", "150000 50000"),
+    ],
+)
+def test_stop_lowers_the_pod_quota_at_once_on_v2(daemon: Any, cid: str, pod: str, container: str) -> None:
     """On v2 the kernel takes the pod's lower quota while the stopped container's cgroup still holds
     its raised one (v1 refuses that until the cgroup is removed)."""
     ended = daemon["stop and remove"][cid]
-    assert ended["after stop"]["pod cpu.max"] == BASELINE
-    assert ended["after stop"]["container cpu.max"]["cpu.max"] == RAISED
-    assert ended["pod cpu.max after remove"] == BASELINE
+    assert ended["after stop"]["pod cpu.max"] == pod
+    assert ended["after stop"]["container cpu.max"]["cpu.max"] == container
+    assert ended["pod cpu.max after remove"] == pod
 
 
 def test_nonexistent_cpus_refused_by_the_kernel_leave_the_pod_quota_as_it_was(daemon: Any) -> None:
