@@ -346,6 +346,15 @@ def test_qemu_runs_emulated_with_the_hosts_root_read_only(tmp_path: Path, workdi
     assert "systemd.unified_cgroup_hierarchy=1" in append
 
 
+def test_kernel_args_replace_the_modes_own(tmp_path: Path, workdir: Path) -> None:
+    """E.g. systemd on the v1 hierarchies (hybrid), which boots in this VM too."""
+    hybrid = "systemd.unified_cgroup_hierarchy=0 systemd.unit=vm-test.target"
+    argv = Vm(fake_tools(tmp_path), "systemd", workdir, kernel_args=hybrid).qemu_argv(
+        workdir / "i", workdir / "s"
+    )
+    assert argv[argv.index("-append") + 1] == f"console=ttyS0 panic=-1 mitigations=off {hybrid}"
+
+
 def test_result_json_is_the_last_line_of_a_successful_command() -> None:
     result = Result(("x",), 0, 'note\n{"a": 1}\n', "", 0.1, False)
     assert result.json() == {"a": 1}

@@ -320,16 +320,27 @@ KERNEL_ARGS: Final[Mapping[Mode, str]] = {
 
 class Vm:
     """One VM: `start` boots it and waits for its agent, `run` runs a command in it, `close` powers it
-    off (or, past a bound, kills it). Its files (initramfs, console log, agent socket) are in `workdir`."""
+    off (or, past a bound, kills it). Its files (initramfs, console log, agent socket) are in `workdir`.
+
+    `kernel_args` replace the mode's own (`KERNEL_ARGS`), e.g. systemd on the v1 hierarchies:
+    ``"systemd.unified_cgroup_hierarchy=0 systemd.unit=vm-test.target"``."""
 
     def __init__(
-        self, tools: Tools, mode: Mode, workdir: Path, *, cpus: int = 4, memory_mb: int = 1024
+        self,
+        tools: Tools,
+        mode: Mode,
+        workdir: Path,
+        *,
+        cpus: int = 4,
+        memory_mb: int = 1024,
+        kernel_args: str | None = None,
     ) -> None:
         self.tools = tools
         self.mode = mode
         self.workdir = workdir
         self.cpus = cpus
         self.memory_mb = memory_mb
+        self.kernel_args = KERNEL_ARGS[mode] if kernel_args is None else kernel_args
         self.console_path = workdir / "console.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready: dict[str, Any] = {}
@@ -338,7 +349,7 @@ class Vm:
         self._reader: IO[bytes] | None = None
 
     def qemu_argv(self, initramfs: Path, agent_socket: Path) -> list[str]:
-        append = f"console=ttyS0 panic=-1 mitigations=off {KERNEL_ARGS[self.mode]}".strip()
+        append = f"console=ttyS0 panic=-1 mitigations=off {self.kernel_args}".strip()
         return [
             self.tools.qemu,
             "-accel", "tcg",
