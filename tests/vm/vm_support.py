@@ -19,7 +19,11 @@ Parts:
   listen on. `Vm.run` sends one command and returns its `Result`; every wait is bounded.
 
 Two modes: ``busybox`` (busybox init, cgroup v2 mounted, ``+cpu +cpuset`` in the root's
-``cgroup.subtree_control``) and ``systemd`` (systemd as PID 1, cgroup v2, D-Bus socket).
+``cgroup.subtree_control``) and ``systemd`` (systemd as PID 1, cgroup v2, D-Bus socket). Each test
+module boots one VM (a module-scoped fixture) and runs all its checks in it.
+
+Locally: ``sudo scripts/vm-setup.sh`` once, then ``pytest tests/vm``; ``pytest -m 'not vm'`` leaves
+the tier out. A failed boot shows QEMU's output and the console's last lines.
 """
 
 from __future__ import annotations
