@@ -36,6 +36,15 @@ stage_initramfs() {
     # The host's /tmp and /var/tmp are not ours (sockets, other users' files): fresh ones.
     $BB mount -t tmpfs -o mode=1777 tmp /newroot/tmp || fail "mount /tmp"
     $BB mount -t tmpfs -o mode=1777 vartmp /newroot/var/tmp || fail "mount /var/tmp"
+    # ... but a checkout under one of them must stay visible (and writable, in the guest only).
+    case "$CHECKOUT" in
+    /tmp/* | /var/tmp/*)
+        $BB mkdir -p /rw/checkout/upper /rw/checkout/work "/newroot$CHECKOUT"
+        $BB mount -t overlay \
+            -o "lowerdir=/lower$CHECKOUT,upperdir=/rw/checkout/upper,workdir=/rw/checkout/work" \
+            overlay "/newroot$CHECKOUT" || fail "mount the checkout $CHECKOUT"
+        ;;
+    esac
     # The host may be a container: systemd would then ignore the kernel command line.
     $BB rm -f /newroot/.dockerenv
     $BB mkdir -p /newroot/.vm

@@ -261,6 +261,8 @@ def guest_config(mode: Mode, modules: Sequence[str], agent_python: str) -> bytes
         "MODULES": " ".join(modules),
         "AGENT_PYTHON": agent_python,
         "AGENT_SCRIPT": str(HERE / "guest_agent.py"),
+        # The checkout, which the fresh /tmp and /var/tmp would hide when it lives there (CI's may).
+        "CHECKOUT": str(ROOT),
     }
     return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items()).encode()
 
