@@ -364,6 +364,8 @@ class Healer:
         self.books.release(creation.container_id)
         key = creation.slot.pod
         record = self.books.pods[key]
+        # Lowered first, then told: whoever reads the line (or the counter) sees the pod already right.
+        self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
         self._healed(
             "container_never_created",
             "container never created: its share is given back",
@@ -373,7 +375,6 @@ class Healer:
             slot=str(creation.slot),
             container_cgroup=creation.cgroup.fs_path,
         )
-        self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
 
     def _pod_gone(self, key: str) -> bool:
         """True when the pod's cgroup directory is known and gone."""
