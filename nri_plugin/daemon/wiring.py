@@ -1,7 +1,8 @@
 """The daemon's wiring: every part built from the config, each in one function, and put together by
 `build_daemon` in the order they depend on each other.
 
-1. the config, read and checked, then logging as it says, then the cgroup layout;
+1. the config, read and checked, then logging as it says, then the cgroup layout; then the node's
+   one-daemon lock in state_dir (`nri_plugin.daemon.instance`), before any file there is read;
 2. the metrics, first of the parts: each part that reports to them is built with them as its
    observer (none is given one afterwards);
 3. the node's marker key, then the mixed-CPU plugin (which checks markers with it);
@@ -33,6 +34,7 @@ from nri_plugin.daemon.config import (
     online_cpus,
     read_numa_nodes,
 )
+from nri_plugin.daemon.instance import InstanceLock, InstanceLockError, lock_state_dir
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import ProbeError, ProbeServer, readiness
@@ -56,6 +58,7 @@ __all__ = [
     "load_marker_key",
     "load_settings",
     "shared_pool",
+    "take_instance_lock",
 ]
 
 log = structlog.get_logger("nri_plugin.daemon.wiring")
@@ -82,6 +85,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     env = os.environ if environ is None else environ
     try:
         config, layout = load_settings(options)
+        take_instance_lock(config)
         metrics = build_metrics(config)
         key = load_marker_key(config)
         plugin = build_plugin(config, layout, key, observer=metrics)
@@ -110,6 +114,15 @@ def load_settings(options: RunOptions) -> tuple[Config, CgroupLayout]:
     # For good: each logger is cached at its first use (the level still follows SIGUSR1).
     configure_logging(options.log_level or config.log_level, config.log_format, cache_loggers=True)
     return config, build_layout(config)
+
+
+def take_instance_lock(config: Config) -> InstanceLock:
+    """The one-daemon-per-node lock on state_dir, held until the process ends. Raises `DaemonError`
+    with exit status 2 when another daemon holds it (or it cannot be taken)."""
+    try:
+        return lock_state_dir(config.state_dir)
+    except InstanceLockError as exc:
+        raise DaemonError(str(exc), EXIT_CONFIG) from None
 
 
 def build_metrics(config: Config) -> Metrics | None:
