@@ -240,12 +240,20 @@ def apply_adjustment(container: api.Container, adjust: api.ContainerAdjustment |
 # -- the daemon as a subprocess ----------------------------------------------------------------------------
 
 
-def write_daemon_config(directory: Path, plugin_dir: Path, *, metrics_address: str = "127.0.0.1:0") -> Path:
+def write_daemon_config(
+    directory: Path,
+    plugin_dir: Path,
+    *,
+    metrics_address: str = "127.0.0.1:0",
+    extra: str = "",
+    device_plugin_extra: str = "",
+) -> Path:
     """A config file for ``run`` in ``directory``: shared CPUs 0-1 of online 0-3 (a fake sysfs file), a
     fake cgroup v1 tree (``cgroup/cpu``, ``cgroup/cpuset``), the state dir ``state``, kubelet's
     device-plugin directory ``plugin_dir`` (keep it short: unix socket paths are limited to 107 bytes),
     and metrics and probes on `metrics_address` (by default a free port: daemons run in parallel; the
-    daemon logs the one it bound)."""
+    daemon logs the one it bound). `extra`: more top-level lines; `device_plugin_extra`: more lines
+    of the ``[device_plugin]`` table."""
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-3\n")
@@ -256,7 +264,9 @@ def write_daemon_config(directory: Path, plugin_dir: Path, *, metrics_address: s
         f'shared_cpuset = "0-1"\nsysfs_root = "{directory}/sys"\nstate_dir = "{directory}/state"\n'
         f'cgroup_root = "{directory}/cgroup"\ncgroup_version = "v1"\n'
         f'metrics_address = "{metrics_address}"\n'
+        f"{extra}"
         f'[device_plugin]\nplugin_dir = "{plugin_dir}"\n'
+        f"{device_plugin_extra}"
     )
     return config
 

@@ -41,6 +41,7 @@ from nri_plugin.mixedcpu.policy import (
     SharedChoice,
     SharedPool,
     UpdatePlan,
+    check_pod_resources,
     check_request,
     container_slot,
     cpus_or_empty,
@@ -177,6 +178,7 @@ class MixedCpuPlugin(
             return None
         try:
             plan = plan_create(self.shared, pod, container, numa_nodes=self.pool.numa_nodes)
+            check_pod_resources(pod)
         except PolicyError as exc:
             log.warning(
                 "refused shared CPUs", reason=str(exc), **pod_fields(pod, container, event="CreateContainer")
@@ -271,6 +273,7 @@ class MixedCpuPlugin(
         self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
     ) -> Sequence[api.ContainerUpdate]:
         previous = self.books
+        pods = [_without_hostile_pod_resources(pod) for pod in pods]
         rebuilt = rebuild_books(
             self.shared, previous, pods, containers, self._check_at_sync, numa_nodes=self.pool.numa_nodes
         )
@@ -357,6 +360,20 @@ class MixedCpuPlugin(
             )
         if key in self.books.pods:
             self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
+
+
+def _without_hostile_pod_resources(pod: api.PodSandbox) -> api.PodSandbox:
+    """`pod`, or at Synchronize a copy without its ``pod_resources`` and ``pod_overhead`` when they are
+    outside the kernel's ranges (logged): its baseline then comes from its cgroup, as for a runtime
+    that sends none."""
+    try:
+        check_pod_resources(pod)
+    except PolicyError as exc:
+        log.error("pod_resources ignored", reason=str(exc), **pod_fields(pod, event="Synchronize"))
+        pod = api.PodSandbox.FromString(pod.SerializeToString())
+        pod.linux.ClearField("pod_resources")
+        pod.linux.ClearField("pod_overhead")
+    return pod
 
 
 def _log_fallback(choice: SharedChoice, pod: api.PodSandbox, container: api.Container, event: str) -> None:

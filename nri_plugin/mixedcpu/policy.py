@@ -57,6 +57,7 @@ __all__ = [
     "SyncPlan",
     "UpdatePlan",
     "baseline_from_pod_resources",
+    "check_pod_resources",
     "check_request",
     "choose_shared",
     "container_slot",
@@ -561,9 +562,47 @@ def pod_quota_target(baseline: int | None, period: int, shared_counts: Iterable[
     return baseline + sum(shared_counts) * period
 
 
+# The kernel's CFS bounds (kernel/sched/core.c): a period of 1 ms to 1 s; a quota of at least 1 ms and
+# at most 2^44 - 1 us, or -1 for none. 0 in NRI's messages means "not given".
+MIN_CFS_PERIOD: Final = 1_000
+MAX_CFS_PERIOD: Final = 1_000_000
+MIN_CFS_QUOTA: Final = 1_000
+MAX_CFS_QUOTA: Final = (1 << 44) - 1
+
+
+def check_pod_resources(pod: api.PodSandbox) -> None:
+    """`PolicyError` (a node problem: the runtime sent it) when ``pod_resources`` or ``pod_overhead``
+    carries a CFS period or quota outside the kernel's ranges: such values must never reach the pod
+    quota's arithmetic (a period of 1 us would multiply the pod's quota by 100,000)."""
+    linux = pod.linux
+    for name in ("pod_resources", "pod_overhead"):
+        if not linux.HasField(name):
+            continue
+        cpu = getattr(linux, name).cpu
+        period = cpu.period.value if cpu.HasField("period") else 0
+        if period and not MIN_CFS_PERIOD <= period <= MAX_CFS_PERIOD:
+            raise _out_of_range(pod, name, f"a CFS period of {period} us", "1000 to 1000000 us")
+        quota = cpu.quota.value if cpu.HasField("quota") else 0
+        if quota not in (0, -1) and not MIN_CFS_QUOTA <= quota <= MAX_CFS_QUOTA:
+            raise _out_of_range(
+                pod, name, f"a CFS quota of {quota} us", f"-1 (no limit) or 1000 to {MAX_CFS_QUOTA} us"
+            )
+
+
+def _out_of_range(pod: api.PodSandbox, name: str, what: str, allowed: str) -> PolicyError:
+    return PolicyError(
+        f"pod {describe(pod)}: the runtime sent {name} with {what}, outside the kernel's range "
+        f"({allowed}); its pod quota cannot be computed from that: check the runtime and its NRI "
+        "version",
+        kind="node",
+    )
+
+
 def baseline_from_pod_resources(pod: api.PodSandbox, period: int) -> int | None:
     """The pod's own quota from ``pod_resources`` (+ ``pod_overhead``) in microseconds per `period`
-    (the pod cgroup's), or None when the runtime did not send a limited quota."""
+    (the pod cgroup's), or None when the runtime did not send a limited quota. `PolicyError` when
+    those values are outside the kernel's ranges (`check_pod_resources`)."""
+    check_pod_resources(pod)
     linux = pod.linux
     if not linux.HasField("pod_resources") or not _limited(linux.pod_resources.cpu):
         return None
