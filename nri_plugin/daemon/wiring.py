@@ -188,7 +188,7 @@ def build_stub(
 ) -> Stub:
     """The NRI stub serving `plugin`: name and index from the options, else the environment, else the
     config; the socket from the options, else the config. Raises `StubError`."""
-    return Stub(
+    stub = Stub(
         plugin,
         name=options.plugin_name or environ.get("NRI_PLUGIN_NAME") or config.plugin_name,
         index=options.plugin_index or environ.get("NRI_PLUGIN_IDX") or config.plugin_index,
@@ -196,6 +196,8 @@ def build_stub(
         reconnect=options.reconnect,
         observer=observer,
     )
+    stub.max_sync_bytes = config.max_synchronize_mib << 20
+    return stub
 
 
 def build_device_plugin(
