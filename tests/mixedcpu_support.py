@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.policy import SharedPool
 from nri_plugin.mixedcpu.quota import CgroupObserver
@@ -188,6 +189,7 @@ def make_plugin(
     trust_marker: bool = True,
     observer: CgroupObserver | None = None,
     clock: Clock = LOOP_CLOCK,
+    allocations: AllocationRecord | None = None,
 ) -> tuple[MixedCpuPlugin, HostKey]:
     key = load_or_create_host_key(state_dir)
     plugin = MixedCpuPlugin(
@@ -196,10 +198,36 @@ def make_plugin(
         store=StateStore(state_dir, fsync=False),
         marker_key=key if trust_marker else None,
         trust_pod_annotation=trust_pod_annotation,
+        allocations=allocations,
         observer=observer,
         clock=clock,
     )
     return plugin, key
+
+
+class FakeKubeletRecord:
+    """kubelet's record of device allocations, in memory (an `AllocationRecord`): `allocate` what
+    kubelet admitted; `reachable = False` makes every lookup answer "cannot be asked"."""
+
+    def __init__(self) -> None:
+        self.pods: dict[tuple[str, str], dict[str, frozenset[str]]] = {}
+        self.reachable = True
+        self.asked = 0
+
+    def allocate(self, pod: api.PodSandbox, container: str, device: str) -> None:
+        containers = self.pods.setdefault((pod.namespace, pod.name), {})
+        containers[container] = containers.get(container, frozenset()) | {device}
+
+    def forget(self, pod: api.PodSandbox) -> None:
+        self.pods.pop((pod.namespace, pod.name), None)
+
+    async def pod_allocations(self, namespace: str, name: str) -> Mapping[str, frozenset[str]] | None:
+        self.asked += 1
+        return dict(self.pods.get((namespace, name), {})) if self.reachable else None
+
+    async def node_allocations(self) -> Mapping[tuple[str, str], Mapping[str, frozenset[str]]] | None:
+        self.asked += 1
+        return {ref: dict(containers) for ref, containers in self.pods.items()} if self.reachable else None
 
 
 @contextlib.asynccontextmanager

@@ -5,7 +5,8 @@
    one-daemon lock in state_dir (`nri_plugin.daemon.instance`), before any file there is read;
 2. the metrics, first of the parts: each part that reports to them is built with them as its
    observer (none is given one afterwards);
-3. the node's marker key, then the mixed-CPU plugin (which checks markers with it);
+3. the node's marker key, kubelet's PodResources client (the record that proves a marker's
+   holder), then the mixed-CPU plugin (which checks markers with both);
 4. the NRI stub serving that plugin;
 5. the kubelet device plugin (which signs markers with the same key);
 6. the probe server, and the gauges bound to the parts they read at scrape time.
@@ -40,7 +41,9 @@ from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import ProbeError, ProbeServer, readiness
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.deviceplugin.podresources import PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
+from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.policy import SharedPool, shared_by_node
 from nri_plugin.mixedcpu.store import StateStore
@@ -49,6 +52,7 @@ from nri_plugin.nri.stub import Stub, StubError
 __all__ = [
     "RunOptions",
     "bind_gauges",
+    "build_allocation_record",
     "build_daemon",
     "build_device_plugin",
     "build_metrics",
@@ -88,7 +92,8 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         take_instance_lock(config)
         metrics = build_metrics(config)
         key = load_marker_key(config)
-        plugin = build_plugin(config, layout, key, observer=metrics)
+        record = build_allocation_record(config, key, observer=metrics)
+        plugin = build_plugin(config, layout, key, allocations=record, observer=metrics)
     except ConfigError as exc:
         raise DaemonError(str(exc), EXIT_CONFIG) from None
     try:
@@ -141,10 +146,31 @@ def load_marker_key(config: Config) -> HostKey | None:
         raise _state_dir_error(config, exc) from None
 
 
+def build_allocation_record(
+    config: Config, key: HostKey | None, *, observer: Metrics | None = None
+) -> PodResourcesClient | None:
+    """kubelet's PodResources client, when our device plugin's markers are trusted and
+    [device_plugin] pod_resources_socket is set; it says at once whether it can be asked."""
+    device_plugin = config.device_plugin
+    if key is None or not device_plugin.enabled or device_plugin.pod_resources_socket is None:
+        return None
+    record = PodResourcesClient(
+        str(device_plugin.pod_resources_socket), device_plugin.resource_name, observer=observer
+    )
+    record.log_start()
+    return record
+
+
 def build_plugin(
-    config: Config, layout: CgroupLayout, key: HostKey | None, *, observer: Metrics | None = None
+    config: Config,
+    layout: CgroupLayout,
+    key: HostKey | None,
+    *,
+    allocations: AllocationRecord | None = None,
+    observer: Metrics | None = None,
 ) -> MixedCpuPlugin:
-    """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir.
+    """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir, asking
+    `allocations` (kubelet's record) about the markers it is shown.
     Raises `ConfigError` when state_dir (or, with numa_local_shared_cpus, sysfs_root) cannot be used."""
     pool = shared_pool(config)
     try:
@@ -154,6 +180,7 @@ def build_plugin(
             store=StateStore(config.state_dir),
             marker_key=key,
             trust_pod_annotation=config.trust_pod_annotation,
+            allocations=allocations,
             observer=observer,
         )
     except OSError as exc:
@@ -229,6 +256,9 @@ def bind_gauges(
     metrics.track(nri_ready=stub.ready.is_set, shared_containers=lambda: plugin.shared_containers)
     if device_plugin is not None:
         metrics.track(kubelet_registered=lambda: device_plugin.registered)
+    record = plugin.allocations
+    if isinstance(record, PodResourcesClient):
+        metrics.track(pod_resources_reachable=lambda: record.answering)
 
 
 def _log_start(config: Config, layout: CgroupLayout, stub: Stub) -> None:

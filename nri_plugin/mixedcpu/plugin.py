@@ -4,7 +4,8 @@ The stub drives one `MixedCpuPlugin`. Each handler decides with the policy, then
 cgroup's quota to `quota.PodQuotas`, the books and their state file to `store.Bookkeeper`,
 Synchronize's rebuilding of the books to `resync`. What it does per event:
 
-* **CreateContainer** of a container that proves a request: the pod's quota is raised before the
+* **CreateContainer** of a container that proves a request (with an allocation marker: kubelet's
+  own record is asked first, `allocations`): the pod's quota is raised before the
   reply, the books saved, and the adjustment goes back. A request that cannot be honoured, or a pod
   cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors` refusal (the stub
   answers the runtime with its status code): nothing is left half-configured.
@@ -31,6 +32,7 @@ import structlog
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, format_cpuset
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
+from nri_plugin.mixedcpu.allocations import AllocationRecord, ContainerDevices, PodRef, devices_of
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import (
@@ -55,7 +57,7 @@ from nri_plugin.mixedcpu.store import Bookkeeper, StateStore
 from nri_plugin.nri import handlers
 from nri_plugin.nri.errors import InvalidRequest, PluginRefusal, PreconditionFailed
 
-__all__ = ["CgroupObserver", "MixedCpuPlugin"]
+__all__ = ["AllocationRecord", "CgroupObserver", "MixedCpuPlugin"]
 
 log = structlog.get_logger(LOGGER_NAME)
 
@@ -80,8 +82,10 @@ class MixedCpuPlugin(
 
     `shared`: the node's shared CPUs, or a `SharedPool` that also gives their NUMA nodes when each
     container is to get only those local to its exclusive CPUs. `marker_key` checks device-plugin
-    markers (None: markers are not a trusted source); `books` replaces the ones `store` holds (tests);
-    `clock` runs the retry and deferred-save timers.
+    markers (None: markers are not a trusted source); `allocations` is kubelet's record of device
+    allocations, asked for every container that presents a marker (None: the marker binding alone
+    proves, as when kubelet cannot be asked); `clock` runs the retry and deferred-save timers.
+    Replace the books `store` holds through the `books` property (tests).
     """
 
     def __init__(
@@ -92,7 +96,7 @@ class MixedCpuPlugin(
         store: StateStore,
         marker_key: MarkerKey | None,
         trust_pod_annotation: bool = False,
-        books: Books | None = None,
+        allocations: AllocationRecord | None = None,
         observer: CgroupObserver | None = None,
         clock: Clock = LOOP_CLOCK,
     ) -> None:
@@ -100,8 +104,9 @@ class MixedCpuPlugin(
         self.shared = self.pool.cpus
         self.marker_key = marker_key
         self.trust_pod_annotation = trust_pod_annotation
+        self.allocations = allocations
         self.runtime = ""
-        self.keeper = Bookkeeper(store, books, clock=clock)
+        self.keeper = Bookkeeper(store, clock=clock)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
 
     @property
@@ -159,6 +164,7 @@ class MixedCpuPlugin(
     async def create_container(
         self, pod: api.PodSandbox, container: api.Container
     ) -> api.CreateContainerResponse | None:
+        kubelet = await self._kubelet_devices(pod, container)  # first: no await once the books change
         slot = container_slot(pod, container)
         saved = self.books.pods.get(slot.pod)
         if saved is not None and saved.baseline_source == "unknown":
@@ -171,7 +177,7 @@ class MixedCpuPlugin(
                 previous_id=displaced.id,
                 **pod_fields(pod, container, event="CreateContainer"),
             )
-        check = self._check(pod, container, event="CreateContainer")
+        check = self._check(pod, container, event="CreateContainer", kubelet=kubelet)
         if check.proof is None:
             log.debug("no request for shared CPUs", **pod_fields(pod, container, event="CreateContainer"))
             self._settle_displaced(displaced, pod)
@@ -272,10 +278,18 @@ class MixedCpuPlugin(
     async def synchronize(
         self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
     ) -> Sequence[api.ContainerUpdate]:
+        node = await self._node_allocations(containers)
         previous = self.books
         pods = [_without_hostile_pod_resources(pod) for pod in pods]
+
+        def check_at_sync(
+            pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot]
+        ) -> RequestCheck:
+            kubelet = None if node is None else devices_of(node, pod.namespace, pod.name, container.name)
+            return self._check(pod, container, holders, event="Synchronize", kubelet=kubelet)
+
         rebuilt = rebuild_books(
-            self.shared, previous, pods, containers, self._check_at_sync, numa_nodes=self.pool.numa_nodes
+            self.shared, previous, pods, containers, check_at_sync, numa_nodes=self.pool.numa_nodes
         )
         present = {pod_key(pod): pod for pod in pods}
         failed = self.quotas.sync_pods(present, rebuilt.books, previous, rebuilt.applied)
@@ -293,8 +307,10 @@ class MixedCpuPlugin(
         holders: Mapping[str, Slot] | None = None,
         *,
         event: str,
+        kubelet: frozenset[str] | None = None,
     ) -> RequestCheck:
-        """The policy's verdict on the container's request, its refusals and notes logged."""
+        """The policy's verdict on the container's request (`kubelet`: the device ids kubelet's record
+        gives it, None when not asked), its refusals and notes logged."""
         if holders is None:
             holders = self.books.device_holders() if MARKER_ANNOTATION in container.annotations else {}
         check = check_request(
@@ -303,6 +319,7 @@ class MixedCpuPlugin(
             marker_key=self.marker_key,
             trust_pod_annotation=self.trust_pod_annotation,
             device_holders=holders,
+            kubelet_devices=kubelet,
         )
         for refusal in check.refusals:
             log.warning("request refused", reason=refusal, **pod_fields(pod, container, event=event))
@@ -310,10 +327,27 @@ class MixedCpuPlugin(
             log.info("request evidence ignored", reason=note, **pod_fields(pod, container, event=event))
         return check
 
-    def _check_at_sync(
-        self, pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot]
-    ) -> RequestCheck:
-        return self._check(pod, container, holders, event="Synchronize")
+    async def _kubelet_devices(self, pod: api.PodSandbox, container: api.Container) -> frozenset[str] | None:
+        """What kubelet's record says it allocated to a container that presents a marker; None when
+        there is nothing to ask (no marker, markers not trusted, no record) or kubelet cannot answer."""
+        if (
+            self.allocations is None
+            or self.marker_key is None
+            or MARKER_ANNOTATION not in container.annotations
+        ):
+            return None
+        found = await self.allocations.pod_allocations(pod.namespace, pod.name)
+        return None if found is None else found.get(container.name, frozenset())
+
+    async def _node_allocations(
+        self, containers: Sequence[api.Container]
+    ) -> Mapping[PodRef, ContainerDevices] | None:
+        """kubelet's record for the whole node, when some container presents a marker to check."""
+        if self.allocations is None or self.marker_key is None:
+            return None
+        if not any(MARKER_ANNOTATION in container.annotations for container in containers):
+            return None
+        return await self.allocations.node_allocations()
 
     def _follow_update(
         self,

@@ -2,10 +2,14 @@
 
 Who gets shared CPUs: a container whose request is *proven* by a trusted source (`check_request`):
 
-* the device plugin's allocation marker in ``container.annotations`` — verified with the node's
-  `HostKey`; a forged value is refused, and so is a valid one whose device id is bound to another
-  slot (pod and container name, see `nri_plugin.mixedcpu.books`; bound from the first presentation
-  until that pod's sandbox stops), running or not: a replay;
+* the device plugin's allocation marker in ``container.annotations``, backed by kubelet's own record
+  when it can be asked (`nri_plugin.mixedcpu.allocations`): the device ids kubelet's PodResources API
+  says it allocated to this very container are the proof, and a marker on a container kubelet gave
+  none is refused, however valid its signature (replayed, harvested from kubelet's checkpoint, or
+  planted). When kubelet cannot be asked, the marker alone: verified with the node's `HostKey`; a
+  forged value is refused, and so is a valid one whose device id is bound to another slot (pod and
+  container name, see `nri_plugin.mixedcpu.books`; bound from the first presentation until that
+  pod's sandbox stops), running or not: a replay;
 * when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
   that OpenShift's admission plugin adds.
 
@@ -129,10 +133,12 @@ def describe(pod: api.PodSandbox, container: api.Container | None = None) -> str
 class Proof:
     """Why we believe the container asked for shared CPUs."""
 
-    source: Literal["device-plugin", "pod-annotation"]
+    source: Literal["device-plugin", "kubelet", "pod-annotation"]
     device: str | None = None
 
     def __str__(self) -> str:
+        if self.source == "kubelet":
+            return f"kubelet's allocation ({self.device})"
         return f"device-plugin marker ({self.device})" if self.device else "pod annotation"
 
 
@@ -160,16 +166,22 @@ def check_request(
     marker_key: MarkerKey | None,
     trust_pod_annotation: bool,
     device_holders: Mapping[str, Slot],
+    kubelet_devices: frozenset[str] | None = None,
 ) -> RequestCheck:
     """Does a trusted source prove that this container asked for shared CPUs?
 
     `marker_key` is None when the device-plugin marker is not a trusted source. `device_holders`
-    maps device ids to the slots they are bound to (`Books.device_holders`). The marker is looked at
+    maps device ids to the slots they are bound to (`Books.device_holders`). `kubelet_devices`: the
+    device ids of our resource kubelet's record says it allocated to this container, or None when
+    kubelet could not be asked (then the marker and its binding decide). The marker is looked at
     first, then the pod annotation; the env only when neither proves anything.
     """
     notes: list[str] = []
     refusals: list[str] = []
-    proof = _marker_proof(pod, container, marker_key, device_holders, notes, refusals)
+    if kubelet_devices is not None and marker_key is not None:
+        proof = _kubelet_proof(pod, container, kubelet_devices, refusals)
+    else:
+        proof = _marker_proof(pod, container, marker_key, device_holders, notes, refusals)
     if proof is None:
         proof = _annotation_proof(pod, container, trust_pod_annotation, notes)
     if proof is None:
@@ -207,6 +219,22 @@ def _marker_proof(
         )
         return None
     return Proof("device-plugin", device)
+
+
+def _kubelet_proof(
+    pod: api.PodSandbox, container: api.Container, devices: frozenset[str], refusals: list[str]
+) -> Proof | None:
+    """kubelet's record as the proof of a container that presents a marker: the device kubelet
+    allocated to it, whatever the marker says; none allocated: the marker is refused."""
+    if MARKER_ANNOTATION not in container.annotations:
+        return None
+    if devices:
+        return Proof("kubelet", min(devices))
+    refusals.append(
+        f"refused the {MARKER_ANNOTATION} annotation: kubelet's record shows no shared-CPUs device "
+        f"allocated to container {describe(pod, container)} (a replayed, harvested or planted marker)"
+    )
+    return None
 
 
 def _annotation_proof(
