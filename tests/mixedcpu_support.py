@@ -283,10 +283,10 @@ def write_daemon_config(
     daemon logs the one it bound). `extra`: more top-level lines; `device_plugin_extra`: more lines
     of the ``[device_plugin]`` table."""
     online = directory / "sys" / "devices" / "system" / "cpu"
-    online.mkdir(parents=True)
+    online.mkdir(parents=True, exist_ok=True)  # (again for a restarted daemon)
     (online / "online").write_text("0-3\n")
-    (directory / "cgroup" / "cpu").mkdir(parents=True)
-    (directory / "cgroup" / "cpuset").mkdir(parents=True)
+    (directory / "cgroup" / "cpu").mkdir(parents=True, exist_ok=True)
+    (directory / "cgroup" / "cpuset").mkdir(parents=True, exist_ok=True)
     config = directory / "config.toml"
     config.write_text(
         f'shared_cpuset = "0-1"\nsysfs_root = "{directory}/sys"\nstate_dir = "{directory}/state"\n'
