@@ -38,7 +38,8 @@ def test_a_socket_there_says_nothing() -> None:
     [
         (
             'pod_resources_socket = "{root}/pr/kubelet.sock"\n',
-            "{root}/pr/kubelet.sock does not exist: the allocation marker alone proves requests for shared CPUs",
+            "{root}/pr/kubelet.sock does not exist: the allocation marker alone proves requests for "
+            "shared CPUs",
             "mount kubelet's pod-resources directory (the directory, not the socket) and point "
             "[device_plugin] pod_resources_socket at the socket in it",
         ),
