@@ -5,7 +5,8 @@ and refused every shared creation.
 Now the file is opened like the marker key (no link followed, non-blocking, regular files only, at most
 `MAX_STATE_SIZE` bytes), and one that fails that is set aside (renamed ``pod-quotas.json.refused-*``,
 logged) and the books rebuilt from Synchronize: the daemon starts at once, and its next save works.
-Only a file that cannot even be set aside stops the start, with exit status 2 and one line.
+Only a file that cannot even be set aside stops the start, with exit status 2 and one line. A FIFO
+in place of a pod's quota file is refused at once instead of blocking the event loop.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from nri_plugin.daemon.instance import LOCK_FILE_NAME
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.mixedcpu.books import Books, PodRecord
 from nri_plugin.mixedcpu.store import MAX_STATE_SIZE, STATE_FILE_NAME, StateFileError, StateStore
+from nri_plugin.nri.simulator import PluginFailed
 
 
 def _fifo(path: Path) -> None:
@@ -173,3 +175,29 @@ def test_run_exits_2_with_one_line_when_the_file_cannot_be_set_aside() -> None:
         [line] = result.stderr.splitlines()
         assert line.startswith(f"error: {config}: state_dir: {state / STATE_FILE_NAME} is a FIFO")
         assert "cannot be set aside" in line
+
+
+@pytest.mark.asyncio
+async def test_a_fifo_in_place_of_a_pod_quota_file_never_blocks_the_daemon() -> None:
+    """A FIFO in place of a quota file blocked the daemon's event loop: now the creation is refused at
+    once with the file named, and the daemon serves the next request."""
+    with short_directory("st-") as root:
+        async with daemon_node(root) as node:
+            pod = node.pod("1111-aaaa", "fifo")
+            quota_file = Path(node.tree.pod_dir(pod).fs_path, "cpu.cfs_quota_us")
+            os.unlink(quota_file)
+            os.mkfifo(quota_file)
+            writer = os.open(quota_file, os.O_RDWR | os.O_NONBLOCK)  # a writer that never writes
+            try:
+                started = time.monotonic()
+                with pytest.raises(PluginFailed) as info:
+                    await node.create(pod, "c1", "fwd", annotations=marker(node.key, "shared-cpus-0"))
+                assert time.monotonic() - started < 2.0
+                assert info.value.code == 9  # FailedPrecondition
+                assert f"{quota_file}: not a regular file" in info.value.message
+                other = node.pod("2222-bbbb", "other")
+                assert is_shared(
+                    await node.create(other, "c2", "fwd", annotations=marker(node.key, "shared-cpus-1"))
+                )
+            finally:
+                os.close(writer)
