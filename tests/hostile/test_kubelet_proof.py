@@ -80,6 +80,7 @@ def test_every_replay_case_of_the_spoof_suite_gets_nothing(tmp_path: Path) -> No
         thieves.create(thief, node.container(thief, "t-3", "copy", annotations=stolen))  # holder removed
         # Another device's marker, valid, on a container kubelet gave nothing.
         thieves.create(thief, node.container(thief, "t-4", "copy", annotations=node.marker("shared-cpus-5")))
+        print(f"\nreplay cases with kubelet's record: {thieves.attempts} attempts, {thieves.grants} grants")
         assert (thieves.attempts, thieves.grants) == (6, 0)
         assert node.tree.pod_quota(thief) == 2 * PERIOD
         # The rightful holder's restart is accepted: kubelet's record still gives it the device.
@@ -122,6 +123,9 @@ def test_hostile_combinations_with_a_replayed_marker_get_nothing(tmp_path: Path)
             thieves.grants += granted("CreateContainer", reply)
 
         check()
+        print(
+            f"\nhypothesis replays with kubelet's record: {thieves.attempts} attempts, {thieves.grants} grants"
+        )
         assert thieves.attempts >= 80
         assert thieves.grants == 0
 
