@@ -124,7 +124,7 @@ def test_hostile_combinations_with_a_replayed_marker_get_nothing(tmp_path: Path)
 
         check()
         print(
-            f"\nhypothesis replays with kubelet's record: {thieves.attempts} attempts, {thieves.grants} grants"
+            f"\nhypothesis replays, kubelet asked: {thieves.attempts} attempts, {thieves.grants} grants"
         )
         assert thieves.attempts >= 80
         assert thieves.grants == 0
