@@ -106,6 +106,8 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         bind_gauges(metrics, stub, plugin, device_plugin)
     _log_start(config, layout, stub)
     _log_numa(plugin.pool)
+    if record is not None:
+        record.log_start()
     # Started in this order and closed in the reverse: a port already taken fails the start before
     # kubelet or the runtime ever see us.
     services: list[Service] = [part for part in (probes, device_plugin) if part is not None]
@@ -150,15 +152,14 @@ def build_allocation_record(
     config: Config, key: HostKey | None, *, observer: Metrics | None = None
 ) -> PodResourcesClient | None:
     """kubelet's PodResources client, when our device plugin's markers are trusted and
-    [device_plugin] pod_resources_socket is set; it says at once whether it can be asked."""
+    [device_plugin] pod_resources_socket is set (whether it can be asked is logged once the whole
+    daemon is built)."""
     device_plugin = config.device_plugin
     if key is None or not device_plugin.enabled or device_plugin.pod_resources_socket is None:
         return None
-    record = PodResourcesClient(
+    return PodResourcesClient(
         str(device_plugin.pod_resources_socket), device_plugin.resource_name, observer=observer
     )
-    record.log_start()
-    return record
 
 
 def build_plugin(
