@@ -55,6 +55,8 @@ CACHE_TTL: Final = 2.0
 # kubelet answers Get with these (status Unknown) when the feature gate is off or the pod unknown.
 _GET_DISABLED: Final = "Get method disabled"
 _NOT_FOUND: Final = " not found"
+# Remembered pods past this many: the stale ones are forgotten.
+_PRUNE_AT: Final = 256
 # Each lookup dials afresh (see the module docstring), never through a shared subchannel.
 _FRESH_CONNECTION: Final = (("grpc.use_local_subchannel_pool", 1),)
 
@@ -222,8 +224,12 @@ class PodResourcesClient:
         return found
 
     def _remember(self, ref: PodRef, devices: ContainerDevices) -> None:
+        now = self.clock.monotonic()
+        if len(self._pods) >= _PRUNE_AT:  # pods come and go: forget the ones no longer fresh
+            for stale in [key for key, (at, _) in self._pods.items() if now - at >= self.ttl]:
+                del self._pods[stale]
         if devices:
-            self._pods[ref] = (self.clock.monotonic(), devices)
+            self._pods[ref] = (now, devices)
         else:
             self._pods.pop(ref, None)
 

@@ -183,3 +183,21 @@ async def test_concurrent_lookups_each_get_an_answer(record: PodResourcesRecord,
     asked, _ = client(directory / "kubelet.sock", ttl=0.0)
     answers = await asyncio.gather(*(asked.pod_allocations("ns", "fwd") for _ in range(8)))
     assert answers == [{"main": frozenset({"shared-cpus-3"})}] * 8
+
+
+@pytest.mark.asyncio
+async def test_what_is_remembered_stays_bounded(directory: Path) -> None:
+    served = PodResourcesRecord(directory / "kubelet.sock")
+    for i in range(600):
+        served.assign("ns", f"pod-{i}", "main", RESOURCE, f"shared-cpus-{i}")
+    await served.start()
+    try:
+        clock = ManualClock()
+        asked, _ = client(directory / "kubelet.sock", clock=clock, ttl=2.0)
+        for i in range(600):
+            assert await asked.pod_allocations("ns", f"pod-{i}") == {"main": frozenset({f"shared-cpus-{i}"})}
+            if i % 100 == 99:
+                await clock.advance(2.0)
+        assert len(asked._pods) <= 256 + 100
+    finally:
+        await served.stop()
