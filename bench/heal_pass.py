@@ -27,7 +27,7 @@ import structlog
 from workload import already_shared, fake_node, lean_container, lean_pod
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy, read_layout
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 
 SHARED_CPUS = frozenset({0, 1})
@@ -41,8 +41,7 @@ async def pass_seconds(layout: CgroupLayout, parents: list[str], state_dir: str,
         shared=SHARED_CPUS,
         layout=layout,
         store=StateStore(state_dir, fsync=False),
-        marker_key=None,
-        trust_pod_annotation=True,
+        trusted=TrustedSources(pod_annotation=True),
     )
     pods, containers = [], []
     for n, parent in enumerate(parents):

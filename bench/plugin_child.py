@@ -22,7 +22,7 @@ import structlog
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.common.backoff import Backoff
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
 
@@ -39,8 +39,7 @@ def bench_plugin(cgroup_root: str, state_dir: str) -> MixedCpuPlugin:
         shared=SHARED_CPUS,
         layout=layout,
         store=StateStore(state_dir),
-        marker_key=None,
-        trust_pod_annotation=True,
+        trusted=TrustedSources(pod_annotation=True),
     )
 
 

@@ -10,6 +10,9 @@ Rules kept by every function here:
   call) or an `OpenCgroup` (walked to once, then any number of reads and writes through the one
   descriptor: `open_cgroup`);
 * files are opened as they are, never created (no ``O_CREAT``): a missing file is `CgroupNotFound`;
+  and never waited on (``O_NONBLOCK``): what is opened must be a regular file, as every cgroup file
+  is, else it is refused (a FIFO or device in a fake or tampered tree would otherwise block the
+  caller's event loop, or feed it without end);
 * values are written with one ``os.write`` on the open file (a fake tree's regular file, left
   longer than the new value, is then cut to it); no shell, no subprocess;
 * errors are typed (see `errors.py`) and name the file, the value and, where it helps, the fix.
@@ -83,12 +86,18 @@ MAX_READ: Final = 64 * 1024
 _FIRST_READ: Final = 4096
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK changes nothing for a regular file (cgroup files are); it keeps a FIFO put in a file's
+# place from blocking the open, and O_NOCTTY a terminal device from becoming ours.
+_READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 # No O_TRUNC: it does nothing on a cgroup filesystem, and on a fake tree's ext4 file it costs ~20
 # times the write itself (a journalled truncation to 0 and a flush at close: 145 us against 7 us).
 # A fake tree's file is cut after the write instead, when it still holds more than the new value.
-_WRITE_FLAGS: Final = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WRITE_FLAGS: Final = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 
+_NOT_REGULAR: Final = (
+    "not a regular file (a FIFO, socket or device where a cgroup file was expected); the cgroup tree "
+    "has been tampered with, or cgroup_root points at something else"
+)
 _PERMISSION_ERRNOS: Final = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 _PERMISSION_HINT: Final = (
     "the plugin needs root (CAP_SYS_ADMIN) and the host's /sys/fs/cgroup mounted read-write"
@@ -148,6 +157,8 @@ def _open_error(exc: OSError, path: str, dir_fd: int | None = None, name: str = 
         )
     if code == errno.EISDIR:
         reason = "a directory where a cgroup file was expected"
+    elif code == errno.ENXIO:  # O_WRONLY | O_NONBLOCK on a FIFO nobody reads
+        reason = _NOT_REGULAR
     return CgroupError(f"cannot open {path}: {reason}", path=path, errno=code)
 
 
@@ -163,6 +174,23 @@ def _open_at(dir_fd: int, name: str, flags: int, path: Callable[[], str]) -> int
         return os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:
         raise _open_error(exc, path(), dir_fd, name) from exc
+
+
+def _check_regular(fd: int, path: Callable[[], str]) -> None:
+    """Refuse (closing `fd`) anything but a regular file: a cgroup file always is one."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        os.close(fd)
+        raise _io_error(exc, path(), "inspect") from exc
+    if stat.S_ISREG(mode):
+        return
+    os.close(fd)
+    where = path()
+    if stat.S_ISDIR(mode):
+        error = OSError(errno.EISDIR, os.strerror(errno.EISDIR))
+        raise _io_error(error, where, "use")
+    raise CgroupError(f"cannot use {where}: {_NOT_REGULAR}", path=where)
 
 
 def _open_dir(cgroup: CgroupDir) -> int:
@@ -272,12 +300,15 @@ def _open_file(cgroup: Cgroup, name: str, flags: int) -> int:
         return os.path.join(cgroup.fs_path, name)
 
     if isinstance(cgroup, OpenCgroup):
-        return _open_at(cgroup.fileno(), name, flags, path)
-    dir_fd = _open_dir(cgroup)
-    try:
-        return _open_at(dir_fd, name, flags, path)
-    finally:
-        os.close(dir_fd)
+        fd = _open_at(cgroup.fileno(), name, flags, path)
+    else:
+        dir_fd = _open_dir(cgroup)
+        try:
+            fd = _open_at(dir_fd, name, flags, path)
+        finally:
+            os.close(dir_fd)
+    _check_regular(fd, path)
+    return fd
 
 
 def _io_error(exc: OSError, path: str, action: str) -> CgroupError:

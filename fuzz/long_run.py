@@ -72,7 +72,7 @@ from cgroups import CgroupLayout, CgroupMode, Hierarchy  # noqa: E402
 from nri_plugin.daemon.config import ConfigError, load_config  # noqa: E402
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key  # noqa: E402
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey  # noqa: E402
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin  # noqa: E402
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources  # noqa: E402
 from nri_plugin.mixedcpu.store import StateStore  # noqa: E402
 from nri_plugin.nri.mux import MAX_PAYLOAD  # noqa: E402
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub  # noqa: E402
@@ -390,8 +390,7 @@ class Fuzzer:
             shared=frozenset({0, 1}),
             layout=layout,
             store=StateStore(self.state_dir, fsync=False),
-            marker_key=self.key,
-            trust_pod_annotation=self.rng.random() < 0.3,
+            trusted=TrustedSources(self.key, pod_annotation=self.rng.random() < 0.3),
         )
         self.stub = Stub(self.plugin, name="fuzz", index="10", socket_path="/nonexistent", reconnect=False)
         self._new_server()

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,8 @@ from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, PluginObserver
+from nri_plugin.mixedcpu.allocations import AllocationRecord
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, PluginObserver, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
@@ -188,19 +189,44 @@ def make_plugin(
     observer: PluginObserver | None = None,
     clock: Clock = LOOP_CLOCK,
     reconcile_interval: float | None = None,
+    allocations: AllocationRecord | None = None,
 ) -> tuple[MixedCpuPlugin, HostKey]:
     key = load_or_create_host_key(state_dir)
     plugin = MixedCpuPlugin(
         shared=shared,
         layout=layout,
         store=StateStore(state_dir, fsync=False),
-        marker_key=key if trust_marker else None,
-        trust_pod_annotation=trust_pod_annotation,
+        trusted=TrustedSources(key if trust_marker else None, trust_pod_annotation, allocations),
         observer=observer,
         clock=clock,
         reconcile_interval=reconcile_interval,
     )
     return plugin, key
+
+
+class FakeKubeletRecord:
+    """kubelet's record of device allocations, in memory (an `AllocationRecord`): `allocate` what
+    kubelet admitted; `reachable = False` makes every lookup answer "cannot be asked"."""
+
+    def __init__(self) -> None:
+        self.pods: dict[tuple[str, str], dict[str, frozenset[str]]] = {}
+        self.reachable = True
+        self.asked = 0
+
+    def allocate(self, pod: api.PodSandbox, container: str, device: str) -> None:
+        containers = self.pods.setdefault((pod.namespace, pod.name), {})
+        containers[container] = containers.get(container, frozenset()) | {device}
+
+    def forget(self, pod: api.PodSandbox) -> None:
+        self.pods.pop((pod.namespace, pod.name), None)
+
+    async def pod_allocations(self, namespace: str, name: str) -> Mapping[str, frozenset[str]] | None:
+        self.asked += 1
+        return dict(self.pods.get((namespace, name), {})) if self.reachable else None
+
+    async def node_allocations(self) -> Mapping[tuple[str, str], Mapping[str, frozenset[str]]] | None:
+        self.asked += 1
+        return {ref: dict(containers) for ref, containers in self.pods.items()} if self.reachable else None
 
 
 @contextlib.asynccontextmanager
@@ -241,23 +267,33 @@ def apply_adjustment(container: api.Container, adjust: api.ContainerAdjustment |
 # -- the daemon as a subprocess ----------------------------------------------------------------------------
 
 
-def write_daemon_config(directory: Path, plugin_dir: Path, *, metrics_address: str = "127.0.0.1:0") -> Path:
+def write_daemon_config(
+    directory: Path,
+    plugin_dir: Path,
+    *,
+    metrics_address: str = "127.0.0.1:0",
+    extra: str = "",
+    device_plugin_extra: str = "",
+) -> Path:
     """A config file for ``run`` in ``directory``: shared CPUs 0-1 of online 0-3 (a fake sysfs file), a
     fake cgroup v1 tree (``cgroup/cpu``, ``cgroup/cpuset``), the state dir ``state``, kubelet's
     device-plugin directory ``plugin_dir`` (keep it short: unix socket paths are limited to 107 bytes),
     and metrics and probes on `metrics_address` (by default a free port: daemons run in parallel; the
-    daemon logs the one it bound)."""
+    daemon logs the one it bound). `extra`: more top-level lines; `device_plugin_extra`: more lines
+    of the ``[device_plugin]`` table."""
     online = directory / "sys" / "devices" / "system" / "cpu"
-    online.mkdir(parents=True)
+    online.mkdir(parents=True, exist_ok=True)  # (again for a restarted daemon)
     (online / "online").write_text("0-3\n")
-    (directory / "cgroup" / "cpu").mkdir(parents=True)
-    (directory / "cgroup" / "cpuset").mkdir(parents=True)
+    (directory / "cgroup" / "cpu").mkdir(parents=True, exist_ok=True)
+    (directory / "cgroup" / "cpuset").mkdir(parents=True, exist_ok=True)
     config = directory / "config.toml"
     config.write_text(
         f'shared_cpuset = "0-1"\nsysfs_root = "{directory}/sys"\nstate_dir = "{directory}/state"\n'
         f'cgroup_root = "{directory}/cgroup"\ncgroup_version = "v1"\n'
         f'metrics_address = "{metrics_address}"\n'
+        f"{extra}"
         f'[device_plugin]\nplugin_dir = "{plugin_dir}"\n'
+        f"{device_plugin_extra}"
     )
     return config
 

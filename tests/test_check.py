@@ -47,6 +47,10 @@ class Node:
     def plugin_dir(self) -> Path:
         return self.root / "dp"
 
+    @property
+    def pod_resources(self) -> Path:
+        return self.root / "pr" / "kubelet.sock"
+
     def listen(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -64,6 +68,7 @@ class Node:
             f'state_dir = "{self.root}/state"\n'
             f"{extra}"
             f'[device_plugin]\nplugin_dir = "{self.plugin_dir}"\n'
+            f'pod_resources_socket = "{self.pod_resources}"\n'
         )
         return self.config
 
@@ -86,6 +91,7 @@ def node() -> Iterator[Node]:
     (made.cgroup / "kubepods.slice").mkdir(parents=True)
     made.listen(made.nri_socket)
     made.listen(made.plugin_dir / "kubelet.sock")
+    made.listen(made.pod_resources)
     made.write_config()
     yield made
     for server in made.sockets:
@@ -438,7 +444,7 @@ def test_without_a_config_file_the_node_is_checked_with_the_defaults(
     assert lines[1].startswith(f"FAIL  config                 {missing}: no such file;")
     topics = [line[6:28].strip() for line in lines[1:-1] if not line.startswith(" ")]
     assert topics[:4] == ["config", "shared CPUs", "NRI socket", "cgroups"]
-    assert topics[-2:] == ["state directory", "device-plugin dir"]
+    assert topics[-3:] == ["state directory", "device-plugin dir", "pod-resources API"]
     # Not checkable without shared_cpuset, but the online CPUs to choose from are named.
     assert line_of(lines, "shared CPUs").startswith(
         "WARN  shared CPUs            shared_cpuset is not set (online CPUs: "

@@ -26,6 +26,7 @@ from nri_plugin.nri.mux import (
     PLUGIN_SERVICE_CONN,
     READ_BUFFER_SIZE,
     RUNTIME_SERVICE_CONN,
+    WRITE_HIGH_WATER,
     LocalMuxError,
     MuxDecoder,
     MuxFrame,
@@ -722,3 +723,37 @@ async def test_open_unix_talks_to_a_server(tmp_path: Path) -> None:
         trunk.close()
         await guarded(trunk.wait_closed())
         assert one.lost == two.lost == [None]
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_does_not_read_stops_our_reading(trunk_and_peer: tuple[Trunk, RawPeer]) -> None:
+    """Write backpressure: past WRITE_HIGH_WATER unread bytes the trunk reads no more requests (so it
+    makes no more answers) until the peer has read the backlog down; `drain()` waits for that."""
+
+    class Echo(Recorder):
+        """Answers every piece with 256 KiB."""
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            send(b"a" * (256 * 1024))
+
+    trunk, peer = trunk_and_peer
+    echo = Echo()
+    send = trunk.channel(1, echo)
+    for _ in range(40):  # 40 requests would make 10 MiB of answers
+        peer.writer.write(raw_frame(1, b"q"))
+    await peer.writer.drain()
+    await asyncio.sleep(0.2)
+    assert trunk.writing_paused
+    taken = len(echo.data)
+    assert taken < 40
+    assert trunk._transport is not None
+    assert trunk._transport.get_write_buffer_size() <= WRITE_HIGH_WATER + 2 * 256 * 1024
+    drained = asyncio.ensure_future(trunk.drain())
+    await asyncio.sleep(0.05)
+    assert not drained.done()
+    frames = [await peer.read_frame() for _ in range(2 * 40)]  # each answer: 4 KiB + the rest
+    assert len(echo.data) == 40, "every request is taken once the peer reads"
+    assert sum(len(frame.payload) for frame in frames) == 40 * 256 * 1024
+    await guarded(drained)
+    assert not trunk.writing_paused

@@ -21,6 +21,9 @@ What is checked:
   ``kubepods`` (cgroupfs), compared with the ``cgroupDriver`` of kubelet's config when given;
 * the state directory is root's alone (or can be created): it holds the key that signs requests;
 * kubelet's device-plugin directory is there and ours to write, when the device plugin is enabled;
+* kubelet's pod-resources socket: a warning (one line) when it is not there or not asked, since the
+  allocation marker alone then proves requests (a copied marker is refused only while its device is
+  bound to another container); nothing when it is there;
 * with kubelet's config file (``KubeletConfiguration`` YAML): ``reservedSystemCPUs`` is a cpu list
   kubelet accepts and holds the shared CPUs (else kubelet may hand them out as exclusive CPUs), and
   ``cpuManagerPolicy`` is ``static`` (else no container has exclusive CPUs, and none can ask for
@@ -55,7 +58,8 @@ from nri_plugin.daemon.config import (
     read_numa_nodes,
     state_dir_problem,
 )
-from nri_plugin.deviceplugin.config import DevicePluginConfig
+from nri_plugin.deviceplugin.config import DEFAULT_POD_RESOURCES_SOCKET, DevicePluginConfig
+from nri_plugin.deviceplugin.podresources import socket_state
 from nri_plugin.mixedcpu.policy import shared_by_node
 
 __all__ = [
@@ -68,6 +72,7 @@ __all__ = [
     "check_kubelet_config",
     "check_nri_socket",
     "check_numa_nodes",
+    "check_pod_resources",
     "check_shared_cpus",
     "check_state_dir",
     "drivers_in",
@@ -371,6 +376,32 @@ def check_device_plugin_dir(device_plugin: DevicePluginConfig) -> Finding:
 # -- kubelet's config file -----------------------------------------------------------------------------
 
 
+def check_pod_resources(config: Config) -> Finding | None:
+    """A warning when kubelet's PodResources API cannot prove requests; None when it can (or the
+    device plugin's markers are not in use)."""
+    device_plugin = config.device_plugin
+    if not config.trust_device_plugin_marker or not device_plugin.enabled:
+        return None
+    topic = "pod-resources API"
+    fallback = "the allocation marker alone proves requests for shared CPUs"
+    path = device_plugin.pod_resources_socket
+    if path is None:
+        return _warn(
+            topic,
+            f'[device_plugin] pod_resources_socket = "": {fallback}',
+            f'set pod_resources_socket to kubelet\'s socket, "{DEFAULT_POD_RESOURCES_SOCKET}"',
+        )
+    why = socket_state(str(path))
+    if why is None:
+        return None
+    return _warn(
+        topic,
+        f"{why}: {fallback}",
+        "mount kubelet's pod-resources directory (the directory, not the socket) and point "
+        "[device_plugin] pod_resources_socket at the socket in it",
+    )
+
+
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
         return f"{exc.problem or exc.context} at line {exc.problem_mark.line + 1}"
@@ -512,5 +543,8 @@ def _node_findings(config: Config, kubelet_config: str | None, mountinfo_path: s
         findings.append(check_cgroup_driver(layout, kubelet_driver))
     findings.append(check_state_dir(config.state_dir))
     findings.append(check_device_plugin_dir(config.device_plugin))
+    pod_resources = check_pod_resources(config)
+    if pod_resources is not None:
+        findings.append(pod_resources)
     findings.extend(kubelet_findings)
     return findings

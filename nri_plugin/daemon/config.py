@@ -17,6 +17,7 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     metrics_address = "127.0.0.1:8891"     # host:port (":8891": every address) of /metrics, /healthz,
                                            # /readyz; "" turns it off
     reconcile_interval = 30                # seconds between the reconciler's checks of the node
+    max_synchronize_mib = 32               # the most one Synchronize may bring (1-1024 MiB)
 
     [trusted_sources]                      # what proves that a container asked for shared CPUs
     device_plugin_marker = true            # our device plugin's signed allocation marker
@@ -81,6 +82,10 @@ DEFAULT_NRI_SOCKET: Final = DEFAULT_SOCKET_PATH
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMATS: Final = ("auto", "console", "json")
 DEFAULT_METRICS_ADDRESS: Final = "127.0.0.1:8891"
+# A Synchronize of 5,000 realistic containers is 7.3 MB; 32 MiB keeps the daemon far under the
+# DaemonSet's 256 Mi memory limit (nri_plugin.nri.stub).
+DEFAULT_MAX_SYNCHRONIZE_MIB: Final = 32
+MAX_SYNCHRONIZE_MIB: Final = 1024
 CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
 DEFAULT_RECONCILE_INTERVAL: Final = 30.0
 RECONCILE_INTERVAL_RANGE: Final = (1.0, 3600.0)
@@ -129,6 +134,7 @@ class Config:
     log_format: str = "auto"
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
+    max_synchronize_mib: int = DEFAULT_MAX_SYNCHRONIZE_MIB
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     source: str = "<config>"
 
@@ -150,6 +156,7 @@ _TOP_KEYS: Final = (
     "log_format",
     "metrics_address",
     "reconcile_interval",
+    "max_synchronize_mib",
     _SOURCES_TABLE,
     _DEVICE_PLUGIN_TABLE,
 )
@@ -324,6 +331,16 @@ def _reconcile_interval(check: _Checker, value: object) -> float:
     )
 
 
+def _max_synchronize_mib(check: _Checker, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SYNCHRONIZE_MIB:
+        raise check.error(
+            "max_synchronize_mib",
+            f"{_show(value)} is not a whole number of MiB from 1 to {MAX_SYNCHRONIZE_MIB}; the default, "
+            f"{DEFAULT_MAX_SYNCHRONIZE_MIB}, takes Synchronize messages of some 20,000 containers",
+        )
+    return value
+
+
 def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Config:
     """Check a parsed TOML document and build the `Config`; no file or machine access.
 
@@ -357,6 +374,7 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "log_format": functools.partial(check.choice, "log_format", choices=LOG_FORMATS),
         "metrics_address": functools.partial(_metrics_address, check),
         "reconcile_interval": functools.partial(_reconcile_interval, check),
+        "max_synchronize_mib": functools.partial(_max_synchronize_mib, check),
     }
     return {key: parse(document[key]) for key, parse in parsers.items() if key in document}
 

@@ -5,10 +5,12 @@ global registry), made before the parts it observes: each is built with it as it
 none of them imports this module. The stub calls ``request_done`` and ``reconnecting``
 (`nri_plugin.nri.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed`` and ``healed``
 (`nri_plugin.mixedcpu.plugin.PluginObserver`), the device plugin ``registration_done``
-(`nri_plugin.deviceplugin.server.RegistrationObserver`). Gauges are read from their owners when
-scraped, through callables bound once the owners exist (``track``; `nri_plugin.daemon.wiring` does
-it): the shared-container count from the plugin's books, readiness from the stub and the device
-plugin, so they cannot drift from what they describe and cost nothing per request.
+(`nri_plugin.deviceplugin.server.RegistrationObserver`), the pod-resources client
+``pod_resources_lookup`` (`nri_plugin.deviceplugin.podresources.PodResourcesObserver`).
+Gauges are read from their owners when scraped, through callables bound once the owners exist
+(``track``; `nri_plugin.daemon.wiring` does it): the shared-container count from the plugin's books,
+readiness from the stub and the device plugin, so they cannot drift from what they describe and
+cost nothing per request.
 
 | metric | type | labels | meaning |
 |---|---|---|---|
@@ -21,6 +23,8 @@ plugin, so they cannot drift from what they describe and cost nothing per reques
 | `mixed_cpu_device_plugin_registrations_total` | counter | `outcome` | registrations with kubelet |
 | `mixed_cpu_nri_ready` | gauge | | 1 while registered with the runtime and synchronized |
 | `mixed_cpu_kubelet_registered` | gauge | | 1 while kubelet holds our registration (0 when off) |
+| `mixed_cpu_pod_resources_lookups_total` | counter | `outcome` | questions to kubelet's PodResources API |
+| `mixed_cpu_pod_resources_reachable` | gauge | | 1 while kubelet's record proves requests (0: marker alone) |
 
 Labels:
 
@@ -42,6 +46,9 @@ Labels:
   `container_never_created` (no cgroup after the grace period: the creation failed after our
   adjustment), `container_gone` (the runtime's Synchronize no longer runs a container we held),
   `pod_quota` (a pod quota found off its target and brought back).
+* `outcome` of a pod-resources lookup (`nri_plugin.deviceplugin.podresources`, asked for each
+  container that presents an allocation marker): `ok` (kubelet's record decided), `unavailable`
+  (no socket or no answer: the marker binding alone decided).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ DURATION_BUCKETS = (
 )
 WRITE_FAILURE_KINDS = ("pod_quota_raise", "pod_quota_lower", "pod_quota_restore", "container_quota_lower")
 REGISTRATION_OUTCOMES = ("ok", "failed")
+LOOKUP_OUTCOMES = ("ok", "unavailable")
 
 
 class Metrics:
@@ -111,12 +119,25 @@ class Metrics:
         self.kubelet_registered = Gauge(
             "mixed_cpu_kubelet_registered", "1 while registered with kubelet.", registry=r
         )
+        self.pod_resources_lookups = Counter(
+            "mixed_cpu_pod_resources_lookups",
+            "Questions to kubelet's PodResources API about a container's devices, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.pod_resources_reachable = Gauge(
+            "mixed_cpu_pod_resources_reachable",
+            "1 while kubelet's PodResources API proves requests; 0: the allocation marker alone does.",
+            registry=r,
+        )
         for kind in WRITE_FAILURE_KINDS:
             self.write_failures.labels(kind)
         for kind in HEAL_KINDS:
             self.heals.labels(kind)
         for outcome in REGISTRATION_OUTCOMES:
             self.registrations.labels(outcome)
+        for outcome in LOOKUP_OUTCOMES:
+            self.pod_resources_lookups.labels(outcome)
         # Label lookups take a lock and build tuples; a request pays a dict lookup instead.
         self._request_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
@@ -142,6 +163,9 @@ class Metrics:
     def registration_done(self, outcome: str) -> None:
         self.registrations.labels(outcome).inc()
 
+    def pod_resources_lookup(self, outcome: str) -> None:
+        self.pod_resources_lookups.labels(outcome).inc()
+
     # -- gauges read at scrape time --------------------------------------------------------------------
 
     def track(
@@ -150,6 +174,7 @@ class Metrics:
         shared_containers: Callable[[], int] | None = None,
         nri_ready: Callable[[], bool] | None = None,
         kubelet_registered: Callable[[], bool] | None = None,
+        pod_resources_reachable: Callable[[], bool] | None = None,
     ) -> None:
         """Read these gauges from their owners whenever the metrics are rendered (a gauge not
         tracked stays 0: ``kubelet_registered`` with the device plugin off)."""
@@ -157,6 +182,7 @@ class Metrics:
             (self.shared_containers, shared_containers),
             (self.nri_ready, nri_ready),
             (self.kubelet_registered, kubelet_registered),
+            (self.pod_resources_reachable, pod_resources_reachable),
         ):
             if read is not None:
                 gauge.set_function(_as_float(read))

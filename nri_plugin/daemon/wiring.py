@@ -1,10 +1,12 @@
 """The daemon's wiring: every part built from the config, each in one function, and put together by
 `build_daemon` in the order they depend on each other.
 
-1. the config, read and checked, then logging as it says, then the cgroup layout;
+1. the config, read and checked, then logging as it says, then the cgroup layout; then the node's
+   one-daemon lock in state_dir (`nri_plugin.daemon.instance`), before any file there is read;
 2. the metrics, first of the parts: each part that reports to them is built with them as its
    observer (none is given one afterwards);
-3. the node's marker key, then the mixed-CPU plugin (which checks markers with it);
+3. the node's marker key, kubelet's PodResources client (the record that proves a marker's
+   holder), then the mixed-CPU plugin (which checks markers with both);
 4. the NRI stub serving that plugin;
 5. the kubelet device plugin (which signs markers with the same key);
 6. the probe server, and the gauges bound to the parts they read at scrape time;
@@ -39,13 +41,16 @@ from nri_plugin.daemon.config import (
     read_numa_nodes,
     state_dir_problem,
 )
+from nri_plugin.daemon.instance import InstanceLock, InstanceLockError, lock_state_dir
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.deviceplugin.podresources import PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.allocations import AllocationRecord
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool, shared_by_node
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub, StubError
@@ -55,6 +60,7 @@ __all__ = [
     "PluginIdentity",
     "RunOptions",
     "bind_gauges",
+    "build_allocation_record",
     "build_daemon",
     "build_device_plugin",
     "build_metrics",
@@ -65,6 +71,7 @@ __all__ = [
     "load_settings",
     "resolve_identity",
     "shared_pool",
+    "take_instance_lock",
 ]
 
 log = structlog.get_logger("nri_plugin.daemon.wiring")
@@ -118,11 +125,15 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     env = os.environ if environ is None else environ
     try:
         config, layout = load_settings(options, node=env.get("NODE_NAME"))
+        take_instance_lock(config)
         identity = resolve_identity(options, config, env)
         metrics = build_metrics(config)
         key = load_marker_key(config)
-        plugin = build_plugin(config, layout, key, observer=metrics)
-        stub = build_stub(plugin, identity, options, observer=metrics, environ=env)
+        record = build_allocation_record(config, key, observer=metrics)
+        plugin = build_plugin(config, layout, key, allocations=record, observer=metrics)
+        stub = build_stub(
+            plugin, identity, options, max_sync_bytes=config.max_synchronize_mib << 20, observer=metrics
+        )
         device_plugin = build_device_plugin(config, key, observer=metrics)
         probes = build_probes(config, metrics, stub, device_plugin)
     except (ConfigError, StubError, ProbeError) as exc:
@@ -131,6 +142,8 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         bind_gauges(metrics, stub, plugin, device_plugin)
     _log_start(config, layout, stub, identity)
     _log_numa(plugin.pool)
+    if record is not None:
+        record.log_start()
     # Started in this order and closed in the reverse: a port already taken fails the start before
     # kubelet or the runtime ever see us.
     services: list[Service] = [part for part in (probes, device_plugin) if part is not None]
@@ -170,6 +183,15 @@ def resolve_identity(options: RunOptions, config: Config, environ: Mapping[str, 
     return PluginIdentity(name, index, options.socket or config.nri_socket, None)
 
 
+def take_instance_lock(config: Config) -> InstanceLock:
+    """The one-daemon-per-node lock on state_dir, held until the process ends. Raises `DaemonError`
+    with exit status 2 when another daemon holds it (or it cannot be taken)."""
+    try:
+        return lock_state_dir(config.state_dir)
+    except InstanceLockError as exc:
+        raise DaemonError(str(exc), EXIT_CONFIG) from None
+
+
 def build_metrics(config: Config) -> Metrics | None:
     """The metrics every part reports to, or None when they are not served (metrics_address "")."""
     return Metrics() if config.metrics_address else None
@@ -190,10 +212,30 @@ def load_marker_key(config: Config) -> HostKey | None:
         raise _state_dir_error(config, exc) from None
 
 
+def build_allocation_record(
+    config: Config, key: HostKey | None, *, observer: Metrics | None = None
+) -> PodResourcesClient | None:
+    """kubelet's PodResources client, when our device plugin's markers are trusted and
+    [device_plugin] pod_resources_socket is set (whether it can be asked is logged once the whole
+    daemon is built)."""
+    device_plugin = config.device_plugin
+    if key is None or not device_plugin.enabled or device_plugin.pod_resources_socket is None:
+        return None
+    return PodResourcesClient(
+        str(device_plugin.pod_resources_socket), device_plugin.resource_name, observer=observer
+    )
+
+
 def build_plugin(
-    config: Config, layout: CgroupLayout, key: HostKey | None, *, observer: Metrics | None = None
+    config: Config,
+    layout: CgroupLayout,
+    key: HostKey | None,
+    *,
+    allocations: AllocationRecord | None = None,
+    observer: Metrics | None = None,
 ) -> MixedCpuPlugin:
-    """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir.
+    """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir, asking
+    `allocations` (kubelet's record) about the markers it is shown.
     Raises `ConfigError` when state_dir (or, with numa_local_shared_cpus, sysfs_root) cannot be used."""
     pool = shared_pool(config)
     try:
@@ -201,8 +243,7 @@ def build_plugin(
             shared=pool,
             layout=layout,
             store=StateStore(config.state_dir),
-            marker_key=key,
-            trust_pod_annotation=config.trust_pod_annotation,
+            trusted=TrustedSources(key, config.trust_pod_annotation, allocations),
             observer=observer,
             reconcile_interval=config.reconcile_interval,
         )
@@ -233,11 +274,12 @@ def build_stub(
     identity: PluginIdentity,
     options: RunOptions,
     *,
+    max_sync_bytes: int,
     observer: Metrics | None = None,
-    environ: Mapping[str, str],
 ) -> Stub:
-    """The NRI stub serving `plugin` as `identity` says. Raises `StubError`."""
-    return Stub(
+    """The NRI stub serving `plugin` as `identity` says, refusing a Synchronize larger than
+    `max_sync_bytes`. Raises `StubError`."""
+    stub = Stub(
         plugin,
         name=identity.name,
         index=identity.index,
@@ -247,6 +289,8 @@ def build_stub(
         reconnect=options.reconnect,
         observer=observer,
     )
+    stub.max_sync_bytes = max_sync_bytes
+    return stub
 
 
 def build_device_plugin(
@@ -278,6 +322,9 @@ def bind_gauges(
     metrics.track(nri_ready=stub.ready.is_set, shared_containers=lambda: plugin.shared_containers)
     if device_plugin is not None:
         metrics.track(kubelet_registered=lambda: device_plugin.registered)
+    record = plugin.allocations
+    if isinstance(record, PodResourcesClient):
+        metrics.track(pod_resources_reachable=lambda: record.answering)
 
 
 def _log_start(config: Config, layout: CgroupLayout, stub: Stub, identity: PluginIdentity) -> None:

@@ -8,6 +8,7 @@ Every key is optional; the defaults suit a stock kubelet::
     device_count = 256                                   # how many containers may ask at once
     plugin_dir = "/var/lib/kubelet/device-plugins"       # kubelet's device-plugin directory
     endpoint = "mixed-cpu-nri-plugin.sock"               # our socket's file name in plugin_dir
+    pod_resources_socket = "/var/lib/kubelet/pod-resources/kubelet.sock"   # "" : not asked
 
 ``plugin_dir`` is the directory as the daemon sees it (mount the host directory, never the socket
 files: kubelet deletes and re-creates them). Kubelet's own socket is ``kubelet.sock`` in it, and
@@ -16,6 +17,11 @@ kubelet looks for our socket next to its own, so one directory setting serves bo
 ``enabled = false`` is for clusters where kubelet already advertises the resource (OpenShift): the
 daemon then serves no device plugin, and the NRI side takes its proof of request from the annotation
 source instead of our signed allocation marker.
+
+``pod_resources_socket`` is kubelet's PodResources API: the NRI side asks it which devices of our
+resource kubelet allocated to a container, and that record, not the marker alone, is the proof
+(`nri_plugin.deviceplugin.podresources`). "" turns the question off; a socket that is absent or
+does not answer leaves the marker binding alone as the proof, and the daemon says so.
 
 Loading the TOML file is the caller's job; this module turns the table (any mapping) into a frozen,
 validated :class:`DevicePluginConfig`, or raises :class:`DevicePluginConfigError` naming the key and
@@ -37,6 +43,7 @@ DEFAULT_DEVICE_COUNT = 256
 DEFAULT_PLUGIN_DIR = PurePosixPath("/var/lib/kubelet/device-plugins")
 KUBELET_SOCKET_NAME = "kubelet.sock"
 DEFAULT_ENDPOINT = "mixed-cpu-nri-plugin.sock"
+DEFAULT_POD_RESOURCES_SOCKET = PurePosixPath("/var/lib/kubelet/pod-resources/kubelet.sock")
 
 # Each advertised device is one container's admission ticket. 16384 devices make a 470 KiB
 # ListAndWatch message, far below gRPC's 4 MiB default limit, and far more containers than a node runs.
@@ -67,6 +74,8 @@ class DevicePluginConfig:
     device_count: int = DEFAULT_DEVICE_COUNT
     plugin_dir: PurePosixPath = DEFAULT_PLUGIN_DIR
     endpoint: str = DEFAULT_ENDPOINT
+    # None: kubelet's PodResources API is not asked (the TOML value "").
+    pod_resources_socket: PurePosixPath | None = DEFAULT_POD_RESOURCES_SOCKET
 
     def __post_init__(self) -> None:
         _check_type("enabled", self.enabled, bool, "true or false")
@@ -87,6 +96,7 @@ class DevicePluginConfig:
                 f"must be between 1 and {MAX_DEVICE_COUNT}; to advertise nothing, set enabled = false",
             )
         _check_endpoint(self.endpoint)
+        self._check_pod_resources_socket()
         for key, path in (("plugin_dir", self.kubelet_socket), ("endpoint", self.socket_path)):
             if len(str(path).encode()) > MAX_SOCKET_PATH:
                 raise _error(
@@ -95,6 +105,24 @@ class DevicePluginConfig:
                     f"makes the socket path {str(path)!r} longer than the {MAX_SOCKET_PATH} bytes a unix"
                     " socket allows; use a shorter directory or file name",
                 )
+
+    def _check_pod_resources_socket(self) -> None:
+        if self.pod_resources_socket is None:
+            return
+        path = _as_path("pod_resources_socket", self.pod_resources_socket)
+        if not path.is_absolute():
+            raise _error(
+                "pod_resources_socket",
+                self.pod_resources_socket,
+                f"must be an absolute path, e.g. '{DEFAULT_POD_RESOURCES_SOCKET}' (\"\": do not ask kubelet)",
+            )
+        if len(str(path).encode()) > MAX_SOCKET_PATH:
+            raise _error(
+                "pod_resources_socket",
+                str(path),
+                f"is longer than the {MAX_SOCKET_PATH} bytes a unix socket path allows",
+            )
+        object.__setattr__(self, "pod_resources_socket", path)
 
     @property
     def socket_path(self) -> PurePosixPath:
@@ -122,6 +150,10 @@ class DevicePluginConfig:
         if "plugin_dir" in values:
             _check_type("plugin_dir", values["plugin_dir"], str, "a path string")
             values["plugin_dir"] = PurePosixPath(values["plugin_dir"])
+        if "pod_resources_socket" in values:
+            text = values["pod_resources_socket"]
+            _check_type("pod_resources_socket", text, str, 'a path string, or "" not to ask kubelet')
+            values["pod_resources_socket"] = PurePosixPath(text) if text else None
         return cls(**values)
 
 

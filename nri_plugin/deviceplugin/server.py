@@ -31,6 +31,18 @@ Kubelet restarts
     Registration retries back off (0.1 s doubling to 5 s, jittered) while kubelet refuses, but a new
     ``kubelet.sock`` cuts the wait short, so a restarted kubelet sees us again well within a second.
     None of this touches the NRI side, which keeps working while kubelet is away.
+
+Kubelet's stream, nobody else's
+    Anyone who can open our socket can open a ListAndWatch stream and end it. Only kubelet's counts:
+    kubelet dials us back for each Register and opens exactly one stream, so the *first* stream opened
+    after our latest Register call is taken as kubelet's; any other (a monitoring tool's, a hostile
+    client's, a second one on the same registration) ends without consequence. The one window left
+    is the few milliseconds between our Register call and kubelet's dial, in which a client with root
+    on the node (the socket is 0600) could open its stream first; ending it then costs one
+    re-registration, and the socket checks above stay the ground truth.
+
+    A registration that has held for ``STABLE_REGISTRATION`` is a success: the retry backoff starts
+    over then (not only when it is lost), so the failures before it never slow the next recovery.
 """
 
 from __future__ import annotations
@@ -77,6 +89,9 @@ BACKOFF_JITTER = (0.5, 1.0)
 STABLE_REGISTRATION = 1.0
 # How long stop() lets an in-flight Allocate finish; ListAndWatch streams are ended first.
 STOP_GRACE = 1.0
+
+# The token of a ListAndWatch stream that is not kubelet's: Register calls are numbered from 1.
+_NOT_KUBELETS = -1
 
 GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
 # Each Register call dials kubelet afresh: grpc otherwise shares connections between channels to the
@@ -419,7 +434,8 @@ class DevicePluginServer:
         self._registered = asyncio.Event()  # set exactly while the state is REGISTERED
         self._inbox = _Inbox()
         self._round = _Round(config)
-        self._attempts = 0  # Register calls made; ListAndWatch streams are tagged with it
+        self._attempts = 0  # Register calls made; kubelet's ListAndWatch stream is tagged with it
+        self._kubelet_stream_seen = False  # the first stream since the latest Register was opened
         self._board: _DeviceBoard | None = None
         self._task: asyncio.Task[None] | None = None
         self._socket: _Socket | None = None
@@ -560,7 +576,12 @@ class DevicePluginServer:
         return _State.REGISTERED
 
     async def _stay_registered(self) -> RegistrationState:
-        self._round.lost = await self._watch()
+        why = await self._watch(timeout=STABLE_REGISTRATION)
+        if why is _WatchEnd.TIMEOUT:
+            # Held long enough to count as a success: earlier failures no longer pace the next try.
+            self._start_backoff_over()
+            why = await self._watch()
+        self._round.lost = why
         self._round.lasted = self.clock.monotonic() - self._round.registered_at
         return _State.LOST
 
@@ -638,12 +659,18 @@ class DevicePluginServer:
         return None
 
     def _stream_token(self) -> int:
+        """Kubelet's stream (the first one opened since our latest Register) gets that Register's
+        number; every other stream a number no Register has (see the module docstring)."""
+        if self._kubelet_stream_seen:
+            log.debug("ListAndWatch opened by a client other than kubelet; its end changes nothing")
+            return _NOT_KUBELETS
+        self._kubelet_stream_seen = True
         return self._attempts
 
     def _stream_ended(self, token: int) -> None:
         # Only the stream kubelet opened for our latest Register counts: older ones end when kubelet
-        # replaces a connection or when we replace the socket, and are no news. It may end even before
-        # Register has returned to us; then the registration is lost as soon as it is made.
+        # replaces a connection or when we replace the socket, and other clients' are no news. It may
+        # end even before Register has returned to us; then the registration is lost as soon as made.
         if token == self._attempts:
             self._inbox.post(_Signal.STREAM_ENDED)
 
@@ -692,6 +719,7 @@ class DevicePluginServer:
             ),
         )
         self._attempts += 1
+        self._kubelet_stream_seen = False
         self._inbox.discard(_Signal.STREAM_ENDED)
         where = f"Register on {config.kubelet_socket}"
         target = f"unix:{config.kubelet_socket}"

@@ -4,7 +4,8 @@ The stub drives one `MixedCpuPlugin`. Each handler decides with the policy, then
 cgroup's quota to `quota.PodQuotas`, the books and their state file to `store.Bookkeeper`,
 Synchronize's rebuilding of the books to `resync`. What it does per event:
 
-* **CreateContainer** of a container that proves a request: the pod's quota is raised before the
+* **CreateContainer** of a container that proves a request (with an allocation marker: kubelet's
+  own record is asked first, `allocations`): the pod's quota is raised before the
   reply, the books saved, and the adjustment goes back. A request that cannot be honoured, or a pod
   cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors` refusal (the stub
   answers the runtime with its status code): nothing is left half-configured.
@@ -29,7 +30,7 @@ Synchronize, and every `reconcile_interval` seconds once synchronized.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import structlog
@@ -37,6 +38,7 @@ import structlog
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, format_cpuset
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
+from nri_plugin.mixedcpu.allocations import AllocationRecord, ContainerDevices, PodRef, devices_of
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.heal import Healer, HealObserver
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
@@ -48,6 +50,7 @@ from nri_plugin.mixedcpu.policy import (
     SharedChoice,
     SharedPool,
     UpdatePlan,
+    check_pod_resources,
     check_request,
     container_slot,
     cpus_or_empty,
@@ -61,7 +64,7 @@ from nri_plugin.mixedcpu.store import Bookkeeper, StateStore
 from nri_plugin.nri import handlers
 from nri_plugin.nri.errors import InvalidRequest, PluginRefusal, PreconditionFailed
 
-__all__ = ["CgroupObserver", "MixedCpuPlugin", "PluginObserver"]
+__all__ = ["AllocationRecord", "CgroupObserver", "MixedCpuPlugin", "PluginObserver", "TrustedSources"]
 
 log = structlog.get_logger(LOGGER_NAME)
 
@@ -73,6 +76,21 @@ class PluginObserver(CgroupObserver, HealObserver, Protocol):
 def _refusal(exc: PolicyError) -> PluginRefusal:
     """A pod spec to fix is an invalid request; a node to fix, a failed precondition."""
     return InvalidRequest(str(exc)) if exc.kind == "pod-spec" else PreconditionFailed(str(exc))
+
+
+@dataclass(frozen=True)
+class TrustedSources:
+    """What may prove that a container asked for shared CPUs (the config's ``[trusted_sources]``).
+
+    `marker_key` checks the device plugin's allocation markers (None: markers prove nothing);
+    `pod_annotation` trusts ``cpu-shared.crio.io/<container>: enable`` on the pod; `allocations` is
+    kubelet's record of device allocations, asked for every container that presents a marker (None:
+    the marker binding alone proves, as when kubelet cannot be asked).
+    """
+
+    marker_key: MarkerKey | None = None
+    pod_annotation: bool = False
+    allocations: AllocationRecord | None = None
 
 
 class MixedCpuPlugin(
@@ -89,10 +107,11 @@ class MixedCpuPlugin(
     """The NRI handlers; see the module docstring.
 
     `shared`: the node's shared CPUs, or a `SharedPool` that also gives their NUMA nodes when each
-    container is to get only those local to its exclusive CPUs. `marker_key` checks device-plugin
-    markers (None: markers are not a trusted source); `clock` runs the retry, deferred-save and
-    reconcile timers; `reconcile_interval` (seconds) paces the reconciler's whole passes once the
-    runtime has synchronized us (None: at events only).
+    container is to get only those local to its exclusive CPUs. `trusted`: what may prove a request
+    (`TrustedSources`); `clock` runs the retry, deferred-save and reconcile
+    timers; `reconcile_interval` (seconds) paces the reconciler's whole passes once the runtime has
+    synchronized us (None: at events only). Replace the books `store` holds through the `books`
+    property (tests).
     """
 
     def __init__(
@@ -101,16 +120,16 @@ class MixedCpuPlugin(
         shared: frozenset[int] | SharedPool,
         layout: CgroupLayout,
         store: StateStore,
-        marker_key: MarkerKey | None,
-        trust_pod_annotation: bool = False,
+        trusted: TrustedSources,
         observer: PluginObserver | None = None,
         clock: Clock = LOOP_CLOCK,
         reconcile_interval: float | None = None,
     ) -> None:
         self.pool = shared if isinstance(shared, SharedPool) else SharedPool(frozenset(shared))
         self.shared = self.pool.cpus
-        self.marker_key = marker_key
-        self.trust_pod_annotation = trust_pod_annotation
+        self.marker_key = trusted.marker_key
+        self.trust_pod_annotation = trusted.pod_annotation
+        self.allocations = trusted.allocations
         self.runtime = ""
         self.keeper = Bookkeeper(store, clock=clock)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
@@ -172,6 +191,7 @@ class MixedCpuPlugin(
     async def create_container(
         self, pod: api.PodSandbox, container: api.Container
     ) -> api.CreateContainerResponse | None:
+        kubelet = await self._kubelet_devices(pod, container)  # first: no await once the books change
         slot = container_slot(pod, container)
         self.healer.at_pod_event(slot.pod)
         if self.marker_key is not None and MARKER_ANNOTATION in container.annotations:
@@ -190,13 +210,14 @@ class MixedCpuPlugin(
                 previous_id=displaced.id,
                 **pod_fields(pod, container, event="CreateContainer"),
             )
-        check = self._check(pod, container, event="CreateContainer")
+        check = self._check(pod, container, event="CreateContainer", kubelet=kubelet)
         if check.proof is None:
             log.debug("no request for shared CPUs", **pod_fields(pod, container, event="CreateContainer"))
             self._settle_displaced(displaced, pod)
             return None
         try:
             plan = plan_create(self.shared, pod, container, numa_nodes=self.pool.numa_nodes)
+            check_pod_resources(pod)
         except PolicyError as exc:
             log.warning(
                 "refused shared CPUs", reason=str(exc), **pod_fields(pod, container, event="CreateContainer")
@@ -292,9 +313,18 @@ class MixedCpuPlugin(
     async def synchronize(
         self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
     ) -> Sequence[api.ContainerUpdate]:
+        node = await self._node_allocations(containers)
         previous = self.books
+        pods = [_without_hostile_pod_resources(pod) for pod in pods]
+
+        def check_at_sync(
+            pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot]
+        ) -> RequestCheck:
+            kubelet = None if node is None else devices_of(node, pod.namespace, pod.name, container.name)
+            return self._check(pod, container, holders, event="Synchronize", kubelet=kubelet)
+
         rebuilt = rebuild_books(
-            self.shared, previous, pods, containers, self._check_at_sync, numa_nodes=self.pool.numa_nodes
+            self.shared, previous, pods, containers, check_at_sync, numa_nodes=self.pool.numa_nodes
         )
         present = {pod_key(pod): pod for pod in pods}
         self.healer.before_sync(previous, containers)
@@ -314,8 +344,10 @@ class MixedCpuPlugin(
         holders: Mapping[str, Slot] | None = None,
         *,
         event: str,
+        kubelet: frozenset[str] | None = None,
     ) -> RequestCheck:
-        """The policy's verdict on the container's request, its refusals and notes logged."""
+        """The policy's verdict on the container's request (`kubelet`: the device ids kubelet's record
+        gives it, None when not asked), its refusals and notes logged."""
         if holders is None:
             holders = self.books.device_holders() if MARKER_ANNOTATION in container.annotations else {}
         check = check_request(
@@ -324,6 +356,7 @@ class MixedCpuPlugin(
             marker_key=self.marker_key,
             trust_pod_annotation=self.trust_pod_annotation,
             device_holders=holders,
+            kubelet_devices=kubelet,
         )
         for refusal in check.refusals:
             log.warning("request refused", reason=refusal, **pod_fields(pod, container, event=event))
@@ -331,10 +364,27 @@ class MixedCpuPlugin(
             log.info("request evidence ignored", reason=note, **pod_fields(pod, container, event=event))
         return check
 
-    def _check_at_sync(
-        self, pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot]
-    ) -> RequestCheck:
-        return self._check(pod, container, holders, event="Synchronize")
+    async def _kubelet_devices(self, pod: api.PodSandbox, container: api.Container) -> frozenset[str] | None:
+        """What kubelet's record says it allocated to a container that presents a marker; None when
+        there is nothing to ask (no marker, markers not trusted, no record) or kubelet cannot answer."""
+        if (
+            self.allocations is None
+            or self.marker_key is None
+            or MARKER_ANNOTATION not in container.annotations
+        ):
+            return None
+        found = await self.allocations.pod_allocations(pod.namespace, pod.name)
+        return None if found is None else found.get(container.name, frozenset())
+
+    async def _node_allocations(
+        self, containers: Sequence[api.Container]
+    ) -> Mapping[PodRef, ContainerDevices] | None:
+        """kubelet's record for the whole node, when some container presents a marker to check."""
+        if self.allocations is None or self.marker_key is None:
+            return None
+        if not any(MARKER_ANNOTATION in container.annotations for container in containers):
+            return None
+        return await self.allocations.node_allocations()
 
     def _follow_update(
         self,
@@ -388,6 +438,20 @@ class MixedCpuPlugin(
         self.healer.at_pod_event(key)
         if key in self.books.pods:
             self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
+
+
+def _without_hostile_pod_resources(pod: api.PodSandbox) -> api.PodSandbox:
+    """`pod`, or at Synchronize a copy without its ``pod_resources`` and ``pod_overhead`` when they are
+    outside the kernel's ranges (logged): its baseline then comes from its cgroup, as for a runtime
+    that sends none."""
+    try:
+        check_pod_resources(pod)
+    except PolicyError as exc:
+        log.error("pod_resources ignored", reason=str(exc), **pod_fields(pod, event="Synchronize"))
+        pod = api.PodSandbox.FromString(pod.SerializeToString())
+        pod.linux.ClearField("pod_resources")
+        pod.linux.ClearField("pod_overhead")
+    return pod
 
 
 def _log_fallback(choice: SharedChoice, pod: api.PodSandbox, container: api.Container, event: str) -> None:

@@ -2,10 +2,14 @@
 
 Who gets shared CPUs: a container whose request is *proven* by a trusted source (`check_request`):
 
-* the device plugin's allocation marker in ``container.annotations`` — verified with the node's
-  `HostKey`; a forged value is refused, and so is a valid one whose device id is bound to another
-  slot (pod and container name, see `nri_plugin.mixedcpu.books`; bound from the first presentation
-  until that pod's sandbox stops), running or not: a replay;
+* the device plugin's allocation marker in ``container.annotations``, backed by kubelet's own record
+  when it can be asked (`nri_plugin.mixedcpu.allocations`): the device ids kubelet's PodResources API
+  says it allocated to this very container are the proof, and a marker on a container kubelet gave
+  none is refused, however valid its signature (replayed, harvested from kubelet's checkpoint, or
+  planted). When kubelet cannot be asked, the marker alone: verified with the node's `HostKey`; a
+  forged value is refused, and so is a valid one whose device id is bound to another slot (pod and
+  container name, see `nri_plugin.mixedcpu.books`; bound from the first presentation until that
+  pod's sandbox stops), running or not: a replay;
 * when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
   that OpenShift's admission plugin adds.
 
@@ -57,6 +61,7 @@ __all__ = [
     "SyncPlan",
     "UpdatePlan",
     "baseline_from_pod_resources",
+    "check_pod_resources",
     "check_request",
     "choose_shared",
     "container_slot",
@@ -128,10 +133,12 @@ def describe(pod: api.PodSandbox, container: api.Container | None = None) -> str
 class Proof:
     """Why we believe the container asked for shared CPUs."""
 
-    source: Literal["device-plugin", "pod-annotation"]
+    source: Literal["device-plugin", "kubelet", "pod-annotation"]
     device: str | None = None
 
     def __str__(self) -> str:
+        if self.source == "kubelet":
+            return f"kubelet's allocation ({self.device})"
         return f"device-plugin marker ({self.device})" if self.device else "pod annotation"
 
 
@@ -159,16 +166,22 @@ def check_request(
     marker_key: MarkerKey | None,
     trust_pod_annotation: bool,
     device_holders: Mapping[str, Slot],
+    kubelet_devices: frozenset[str] | None = None,
 ) -> RequestCheck:
     """Does a trusted source prove that this container asked for shared CPUs?
 
     `marker_key` is None when the device-plugin marker is not a trusted source. `device_holders`
-    maps device ids to the slots they are bound to (`Books.device_holders`). The marker is looked at
+    maps device ids to the slots they are bound to (`Books.device_holders`). `kubelet_devices`: the
+    device ids of our resource kubelet's record says it allocated to this container, or None when
+    kubelet could not be asked (then the marker and its binding decide). The marker is looked at
     first, then the pod annotation; the env only when neither proves anything.
     """
     notes: list[str] = []
     refusals: list[str] = []
-    proof = _marker_proof(pod, container, marker_key, device_holders, notes, refusals)
+    if kubelet_devices is not None and marker_key is not None:
+        proof = _kubelet_proof(pod, container, kubelet_devices, refusals)
+    else:
+        proof = _marker_proof(pod, container, marker_key, device_holders, notes, refusals)
     if proof is None:
         proof = _annotation_proof(pod, container, trust_pod_annotation, notes)
     if proof is None:
@@ -206,6 +219,22 @@ def _marker_proof(
         )
         return None
     return Proof("device-plugin", device)
+
+
+def _kubelet_proof(
+    pod: api.PodSandbox, container: api.Container, devices: frozenset[str], refusals: list[str]
+) -> Proof | None:
+    """kubelet's record as the proof of a container that presents a marker: the device kubelet
+    allocated to it, whatever the marker says; none allocated: the marker is refused."""
+    if MARKER_ANNOTATION not in container.annotations:
+        return None
+    if devices:
+        return Proof("kubelet", min(devices))
+    refusals.append(
+        f"refused the {MARKER_ANNOTATION} annotation: kubelet's record shows no shared-CPUs device "
+        f"allocated to container {describe(pod, container)} (a replayed, harvested or planted marker)"
+    )
+    return None
 
 
 def _annotation_proof(
@@ -561,9 +590,47 @@ def pod_quota_target(baseline: int | None, period: int, shared_counts: Iterable[
     return baseline + sum(shared_counts) * period
 
 
+# The kernel's CFS bounds (kernel/sched/core.c): a period of 1 ms to 1 s; a quota of at least 1 ms and
+# at most 2^44 - 1 us, or -1 for none. 0 in NRI's messages means "not given".
+MIN_CFS_PERIOD: Final = 1_000
+MAX_CFS_PERIOD: Final = 1_000_000
+MIN_CFS_QUOTA: Final = 1_000
+MAX_CFS_QUOTA: Final = (1 << 44) - 1
+
+
+def check_pod_resources(pod: api.PodSandbox) -> None:
+    """`PolicyError` (a node problem: the runtime sent it) when ``pod_resources`` or ``pod_overhead``
+    carries a CFS period or quota outside the kernel's ranges: such values must never reach the pod
+    quota's arithmetic (a period of 1 us would multiply the pod's quota by 100,000)."""
+    linux = pod.linux
+    for name in ("pod_resources", "pod_overhead"):
+        if not linux.HasField(name):
+            continue
+        cpu = getattr(linux, name).cpu
+        period = cpu.period.value if cpu.HasField("period") else 0
+        if period and not MIN_CFS_PERIOD <= period <= MAX_CFS_PERIOD:
+            raise _out_of_range(pod, name, f"a CFS period of {period} us", "1000 to 1000000 us")
+        quota = cpu.quota.value if cpu.HasField("quota") else 0
+        if quota not in (0, -1) and not MIN_CFS_QUOTA <= quota <= MAX_CFS_QUOTA:
+            raise _out_of_range(
+                pod, name, f"a CFS quota of {quota} us", f"-1 (no limit) or 1000 to {MAX_CFS_QUOTA} us"
+            )
+
+
+def _out_of_range(pod: api.PodSandbox, name: str, what: str, allowed: str) -> PolicyError:
+    return PolicyError(
+        f"pod {describe(pod)}: the runtime sent {name} with {what}, outside the kernel's range "
+        f"({allowed}); its pod quota cannot be computed from that: check the runtime and its NRI "
+        "version",
+        kind="node",
+    )
+
+
 def baseline_from_pod_resources(pod: api.PodSandbox, period: int) -> int | None:
     """The pod's own quota from ``pod_resources`` (+ ``pod_overhead``) in microseconds per `period`
-    (the pod cgroup's), or None when the runtime did not send a limited quota."""
+    (the pod cgroup's), or None when the runtime did not send a limited quota. `PolicyError` when
+    those values are outside the kernel's ranges (`check_pod_resources`)."""
+    check_pod_resources(pod)
     linux = pod.linux
     if not linux.HasField("pod_resources") or not _limited(linux.pod_resources.cpu):
         return None

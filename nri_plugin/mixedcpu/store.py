@@ -3,6 +3,13 @@
 * `StateStore` loads and saves the file (written atomically: a temporary file, fsync, rename), so a
   restarted plugin knows each pod's own quota without guessing. A file that is missing, corrupt or
   from another version loads as empty books, with a warning: Synchronize rebuilds them.
+* The file is opened as the marker key is (`nri_plugin.deviceplugin.keyfile`): no symlink followed,
+  never blocking (a FIFO), a regular file only, at most `MAX_STATE_SIZE` bytes read. One that is not
+  (a link, a FIFO, a device, a directory, a file too large to be ours) is *set aside*: renamed to
+  ``pod-quotas.json.refused-<time>`` for a person to look at, with a warning, and the plugin starts
+  from empty books that Synchronize rebuilds, as for a corrupt file. It never hangs the start, never
+  fills the memory, and never leaves a daemon that is ready but cannot save. Only when it cannot even
+  be set aside does the load raise `StateFileError` (the daemon then exits 2 with one line).
 * `Bookkeeper` holds the plugin's current `Books` and decides when they are written: at once (before
   the reply that depends on it) when something Synchronize cannot rebuild changed, a pod's baseline
   or a device binding; else within `FLUSH_DELAY`, so that a burst of slot changes costs one write.
@@ -20,8 +27,11 @@ the bindings were saved (no ``devices``) gets the bindings of its live slots.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
+import time
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final
 
@@ -34,9 +44,11 @@ from nri_plugin.mixedcpu.logfields import LOGGER_NAME
 
 __all__ = [
     "FLUSH_DELAY",
+    "MAX_STATE_SIZE",
     "STATE_FILE_NAME",
     "STATE_VERSION",
     "Bookkeeper",
+    "StateFileError",
     "StateStore",
     "books_from_json",
     "books_to_json",
@@ -52,6 +64,11 @@ STATE_VERSION: Final = 1
 # Changes to the books that Synchronize can rebuild (which container holds a slot) are written to the
 # state file this long after they happen; a new or dropped pod baseline is written at once.
 FLUSH_DELAY = 1.0
+# The books of 1,000 pods take some 600 KB; a file larger than this was not written by us.
+MAX_STATE_SIZE: Final = 8 << 20
+# Opened like the marker key: a link is not followed, a FIFO does not block the open, a terminal
+# device does not become ours.
+_READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 # -- the format ----------------------------------------------------------------------------------------
@@ -167,6 +184,54 @@ def _container_from_json(entry: object) -> ContainerRecord:
 # -- the file ------------------------------------------------------------------------------------------
 
 
+class StateFileError(OSError):
+    """The state file is unusable and cannot be set aside either; the message says what to do."""
+
+
+class _Unusable(Exception):
+    """The state file is not a file we could have written (the reason, for the log line)."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _read_state(path: str) -> bytes:
+    """The state file's bytes; `_Unusable` when it is not a regular file of at most `MAX_STATE_SIZE`
+    bytes, FileNotFoundError when there is none, OSError when it cannot be read."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Unusable("a symbolic link, never written by the plugin") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _Unusable(f"a {_kind(info.st_mode)}, not a regular file")
+        if info.st_size > MAX_STATE_SIZE:
+            raise _Unusable(f"{info.st_size} bytes, over the {MAX_STATE_SIZE}-byte limit of a state file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_STATE_SIZE and (chunk := os.read(fd, MAX_STATE_SIZE + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_STATE_SIZE:
+            raise _Unusable(f"over the {MAX_STATE_SIZE}-byte limit of a state file")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 class StateStore:
     """`Books` in ``<state_dir>/pod-quotas.json``."""
 
@@ -180,11 +245,15 @@ class StateStore:
         self._texts: dict[str, tuple[PodRecord, bytes]] = {}
 
     def load(self) -> Books:
-        """The saved books; empty books (and a warning) when the file is missing, corrupt or old."""
+        """The saved books; empty books (and a warning) when the file is missing, corrupt or old, or
+        not a file we could have written (then set aside). Raises `StateFileError` only when such a
+        file cannot be set aside."""
         try:
-            with open(self.path, "rb") as file:
-                data = file.read()
+            data = _read_state(self.path)
         except FileNotFoundError:
+            return Books()
+        except _Unusable as exc:
+            self._set_aside(str(exc))
             return Books()
         except OSError as exc:
             log.warning(
@@ -201,6 +270,28 @@ class StateStore:
                 error=str(exc),
             )
             return Books()
+
+    def _set_aside(self, reason: str) -> None:
+        """Rename the unusable file out of the way (kept for a person to look at)."""
+        aside = f"{self.path}.refused-{time.strftime('%Y%m%dT%H%M%S')}"
+        suffix = 0
+        while os.path.lexists(aside if not suffix else f"{aside}.{suffix}"):
+            suffix += 1
+        aside = aside if not suffix else f"{aside}.{suffix}"
+        try:
+            os.rename(self.path, aside)
+        except OSError as exc:
+            raise StateFileError(
+                f"{self.path} is {reason}, and it cannot be set aside ({exc.strerror}); remove it, the "
+                "plugin rebuilds its books at the next synchronization",
+            ) from None
+        log.warning(
+            "state file refused and set aside; starting with empty books (pod quotas are rebuilt at the "
+            "next synchronization)",
+            path=self.path,
+            reason=reason,
+            moved_to=aside,
+        )
 
     def save(self, books: Books) -> None:
         """Replace the file atomically. Raises OSError when it cannot (the caller rolls back)."""

@@ -24,6 +24,7 @@ The module has two halves:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -35,6 +36,7 @@ from typing import Final, Protocol, cast
 from nri_plugin.common import heap
 from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
+from nri_plugin.ttrpc.logbudget import LogBudget, suppressed_note
 
 __all__ = [
     "FIRST_FRAME_MAX",
@@ -44,6 +46,8 @@ __all__ = [
     "PLUGIN_SERVICE_CONN",
     "READ_BUFFER_SIZE",
     "RUNTIME_SERVICE_CONN",
+    "WRITE_HIGH_WATER",
+    "WRITE_LOW_WATER",
     "ChannelReceiver",
     "LocalMuxError",
     "MuxDecoder",
@@ -95,6 +99,11 @@ _RELEASE_AFTER: Final = 1 << 20
 _LARGE_FRAME: Final = 64 * 1024
 # How long after the last large frame: a chunked Synchronize's next message is on its way.
 _RELEASE_DELAY: Final = 0.1
+
+# The transport's write buffer, in bytes, above which the trunk stops reading (see `Trunk`) and
+# below which it reads again. The high mark is above a Synchronize answer of a thousand updates.
+WRITE_HIGH_WATER: Final = 1 << 20
+WRITE_LOW_WATER: Final = 256 * 1024
 
 
 # Both errors join the ttrpc package's two-sided taxonomy, so one `except ProtocolError` covers
@@ -255,8 +264,13 @@ class Trunk(asyncio.BufferedProtocol):
     :attr:`exception`). Messages sent from then on are dropped silently, since the receivers
     have already been told. :attr:`closed` is set once the socket itself is closed.
 
-    There is no write flow control (``pause_writing`` is not used): NRI traffic is
-    request/response paced and small, so the transport's write buffer stays small.
+    Write backpressure: a peer that sends requests but stops reading our answers would have them
+    pile up in the transport's write buffer without end. Once that buffer holds more than
+    `WRITE_HIGH_WATER` bytes (asyncio calls ``pause_writing``) the trunk stops reading the socket
+    and stops delivering the frames it has already read, so no new request is taken and no new
+    answer made, until the peer has read it down to `WRITE_LOW_WATER` (``resume_writing``);
+    :meth:`drain` waits for that, for writers of our own (unsolicited updates). The peer's unread
+    requests then wait in its own socket buffer.
 
     The socket is read into one reusable buffer of `READ_BUFFER_SIZE` bytes (an
     `asyncio.BufferedProtocol`); :meth:`data_received` takes bytes fed by hand.
@@ -271,6 +285,9 @@ class Trunk(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._shutting_down = False
         self._exception: Exception | None = None
+        self._unheard_log = LogBudget()  # frames for connections nobody opened: a few lines, then a count
+        self._writable = asyncio.Event()  # clear while the peer lets our answers pile up unread
+        self._writable.set()
         self.closed = asyncio.Event()
         """Set when the trunk is closed for good; do not set it yourself."""
 
@@ -330,12 +347,50 @@ class Trunk(asyncio.BufferedProtocol):
         """Wait until the trunk is closed."""
         await self.closed.wait()
 
+    @property
+    def writing_paused(self) -> bool:
+        """True while the write buffer is over `WRITE_HIGH_WATER` (reading is paused meanwhile)."""
+        return not self._writable.is_set()
+
+    async def drain(self) -> None:
+        """Wait until the peer has read our backlog down to `WRITE_LOW_WATER` (at once when it has,
+        or when the trunk is closed)."""
+        if self._writable.is_set() or self._shutting_down:
+            return
+        closed = asyncio.ensure_future(self.closed.wait())
+        writable = asyncio.ensure_future(self._writable.wait())
+        try:
+            await asyncio.wait((closed, writable), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            writable.cancel()
+
     # asyncio.Protocol callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         if self._shutting_down:
             self._transport.close()
+            return
+        with contextlib.suppress(NotImplementedError):  # a transport without flow control (a test's)
+            self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+
+    def pause_writing(self) -> None:
+        """The peer is not reading what we write: stop reading its requests until it does."""
+        self._writable.clear()
+        if self._transport is not None and not self._shutting_down:
+            logger.warning(
+                "NRI peer is not reading our answers (%d bytes unread): its requests wait until it does",
+                self._transport.get_write_buffer_size(),
+            )
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+        if self._transport is not None and not self._shutting_down:
+            logger.info("NRI peer reads our answers again: reading its requests again")
+            self._transport.resume_reading()
+            self._dispatch()  # what was read before the pause first
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._read_view
@@ -363,15 +418,26 @@ class Trunk(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._shut_down(exc)
-        if self._release is not None:
-            self._release.cancel()
-            self._release = None
+        self._writable.set()  # nothing more to wait for: drain() returns
+        if self._release is not None or self._large_bytes:
+            # Large messages came (a Synchronize, cut short or not): once the receivers have let go
+            # of them, the heap's free memory goes back to the system, trunk or no trunk.
+            if self._release is not None:
+                self._release.cancel()
+                self._release = None
+            self._large_bytes = 0
+            try:
+                asyncio.get_running_loop().call_later(_RELEASE_DELAY, heap.release_free_memory)
+            except RuntimeError:  # called by hand, outside a loop
+                heap.release_free_memory()
         self.closed.set()
 
     # internals
 
     def _dispatch(self) -> None:
-        while not self._shutting_down:
+        # While writing is paused, frames already read wait in the decoder too (`resume_writing`
+        # delivers them): a single read of many small requests must not make answers past the mark.
+        while not self._shutting_down and self._writable.is_set():
             try:
                 found = self._decoder.next_payload()
             except MuxProtocolError as exc:
@@ -385,7 +451,14 @@ class Trunk(asyncio.BufferedProtocol):
     def _deliver(self, conn_id: int, payload: bytes) -> None:
         receiver = self._receivers.get(conn_id)
         if receiver is None:
-            logger.debug("mux conn %d: nobody listens, dropping %d bytes", conn_id, len(payload))
+            suppressed = self._unheard_log.take()
+            if suppressed is not None:
+                logger.debug(
+                    "mux conn %d: nobody listens, dropping %d bytes%s",
+                    conn_id,
+                    len(payload),
+                    suppressed_note(suppressed),
+                )
             return
         if not payload:
             # An empty frame carries nothing, and b"" means end of file to a sans-I/O receiver.

@@ -12,6 +12,12 @@ code and the message. Any other exception is answered as the ttrpc server answer
 
 The connection goes through the states of `nri_plugin.nri.connection` (``stub.state``); its waits
 run on an injected `Clock`, its reconnects are paced by one `Backoff`, reset by every registration.
+
+The runtime is a peer, not a master of our memory: the chunks of one Synchronize are gathered only up
+to `max_sync_bytes` (`DEFAULT_MAX_SYNC_BYTES`, the config's ``max_synchronize_mib``). A runtime that
+sends more (say, ``more=true`` without end) gets ResourceExhausted, the connection is dropped, what
+it sent is let go and the heap's free memory given back to the system; the stub then reconnects as
+after any lost connection.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any, Protocol, TypeVar
 import structlog
 
 from api.nri import api_pb2 as api
+from nri_plugin.common import heap
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless
 from nri_plugin.nri import handlers, mux
@@ -52,6 +59,7 @@ from nri_plugin.ttrpc.aio import CallContext, Client, Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code, ConnectionClosed, TtrpcError
 
 __all__ = [
+    "DEFAULT_MAX_SYNC_BYTES",
     "DEFAULT_SOCKET_PATH",
     "PLUGIN_SERVICE",
     "RUNTIME_SERVICE",
@@ -75,6 +83,13 @@ DEFAULT_REQUEST_TIMEOUT = 2.0
 # The reconnect pacing when none is given: 0.1 s after a lost connection, doubling up to 5 s.
 DEFAULT_BACKOFF_INITIAL = 0.1
 DEFAULT_BACKOFF_MAX = 5.0
+# The most one Synchronize may bring, all chunks together (serialized size). 5,000 containers with
+# realistic env, mounts and annotations take 7.3 MB (docs/performance.md); the plugin's memory at
+# this cap stays well under the DaemonSet's 256 Mi limit.
+DEFAULT_MAX_SYNC_BYTES = 32 << 20
+# How long after a dropped oversized Synchronize the heap's free memory is given back (the chunks
+# are let go once the handler has returned).
+_RELEASE_DELAY = 0.1
 
 S = ConnectionState
 T = TypeVar("T")
@@ -195,13 +210,15 @@ class _Session:
 
     pods: list[api.PodSandbox] = field(default_factory=list)
     containers: list[api.Container] = field(default_factory=list)
+    # Serialized bytes of the chunks gathered so far.
+    size: int = 0
     # Where the connection was when the synchronization began: where a failed one goes back to.
     before_sync: ConnectionState = ConnectionState.CONFIGURED
 
     def take(self) -> tuple[list[api.PodSandbox], list[api.Container]]:
         """All the chunks so far, joined; the next Synchronize starts afresh."""
         pods, containers = self.pods, self.containers
-        self.pods, self.containers = [], []
+        self.pods, self.containers, self.size = [], [], 0
         return pods, containers
 
 
@@ -210,7 +227,8 @@ class Stub:
 
     `backoff` paces the reconnects (default: 0.1 s doubling up to 5 s, with jitter); `clock` runs the
     waits (virtual time in tests); `observer` is told of every request and lost connection. Set
-    `registration_timeout` before `run()` to wait longer than 5 s for RegisterPlugin's reply.
+    `registration_timeout` before `run()` to wait longer than 5 s for RegisterPlugin's reply, and
+    `max_sync_bytes` to take a Synchronize larger than 32 MiB (see the module docstring).
     """
 
     def __init__(
@@ -226,6 +244,8 @@ class Stub:
         clock: Clock = LOOP_CLOCK,
     ) -> None:
         self.plugin = plugin
+        # The most one Synchronize may bring (see the module docstring); set it before `run()`.
+        self.max_sync_bytes = DEFAULT_MAX_SYNC_BYTES
         # Read when a connection starts: set it before `run()`.
         self.observer = observer
         self.identity = resolve_identity(name, index)
@@ -440,6 +460,8 @@ class Stub:
     async def _send_updates(self, updates: list[api.ContainerUpdate]) -> list[api.ContainerUpdate]:
         while not self._idle.is_set():
             await self._idle.wait()
+        if self._trunk is not None:
+            await self._trunk.drain()  # not one more message onto a backlog the runtime does not read
         client = self._client
         if client is None:
             raise ConnectionClosed("not connected to the runtime")
@@ -552,6 +574,9 @@ class Stub:
         self, session: _Session, request: api.SynchronizeRequest, _ctx: object
     ) -> api.SynchronizeResponse:
         self._sync_began(session)
+        session.size += request.ByteSize()
+        if session.size > self.max_sync_bytes:
+            raise self._sync_too_large(session)
         session.pods.extend(request.pods)
         session.containers.extend(request.containers)
         if request.more:
@@ -572,6 +597,28 @@ class Stub:
             updates=len(updates),
         )
         return api.SynchronizeResponse(update=updates)
+
+    def _sync_too_large(self, session: _Session) -> TtrpcError:
+        """A Synchronize over `max_sync_bytes`: its chunks let go, the connection dropped, the memory
+        given back soon; the error to answer (if the answer still goes out)."""
+        size = session.size
+        session.take()
+        self._sync_ended(session, session.before_sync)
+        log.error(
+            "Synchronize larger than the plugin accepts: dropping the connection (raise "
+            "max_synchronize_mib if the node really runs that much)",
+            event_name="Synchronize",
+            received_bytes=size,
+            limit_bytes=self.max_sync_bytes,
+        )
+        if self._current(session) and self._trunk is not None:
+            self._trunk.close()
+        asyncio.get_running_loop().call_later(_RELEASE_DELAY, heap.release_free_memory)
+        return TtrpcError(
+            Code.RESOURCE_EXHAUSTED,
+            f"Synchronize of more than {self.max_sync_bytes} bytes refused: over the plugin's "
+            "max_synchronize_mib",
+        )
 
     def _sync_began(self, session: _Session) -> None:
         if self._current(session) and self.state is not S.SYNCHRONIZING:

@@ -30,6 +30,7 @@ from nri_plugin.ttrpc.errors import (
     ProtocolError,
     TtrpcError,
 )
+from nri_plugin.ttrpc.logbudget import LogBudget, suppressed_note
 from nri_plugin.ttrpc.protocol import (
     ClientSession,
     RequestReceived,
@@ -128,6 +129,8 @@ class Server:
         self._tasks: set[asyncio.Task[None]] = set()
         self._accepting = True
         self._lost = False
+        # A handler failing for every request of a hostile peer must not flood the log.
+        self._failure_log = LogBudget()
 
     def data_received(self, data: bytes) -> None:
         if self._lost:
@@ -211,7 +214,14 @@ class Server:
         except asyncio.TimeoutError:
             return Code.DEADLINE_EXCEEDED, _DEADLINE_TEXT, b""
         except Exception as exc:
-            logger.exception("ttrpc handler %s/%s failed", request.service, request.method)
+            suppressed = self._failure_log.take()
+            if suppressed is not None:
+                logger.exception(
+                    "ttrpc handler %s/%s failed%s",
+                    request.service,
+                    request.method,
+                    suppressed_note(suppressed),
+                )
             # Go sends err.Error(); an exception without text still needs a readable message.
             return Code.UNKNOWN, str(exc) or repr(exc), b""
 
@@ -377,6 +387,8 @@ class Client:
         # Why calls fail once the channel is gone: (message, underlying cause).
         self._closed: tuple[str, BaseException | None] | None = None
         self._lost = asyncio.Event()
+        # A peer can send responses nobody asked for as fast as it likes: a few lines, then a count.
+        self._stray_log = LogBudget()
 
     @property
     def closed(self) -> bool:
@@ -460,7 +472,13 @@ class Client:
     def _dispatch(self, event: ResponseReceived | UnexpectedResponse) -> None:
         if isinstance(event, UnexpectedResponse):
             # Usually the answer to a call that already timed out here.
-            logger.info("ttrpc client: response on inactive stream %d dropped", event.stream_id)
+            suppressed = self._stray_log.take()
+            if suppressed is not None:
+                logger.info(
+                    "ttrpc client: response on inactive stream %d dropped%s",
+                    event.stream_id,
+                    suppressed_note(suppressed),
+                )
             return
         future = self._pending.pop(event.stream_id, None)
         if future is not None and not future.done():
@@ -469,6 +487,9 @@ class Client:
     def connection_lost(self, exc: BaseException | None) -> None:
         self._fail_all("ttrpc: closed", exc)
         self._lost.set()
+        left_out = self._stray_log.flush()
+        if left_out:
+            logger.info("ttrpc client: %d more responses on inactive streams were dropped", left_out)
 
     def close(self) -> None:
         """Fail pending calls with `ConnectionClosed`, refuse new ones and close the channel."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -295,6 +297,62 @@ def test_directory_in_place_of_a_file(tree: Hierarchy) -> None:
     for info in (read_info, write_info):
         assert type(info.value) is CgroupError
         assert info.value.errno == errno.EISDIR
+
+
+def _within(seconds: float, work: Callable[[], object], release: Callable[[], None]) -> BaseException | None:
+    """Run `work` in a thread; it must end within `seconds` (else `release` unblocks it and the test
+    fails). What it raised, if anything."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            work()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        release()
+        thread.join(5)
+        pytest.fail(f"{work} blocked for more than {seconds} s")
+    return outcome[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "fifo-with-writer", "socket"])
+def test_a_fifo_or_socket_in_place_of_a_quota_file_never_blocks(tree: Hierarchy, kind: str) -> None:
+    """A FIFO in place of a quota file blocked the daemon's event loop (issue #13): now every open is
+    non-blocking and anything but a regular file is refused at once."""
+    pod = tree.dir(POD)
+    name = "cpu.cfs_quota_us" if tree.version == 1 else "cpu.max"
+    path = Path(pod.fs_path, name)
+    path.unlink()
+    held: list[int] = []
+    sock: socket.socket | None = None
+    if kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+    else:
+        os.mkfifo(path)
+        if kind == "fifo-with-writer":  # a writer that never writes: a plain read would wait for ever
+            held.append(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+
+    def release() -> None:
+        held.append(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+
+    try:
+        for work in (lambda: read_cpu_quota(pod), lambda: write_cpu_quota(pod, 200_000)):
+            error = _within(2.0, work, release)
+            assert isinstance(error, CgroupError), error
+            assert "not a regular file" in str(error) or "No such device" in str(error), error
+            assert str(path) in str(error)
+    finally:
+        for fd in held:
+            os.close(fd)
+        if sock is not None:
+            sock.close()
 
 
 def test_file_in_place_of_a_directory(tree: Hierarchy) -> None:

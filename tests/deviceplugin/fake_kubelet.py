@@ -1,4 +1,5 @@
-"""A fake kubelet: the Registration server and device-manager client, over real unix sockets.
+"""A fake kubelet: the Registration server and device-manager client, and the PodResources API,
+over real unix sockets.
 
 It does what kubelet's device manager does, in the same order:
 
@@ -9,6 +10,11 @@ It does what kubelet's device manager does, in the same order:
   then keep a ``ListAndWatch`` stream open in the background (or, told to ``hang``, never answer);
 * ``allocate()``: call ``Allocate`` on the connected plugin, as kubelet does at container admission;
 * ``stop()``: go away (streams end, ``kubelet.sock`` is removed as Go's listener does on close).
+
+Given `pod_resources` (a socket path), it also serves ``v1.PodResourcesLister`` there (``List``, and
+``Get`` unless `get_enabled` is false, when it answers as kubelet does with the feature gate off):
+``admit()`` allocates a device to a pod's container through the plugin's ``Allocate`` and records
+it, as kubelet's device manager does; ``forget()`` drops a pod (deleted).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import grpc
 
 from api.deviceplugin.v1beta1 import api_pb2 as api
 from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
+from api.podresources.v1 import api_pb2 as podresources
+from api.podresources.v1 import api_pb2_grpc as podresources_grpc
 
 KUBELET_SOCKET = "kubelet.sock"
 
@@ -58,6 +66,8 @@ class FakeKubelet(api_grpc.RegistrationServicer):
         reject: str | None = None,
         drop_streams: bool = False,
         hang: bool = False,
+        pod_resources: Path | None = None,
+        get_enabled: bool = True,
     ) -> None:
         self.plugin_dir = plugin_dir
         self.socket_path = plugin_dir / KUBELET_SOCKET
@@ -70,6 +80,7 @@ class FakeKubelet(api_grpc.RegistrationServicer):
         self.registered = asyncio.Event()
         self.lists_received = asyncio.Condition()
         self._server: grpc.aio.Server | None = None
+        self.records = PodResourcesRecord(pod_resources, get_enabled=get_enabled)
 
     async def start(self, *, cleanup: bool = True) -> FakeKubelet:
         self.plugin_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
@@ -79,6 +90,7 @@ class FakeKubelet(api_grpc.RegistrationServicer):
         api_grpc.add_RegistrationServicer_to_server(self, self._server)
         self._server.add_insecure_port(f"unix:{self.socket_path}")
         await self._server.start()
+        await self.records.start()
         return self
 
     async def stop(self) -> None:
@@ -88,6 +100,7 @@ class FakeKubelet(api_grpc.RegistrationServicer):
         if self._server is not None:
             await self._server.stop(None)
             self._server = None
+        await self.records.stop()
 
     # -- Registration service -----------------------------------------------------------------------
 
@@ -150,6 +163,20 @@ class FakeKubelet(api_grpc.RegistrationServicer):
         response: api.AllocateResponse = await self.client(resource).stub.Allocate(request, timeout=5)
         return response
 
+    async def admit(
+        self, resource: str, namespace: str, pod: str, container: str, device: str
+    ) -> dict[str, str]:
+        """Admit a container asking for 1 device: Allocate it on the plugin and record it in the
+        pod-resources record; the annotations kubelet passes to the runtime."""
+        response = await self.allocate(resource, [device])
+        self.records.assign(namespace, pod, container, resource, device)
+        [answer] = response.container_responses
+        return dict(answer.annotations)
+
+    def forget(self, namespace: str, pod: str) -> None:
+        """The pod is gone from kubelet: its allocations with it."""
+        self.records.pods.pop((namespace, pod), None)
+
     async def drop_stream(self, resource: str) -> None:
         """End the ListAndWatch stream of ``resource`` and forget the plugin, keeping kubelet.sock."""
         client = self.clients.pop(resource)
@@ -163,3 +190,69 @@ def remove_sockets(directory: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(entry).st_mode):
                 entry.unlink()
+
+
+class PodResourcesRecord(podresources_grpc.PodResourcesListerServicer):
+    """kubelet's pod-resources API: what it allocated to whom (``pods``), served on `socket_path`."""
+
+    def __init__(self, socket_path: Path | None, *, get_enabled: bool = True) -> None:
+        self.socket_path = socket_path
+        self.get_enabled = get_enabled
+        # (namespace, pod) -> container -> resource -> device ids
+        self.pods: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
+        self.calls: list[str] = []
+        self._server: grpc.aio.Server | None = None
+
+    def run(self, namespace: str, pod: str, *containers: str) -> None:
+        """kubelet runs this pod (its containers listed, with no devices unless assigned)."""
+        entries = self.pods.setdefault((namespace, pod), {})
+        for container in containers:
+            entries.setdefault(container, {})
+
+    def assign(self, namespace: str, pod: str, container: str, resource: str, device: str) -> None:
+        containers = self.pods.setdefault((namespace, pod), {})
+        containers.setdefault(container, {}).setdefault(resource, []).append(device)
+
+    async def start(self) -> None:
+        if self.socket_path is None:
+            return
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()  # a new kubelet re-creates its socket
+        self._server = grpc.aio.server()
+        podresources_grpc.add_PodResourcesListerServicer_to_server(self, self._server)
+        self._server.add_insecure_port(f"unix:{self.socket_path}")
+        await self._server.start()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)
+            self._server = None
+
+    def _pod(self, namespace: str, pod: str) -> podresources.PodResources:
+        message = podresources.PodResources(name=pod, namespace=namespace)
+        for container, resources in self.pods.get((namespace, pod), {}).items():
+            entry = message.containers.add(name=container, cpu_ids=[2, 3])
+            for resource, ids in resources.items():
+                entry.devices.add(resource_name=resource, device_ids=ids)
+        return message
+
+    async def List(
+        self, request: podresources.ListPodResourcesRequest, context: Any
+    ) -> podresources.ListPodResourcesResponse:
+        self.calls.append("List")
+        return podresources.ListPodResourcesResponse(
+            pod_resources=[self._pod(namespace, pod) for namespace, pod in self.pods]
+        )
+
+    async def Get(
+        self, request: podresources.GetPodResourcesRequest, context: Any
+    ) -> podresources.GetPodResourcesResponse:
+        self.calls.append("Get")
+        if not self.get_enabled:
+            await context.abort(grpc.StatusCode.UNKNOWN, "PodResources API Get method disabled")
+        key = (request.pod_namespace, request.pod_name)
+        if key not in self.pods:
+            missing = f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
+            await context.abort(grpc.StatusCode.UNKNOWN, missing)
+        return podresources.GetPodResourcesResponse(pod_resources=self._pod(*key))

@@ -15,7 +15,7 @@ from fault_support import PERIOD, books_vs_files, inconsistencies, make_node, wi
 from mixedcpu_support import plugin_running
 
 from api.nri import api_pb2 as api
-from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 
 TIMEOUT = 0.2  # the runtime's request timeout here (2 s on a real node)
@@ -65,7 +65,7 @@ async def test_handler_slower_than_the_request_timeout(short_dir: Path, where: s
         shared=population.shared,
         layout=node.tree.layout,
         store=StateStore(node.state, fsync=False),
-        marker_key=population.key,
+        trusted=TrustedSources(population.key),
     )
     async with contextlib.AsyncExitStack() as stack:
         stub = await stack.enter_async_context(plugin_running(plugin, node.socket, reconnect=True))

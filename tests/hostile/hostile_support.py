@@ -38,6 +38,7 @@ from api.nri import api_pb2 as api
 from api.ttrpc import request_pb2
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri import mux
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub
@@ -255,6 +256,7 @@ class Node:
         trust_pod_annotation: bool = False,
         trust_marker: bool = True,
         reconnect: bool = False,
+        allocations: AllocationRecord | None = None,
     ) -> None:
         self.root = root
         base = root / "node"
@@ -271,6 +273,7 @@ class Node:
             self.tree.layout,
             trust_pod_annotation=trust_pod_annotation,
             trust_marker=trust_marker,
+            allocations=allocations,
         )
         self.loop = asyncio.new_event_loop()
         # Exceptions nobody retrieved (a task that died, a callback that raised) end up here.

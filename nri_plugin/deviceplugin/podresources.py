@@ -1,0 +1,263 @@
+"""kubelet's PodResources API (gRPC v1 on a unix socket): which devices kubelet allocated to whom.
+
+The NRI side's proof of a request for shared CPUs (`nri_plugin.mixedcpu.allocations`): for a
+container that presents our allocation marker, the device ids of our resource that kubelet's own
+record gives *that* container (pod namespace and name, container name). A marker copied from
+kubelet's checkpoint file, replayed after its holder's pod stopped, or planted on a sibling then
+proves nothing: kubelet did not allocate the device to it.
+
+How it asks
+    ``Get`` for one pod where kubelet serves it (the ``KubeletPodResourcesGet`` feature gate, on by
+    default from Kubernetes 1.34), else ``List`` (once ``Get`` answered "disabled" or Unimplemented,
+    ``List`` only). Each lookup dials the socket afresh with a deadline of `LOOKUP_TIMEOUT` seconds,
+    well inside the runtime's 2 s request budget: no channel stays open to go stale across a kubelet
+    restart, and no gRPC reconnect backoff delays the first question after one. A pod found with a
+    device of our resource is remembered for `CACHE_TTL` seconds (several shared containers of one
+    pod, and the List of a Synchronize, cost one question); anything else is asked again each time.
+
+When kubelet cannot be asked
+    No socket, a refused connection, an error, or no answer in time: the lookup answers None, and the
+    plugin falls back to the marker binding alone. It says so: a warning when kubelet stops answering
+    (and at start when the socket is absent), an info line when it answers again, the
+    ``mixed_cpu_pod_resources_lookups_total{outcome="unavailable"}`` counter and the
+    ``mixed_cpu_pod_resources_reachable`` gauge (`PodResourcesObserver`), and ``check``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from typing import Final, Protocol, TypeVar
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+
+from api.podresources.v1 import api_pb2 as api
+from api.podresources.v1 import api_pb2_grpc as api_grpc
+from nri_plugin.common.clock import LOOP_CLOCK, Clock
+
+__all__ = [
+    "CACHE_TTL",
+    "LOOKUP_TIMEOUT",
+    "PodResourcesClient",
+    "PodResourcesObserver",
+    "socket_state",
+]
+
+log = structlog.get_logger("nri_plugin.deviceplugin.podresources")
+
+# Seconds a lookup may take: kubelet answers in milliseconds; the runtime gives a request 2 s.
+LOOKUP_TIMEOUT: Final = 0.5
+# Seconds a pod found with our devices is answered from memory.
+CACHE_TTL: Final = 2.0
+# kubelet answers Get with these (status Unknown) when the feature gate is off or the pod unknown.
+_GET_DISABLED: Final = "Get method disabled"
+_NOT_FOUND: Final = " not found"
+# Remembered pods past this many: the stale ones are forgotten.
+_PRUNE_AT: Final = 256
+# Each lookup dials afresh (see the module docstring), never through a shared subchannel.
+_FRESH_CONNECTION: Final = (("grpc.use_local_subchannel_pool", 1),)
+
+ContainerDevices = Mapping[str, frozenset[str]]
+PodRef = tuple[str, str]
+T = TypeVar("T", bound=Message)
+
+
+class PodResourcesObserver(Protocol):
+    """Told of every lookup's outcome (`nri_plugin.daemon.metrics`)."""
+
+    def pod_resources_lookup(self, outcome: str) -> None:
+        """`outcome`: ``ok`` (kubelet answered) or ``unavailable`` (the marker alone decided)."""
+
+
+class _Unavailable(Exception):
+    """kubelet could not be asked; the message says why."""
+
+
+def socket_state(path: str) -> str | None:
+    """None when `path` is a socket (kubelet may be asked), else why not, in words."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return f"{path} does not exist"
+    except OSError as exc:
+        return f"{path} cannot be looked at: {exc.strerror}"
+    return None if stat.S_ISSOCK(mode) else f"{path} is not a socket"
+
+
+class PodResourcesClient:
+    """kubelet's record of the devices of `resource_name` it allocated (an
+    `nri_plugin.mixedcpu.allocations.AllocationRecord`); see the module docstring."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        resource_name: str,
+        *,
+        timeout: float = LOOKUP_TIMEOUT,
+        ttl: float = CACHE_TTL,
+        observer: PodResourcesObserver | None = None,
+        clock: Clock = LOOP_CLOCK,
+    ) -> None:
+        self.socket_path = socket_path
+        self.resource_name = resource_name
+        self.timeout = timeout
+        self.ttl = ttl
+        self.observer = observer
+        self.clock = clock
+        # None until kubelet answered Get once, or refused it for good (then List only).
+        self.get_supported: bool | None = None
+        # Whether kubelet answered the last question (None: not asked yet).
+        self.reachable: bool | None = None
+        self._pods: dict[PodRef, tuple[float, ContainerDevices]] = {}
+
+    # -- the record --------------------------------------------------------------------------------
+
+    async def pod_allocations(self, namespace: str, name: str) -> ContainerDevices | None:
+        """The pod's containers and their device ids of our resource ({} when kubelet runs no such
+        pod, or gave it none); None when kubelet cannot be asked."""
+        remembered = self._pods.get((namespace, name))
+        if remembered is not None and self.clock.monotonic() - remembered[0] < self.ttl:
+            return remembered[1]
+        try:
+            found = await self._pod(namespace, name)
+        except _Unavailable as exc:
+            self._unavailable(str(exc))
+            return None
+        self._answered()
+        return found
+
+    async def node_allocations(self) -> Mapping[PodRef, ContainerDevices] | None:
+        """Every pod kubelet runs, its containers and their device ids of our resource; None when
+        kubelet cannot be asked."""
+        try:
+            found = await self._list()
+        except _Unavailable as exc:
+            self._unavailable(str(exc))
+            return None
+        self._answered()
+        return found
+
+    @property
+    def answering(self) -> bool:
+        """For the gauge: kubelet answered the last question, or (none asked yet) its socket is there."""
+        if self.reachable is None:
+            return socket_state(self.socket_path) is None
+        return self.reachable
+
+    def log_start(self) -> None:
+        """At start: say which proof the NRI side will use, as far as the socket tells."""
+        why = socket_state(self.socket_path)
+        if why is None:
+            log.info("kubelet's pod-resources API proves requests for shared CPUs", socket=self.socket_path)
+            return
+        self._say_unavailable(why)
+
+    # -- asking kubelet ---------------------------------------------------------------------------
+
+    async def _pod(self, namespace: str, name: str) -> ContainerDevices:
+        if self.get_supported is not False:
+            found = await self._get(namespace, name)
+            if found is not None:
+                return found
+        return (await self._list()).get((namespace, name), {})
+
+    async def _get(self, namespace: str, name: str) -> ContainerDevices | None:
+        """One pod by Get; None when kubelet does not serve Get (then List it is, from now on)."""
+        request = api.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace)
+        try:
+            response = await self._call("Get", request, api.GetPodResourcesResponse)
+        except grpc.aio.AioRpcError as exc:
+            details = exc.details() or ""
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED or _GET_DISABLED in details:
+                self.get_supported = False
+                log.info("kubelet does not serve the pod-resources Get: asking with List", reason=details)
+                return None
+            if exc.code() is grpc.StatusCode.NOT_FOUND or details.endswith(_NOT_FOUND):
+                return {}  # kubelet runs no such pod: it allocated nothing to it
+            raise _Unavailable(f"Get: {exc.code().name}: {details}") from None
+        self.get_supported = True
+        found = self._devices(response.pod_resources)
+        self._remember((namespace, name), found)
+        return found
+
+    async def _list(self) -> dict[PodRef, ContainerDevices]:
+        try:
+            response = await self._call("List", api.ListPodResourcesRequest(), api.ListPodResourcesResponse)
+        except grpc.aio.AioRpcError as exc:
+            raise _Unavailable(f"List: {exc.code().name}: {exc.details()}") from None
+        found = {(pod.namespace, pod.name): self._devices(pod) for pod in response.pod_resources}
+        self._pods.clear()
+        for ref, devices in found.items():
+            self._remember(ref, devices)
+        return found
+
+    async def _call(self, method: str, request: Message, response_type: type[T]) -> T:
+        """One call on a fresh connection, within `timeout`. Raises `_Unavailable` when there is no
+        socket, `grpc.aio.AioRpcError` for kubelet's answer or a failed connection."""
+        why = socket_state(self.socket_path)
+        if why is not None:
+            raise _Unavailable(why)
+        async with grpc.aio.insecure_channel(
+            f"unix:{self.socket_path}", options=_FRESH_CONNECTION
+        ) as channel:
+            stub = api_grpc.PodResourcesListerStub(channel)
+            response = await getattr(stub, method)(request, timeout=self.timeout)
+            if not isinstance(response, response_type):
+                raise _Unavailable(f"{method}: an answer of type {type(response).__name__}")
+            return response
+
+    def _devices(self, pod: api.PodResources) -> ContainerDevices:
+        """Container name -> its device ids of our resource (containers with none left out)."""
+        found: dict[str, frozenset[str]] = {}
+        for container in pod.containers:
+            ids = frozenset(
+                device_id
+                for devices in container.devices
+                if devices.resource_name == self.resource_name
+                for device_id in devices.device_ids
+            )
+            if ids:
+                found[container.name] = ids
+        return found
+
+    def _remember(self, ref: PodRef, devices: ContainerDevices) -> None:
+        now = self.clock.monotonic()
+        if len(self._pods) >= _PRUNE_AT:  # pods come and go: forget the ones no longer fresh
+            for stale in [key for key, (at, _) in self._pods.items() if now - at >= self.ttl]:
+                del self._pods[stale]
+        if devices:
+            self._pods[ref] = (now, devices)
+        else:
+            self._pods.pop(ref, None)
+
+    # -- saying so ---------------------------------------------------------------------------------
+
+    def _answered(self) -> None:
+        if self.reachable is False:
+            log.info(
+                "kubelet's pod-resources API answers again: kubelet's record proves requests",
+                socket=self.socket_path,
+            )
+        self.reachable = True
+        if self.observer is not None:
+            self.observer.pod_resources_lookup("ok")
+
+    def _unavailable(self, why: str) -> None:
+        if self.reachable is not False:
+            self._say_unavailable(why)
+        self.reachable = False
+        if self.observer is not None:
+            self.observer.pod_resources_lookup("unavailable")
+
+    def _say_unavailable(self, why: str) -> None:
+        self.reachable = False
+        log.warning(
+            "kubelet's pod-resources API cannot be asked: the allocation marker alone proves requests "
+            "for shared CPUs until it can (a copied marker is then only refused while its device is "
+            "bound to another container); mount kubelet's pod-resources directory",
+            socket=self.socket_path,
+            reason=why,
+        )
