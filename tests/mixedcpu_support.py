@@ -246,7 +246,7 @@ def write_daemon_config(directory: Path, plugin_dir: Path, *, metrics_address: s
     fake cgroup v1 tree (``cgroup/cpu``, ``cgroup/cpuset``), the state dir ``state``, kubelet's
     device-plugin directory ``plugin_dir`` (keep it short: unix socket paths are limited to 107 bytes),
     and metrics and probes on `metrics_address` (by default a free port: daemons run in parallel; the
-    daemon logs the one it bound)."""
+    daemon logs the one it bound). No systemd bus: a test daemon never talks to the host's systemd."""
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-3\n")
@@ -256,7 +256,7 @@ def write_daemon_config(directory: Path, plugin_dir: Path, *, metrics_address: s
     config.write_text(
         f'shared_cpuset = "0-1"\nsysfs_root = "{directory}/sys"\nstate_dir = "{directory}/state"\n'
         f'cgroup_root = "{directory}/cgroup"\ncgroup_version = "v1"\n'
-        f'metrics_address = "{metrics_address}"\n'
+        f'metrics_address = "{metrics_address}"\nsystemd_bus = ""\n'
         f'[device_plugin]\nplugin_dir = "{plugin_dir}"\n'
     )
     return config

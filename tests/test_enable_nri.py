@@ -3,6 +3,7 @@ runtime restarted over D-Bus only when a file changed; and the D-Bus client agai
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import shutil
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.daemon import dbus
 from nri_plugin.daemon.enable_nri import (
     BACKUP_SUFFIX,
     CONTAINERD_CONFIG,
@@ -25,6 +25,7 @@ from nri_plugin.daemon.enable_nri import (
     enable_nri,
     patch_containerd_config,
 )
+from nri_plugin.systemd import bus as dbus
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -266,8 +267,12 @@ def test_the_bus_answers_our_calls(bus: str) -> None:
         "org.freedesktop.DBus",
     )  # fmt: skip
     assert owner == "org.freedesktop.DBus"
-    with dbus.BusConnection(bus) as connection:
-        assert connection.unique_name.startswith(":")
+
+    async def unique_name() -> str:
+        async with dbus.connected(bus) as connection:
+            return str(connection.unique_name)
+
+    assert asyncio.run(unique_name()).startswith(":")
 
 
 def test_restart_unit_reaches_the_bus_and_its_refusal_comes_back(bus: str) -> None:

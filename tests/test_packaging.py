@@ -39,11 +39,11 @@ from nri_plugin.daemon.config import (
     Config,
     parse_config,
 )
-from nri_plugin.daemon.dbus import SYSTEM_BUS
 from nri_plugin.daemon.enable_nri import CONTAINERD_CONFIG, CRIO_DROP_IN, NRI_SOCKET
 from nri_plugin.daemon.wiring import LAUNCHED_ENDED
 from nri_plugin.deviceplugin.config import DEFAULT_PLUGIN_DIR
 from nri_plugin.nri.simulator import RuntimeSimulator
+from nri_plugin.systemd.bus import SYSTEM_BUS
 
 if sys.version_info >= (3, 11):
     import tomllib

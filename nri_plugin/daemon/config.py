@@ -17,6 +17,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     metrics_address = "127.0.0.1:8891"     # host:port (":8891": every address) of /metrics, /healthz,
                                            # /readyz; "" turns it off
     reconcile_interval = 30                # seconds between the reconciler's checks of the node
+    systemd_bus = "/run/dbus/system_bus_socket"  # the system bus: pod slices' quotas set through
+                                           # systemd (systemd driver); "": always the cgroup files
 
     [trusted_sources]                      # what proves that a container asked for shared CPUs
     device_plugin_marker = true            # our device plugin's signed allocation marker
@@ -52,6 +54,7 @@ from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfi
 from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH
 from nri_plugin.nri.identity import PLUGIN_INDEX as _INDEX
 from nri_plugin.nri.identity import PLUGIN_NAME as _NAME
+from nri_plugin.systemd.bus import SYSTEM_BUS as DEFAULT_SYSTEMD_BUS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -129,6 +132,7 @@ class Config:
     log_format: str = "auto"
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
+    systemd_bus: str = DEFAULT_SYSTEMD_BUS
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     source: str = "<config>"
 
@@ -150,6 +154,7 @@ _TOP_KEYS: Final = (
     "log_format",
     "metrics_address",
     "reconcile_interval",
+    "systemd_bus",
     _SOURCES_TABLE,
     _DEVICE_PLUGIN_TABLE,
 )
@@ -357,8 +362,16 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "log_format": functools.partial(check.choice, "log_format", choices=LOG_FORMATS),
         "metrics_address": functools.partial(_metrics_address, check),
         "reconcile_interval": functools.partial(_reconcile_interval, check),
+        "systemd_bus": functools.partial(_systemd_bus, check),
     }
     return {key: parse(document[key]) for key, parse in parsers.items() if key in document}
+
+
+def _systemd_bus(check: _Checker, value: object) -> str:
+    """An absolute path, or "" for no bus at all."""
+    if value == "":
+        return ""
+    return check.path("systemd_bus", value)
 
 
 def _trusted_sources(check: _Checker, sources: object) -> dict[str, Any]:

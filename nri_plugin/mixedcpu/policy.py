@@ -57,6 +57,7 @@ __all__ = [
     "SyncPlan",
     "UpdatePlan",
     "baseline_from_pod_resources",
+    "baseline_from_resources",
     "check_request",
     "choose_shared",
     "container_slot",
@@ -460,8 +461,25 @@ def plan_update(
     if limited is None:
         limited = _limited(current_cpu)
     if limited:
-        update.linux.resources.cpu.quota.value = len(cpus) * _period(requested.cpu, current_cpu)
+        update.linux.resources.cpu.quota.value = _update_quota(requested.cpu, current_cpu, cpus, own)
     return UpdatePlan(update, own or exclusive, given)
+
+
+def _update_quota(
+    requested: api.LinuxCPU, current: api.LinuxCPU, cpus: frozenset[int], own: frozenset[int]
+) -> int:
+    """A shared container's quota on update: n(cpus) x period, its exclusive and shared CPUs; but
+    a quota kubelet asks for that is neither that nor the container's current one is its own new
+    limit (an in-place resize that keeps its cpuset): that, plus its shared CPUs. (A runtime that
+    relays the current, raised quota in an update gets it kept, never raised twice.)"""
+    period = _period(requested, current)
+    quota = len(cpus) * period
+    if not _limited(requested) or not own:
+        return quota
+    asked = requested.quota.value
+    if asked in (quota, current.quota.value, len(own) * period):
+        return quota
+    return asked + len(cpus - own) * period
 
 
 @dataclass(frozen=True, slots=True)
@@ -565,11 +583,21 @@ def baseline_from_pod_resources(pod: api.PodSandbox, period: int) -> int | None:
     """The pod's own quota from ``pod_resources`` (+ ``pod_overhead``) in microseconds per `period`
     (the pod cgroup's), or None when the runtime did not send a limited quota."""
     linux = pod.linux
-    if not linux.HasField("pod_resources") or not _limited(linux.pod_resources.cpu):
+    if not linux.HasField("pod_resources"):
+        return None
+    return baseline_from_resources(linux.pod_resources, linux.pod_overhead, period)
+
+
+def baseline_from_resources(
+    resources: api.LinuxResources, overhead: api.LinuxResources | None, period: int
+) -> int | None:
+    """The pod's own quota from its `resources` (+ `overhead`) in microseconds per `period`, or None
+    when `resources` carry no limited quota. UpdatePodSandbox (an in-place resize) sends these."""
+    if not _limited(resources.cpu):
         return None
     total = 0
-    for cpu in (linux.pod_resources.cpu, linux.pod_overhead.cpu):
-        if _limited(cpu):
+    for cpu in (resources.cpu, overhead.cpu if overhead is not None else None):
+        if cpu is not None and _limited(cpu):
             own_period = cpu.period.value if cpu.HasField("period") and cpu.period.value > 0 else period
             total += -(-cpu.quota.value * period // own_period)  # rounded up into the pod's period
     return total
