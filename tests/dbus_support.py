@@ -9,8 +9,8 @@ ends it; where ``dbus-daemon`` is missing the test skips with the reason, except
 plugin calls, ``SetUnitProperties``, for the properties the plugin sends, as systemd does for a
 slice: it records the values on the unit, then writes the unit's cgroup files in a fake tree
 (``max(per_sec * period / 1 s, 1 ms)``; an error writing is logged by systemd, not returned).
-`daemon_reload()` writes every unit's recorded values again, as ``systemctl daemon-reload`` does; a
-unit with no cgroup directory is ``NoSuchUnit``.
+`daemon_reload()` writes every unit's recorded values again, as ``systemctl daemon-reload`` does. A
+unit is known once `record()`ed (kubelet made the slice through systemd); any other is ``NoSuchUnit``.
 """
 
 from __future__ import annotations
@@ -143,9 +143,9 @@ class FakeSystemd:
         self._set(unit, values)
 
     def _set(self, unit: str, values: dict[str, int]) -> None:
-        if not os.path.isdir(self._dir(unit)):
+        if unit not in self.units:
             raise DBusError("org.freedesktop.systemd1.NoSuchUnit", f"Unit {unit} not loaded.")
-        self.units.setdefault(unit, {}).update(values)
+        self.units[unit].update(values)
         self._apply(unit)
 
     def record(self, unit: str, quota: int | None, period: int = 100_000) -> None:
@@ -166,9 +166,6 @@ class FakeSystemd:
         per_sec = values[PER_SEC]
         quota = None if per_sec == USEC_INFINITY else max(per_sec * period // 1_000_000, 1000)
         return CpuQuota(quota, period)
-
-    def _dir(self, unit: str) -> str:
-        return self.layout.cpu.dir(expand_slice(unit)).fs_path
 
     def _apply(self, unit: str) -> None:
         with contextlib.suppress(CgroupError):  # systemd logs a refused write and goes on
