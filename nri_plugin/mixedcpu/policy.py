@@ -468,18 +468,15 @@ def plan_update(
 def _update_quota(
     requested: api.LinuxCPU, current: api.LinuxCPU, cpus: frozenset[int], own: frozenset[int]
 ) -> int:
-    """A shared container's quota on update: n(cpus) x period, its exclusive and shared CPUs; but
-    a quota kubelet asks for that is neither that nor the container's current one is its own new
-    limit (an in-place resize that keeps its cpuset): that, plus its shared CPUs. (A runtime that
-    relays the current, raised quota in an update gets it kept, never raised twice.)"""
+    """A shared container's quota on update: n(cpus) x period, its exclusive and shared CPUs; but a
+    quota kubelet asks for other than n(exclusive) x period is the container's own new limit (an
+    in-place resize that keeps its cpuset): that, plus its shared CPUs. kubelet asks for its own
+    limits only (a resize), or for none (the CPU manager's cpuset-only updates)."""
     period = _period(requested, current)
     quota = len(cpus) * period
     if not _limited(requested) or not own:
         return quota
-    asked = requested.quota.value
-    if asked in (quota, current.quota.value, len(own) * period):
-        return quota
-    return asked + len(cpus - own) * period
+    return requested.quota.value + len(cpus - own) * period
 
 
 @dataclass(frozen=True, slots=True)
