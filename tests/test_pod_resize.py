@@ -61,12 +61,22 @@ def resources(quota: int) -> api.LinuxResources:
 
 
 class Node:
-    def __init__(self, root: Path, naming: Naming, version: int = 2, **runtime: str) -> None:
+    def __init__(
+        self,
+        root: Path,
+        naming: Naming,
+        version: int = 2,
+        *,
+        runtime_version: str = "v2.3.4",
+        nri_version: str = "v0.12.0",
+    ) -> None:
         self.naming = naming
         self.tree = FakeCgroups(root / "cgroup", version)
         self.socket = root / "nri.sock"
         self.state = root / "state"
-        self.sim = RuntimeSimulator(self.socket, runtime_name=naming.runtime, **runtime)
+        self.sim = RuntimeSimulator(
+            self.socket, runtime_name=naming.runtime, runtime_version=runtime_version, nri_version=nri_version
+        )
         self.key = load_or_create_host_key(self.state)
         self.plugin, _ = make_plugin(self.state, self.tree.layout, SHARED)
 
