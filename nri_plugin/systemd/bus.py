@@ -139,7 +139,15 @@ def _first_string(body: Sequence[Any]) -> str:
     return str(body[0]) if body and isinstance(body[0], str) else ""
 
 
-def call(path: str, destination: str, object_path: str, interface: str, member: str, *args: str) -> str:
+def call(
+    path: str,
+    destination: str,
+    object_path: str,
+    interface: str,
+    member: str,
+    *args: str,
+    timeout: float = CALL_TIMEOUT,
+) -> str:
     """One method call with string arguments on the bus at `path`, from code that runs no event
     loop; its reply's first string (or object path), "" if it has none. Raises `BusError`, OSError."""
     message = Message(
@@ -150,7 +158,7 @@ def call(path: str, destination: str, object_path: str, interface: str, member: 
         signature="s" * len(args),
         body=list(args),
     )
-    return _first_string(asyncio.run(_call_once(path, message, CALL_TIMEOUT)))
+    return _first_string(asyncio.run(_call_once(path, message, timeout)))
 
 
 def restart_unit(unit: str, *, bus: str = SYSTEM_BUS) -> str:
