@@ -137,6 +137,12 @@ def check_daemonset(docs: list[Doc]) -> Doc:
     assert state["mountPath"] == config.state_dir
     assert not state.get("readOnly", False)
     assert host_paths[config.state_dir]["hostPath"]["type"] == "DirectoryOrCreate"
+    # The system bus's directory, where the config looks for its socket: pod quotas of systemd
+    # slices go through systemd (issue 12).
+    bus_dir = posixpath.dirname(config.systemd_bus)
+    assert config.systemd_bus == SYSTEM_BUS
+    assert mounted_at(bus_dir)["mountPath"] == bus_dir
+    assert mounted_at(bus_dir)["readOnly"] is True
     if config.device_plugin.enabled:
         plugin_dir = str(config.device_plugin.plugin_dir)
         assert mounted_at(plugin_dir)["mountPath"] == plugin_dir
