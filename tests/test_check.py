@@ -535,8 +535,8 @@ def test_no_systemd_on_the_bus_is_a_warning_under_the_systemd_driver(
     node.write_config()
     status, lines = check(capsys, "--config", str(node.config))
     assert line_of(lines, "systemd bus").startswith(
-        f"WARN  systemd bus            systemd does not answer on {node.root}/no-bus (No such file or directory): "
-        "pod quotas of systemd slices would be written to their cgroup files"
+        f"WARN  systemd bus            systemd does not answer on {node.root}/no-bus "
+        "(No such file or directory): pod quotas of systemd slices would be written to their cgroup files"
     )
     assert fix_of(lines, "systemd bus").startswith("mount the host's /run/dbus into the daemon's pod")
     assert status == 0, "a warning: the daemon still works, on the files"

@@ -350,9 +350,10 @@ def check_systemd_bus(config: Config, drivers: Iterable[str]) -> Finding | None:
         problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         return _warn(
             topic,
-            f"systemd does not answer on {path} ({problem}): pod quotas of systemd slices would be written to "
-            "their cgroup files, which systemd puts back at its next daemon-reload",
-            "mount the host's /run/dbus into the daemon's pod (the chart and manifests do), or set systemd_bus",
+            f"systemd does not answer on {path} ({problem}): pod quotas of systemd slices would be "
+            "written to their cgroup files, which systemd puts back at its next daemon-reload",
+            "mount the host's /run/dbus into the daemon's pod (the chart and manifests do), or set "
+            "systemd_bus",
         )
     return _ok(topic, f"systemd ({owner}) answers on {path}: pod quotas of slices are set through it")
 

@@ -111,7 +111,9 @@ class SystemdPodQuotaWriter:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._drop_bus()
+        bus, self._bus = self._bus, None
+        if bus is not None:
+            await dbus.disconnect(bus, timeout=self.connect_timeout)
 
     async def _connect(self) -> bool:
         try:
