@@ -53,7 +53,7 @@ async def pass_seconds(layout: CgroupLayout, parents: list[str], state_dir: str,
     assert len(plugin.books.pods) == len(parents), "every pod holds a shared container"
     samples = []
     for _ in range(passes):
-        report = plugin.healer.reconcile()
+        report = await plugin.healer.reconcile()
         assert report.healed == 0, "a node with nothing to heal"
         samples.append(report.seconds)
     return samples

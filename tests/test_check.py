@@ -7,6 +7,7 @@ config files; then runs the command as the console script does (`nri_plugin.daem
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from dbus_support import fake_systemd, private_bus
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.daemon.check import Status, check_cgroup_driver, drivers_in, run_checks
@@ -30,6 +32,8 @@ class Node:
 
     root: Path
     sockets: list[socket.socket]
+    # No bus by default: the host's systemd is none of these tests' business (see the systemd tests).
+    systemd_bus: str = ""
 
     @property
     def config(self) -> Path:
@@ -66,6 +70,7 @@ class Node:
             f'cgroup_root = "{self.cgroup}"\n'
             f'cgroup_version = "{cgroup_version}"\n'
             f'state_dir = "{self.root}/state"\n'
+            f'systemd_bus = "{self.systemd_bus}"\n'
             f"{extra}"
             f'[device_plugin]\nplugin_dir = "{self.plugin_dir}"\n'
             f'pod_resources_socket = "{self.pod_resources}"\n'
@@ -524,3 +529,48 @@ def test_kubelets_cgroup_driver_is_compared_with_the_node(
         "kubelet's cgroupDriver is cgroupfs"
     )
     assert code == 0
+
+
+# -- the systemd bus (issue 12) -------------------------------------------------------------------------
+
+
+def test_no_systemd_on_the_bus_is_a_warning_under_the_systemd_driver(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node.systemd_bus = str(node.root / "no-bus")
+    node.write_config()
+    status, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "systemd bus").startswith(
+        f"WARN  systemd bus            systemd does not answer on {node.root}/no-bus "
+        "(No such file or directory): pod quotas of systemd slices would be written to their cgroup files"
+    )
+    assert fix_of(lines, "systemd bus").startswith("mount the host's /run/dbus into the daemon's pod")
+    assert status == 0, "a warning: the daemon still works, on the files"
+    with private_bus() as path:  # a bus, but no systemd on it
+        node.systemd_bus = path
+        node.write_config()
+        _, lines = check(capsys, "--config", str(node.config))
+    assert "org.freedesktop.DBus.Error.NameHasNoOwner" in line_of(lines, "systemd bus")
+
+
+def test_systemd_answering_is_ok_and_cgroupfs_pods_need_no_bus(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def check_with_systemd() -> list[str]:
+        layout = CgroupLayout(CgroupMode.V2, Hierarchy(2, str(node.cgroup)), Hierarchy(2, str(node.cgroup)))
+        async with fake_systemd(layout) as (path, _):
+            node.systemd_bus = path
+            node.write_config()
+            return (await asyncio.to_thread(check, capsys, "--config", str(node.config)))[1]
+
+    lines = asyncio.run(check_with_systemd())
+    assert line_of(lines, "systemd bus").startswith("OK    systemd bus            systemd (:")
+    assert line_of(lines, "systemd bus").endswith(
+        f"answers on {node.systemd_bus}: pod quotas of slices are set through it"
+    )
+    (node.cgroup / "kubepods.slice").rmdir()
+    (node.cgroup / "kubepods").mkdir()
+    node.systemd_bus = str(node.root / "no-bus")
+    node.write_config()
+    _, lines = check(capsys, "--config", str(node.config))
+    assert not [line for line in lines if "systemd bus" in line], "cgroupfs pods are no units"

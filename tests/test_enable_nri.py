@@ -3,20 +3,19 @@ runtime restarted over D-Bus only when a file changed; and the D-Bus client agai
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dbus_support import private_bus
 
-from nri_plugin.daemon import dbus
 from nri_plugin.daemon.enable_nri import (
     BACKUP_SUFFIX,
     CONTAINERD_CONFIG,
@@ -25,6 +24,7 @@ from nri_plugin.daemon.enable_nri import (
     enable_nri,
     patch_containerd_config,
 )
+from nri_plugin.systemd import bus as dbus
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -217,46 +217,12 @@ def test_a_failed_restart_says_to_restart_by_hand(host: Path, capsys: pytest.Cap
 
 # -- the D-Bus client, against a real bus -----------------------------------------------------------
 
-BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>custom</type>
-  <listen>unix:path={path}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-    <allow own="*"/>
-  </policy>
-</busconfig>
-"""
-
 
 @pytest.fixture
 def bus() -> Iterator[str]:
     """A private dbus-daemon with no services (nothing is ever started on demand)."""
-    daemon = shutil.which("dbus-daemon")
-    if daemon is None:
-        pytest.skip("dbus-daemon is not installed: the D-Bus client is checked against a real bus only")
-    directory = Path(tempfile.mkdtemp(prefix="bus-", dir="/tmp"))
-    path = directory / "bus"
-    (directory / "bus.conf").write_text(BUS_CONFIG.format(path=path))
-    proc = subprocess.Popen(
-        [daemon, f"--config-file={directory / 'bus.conf'}", "--nofork", "--nopidfile"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while not path.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.02)
-        if not path.exists():
-            pytest.skip("dbus-daemon did not start here")
-        yield str(path)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        shutil.rmtree(directory, ignore_errors=True)
+    with private_bus() as path:
+        yield path
 
 
 def test_the_bus_answers_our_calls(bus: str) -> None:
@@ -266,8 +232,12 @@ def test_the_bus_answers_our_calls(bus: str) -> None:
         "org.freedesktop.DBus",
     )  # fmt: skip
     assert owner == "org.freedesktop.DBus"
-    with dbus.BusConnection(bus) as connection:
-        assert connection.unique_name.startswith(":")
+
+    async def unique_name() -> str:
+        async with dbus.connected(bus) as connection:
+            return str(connection.unique_name)
+
+    assert asyncio.run(unique_name()).startswith(":")
 
 
 def test_restart_unit_reaches_the_bus_and_its_refusal_comes_back(bus: str) -> None:

@@ -275,7 +275,7 @@ async def test_a_pass_over_an_unchanged_node_writes_saves_and_says_nothing(
     monkeypatch.setattr(quota, "write_cpu_quota", write)
     monkeypatch.setattr(StateStore, "save", save)
     with structlog.testing.capture_logs() as logs:
-        report = plugin.healer.reconcile()
+        report = await plugin.healer.reconcile()
     assert (report.pods, report.healed) == (5, 0)
     assert writes == saves == []
     assert [e["event"] for e in logs if e["log_level"] != "debug"] == []
@@ -374,9 +374,9 @@ async def test_the_timer_starts_once_runs_every_interval_and_stops(node: Node) -
     passes: list[float] = []
     reconcile = healer.reconcile
 
-    def counted() -> PassReport:
+    async def counted() -> PassReport:
         passes.append(node.clock.monotonic())
-        return reconcile()
+        return await reconcile()
 
     healer.reconcile = counted  # type: ignore[method-assign]
     assert not healer.running

@@ -91,6 +91,7 @@ def test_the_plugin_declares_the_handlers_it_has() -> None:
         "UpdateContainer",
         "StopContainer",
         "RemoveContainer",
+        "UpdatePodSandbox",  # in-place pod resize (issue 12)
         "StopPodSandbox",
         "RemovePodSandbox",
     }

@@ -39,11 +39,11 @@ from nri_plugin.daemon.config import (
     Config,
     parse_config,
 )
-from nri_plugin.daemon.dbus import SYSTEM_BUS
 from nri_plugin.daemon.enable_nri import CONTAINERD_CONFIG, CRIO_DROP_IN, NRI_SOCKET
 from nri_plugin.daemon.wiring import LAUNCHED_ENDED
 from nri_plugin.deviceplugin.config import DEFAULT_PLUGIN_DIR
 from nri_plugin.nri.simulator import RuntimeSimulator
+from nri_plugin.systemd.bus import SYSTEM_BUS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -137,6 +137,12 @@ def check_daemonset(docs: list[Doc]) -> Doc:
     assert state["mountPath"] == config.state_dir
     assert not state.get("readOnly", False)
     assert host_paths[config.state_dir]["hostPath"]["type"] == "DirectoryOrCreate"
+    # The system bus's directory, where the config looks for its socket: pod quotas of systemd
+    # slices go through systemd (issue 12).
+    bus_dir = posixpath.dirname(config.systemd_bus)
+    assert config.systemd_bus == SYSTEM_BUS
+    assert mounted_at(bus_dir)["mountPath"] == bus_dir
+    assert mounted_at(bus_dir)["readOnly"] is True
     if config.device_plugin.enabled:
         plugin_dir = str(config.device_plugin.plugin_dir)
         assert mounted_at(plugin_dir)["mountPath"] == plugin_dir

@@ -10,8 +10,10 @@ container cgroup still holds its raised quota.
 from __future__ import annotations
 
 import errno
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import structlog
@@ -24,6 +26,8 @@ from nri_plugin.common.clock import ManualClock
 from nri_plugin.mixedcpu import quota
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.quota import LOWER_RETRY_DELAYS
+
+_T = TypeVar("_T")
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 SHARED = frozenset({0, 1})
@@ -159,6 +163,17 @@ async def test_cancel_retries_stops_every_pending_one(tmp_path: Path, refusing: 
     assert node.plugin.quotas.retries_pending == frozenset()
 
 
+def run_without_a_loop(step: Coroutine[Any, Any, _T]) -> _T:
+    """Run a coroutine that never suspends (the file writer never does) with no event loop at all."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        result: _T = done.value
+        return result
+    step.close()
+    raise AssertionError("the coroutine suspended: it needs a loop")
+
+
 def test_without_a_running_loop_nothing_is_scheduled(tmp_path: Path, refusing: Refusals) -> None:
     """The real clock needs a running loop: outside one, a refused lowering waits for the pod's next
     event, and a slot change is written at once (nothing would fire a deferred write)."""
@@ -168,7 +183,7 @@ def test_without_a_running_loop_nothing_is_scheduled(tmp_path: Path, refusing: R
     tree.add_pod(pod, RAISED)
     plugin.books.pods[pod.uid] = quota.new_pod_record(pod, CpuQuota(BASELINE, PERIOD))
     refusing.left = -1
-    plugin.quotas.settle(pod.uid, pod.linux.cgroup_parent, {"pod_key": pod.uid})
+    run_without_a_loop(plugin.quotas.settle(pod.uid, pod.linux.cgroup_parent, {"pod_key": pod.uid}))
     assert refusing.refused == 1
     assert plugin.quotas.retries_pending == frozenset()
     assert tree.pod_quota(pod) == RAISED

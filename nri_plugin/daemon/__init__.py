@@ -1,5 +1,5 @@
 """The daemon: command line, configuration, wiring, lifecycle, logs, metrics and probes, `check`,
-`demo`, and `enable-nri` (with the little D-Bus it needs, ``dbus``).
+`demo`, and `enable-nri` (its D-Bus call through `nri_plugin.systemd.bus`).
 
 The only package that knows every other one. ``wiring`` builds the NRI stub, the mixed-CPU plugin,
 the device plugin, the metrics and the probe server from the configuration, each in one function;

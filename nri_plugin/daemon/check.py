@@ -19,6 +19,9 @@ What is checked:
   a forced ``cgroup_version`` agrees with the mounts;
 * kubelet's cgroup driver, from the top cgroup kubelet made: ``kubepods.slice`` (systemd) or
   ``kubepods`` (cgroupfs), compared with the ``cgroupDriver`` of kubelet's config when given;
+* under the systemd driver, that systemd answers on ``systemd_bus`` (else a WARN: the pod quotas of
+  systemd slices are then written to their cgroup files, which systemd puts back at its next
+  ``daemon-reload``); nothing is said when ``systemd_bus`` is "" (the operator's choice);
 * the state directory is root's alone (or can be created): it holds the key that signs requests;
 * kubelet's device-plugin directory is there and ours to write, when the device plugin is enabled;
 * kubelet's pod-resources socket: a warning (one line) when it is not there or not asked, since the
@@ -61,6 +64,7 @@ from nri_plugin.daemon.config import (
 from nri_plugin.deviceplugin.config import DEFAULT_POD_RESOURCES_SOCKET, DevicePluginConfig
 from nri_plugin.deviceplugin.podresources import socket_state
 from nri_plugin.mixedcpu.policy import shared_by_node
+from nri_plugin.systemd import bus as dbus
 
 __all__ = [
     "Finding",
@@ -75,6 +79,7 @@ __all__ = [
     "check_pod_resources",
     "check_shared_cpus",
     "check_state_dir",
+    "check_systemd_bus",
     "drivers_in",
     "run_checks",
 ]
@@ -83,6 +88,8 @@ SYSTEMD_TOP: Final = "kubepods.slice"
 CGROUPFS_TOP: Final = "kubepods"
 KUBELET_CONFIG_HINT: Final = "kubelet's --config file, often /var/lib/kubelet/config.yaml"
 _TOPIC_WIDTH: Final = 22
+_BUS_DAEMON: Final = "org.freedesktop.DBus"
+_BUS_DAEMON_PATH: Final = "/org/freedesktop/DBus"
 # A runtime answers a connection on its NRI socket at once; this only bounds a wedged one.
 CONNECT_TIMEOUT: Final = 2.0
 _NRI_FIX: Final = (
@@ -283,6 +290,16 @@ def drivers_in(names: Iterable[str]) -> tuple[str, ...]:
     )
 
 
+def _drivers(layout: CgroupLayout, kubelet_driver: str | None) -> tuple[str, ...]:
+    """kubelet's cgroup driver when its config says, else those whose top cgroup is there."""
+    if kubelet_driver is not None:
+        return (kubelet_driver,)
+    try:
+        return drivers_in(os.listdir(layout.cpu.mount_point))
+    except OSError:
+        return ()
+
+
 def check_cgroup_driver(layout: CgroupLayout, kubelet_driver: str | None = None) -> Finding:
     """Which driver made the pod cgroups the cpu hierarchy holds; `kubelet_driver` is kubelet's
     ``cgroupDriver`` setting, when its config was read."""
@@ -315,6 +332,35 @@ def check_cgroup_driver(layout: CgroupLayout, kubelet_driver: str | None = None)
             "cgroup_manager); fix the one that differs and restart it",
         )
     return _ok(topic, f"{driver} ({top} in {where})")
+
+
+def check_systemd_bus(config: Config, drivers: Iterable[str]) -> Finding | None:
+    """Under the systemd driver (in `drivers`), does systemd answer on ``systemd_bus``? None when no
+    pod is a systemd unit or ``systemd_bus`` is off ("")."""
+    topic = "systemd bus"
+    path = config.systemd_bus
+    if not path or "systemd" not in drivers:
+        return None
+    try:
+        owner = dbus.call(
+            path,
+            _BUS_DAEMON,
+            _BUS_DAEMON_PATH,
+            _BUS_DAEMON,
+            "GetNameOwner",
+            dbus.SYSTEMD,
+            timeout=CONNECT_TIMEOUT,
+        )
+    except (OSError, dbus.BusError) as exc:
+        problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return _warn(
+            topic,
+            f"systemd does not answer on {path} ({problem}): pod quotas of systemd slices would be "
+            "written to their cgroup files, which systemd puts back at its next daemon-reload",
+            "mount the host's /run/dbus into the daemon's pod (the chart and manifests do), or set "
+            "systemd_bus",
+        )
+    return _ok(topic, f"systemd ({owner}) answers on {path}: pod quotas of slices are set through it")
 
 
 def _nearest_existing(path: str) -> str:
@@ -541,6 +587,9 @@ def _node_findings(config: Config, kubelet_config: str | None, mountinfo_path: s
         kubelet_findings, kubelet_driver = check_kubelet_config(kubelet_config, config.shared_cpuset)
     if layout is not None:
         findings.append(check_cgroup_driver(layout, kubelet_driver))
+        bus = check_systemd_bus(config, _drivers(layout, kubelet_driver))
+        if bus is not None:
+            findings.append(bus)
     findings.append(check_state_dir(config.state_dir))
     findings.append(check_device_plugin_dir(config.device_plugin))
     pod_resources = check_pod_resources(config)

@@ -18,6 +18,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
                                            # /readyz; "" turns it off
     reconcile_interval = 30                # seconds between the reconciler's checks of the node
     max_synchronize_mib = 32               # the most one Synchronize may bring (1-1024 MiB)
+    systemd_bus = "/run/dbus/system_bus_socket"  # the system bus: pod slices' quotas set through
+                                           # systemd (systemd driver); "": always the cgroup files
 
     [trusted_sources]                      # what proves that a container asked for shared CPUs
     device_plugin_marker = true            # our device plugin's signed allocation marker
@@ -53,6 +55,7 @@ from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfi
 from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH
 from nri_plugin.nri.identity import PLUGIN_INDEX as _INDEX
 from nri_plugin.nri.identity import PLUGIN_NAME as _NAME
+from nri_plugin.systemd.bus import SYSTEM_BUS as DEFAULT_SYSTEMD_BUS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -135,6 +138,7 @@ class Config:
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
     max_synchronize_mib: int = DEFAULT_MAX_SYNCHRONIZE_MIB
+    systemd_bus: str = DEFAULT_SYSTEMD_BUS
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     source: str = "<config>"
 
@@ -157,6 +161,7 @@ _TOP_KEYS: Final = (
     "metrics_address",
     "reconcile_interval",
     "max_synchronize_mib",
+    "systemd_bus",
     _SOURCES_TABLE,
     _DEVICE_PLUGIN_TABLE,
 )
@@ -375,8 +380,16 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "metrics_address": functools.partial(_metrics_address, check),
         "reconcile_interval": functools.partial(_reconcile_interval, check),
         "max_synchronize_mib": functools.partial(_max_synchronize_mib, check),
+        "systemd_bus": functools.partial(_systemd_bus, check),
     }
     return {key: parse(document[key]) for key, parse in parsers.items() if key in document}
+
+
+def _systemd_bus(check: _Checker, value: object) -> str:
+    """An absolute path, or "" for no bus at all."""
+    if value == "":
+        return ""
+    return check.path("systemd_bus", value)
 
 
 def _trusted_sources(check: _Checker, sources: object) -> dict[str, Any]:

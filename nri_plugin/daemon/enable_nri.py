@@ -13,7 +13,7 @@ What it does, in order, and why:
    kept beside it (``config.toml.before-enable-nri``). A version 1 config (containerd 1.6 and older
    know no NRI) is refused. CRI-O: write the drop-in ``/etc/crio/crio.conf.d/99-enable-nri.conf``
    (``[crio.nri] enable_nri = true``; it sorts last, so it wins over earlier drop-ins).
-3. Restart the runtime's systemd unit over D-Bus (`nri_plugin.daemon.dbus`), only when step 2
+3. Restart the runtime's systemd unit over D-Bus (`nri_plugin.systemd.bus`), only when step 2
    changed a file. A config that already says NRI is on while no socket answers is reported and
    left alone: restarting the runtime at every pod start would not mend it.
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TextIO
 
 from nri_plugin.common.atomicfile import write_atomically
-from nri_plugin.daemon import dbus
+from nri_plugin.systemd import bus as dbus
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -6,7 +6,8 @@
 2. the metrics, first of the parts: each part that reports to them is built with them as its
    observer (none is given one afterwards);
 3. the node's marker key, kubelet's PodResources client (the record that proves a marker's
-   holder), then the mixed-CPU plugin (which checks markers with both);
+   holder), the pod quota writer (through systemd for pods that are systemd slices, when the config
+   names a bus), then the mixed-CPU plugin (which checks markers with the key and the record);
 4. the NRI stub serving that plugin;
 5. the kubelet device plugin (which signs markers with the same key);
 6. the probe server, and the gauges bound to the parts they read at scrape time;
@@ -52,8 +53,10 @@ from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool, shared_by_node
+from nri_plugin.mixedcpu.quota import PodQuotaWriter
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub, StubError
+from nri_plugin.systemd.podquota import SystemdPodQuotaWriter
 
 __all__ = [
     "LAUNCHED_ENDED",
@@ -66,6 +69,7 @@ __all__ = [
     "build_metrics",
     "build_plugin",
     "build_probes",
+    "build_quota_writer",
     "build_stub",
     "load_marker_key",
     "load_settings",
@@ -130,7 +134,8 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         metrics = build_metrics(config)
         key = load_marker_key(config)
         record = build_allocation_record(config, key, observer=metrics)
-        plugin = build_plugin(config, layout, key, allocations=record, observer=metrics)
+        writer = build_quota_writer(config)
+        plugin = build_plugin(config, layout, key, allocations=record, observer=metrics, writer=writer)
         stub = build_stub(
             plugin, identity, options, max_sync_bytes=config.max_synchronize_mib << 20, observer=metrics
         )
@@ -146,7 +151,8 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         record.log_start()
     # Started in this order and closed in the reverse: a port already taken fails the start before
     # kubelet or the runtime ever see us.
-    services: list[Service] = [part for part in (probes, device_plugin) if part is not None]
+    # The bus first: the pod quotas go through systemd from the first event on when it is there.
+    services: list[Service] = [part for part in (writer, probes, device_plugin) if part is not None]
     services.append(NotReadyWarnings(readiness(stub, device_plugin)))
     ended = LAUNCHED_ENDED if identity.inherited_fd is not None else NRI_ENDED
     return Daemon(stub, services=services, state=plugin, nri_ended=ended)
@@ -226,6 +232,12 @@ def build_allocation_record(
     )
 
 
+def build_quota_writer(config: Config) -> SystemdPodQuotaWriter | None:
+    """The pod quota writer that sets the quota of pods that are systemd slices through systemd on
+    the bus systemd_bus names (a service: it connects at start); None when systemd_bus is ""."""
+    return SystemdPodQuotaWriter(config.systemd_bus) if config.systemd_bus else None
+
+
 def build_plugin(
     config: Config,
     layout: CgroupLayout,
@@ -233,13 +245,15 @@ def build_plugin(
     *,
     allocations: AllocationRecord | None = None,
     observer: Metrics | None = None,
+    writer: PodQuotaWriter | None = None,
 ) -> MixedCpuPlugin:
     """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir, asking
-    `allocations` (kubelet's record) about the markers it is shown.
+    `allocations` (kubelet's record) about the markers it is shown, its pod quotas written by
+    `writer` (default: the cgroup files).
     Raises `ConfigError` when state_dir (or, with numa_local_shared_cpus, sysfs_root) cannot be used."""
     pool = shared_pool(config)
     try:
-        return MixedCpuPlugin(
+        plugin = MixedCpuPlugin(
             shared=pool,
             layout=layout,
             store=StateStore(config.state_dir),
@@ -249,6 +263,9 @@ def build_plugin(
         )
     except OSError as exc:
         raise _state_dir_error(config, exc) from None
+    if writer is not None:
+        plugin.quotas.writer = writer
+    return plugin
 
 
 def shared_pool(config: Config) -> SharedPool:

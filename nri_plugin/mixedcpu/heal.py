@@ -34,8 +34,9 @@ heal is logged (what, and why) and counted (`HealObserver.healed`).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol, TypeVar
 
@@ -122,6 +123,7 @@ class Healer:
         self._displaced: dict[str, dict[str, ContainerRecord]] = {}
         self._tick: Timer | None = None
         self._grace_timer: Timer | None = None
+        self._running: set[asyncio.Task[None]] = set()  # timer work in flight
         self._grace_due = 0.0
 
     @property
@@ -157,15 +159,27 @@ class Healer:
             if timer is not None:
                 timer.cancel()
         self._tick = self._grace_timer = None
+        for task in self._running:
+            task.cancel()
 
     def _on_tick(self) -> None:
         self._tick = None
+        self._spawn(self._tick_now())
+
+    async def _tick_now(self) -> None:
         try:
-            self.reconcile()
+            async with self.quotas.lock:
+                await self.reconcile()
         except Exception:  # a bug: said, and the next pass still comes
             log.exception("reconcile pass failed")
         finally:
             self.start()
+
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        """Run `work` as a task of its own (a timer's callback cannot wait for systemd's replies)."""
+        task = asyncio.ensure_future(work)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     def _arm_grace(self) -> None:
         """Have the earliest creation checked when it falls due (only while the timer runs)."""
@@ -181,8 +195,12 @@ class Healer:
 
     def _on_grace(self) -> None:
         self._grace_timer = None
+        self._spawn(self._grace_now())
+
+    async def _grace_now(self) -> None:
         try:
-            self._check_creations()
+            async with self.quotas.lock:
+                await self._check_creations()
         except Exception:  # a bug: said, and the next deadline still comes
             log.exception("creation check failed")
         finally:
@@ -224,10 +242,10 @@ class Healer:
         self._creations.pop(key, None)
         self._displaced.pop(key, None)
 
-    def at_pod_event(self, key: str) -> None:
+    async def at_pod_event(self, key: str) -> None:
         """An event of the pod: its creations past their grace are looked at now."""
         if key in self._creations:
-            self._check_creations(key)
+            await self._check_creations(key)
 
     def free_stale_holder(self, device: str | None, slot: Slot) -> None:
         """`slot` presents a valid marker for `device`: if another pod holds that device and its cgroup
@@ -288,15 +306,15 @@ class Healer:
 
     # -- the whole pass -----------------------------------------------------------------------------------
 
-    def reconcile(self) -> PassReport:
+    async def reconcile(self) -> PassReport:
         """One whole pass over the books (see the module docstring); saved if anything changed."""
         started = time.perf_counter()
         books = self.books
-        healed = self._check_creations()
+        healed = await self._check_creations()
         records = dict(books.pods)
         for key in records:
             if key in books.pods:
-                healed += self._check_pod(key)
+                healed += await self._check_pod(key)
         bound_only = books.bound_pods() - set(books.pods)
         for key in sorted(bound_only):
             if self._pod_gone(key):
@@ -310,10 +328,10 @@ class Healer:
         log.debug("reconcile pass", pods=report.pods, healed=report.healed, seconds=round(report.seconds, 6))
         return report
 
-    def _check_pod(self, key: str) -> int:
+    async def _check_pod(self, key: str) -> int:
         """Is the pod there, its quota at its target? 1 if something was healed."""
         cgroup_parent = self.books.pods[key].cgroup_parent
-        check = self.quotas.check_pod(key)
+        check = await self.quotas.check_pod(key)
         if check.state is PodState.GONE:
             self._drop_pod(key, _WHY_FORGOTTEN, cgroup_parent)
             return 1
@@ -332,7 +350,7 @@ class Healer:
             log.debug("cannot check the pod quota", pod_key=key, pod_cgroup=cgroup_parent, error=check.error)
         return 0
 
-    def _check_creations(self, key: str | None = None) -> int:
+    async def _check_creations(self, key: str | None = None) -> int:
         """The creations past their grace (of pod `key`, or all): a container whose cgroup never
         appeared gives its share back. How many did."""
         now = self._clock.monotonic()
@@ -355,17 +373,17 @@ class Healer:
                 self._drop_pod(creation.slot.pod, _WHY_FORGOTTEN)
                 self.quotas.keeper.save_quietly()
             else:
-                self._give_back(creation)
+                await self._give_back(creation)
             healed += 1
         return healed
 
-    def _give_back(self, creation: _Creation) -> None:
+    async def _give_back(self, creation: _Creation) -> None:
         """The container never came to be: its slot is freed and its pod quota lowered."""
         self.books.release(creation.container_id)
         key = creation.slot.pod
         record = self.books.pods[key]
         # Lowered first, then told: whoever reads the line (or the counter) sees the pod already right.
-        self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
+        await self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
         self._healed(
             "container_never_created",
             "container never created: its share is given back",

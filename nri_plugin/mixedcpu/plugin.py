@@ -19,8 +19,16 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
 * **Synchronize**: the books are rebuilt from the running containers, containers that prove a
   request but lack the current shared CPUs get ``ContainerUpdate``s, and pod quotas are brought to
   their targets.
+* **UpdatePodSandbox** (kubelet resized the pod in place; NRI v0.10+): the pod's own quota from
+  its new resources, and its quota raised to that plus the shares again (`quota.PodQuotas.resize`).
+  Runtimes that do not send it: the pod quota kubelet rewrote is noticed at the pod's next
+  container event, or by the reconciler.
 * **StopPodSandbox / RemovePodSandbox**: the pod's device bindings end; at removal its books too.
 * **Shutdown**: the books are written.
+
+A pod quota written through systemd (`nri_plugin.systemd`) awaits systemd's reply: each handler
+holds `PodQuotas.lock` throughout, as the retries and the reconciler's passes do, so that nothing
+changes the books while a write is in flight.
 
 Beside the events, `heal.Healer` checks the books against the node (pods whose cgroup is gone,
 containers whose cgroup never appeared, pod quotas off their target): at each pod's events, at
@@ -29,9 +37,10 @@ Synchronize, and every `reconcile_interval` seconds once synchronized.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import structlog
 
@@ -68,6 +77,22 @@ __all__ = ["AllocationRecord", "CgroupObserver", "MixedCpuPlugin", "PluginObserv
 
 log = structlog.get_logger(LOGGER_NAME)
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _holding_the_books(
+    handler: Callable[Concatenate[MixedCpuPlugin, _P], Coroutine[Any, Any, _R]],
+) -> Callable[Concatenate[MixedCpuPlugin, _P], Coroutine[Any, Any, _R]]:
+    """Run the handler holding `PodQuotas.lock` (free, with no suspension, when nobody holds it)."""
+
+    @functools.wraps(handler)
+    async def locked(self: MixedCpuPlugin, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        async with self.quotas.lock:
+            return await handler(self, *args, **kwargs)
+
+    return locked
+
 
 class PluginObserver(CgroupObserver, HealObserver, Protocol):
     """Told of failed cgroup writes and of heals (`nri_plugin.daemon.metrics.Metrics` is one)."""
@@ -101,6 +126,7 @@ class MixedCpuPlugin(
     handlers.UpdateContainer,
     handlers.StopContainer,
     handlers.RemoveContainer,
+    handlers.UpdatePodSandbox,
     handlers.StopPodSandbox,
     handlers.RemovePodSandbox,
 ):
@@ -188,19 +214,20 @@ class MixedCpuPlugin(
                 "pods no runtimeClassName"
             )
 
+    @_holding_the_books
     async def create_container(
         self, pod: api.PodSandbox, container: api.Container
     ) -> api.CreateContainerResponse | None:
         kubelet = await self._kubelet_devices(pod, container)  # first: no await once the books change
         slot = container_slot(pod, container)
-        self.healer.at_pod_event(slot.pod)
+        await self.healer.at_pod_event(slot.pod)
         if self.marker_key is not None and MARKER_ANNOTATION in container.annotations:
             self.healer.free_stale_holder(
                 self.marker_key.verify(container.annotations[MARKER_ANNOTATION]), slot
             )
         saved = self.books.pods.get(slot.pod)
         if saved is not None and saved.baseline_source == "unknown":
-            self.quotas.resolve_unknown(slot.pod, pod.linux.cgroup_parent)
+            await self.quotas.resolve_unknown(slot.pod, pod.linux.cgroup_parent)
             saved = self.books.pods.get(slot.pod)
         displaced = self.books.displace(slot, container.id)
         if displaced is not None:
@@ -213,7 +240,7 @@ class MixedCpuPlugin(
         check = self._check(pod, container, event="CreateContainer", kubelet=kubelet)
         if check.proof is None:
             log.debug("no request for shared CPUs", **pod_fields(pod, container, event="CreateContainer"))
-            self._settle_displaced(displaced, pod)
+            await self._settle_displaced(displaced, pod)
             return None
         try:
             plan = plan_create(self.shared, pod, container, numa_nodes=self.pool.numa_nodes)
@@ -222,7 +249,7 @@ class MixedCpuPlugin(
             log.warning(
                 "refused shared CPUs", reason=str(exc), **pod_fields(pod, container, event="CreateContainer")
             )
-            self._settle_displaced(displaced, pod)
+            await self._settle_displaced(displaced, pod)
             raise _refusal(exc) from None
         _log_fallback(plan.shared, pod, container, "CreateContainer")
         record = ContainerRecord(
@@ -231,7 +258,7 @@ class MixedCpuPlugin(
             exclusive=format_cpuset(plan.exclusive),
             device=check.proof.device,
         )
-        before, after = self.quotas.raise_for(pod, container, slot, record, saved)
+        before, after = await self.quotas.raise_for(pod, container, slot, record, saved)
         self.healer.watch_creation(slot, container)
         log.info(
             "shared CPUs given",
@@ -243,6 +270,7 @@ class MixedCpuPlugin(
         )
         return api.CreateContainerResponse(adjust=plan.adjustment)
 
+    @_holding_the_books
     async def update_container(
         self, pod: api.PodSandbox, container: api.Container, resources: api.LinuxResources
     ) -> Sequence[api.ContainerUpdate]:
@@ -268,7 +296,10 @@ class MixedCpuPlugin(
             # Whatever its kind: the update request itself carries what cannot be honoured.
             raise InvalidRequest(str(exc)) from None
         _log_fallback(plan.shared, pod, container, "UpdateContainer")
-        self._follow_update(pod, container, slot, record, plan)
+        await self._follow_update(pod, container, slot, record, plan)
+        # An in-place resize rewrote the pod's own quota first when it grows: the pod quota follows
+        # before the container's own is raised (cgroup v1 refuses a child above its parent).
+        await self.quotas.resize(pod)
         update = plan.update
         cpu = update.linux.resources.cpu
         log.info(
@@ -280,23 +311,39 @@ class MixedCpuPlugin(
         )
         return (update,)
 
+    @_holding_the_books
     async def stop_container(
         self, pod: api.PodSandbox, container: api.Container
     ) -> Sequence[api.ContainerUpdate]:
-        self._release(pod, container, "stopped")
+        await self._release(pod, container, "stopped")
         return ()
 
+    @_holding_the_books
     async def remove_container(self, pod: api.PodSandbox, container: api.Container) -> None:
-        self._release(pod, container, "removed")
+        await self._release(pod, container, "removed")
 
     async def shutdown(self) -> None:
         self.flush()
 
+    @_holding_the_books
+    async def update_pod_sandbox(
+        self, pod: api.PodSandbox, overhead: api.LinuxResources, resources: api.LinuxResources
+    ) -> None:
+        moved = await self.quotas.resize(pod, resources, overhead)
+        if moved is not None and moved[0] != moved[1]:
+            log.info(
+                "pod resized: its quota follows its new resources plus the shares",
+                pod_quota=f"{show_quota(moved[0])} -> {show_quota(moved[1])}",
+                **pod_fields(pod, event="UpdatePodSandbox"),
+            )
+
+    @_holding_the_books
     async def stop_pod_sandbox(self, pod: api.PodSandbox) -> None:
         # kubelet's device allocations to the pod end with it: the device ids are free for others.
         if self.books.unbind_pod(pod_key(pod)):
             self.keeper.save_quietly()
 
+    @_holding_the_books
     async def remove_pod_sandbox(self, pod: api.PodSandbox) -> None:
         key = pod_key(pod)
         self.quotas.cancel_retry(key)
@@ -310,6 +357,7 @@ class MixedCpuPlugin(
         elif unbound:
             self.keeper.save_quietly()
 
+    @_holding_the_books
     async def synchronize(
         self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
     ) -> Sequence[api.ContainerUpdate]:
@@ -328,7 +376,7 @@ class MixedCpuPlugin(
         )
         present = {pod_key(pod): pod for pod in pods}
         self.healer.before_sync(previous, containers)
-        failed = self.quotas.sync_pods(present, rebuilt.books, previous, rebuilt.applied)
+        failed = await self.quotas.sync_pods(present, rebuilt.books, previous, rebuilt.applied)
         updates = updates_to_send(rebuilt, failed)
         self.books = rebuilt.books
         self.healer.after_sync(previous, pods, containers)
@@ -386,7 +434,7 @@ class MixedCpuPlugin(
             return None
         return await self.allocations.node_allocations()
 
-    def _follow_update(
+    async def _follow_update(
         self,
         pod: api.PodSandbox,
         container: api.Container,
@@ -404,7 +452,7 @@ class MixedCpuPlugin(
             self.books.hold(slot, now)
             self.keeper.save_quietly()
             return
-        before, after = self.quotas.raise_for(
+        before, after = await self.quotas.raise_for(
             pod, container, slot, now, self.books.pods.get(slot.pod), event="UpdateContainer"
         )
         log.info(
@@ -414,16 +462,16 @@ class MixedCpuPlugin(
             **pod_fields(pod, container, event="UpdateContainer"),
         )
 
-    def _settle_displaced(self, displaced: ContainerRecord | None, pod: api.PodSandbox) -> None:
+    async def _settle_displaced(self, displaced: ContainerRecord | None, pod: api.PodSandbox) -> None:
         """A refused or unproven new instance of a container: the old one's share is gone."""
         if displaced is not None:
             key = pod_key(pod)
-            self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event="CreateContainer"))
+            await self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event="CreateContainer"))
 
-    def _release(self, pod: api.PodSandbox, container: api.Container, why: str) -> None:
+    async def _release(self, pod: api.PodSandbox, container: api.Container, why: str) -> None:
         event = "StopContainer" if why == "stopped" else "RemoveContainer"
         key = pod_key(pod)
-        self.quotas.resolve_unknown(key, pod.linux.cgroup_parent)
+        await self.quotas.resolve_unknown(key, pod.linux.cgroup_parent)
         held = self.books.release_holder(container.id)
         if held is not None:
             log.info(
@@ -435,9 +483,9 @@ class MixedCpuPlugin(
         self.healer.container_ended(
             container_slot(pod, container), container, held[1] if held else None, fields
         )
-        self.healer.at_pod_event(key)
+        await self.healer.at_pod_event(key)
         if key in self.books.pods:
-            self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
+            await self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
 
 
 def _without_hostile_pod_resources(pod: api.PodSandbox) -> api.PodSandbox:

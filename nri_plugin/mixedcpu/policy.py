@@ -61,6 +61,7 @@ __all__ = [
     "SyncPlan",
     "UpdatePlan",
     "baseline_from_pod_resources",
+    "baseline_from_resources",
     "check_pod_resources",
     "check_request",
     "choose_shared",
@@ -489,8 +490,22 @@ def plan_update(
     if limited is None:
         limited = _limited(current_cpu)
     if limited:
-        update.linux.resources.cpu.quota.value = len(cpus) * _period(requested.cpu, current_cpu)
+        update.linux.resources.cpu.quota.value = _update_quota(requested.cpu, current_cpu, cpus, own)
     return UpdatePlan(update, own or exclusive, given)
+
+
+def _update_quota(
+    requested: api.LinuxCPU, current: api.LinuxCPU, cpus: frozenset[int], own: frozenset[int]
+) -> int:
+    """A shared container's quota on update: n(cpus) x period, its exclusive and shared CPUs; but a
+    quota kubelet asks for other than n(exclusive) x period is the container's own new limit (an
+    in-place resize that keeps its cpuset): that, plus its shared CPUs. kubelet asks for its own
+    limits only (a resize), or for none (the CPU manager's cpuset-only updates)."""
+    period = _period(requested, current)
+    quota = len(cpus) * period
+    if not _limited(requested) or not own:
+        return quota
+    return requested.quota.value + len(cpus - own) * period
 
 
 @dataclass(frozen=True, slots=True)
@@ -632,11 +647,21 @@ def baseline_from_pod_resources(pod: api.PodSandbox, period: int) -> int | None:
     those values are outside the kernel's ranges (`check_pod_resources`)."""
     check_pod_resources(pod)
     linux = pod.linux
-    if not linux.HasField("pod_resources") or not _limited(linux.pod_resources.cpu):
+    if not linux.HasField("pod_resources"):
+        return None
+    return baseline_from_resources(linux.pod_resources, linux.pod_overhead, period)
+
+
+def baseline_from_resources(
+    resources: api.LinuxResources, overhead: api.LinuxResources | None, period: int
+) -> int | None:
+    """The pod's own quota from its `resources` (+ `overhead`) in microseconds per `period`, or None
+    when `resources` carry no limited quota. UpdatePodSandbox (an in-place resize) sends these."""
+    if not _limited(resources.cpu):
         return None
     total = 0
-    for cpu in (linux.pod_resources.cpu, linux.pod_overhead.cpu):
-        if _limited(cpu):
+    for cpu in (resources.cpu, overhead.cpu if overhead is not None else None):
+        if cpu is not None and _limited(cpu):
             own_period = cpu.period.value if cpu.HasField("period") and cpu.period.value > 0 else period
             total += -(-cpu.quota.value * period // own_period)  # rounded up into the pod's period
     return total

@@ -27,6 +27,21 @@ A pod's target is its own quota (the baseline) plus n(shared) * period for each 
   again (a new container, a new CreateContainer).
 * `PodQuotas.check_pod` (the reconciler, `nri_plugin.mixedcpu.heal`): does the pod's cgroup still
   exist, and is its quota at its target? Brought there if not.
+* `PodQuotas.resize` (UpdatePodSandbox: kubelet resized the pod in place): the pod's own quota from
+  its new resources, and its quota raised to that plus the shares again.
+
+**In-place resize.** kubelet writes the pod's new own quota to its cgroup, dropping the shares. A
+runtime with NRI v0.10+ then sends UpdatePodSandbox (`resize`); for the others, a pod quota found
+off its target at any later reconcile (the pod's next container event, or the reconciler's pass)
+holding neither its target nor the value last written here was written by kubelet (or by systemd
+re-applying kubelet's value): that value is the pod's own quota now (`adopt_resize`).
+
+**Who writes.** The write itself goes through a `PodQuotaWriter`: the cgroup file (`FILE_WRITER`),
+or, in the daemon, `nri_plugin.systemd.podquota.SystemdPodQuotaWriter`, which sets the limit of a
+pod cgroup that is a systemd unit through systemd, so that systemd's re-applying keeps it. Such a
+write awaits a reply from systemd: the methods that write are coroutines, and everything that
+changes the books and the pod quotas holds `PodQuotas.lock` (the plugin's handlers, the retries, the
+reconciler's passes), so that nothing interleaves with a write in flight.
 
 Pod cgroups are found with `cgroups.pod_cgroup_path` in the configured layout; every path is
 validated there. Nothing here runs a shell or a subprocess.
@@ -34,6 +49,7 @@ validated there. Nothing here runs a shell or a subprocess.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import functools
@@ -65,16 +81,26 @@ from cgroups import (
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
-from nri_plugin.mixedcpu.policy import baseline_from_pod_resources, cpus_or_empty, describe, pod_key
+from nri_plugin.mixedcpu.policy import (
+    baseline_from_pod_resources,
+    baseline_from_resources,
+    cpus_or_empty,
+    describe,
+    pod_key,
+)
 from nri_plugin.mixedcpu.store import Bookkeeper
 from nri_plugin.nri.errors import PluginFailure, PluginRefusal, PreconditionFailed
 
 __all__ = [
+    "FILE_WRITER",
     "LOWER_RETRY_DELAYS",
     "CgroupObserver",
+    "FileQuotaWriter",
     "PodCheck",
+    "PodQuotaWriter",
     "PodQuotas",
     "PodState",
+    "adopt_resize",
     "new_pod_record",
     "rebase",
 ]
@@ -94,6 +120,32 @@ class CgroupObserver(Protocol):
     def cgroup_write_failed(self, kind: str) -> None:
         """`kind`: ``pod_quota_raise``, ``pod_quota_lower``, ``pod_quota_restore`` or
         ``container_quota_lower``."""
+
+
+class PodQuotaWriter(Protocol):
+    """Who writes a pod cgroup's CFS limit (see the module docstring)."""
+
+    async def write_pod_quota(
+        self, pod_dir: Cgroup, cgroup_parent: str, limit: CpuQuota, *, current: CpuQuota | None
+    ) -> None:
+        """Make `limit` (quota and period) the CFS limit of the pod cgroup `pod_dir` (named by
+        `cgroup_parent`); `current`: what it holds, just read (None: unknown). Raises `CgroupError`
+        (`CgroupWriteRejected`: the kernel refused the value)."""
+
+
+class FileQuotaWriter:
+    """Writes the pod cgroup's files (what systemd puts back, for a pod cgroup that is its unit)."""
+
+    async def write_pod_quota(
+        self, pod_dir: Cgroup, cgroup_parent: str, limit: CpuQuota, *, current: CpuQuota | None
+    ) -> None:
+        if current is not None and current.period == limit.period:
+            write_cpu_quota(pod_dir, limit.quota, current=current)
+        else:
+            restore_cpu_quota(pod_dir, limit)  # the whole limit, period included
+
+
+FILE_WRITER: PodQuotaWriter = FileQuotaWriter()
 
 
 class PodState(enum.Enum):
@@ -152,6 +204,19 @@ def rebase(record: PodRecord, current: CpuQuota) -> PodRecord:
     return replace(record, baseline=baseline, period=current.period, baseline_source=source)
 
 
+def adopt_resize(record: PodRecord, current: CpuQuota, written: int | None) -> PodRecord:
+    """The record with the pod's own quota as kubelet rewrote it at an in-place resize: `current`
+    (the record rebased on it) holds neither the pod's target nor `written`, the quota last written
+    (or found at its target) here; None when nothing was since the start, and then there is no
+    telling whose a value is. Unlimited stays with `rebase`."""
+    quota = current.quota
+    if written is None or quota is None or record.baseline is None:
+        return record
+    if quota in (written, record.target(), record.baseline):  # ours, or the pod's own (re-applied)
+        return record
+    return replace(record, baseline=quota, baseline_source="resized")
+
+
 def _first_baseline(record: PodRecord, quota: int, period: int) -> int:
     if record.baseline_source != "unknown":
         return quota  # unlimited when we first saw it, limited now: that limit is the pod's own
@@ -194,7 +259,7 @@ def _forget_if_done(pods: dict[str, PodRecord], key: str, now: CpuQuota) -> None
 class PodQuotas:
     """Writes pod quotas to their targets in the books `keeper` holds; see the module docstring.
 
-    `observer` (settable) hears of every failed write; retries run on `clock`.
+    `observer` (settable) hears of every failed write; retries run on `clock`; `writer` writes.
     """
 
     def __init__(
@@ -204,13 +269,22 @@ class PodQuotas:
         *,
         observer: CgroupObserver | None = None,
         clock: Clock = LOOP_CLOCK,
+        writer: PodQuotaWriter = FILE_WRITER,
     ) -> None:
         self.layout = layout
         self.keeper = keeper
         self.observer = observer
+        self.writer = writer
+        # Held by whatever changes the books or writes a pod quota: the plugin's handlers, the
+        # retries, the reconciler. Taken free (no suspension) when nobody holds it.
+        self.lock = asyncio.Lock()
         self._clock = clock
         self._retries: dict[str, Timer] = {}
+        self._retrying: set[asyncio.Task[None]] = set()
         self._dirs: dict[str, CgroupDir] = {}  # cgroup parent -> its validated pod cgroup
+        # Pod key -> the quota last written to (or found at its target in) the pod cgroup here: a
+        # value off the target and not this one was written by someone else (`adopt_resize`).
+        self._written: dict[str, int | None] = {}
 
     @property
     def books(self) -> Books:
@@ -234,7 +308,7 @@ class PodQuotas:
 
     # -- CreateContainer -------------------------------------------------------------------------------
 
-    def raise_for(
+    async def raise_for(
         self,
         pod: api.PodSandbox,
         container: api.Container,
@@ -260,13 +334,19 @@ class PodQuotas:
             if slot.pod not in books.pods:
                 books.pods[slot.pod] = new_pod_record(pod, before)
             books.hold(slot, record)
-            after = self._reconcile(pod_dir, books.pods, slot.pod, before)
+            after = await self._reconcile(pod_dir, books.pods, slot.pod, before)
             self.keeper.commit()
         except (CgroupError, OSError) as exc:
             _restore(books.pods, slot.pod, saved)
             books.devices = devices  # a failed creation binds no device
-            undone = self._undo(pod_dir, before)
+            undone = await self._undo(pod_dir, pod.linux.cgroup_parent, slot.pod, before)
             raise self._creation_refused(exc, pod, container, undone, event) from None
+        except asyncio.CancelledError:
+            # The runtime gave up waiting (a write through systemd never answered): the books forget
+            # the creation; the pod quota, if it moved, is brought to its target by the next check.
+            _restore(books.pods, slot.pod, saved)
+            books.devices = devices
+            raise
         finally:
             if pod_dir is not None:
                 pod_dir.close()
@@ -290,7 +370,9 @@ class PodQuotas:
         )
         return refusal(f"{message}{'; the pod quota was put back' if undone else ''}")
 
-    def _undo(self, pod_dir: Cgroup | None, before: CpuQuota | None) -> bool:
+    async def _undo(
+        self, pod_dir: Cgroup | None, cgroup_parent: str, key: str, before: CpuQuota | None
+    ) -> bool:
         """Put the pod quota read before a failed step back; True if something had to be written."""
         if pod_dir is None or before is None:
             return False
@@ -299,7 +381,8 @@ class PodQuotas:
                 return False
         # Changed, or unreadable (a write cut short): write the whole value back, period included.
         try:
-            restore_cpu_quota(pod_dir, before)
+            await self.writer.write_pod_quota(pod_dir, cgroup_parent, before, current=None)
+            self._written[key] = before.quota
         except CgroupError as exc:
             self._write_failed("pod_quota_restore")
             log.error("cannot put the pod quota back", pod_cgroup=str(pod_dir), error=str(exc))
@@ -307,16 +390,16 @@ class PodQuotas:
 
     # -- releases ----------------------------------------------------------------------------------------
 
-    def resolve_unknown(self, key: str, cgroup_parent: str) -> None:
+    async def resolve_unknown(self, key: str, cgroup_parent: str) -> None:
         """A pod whose cgroup could not be read at Synchronize: guess its own quota now, while the
         books still count every share that is in it."""
         record = self.books.pods.get(key)
         if record is None or record.baseline_source != "unknown":
             return
         with contextlib.suppress(CgroupError), open_cgroup(self.pod_dir(cgroup_parent)) as pod_dir:
-            self._reconcile(pod_dir, self.books.pods, key, read_cpu_quota(pod_dir))
+            await self._reconcile(pod_dir, self.books.pods, key, read_cpu_quota(pod_dir))
 
-    def settle(self, key: str, cgroup_parent: str, fields: Mapping[str, str], attempt: int = 0) -> None:
+    async def settle(self, key: str, cgroup_parent: str, fields: Mapping[str, str], attempt: int = 0) -> None:
         """Bring a pod's quota down to its target after a release, and have the books saved; never
         fails the event. `fields` say which pod (and event) for the log."""
         pods = self.books.pods
@@ -324,13 +407,14 @@ class PodQuotas:
             return
         try:
             with open_cgroup(self.pod_dir(cgroup_parent)) as pod_dir:
-                now = self._reconcile(pod_dir, pods, key, read_cpu_quota(pod_dir), attempt)
-            _forget_if_done(pods, key, now)
+                now = await self._reconcile(pod_dir, pods, key, read_cpu_quota(pod_dir), attempt)
+            self._forget_if_done(key, now)
         except CgroupError as exc:
             log.warning("cannot lower the pod quota", error=str(exc), **fields)
             record = pods.get(key)
             if record is not None and not record.containers and isinstance(exc, CgroupNotFound):
                 del pods[key]  # the pod cgroup is gone: nothing left to lower
+                self._written.pop(key, None)
         self.keeper.save_quietly()
 
     def restore_container(self, cgroups_path: str, exclusive: str, fields: Mapping[str, str]) -> bool:
@@ -367,7 +451,8 @@ class PodQuotas:
         return True
 
     def cancel_retry(self, key: str) -> None:
-        """The pod is gone: no more tries to lower its quota."""
+        """The pod is gone: no more tries to lower its quota (and nothing more to know of it)."""
+        self._written.pop(key, None)
         pending = self._retries.pop(key, None)
         if pending is not None:
             pending.cancel()
@@ -376,6 +461,8 @@ class PodQuotas:
         """Stop every pending retry (at the end of a test or a run)."""
         for key in list(self._retries):
             self.cancel_retry(key)
+        for task in self._retrying:
+            task.cancel()
 
     def _retry_later(self, key: str, attempt: int) -> None:
         if attempt >= len(LOWER_RETRY_DELAYS):
@@ -390,18 +477,61 @@ class PodQuotas:
             timer = self._clock.call_later(LOWER_RETRY_DELAYS[attempt], retry)
         except RuntimeError:  # no running loop: the pod's next event will try again
             return
-        self.cancel_retry(key)
+        pending = self._retries.pop(key, None)
+        if pending is not None:
+            pending.cancel()
         self._retries[key] = timer
 
     def _retry(self, key: str, attempt: int) -> None:
         self._retries.pop(key, None)
+        task = asyncio.ensure_future(self._retry_now(key, attempt))
+        self._retrying.add(task)
+        task.add_done_callback(self._retrying.discard)
+
+    async def _retry_now(self, key: str, attempt: int) -> None:
+        async with self.lock:
+            record = self.books.pods.get(key)
+            if record is not None and key not in self._retries:  # not dropped, nor rescheduled meanwhile
+                await self.settle(key, record.cgroup_parent, {"pod_key": key}, attempt)
+
+    # -- in-place resize -----------------------------------------------------------------------------------
+
+    async def resize(
+        self,
+        pod: api.PodSandbox,
+        resources: api.LinuxResources | None = None,
+        overhead: api.LinuxResources | None = None,
+    ) -> tuple[CpuQuota, CpuQuota] | None:
+        """The pod may have been resized in place (UpdatePodSandbox; a shared container's update):
+        its own quota from `resources` (+ `overhead`) when they carry a limited quota, else as
+        kubelet wrote it to the cgroup (`adopt_resize`), and its quota brought to its new target
+        before the reply. The pod's limit before and after; None for a pod the books do not hold,
+        or whose cgroup fails us (logged: the reconciler tries again, the event does not fail)."""
+        key = pod_key(pod)
         record = self.books.pods.get(key)
-        if record is not None:
-            self.settle(key, record.cgroup_parent, {"pod_key": key}, attempt)
+        if record is None:
+            return None
+        try:
+            with open_cgroup(self.pod_dir(pod.linux.cgroup_parent)) as pod_dir:
+                current = read_cpu_quota(pod_dir)
+                baseline = None
+                if resources is not None:
+                    baseline = baseline_from_resources(resources, overhead, current.period)
+                if baseline is not None and current.quota is not None:
+                    record = replace(
+                        rebase(record, current), baseline=baseline, baseline_source="pod-resources"
+                    )
+                    self.books.pods[key] = record
+                now = await self._reconcile(pod_dir, self.books.pods, key, current)
+        except CgroupError as exc:
+            log.error("cannot bring the resized pod's quota to its target", error=str(exc), pod_key=key)
+            return None
+        self.keeper.save_quietly()
+        return current, now
 
     # -- the reconciler's check ----------------------------------------------------------------------------
 
-    def check_pod(self, key: str) -> PodCheck:
+    async def check_pod(self, key: str) -> PodCheck:
         """Does the pod's cgroup directory still exist, and is its quota at its target? A quota off
         its target is written back (a lowering the kernel refuses is left to a pending retry or the
         next check; none is scheduled here). A pod back at its own quota with no shared container
@@ -419,18 +549,18 @@ class PodQuotas:
                 current = read_cpu_quota(pod_dir)
                 if key in self._retries:
                     return PodCheck(PodState.PENDING, current, current)  # the retry is on it
-                now = self._reconcile(pod_dir, self.books.pods, key, current, None)
+                now = await self._reconcile(pod_dir, self.books.pods, key, current, None)
             except CgroupError as exc:
                 return PodCheck(PodState.FAILED, error=str(exc))
         target = self.books.pods[key].target()
-        _forget_if_done(self.books.pods, key, now)
+        self._forget_if_done(key, now)
         if target is not None and now.quota is not None and now.quota != target:
             return PodCheck(PodState.PENDING, current, now)
         return PodCheck(PodState.AT_TARGET if now == current else PodState.BROUGHT, current, now)
 
     # -- Synchronize ---------------------------------------------------------------------------------------
 
-    def sync_pods(
+    async def sync_pods(
         self, present: Mapping[str, api.PodSandbox], books: Books, previous: Books, applied: Mapping[str, int]
     ) -> set[str]:
         """Bring the quota of every pod in `books` (rebuilt, not yet the plugin's), and of every pod of
@@ -442,11 +572,11 @@ class PodQuotas:
             pod = present[key]
             if key not in books.pods:
                 books.pods[key] = PodRecord(pod.linux.cgroup_parent, None, 1)
-            if not self._sync_pod(pod, books.pods, previous.pods.get(key), applied.get(key, 0)):
+            if not await self._sync_pod(pod, books.pods, previous.pods.get(key), applied.get(key, 0)):
                 failed.add(key)
         return failed
 
-    def _sync_pod(
+    async def _sync_pod(
         self, pod: api.PodSandbox, pods: dict[str, PodRecord], previous: PodRecord | None, applied: int
     ) -> bool:
         """Bring one pod's quota to its target; False (logged) when its cgroup fails us."""
@@ -460,7 +590,7 @@ class PodQuotas:
                 else:
                     pods[key] = _rebuilt(pod, pods[key], current, applied)
                     established = True
-                now = self._reconcile(pod_dir, pods, key, current)
+                now = await self._reconcile(pod_dir, pods, key, current)
             if now != current:
                 log.info(
                     "pod quota brought to its target",
@@ -480,7 +610,12 @@ class PodQuotas:
 
     # -- the write -----------------------------------------------------------------------------------------
 
-    def _reconcile(
+    def _forget_if_done(self, key: str, now: CpuQuota) -> None:
+        _forget_if_done(self.books.pods, key, now)
+        if key not in self.books.pods:
+            self._written.pop(key, None)
+
+    async def _reconcile(
         self,
         pod_dir: Cgroup,
         pods: dict[str, PodRecord],
@@ -488,21 +623,26 @@ class PodQuotas:
         current: CpuQuota,
         attempt: int | None = 0,
     ) -> CpuQuota:
-        """Rebase the pod's record on `current` (kept in `pods` even if the write then fails), and write
-        its target to the pod cgroup; returns what the pod cgroup now holds.
+        """Rebase the pod's record on `current` (kept in `pods` even if the write then fails), with
+        the pod's own quota kubelet wrote at a resize adopted, and write its target to the pod cgroup
+        (through the `writer`); returns what the pod cgroup now holds.
 
         Raising failures raise. A lowering the kernel refuses (v1: a child cgroup still has a higher
         quota, or was deleted moments ago and is not released yet) is retried a few times with
         backoff, then at the pod's next event; `attempt` None (the reconciler's check) schedules no
         retry and logs nothing: its next check tries again.
         """
-        record = pods[key] = rebase(pods[key], current)
+        record = rebase(pods[key], current)
+        record = pods[key] = self._adopted(record, current, key, pod_dir)
         target = record.target()
         if current.quota is None or target is None or target == current.quota:
+            self._written[key] = current.quota
             return current
         kind = "pod_quota_raise" if target > current.quota else "pod_quota_lower"
         try:
-            write_cpu_quota(pod_dir, target, current=current)
+            await self.writer.write_pod_quota(
+                pod_dir, record.cgroup_parent, current.with_quota(target), current=current
+            )
         except CgroupError as exc:
             self._write_failed(kind)
             if target > current.quota or not isinstance(exc, CgroupWriteRejected):
@@ -519,7 +659,21 @@ class PodQuotas:
                 )
             self._retry_later(key, attempt)
             return current
-        return self._read_back(pod_dir, target, kind)
+        now = self._read_back(pod_dir, target, kind)
+        self._written[key] = now.quota
+        return now
+
+    def _adopted(self, record: PodRecord, current: CpuQuota, key: str, pod_dir: Cgroup) -> PodRecord:
+        """`adopt_resize`, logged when it finds a resize."""
+        resized = adopt_resize(record, current, self._written.get(key))
+        if resized is not record:
+            log.info(
+                "the pod's own quota changed (an in-place resize): its target follows",
+                pod_key=key,
+                pod_cgroup=str(pod_dir),
+                baseline=f"{record.baseline} -> {resized.baseline}",
+            )
+        return resized
 
     def _read_back(self, pod_dir: Cgroup, target: int, kind: str) -> CpuQuota:
         now = read_cpu_quota(pod_dir)

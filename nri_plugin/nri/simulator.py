@@ -637,6 +637,24 @@ class RuntimeSimulator:
                 self._apply_update(update, source=route.method)
             return applied
 
+    async def update_pod_sandbox(
+        self, pod_id: str, resources: api.LinuxResources, overhead: api.LinuxResources | None = None
+    ) -> None:
+        """UpdatePodSandbox (NRI v0.10+), as a runtime sends it when kubelet has resized a pod in
+        place (CRI UpdatePodSandboxResources, after kubelet rewrote the pod cgroup): the pod's new
+        resources, which the pod keeps (`pod_resources`). A plugin's error fails it (`PluginFailed`)."""
+        async with self._lock:
+            pod = self.pods[pod_id]
+            pod.linux.pod_resources.CopyFrom(resources)
+            if overhead is not None:
+                pod.linux.pod_overhead.CopyFrom(overhead)
+            route = EVENT_ROUTES[Event.UPDATE_POD_SANDBOX]
+            for plugin in self._subscribers(Event.UPDATE_POD_SANDBOX):
+                request = api.UpdatePodSandboxRequest(
+                    pod=pod, overhead_linux_resources=pod.linux.pod_overhead, linux_resources=resources
+                )
+                await self._call(plugin, route.method, request, route.response_type, container=pod_id)
+
     async def stop_container(self, container_id: str) -> None:
         async with self._lock:
             container = self.containers[container_id]

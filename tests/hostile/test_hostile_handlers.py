@@ -55,6 +55,7 @@ SERVED = {
     "CreateContainer",
     "UpdateContainer",
     "StopContainer",
+    "UpdatePodSandbox",  # in-place pod resize (issue 12)
     "StopPodSandbox",
     "RemovePodSandbox",
     "RemoveContainer",
