@@ -37,6 +37,7 @@ import structlog
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, format_cpuset
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
+from nri_plugin.mixedcpu import trace
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.heal import Healer, HealObserver
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
@@ -204,6 +205,8 @@ class MixedCpuPlugin(
             self._settle_displaced(displaced, pod)
             raise _refusal(exc) from None
         _log_fallback(plan.shared, pod, container, "CreateContainer")
+        trace.eligible(pod, container, plan, "CreateContainer")
+        trace.adjustment_chosen(pod, container, plan, "CreateContainer")
         record = ContainerRecord(
             id=container.id,
             shared_cpus=len(plan.shared.cpus),
@@ -211,6 +214,9 @@ class MixedCpuPlugin(
             device=check.proof.device,
         )
         before, after = self.quotas.raise_for(pod, container, slot, record, saved)
+        trace.pod_quota_raised(
+            pod, container, (before, after), self.books.pods.get(slot.pod), "CreateContainer"
+        )
         self.healer.watch_creation(slot, container)
         log.info(
             "shared CPUs given",
@@ -227,6 +233,7 @@ class MixedCpuPlugin(
     ) -> Sequence[api.ContainerUpdate]:
         found = self.books.find(container.id)
         if found is None:
+            trace.update_passed_through(pod, container)
             return ()
         slot, record = found
         try:
@@ -247,6 +254,7 @@ class MixedCpuPlugin(
             # Whatever its kind: the update request itself carries what cannot be honoured.
             raise InvalidRequest(str(exc)) from None
         _log_fallback(plan.shared, pod, container, "UpdateContainer")
+        trace.update_planned(pod, container, resources, record, plan)
         self._follow_update(pod, container, slot, record, plan)
         update = plan.update
         cpu = update.linux.resources.cpu
@@ -329,6 +337,7 @@ class MixedCpuPlugin(
             log.warning("request refused", reason=refusal, **pod_fields(pod, container, event=event))
         for note in check.notes:
             log.info("request evidence ignored", reason=note, **pod_fields(pod, container, event=event))
+        trace.request_checked(pod, container, check, event)
         return check
 
     def _check_at_sync(
@@ -349,10 +358,12 @@ class MixedCpuPlugin(
         before the reply. Raises a `PluginRefusal` (nothing changed) when the pod cgroup fails us."""
         now = replace(record, shared_cpus=len(plan.shared.cpus), exclusive=format_cpuset(plan.exclusive))
         if now == record:
+            trace.update_books(pod, container, "unchanged (same exclusive CPUs, same share)")
             return
         if now.shared_cpus == record.shared_cpus:
             self.books.hold(slot, now)
             self.keeper.save_quietly()
+            trace.update_books(pod, container, "its exclusive CPUs moved; same share, the pod quota stays")
             return
         before, after = self.quotas.raise_for(
             pod, container, slot, now, self.books.pods.get(slot.pod), event="UpdateContainer"
@@ -374,7 +385,9 @@ class MixedCpuPlugin(
         event = "StopContainer" if why == "stopped" else "RemoveContainer"
         key = pod_key(pod)
         self.quotas.resolve_unknown(key, pod.linux.cgroup_parent)
+        pod_before = self.books.pods.get(key)  # immutable: the books' pod as it was, for the trace
         held = self.books.release_holder(container.id)
+        trace.released(pod, container, held, event)
         if held is not None:
             log.info(
                 f"shared container {why}: its pod quota share is released",
@@ -388,6 +401,7 @@ class MixedCpuPlugin(
         self.healer.at_pod_event(key)
         if key in self.books.pods:
             self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
+        trace.pod_quota_settled(pod, container, (pod_before, self.books.pods.get(key)), event)
 
 
 def _log_fallback(choice: SharedChoice, pod: api.PodSandbox, container: api.Container, event: str) -> None:
