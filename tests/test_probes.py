@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_config
 from probe_support import (
     GUARD,
@@ -232,6 +233,35 @@ async def test_connections_beyond_the_limit_evict_the_oldest(monkeypatch: pytest
                     await writer.wait_closed()
         await eventually(lambda: server.connections == 0)
         await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_evictions_are_said_at_warning_at_most_once_a_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(probes, "MAX_CONNECTIONS", 1)
+    async with serving() as (server, port):
+        held: list[asyncio.StreamWriter] = []
+
+        async def newcomers(count: int) -> None:
+            """`count` more idle connections, each taken (and evicting the one before) in turn."""
+            for _ in range(count):
+                _, writer = await asyncio.open_connection(HOST, port)
+                held.append(writer)
+                evictions = len(held) - 1
+                await eventually(lambda: server.evicted == evictions)  # noqa: B023 (awaited here)
+
+        try:
+            with structlog.testing.capture_logs() as logs:
+                await newcomers(4)  # the first takes the only place; each later one evicts
+                monkeypatch.setattr(probes, "EVICTION_WARNING_PERIOD", 0.0)
+                await newcomers(1)
+        finally:
+            for writer in held:
+                writer.close()
+        warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+        assert [entry["evicted"] for entry in warnings] == [1, 3]
+        assert "a NetworkPolicy admitting only the scraper" in warnings[0]["event"]
+        assert warnings[0]["last_from"] == HOST
+        assert server.evicted == 4
 
 
 def test_a_peer_at_its_limit_evicts_its_own_oldest() -> None:

@@ -68,6 +68,8 @@ WRITE_TIMEOUT = 5.0  # seconds to take the answer
 # Open connections: from one source address, and in all. Beyond either, an older one is evicted.
 MAX_PER_PEER = 8
 MAX_CONNECTIONS = 64
+# Evictions are said at warning at most this often (seconds), with how many there were since.
+EVICTION_WARNING_PERIOD = 60.0
 # After an error answer, what the client may still be sending is read and dropped (this much, for at
 # most this long) before the socket closes: closing on unread data would reset the connection, and
 # the client could lose the answer.
@@ -282,6 +284,8 @@ class ProbeServer:
         self._open: ConnectionTable[_Connection] = ConnectionTable(
             total=MAX_CONNECTIONS, per_peer=MAX_PER_PEER
         )
+        self._evicted_unreported = 0
+        self._warned_at: float | None = None
 
     @property
     def bound(self) -> list[str]:
@@ -364,16 +368,34 @@ class ProbeServer:
     def _admit(self, peer: str, connection: _Connection) -> None:
         """Take the new connection; close the one that makes room for it, if the limits call for one."""
         evicted = self._open.admit(peer, connection)
-        if evicted is not None:
-            evicted_peer, victim = evicted
-            victim.end()
-            log.debug(
-                "probe connection evicted to make room",
-                peer=evicted_peer,
-                held=self._open.held_by(evicted_peer),
-                open=len(self._open),
-                newcomer=peer,
-            )
+        if evicted is None:
+            return
+        evicted_peer, victim = evicted
+        victim.end()
+        log.debug(
+            "probe connection evicted to make room",
+            peer=evicted_peer,
+            held=self._open.held_by(evicted_peer),
+            open=len(self._open),
+            newcomer=peer,
+        )
+        self._warn_of_evictions(evicted_peer)
+
+    def _warn_of_evictions(self, peer: str) -> None:
+        """Say at warning, at most once per `EVICTION_WARNING_PERIOD`, that connections are being
+        evicted (with how many since the last warning): probes and scrapes still get through, but
+        something holds the port's connections open, which an operator wants to know and keep out."""
+        self._evicted_unreported += 1
+        now = asyncio.get_running_loop().time()
+        if self._warned_at is not None and now - self._warned_at < EVICTION_WARNING_PERIOD:
+            return
+        log.warning(
+            "connections to the metrics and probe port are evicted to make room: something holds "
+            "them open; a NetworkPolicy admitting only the scraper keeps others out (docs/deploy.md)",
+            evicted=self._evicted_unreported,  # since the last such warning
+            last_from=peer,
+        )
+        self._warned_at, self._evicted_unreported = now, 0
 
     async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bool, bytes, str]:
         """(status, HEAD?, body, content type) for the request on `reader`."""
