@@ -23,7 +23,9 @@ and when that goes over a limit, an older one is closed (`ConnectionTable`):
   most, never one of a peer holding fewer (kubelet's probes hold one or two at a time).
 
 A request head arrives within milliseconds of a connection from kubelet or Prometheus, so the newest
-connection is served while the idle and slow (slow-loris) ones wait to be evicted or time out.
+connection is served while the idle and slow (slow-loris) ones wait to be evicted or time out (the
+deadline is for the whole head: trickling bytes does not extend it). Evictions are logged at warning,
+at most once per `EVICTION_WARNING_PERIOD`, with their count.
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ class ConnectionTable(Generic[_Item]):
 
     Pure bookkeeping (the server closes what `admit` hands back). A newcomer is always admitted: a
     peer at `per_peer` gives up its own oldest connection; when `total` are open, the peer holding the
-    most gives up its oldest (on a tie, the peer that connected first). So one address flooding the
+    most gives up its oldest (on a tie, the one that has held connections the longest). So one address flooding the
     port evicts only its own connections until it holds the most, and a peer holding a connection or
     two, as kubelet's probes do, is the last to lose one.
     """
