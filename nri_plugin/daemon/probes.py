@@ -185,9 +185,9 @@ class ConnectionTable(Generic[_Item]):
 
     Pure bookkeeping (the server closes what `admit` hands back). A newcomer is always admitted: a
     peer at `per_peer` gives up its own oldest connection; when `total` are open, the peer holding the
-    most gives up its oldest (on a tie, the one that has held connections the longest). So one address flooding the
-    port evicts only its own connections until it holds the most, and a peer holding a connection or
-    two, as kubelet's probes do, is the last to lose one.
+    most gives up its oldest (on a tie, the one that has held connections the longest). So one address
+    flooding the port evicts only its own connections until it holds the most, and a peer holding a
+    connection or two, as kubelet's probes do, is the last to lose one.
     """
 
     def __init__(self, *, total: int, per_peer: int) -> None:
