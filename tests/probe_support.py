@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import re
 import signal
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixedcpu_support import start_daemon
@@ -15,6 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 GUARD = 10.0  # a guard against hangs, never a measure
+# kubelet gives up on a probe after timeoutSeconds, 2 in the chart and the manifests: the bound
+# every probe answer under attack is held to (a generous one; the real latencies are far lower).
+PROBE_TIMEOUT = 2.0
 
 
 @dataclass
@@ -28,9 +32,11 @@ class Reply:
         return self.body.decode()
 
 
-async def exchange(host: str, port: int, raw: bytes, *, shut_write: bool = False) -> Reply:
+async def exchange(
+    host: str, port: int, raw: bytes, *, shut_write: bool = False, source: str | None = None
+) -> Reply:
     """Send `raw` as is, read the whole answer until the server closes, parse it."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), GUARD)
+    reader, writer = await asyncio.wait_for(connect(host, port, source), GUARD)
     try:
         writer.write(raw)
         await writer.drain()
@@ -43,9 +49,18 @@ async def exchange(host: str, port: int, raw: bytes, *, shut_write: bool = False
     return parse_reply(data)
 
 
-async def get(host: str, port: int, path: str, method: str = "GET") -> Reply:
+async def get(host: str, port: int, path: str, method: str = "GET", *, source: str | None = None) -> Reply:
+    """One request; from the local address `source` when given (any 127.x.y.z on Linux: a peer of
+    its own, to the server)."""
     request = f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: test\r\n\r\n"
-    return await exchange(host, port, request.encode())
+    return await exchange(host, port, request.encode(), source=source)
+
+
+async def connect(
+    host: str, port: int, source: str | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    local = (source, 0) if source is not None else None
+    return await asyncio.open_connection(host, port, local_addr=local)
 
 
 def parse_reply(data: bytes) -> Reply:
@@ -127,3 +142,121 @@ async def daemon_with_probes(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+# -- strangers holding the probe port (issue 13) ------------------------------------------------------
+
+
+def stranger_address(index: int) -> str:
+    """A loopback address of its own for stranger `index` (127.1.x.y: never the prober's 127.0.0.1)."""
+    return f"127.1.{index // 250}.{index % 250 + 1}"
+
+
+@dataclass
+class Strangers:
+    """What the strangers did while a test probed: connections opened, and answers they got. Their
+    loops end once `stopped` is set (cancelling alone is not enough on Python 3.11, whose
+    asyncio.wait_for can swallow a cancellation that comes as the awaited call completes)."""
+
+    stopped: bool = False
+    idle: list[asyncio.StreamWriter] = field(default_factory=list)
+    loris_connections: int = 0
+    loris_answers: list[int] = field(default_factory=list)
+    flood_connections: int = 0
+
+
+async def open_idle(host: str, port: int, count: int, sources: list[str], strangers: Strangers) -> None:
+    """`count` connections that never send a byte, spread over `sources` in turn."""
+    for index in range(count):
+        _, writer = await asyncio.wait_for(connect(host, port, sources[index % len(sources)]), GUARD)
+        strangers.idle.append(writer)
+
+
+async def slow_loris(host: str, port: int, source: str, strangers: Strangers, *, pause: float = 0.05) -> None:
+    """A request head sent one byte every `pause` seconds, never finished; again when the server ends
+    it (408 or evicted). Runs until `strangers.stopped`."""
+    while not strangers.stopped:
+        reader, writer = await asyncio.wait_for(connect(host, port, source), GUARD)
+        strangers.loris_connections += 1
+        try:
+            writer.write(b"GET /healthz HTTP/1.1\r\n")
+            while not strangers.stopped:
+                writer.write(b"X")
+                await writer.drain()
+                try:
+                    answer = await asyncio.wait_for(reader.read(64), pause)
+                except asyncio.TimeoutError:
+                    continue
+                if answer.startswith(b"HTTP/1.1 "):
+                    strangers.loris_answers.append(int(answer[9:12]))
+                break  # answered, or closed (evicted)
+        except ConnectionError:
+            pass  # evicted: reset by the server
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+
+async def flood(host: str, port: int, source: str, strangers: Strangers, *, keep: int = 200) -> None:
+    """New idle connections as fast as the loop allows, each held until `keep` newer ones are open
+    (the attack of issue 13, which needed 7 a second). Runs until `strangers.stopped`."""
+    held: list[asyncio.StreamWriter] = []
+    try:
+        while not strangers.stopped:
+            _, writer = await asyncio.wait_for(connect(host, port, source), GUARD)
+            strangers.flood_connections += 1
+            held.append(writer)
+            if len(held) > keep:
+                held.pop(0).close()
+            await asyncio.sleep(0)
+    finally:
+        for writer in held:
+            writer.close()
+
+
+async def close_all(writers: list[asyncio.StreamWriter]) -> None:
+    for writer in writers:
+        writer.close()
+    for writer in writers:
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def timed_probes(host: str, port: int, count: int, *, path: str = "/healthz") -> list[float]:
+    """`count` probes from 127.0.0.1, one after another: each answer's status must be 200; the
+    seconds each took, connection included."""
+    took = []
+    for _ in range(count):
+        start = time.perf_counter()
+        reply = await asyncio.wait_for(get(host, port, path, source="127.0.0.1"), GUARD)
+        took.append(time.perf_counter() - start)
+        assert (reply.status, reply.text) == (200, "ok\n"), reply
+        await asyncio.sleep(0.01)
+    return took
+
+
+@contextlib.asynccontextmanager
+async def under_attack(
+    host: str, port: int, *, idle: int = 200, peers: int = 25, same_peer: bool = False
+) -> AsyncIterator[Strangers]:
+    """`idle` idle connections from `peers` stranger addresses (or all from the prober's own
+    127.0.0.1, `same_peer`), a slow-loris client and a connection flood from two more, for the
+    body of the `with`; all stopped and closed after it."""
+    strangers = Strangers()
+    sources = ["127.0.0.1"] if same_peer else [stranger_address(i) for i in range(peers)]
+    await open_idle(host, port, idle, sources, strangers)
+    loris_source = "127.0.0.1" if same_peer else stranger_address(peers)
+    attackers = [asyncio.ensure_future(slow_loris(host, port, loris_source, strangers))]
+    if not same_peer:  # one address flooding the prober's own is what the NetworkPolicy is for
+        attackers.append(asyncio.ensure_future(flood(host, port, stranger_address(peers + 1), strangers)))
+    try:
+        await asyncio.sleep(0.2)  # the slow client is mid-head, the flood under way
+        yield strangers
+    finally:
+        strangers.stopped = True
+        _, pending = await asyncio.wait(attackers, timeout=GUARD)
+        assert not pending, "a stranger did not stop"
+        await close_all(strangers.idle)
+    for attacker in attackers:
+        attacker.result()  # a stranger that failed (other than by being evicted) fails the test

@@ -232,7 +232,8 @@ async def test_container_lines_carry_namespace_pod_container_and_event(tmp_path:
     await plugin.synchronize([pod], [running])
 
     entries = json_lines(out.getvalue())
-    assert [(e["msg"], e["event"], e.get("container")) for e in entries] == [
+    # The decision trace's lines (each with a "step"; tests/test_decision_trace.py) aside:
+    assert [(e["msg"], e["event"], e.get("container")) for e in entries if "step" not in e] == [
         ("shared CPUs given", "CreateContainer", "fwd"),
         ("no request for shared CPUs", "CreateContainer", "sidecar"),
         ("kept shared CPUs on update", "UpdateContainer", "fwd"),

@@ -215,7 +215,7 @@ def test_kustomizations_name_files_that_exist() -> None:
     for kustomization in KUSTOMIZE.rglob("kustomization.yaml"):
         doc = yaml.safe_load(kustomization.read_text())
         here = kustomization.parent
-        named = list(doc.get("resources", []))
+        named = list(doc.get("resources", [])) + list(doc.get("components", []))
         named += [p["path"] for p in doc.get("patches", []) if "path" in p]
         named += [f for gen in doc.get("configMapGenerator", []) for f in gen.get("files", [])]
         for name in named:
@@ -302,6 +302,70 @@ def test_kustomize_openshift_overlay_grants_its_scc() -> None:
     labels = one(docs, "Namespace")["metadata"]["labels"]
     assert labels["security.openshift.io/scc.podSecurityLabelSync"] == "false"
     assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def check_network_policy(docs: list[Doc], ds: Doc, scrapers: list[Doc]) -> Doc:
+    """The NetworkPolicy guards the DaemonSet's pods: nothing may connect but `scrapers`, and they only
+    to the port the daemon's probes and metrics listen on (issue 13). Returns it."""
+    policy = one(docs, "NetworkPolicy")
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]
+    assert set(selector) == {"matchLabels"}
+    assert selector["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"], "egress is not limited: kubelet, the runtime"
+    if not scrapers:
+        assert policy["spec"]["ingress"] == [], "nothing scrapes: no pod may connect"
+        return policy
+    [rule] = policy["spec"]["ingress"]
+    # An empty or missing `from` would admit every source.
+    assert rule["from"] == scrapers
+    _, port = metrics_host_port(config_of(docs))
+    assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+    return policy
+
+
+def network_policies(docs: list[Doc]) -> list[Doc]:
+    return [doc for doc in docs if doc["kind"] == "NetworkPolicy"]
+
+
+OPENSHIFT_SCRAPERS = [
+    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}
+    for namespace in ("openshift-monitoring", "openshift-user-workload-monitoring")
+]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_network_policy_where_it_cuts_no_scraper_off(overlay: str) -> None:
+    """OpenShift scrapes through its monitoring namespaces only: the policy is on there. The other
+    overlays keep the prometheus.io annotations of an unnamed scraper: theirs is left to the operator."""
+    docs = kustomize(overlay)
+    ds = one(docs, "DaemonSet")
+    if overlay == "openshift":
+        check_network_policy(docs, ds, OPENSHIFT_SCRAPERS)
+    else:
+        assert ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert not network_policies(docs)
+
+
+def test_kustomize_network_policy_component_on_an_overlay(tmp_path: Path) -> None:
+    """The component as an operator adds it to the containerd overlay: it guards that overlay's pods."""
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
+    overlay = os.path.relpath(KUSTOMIZE / "overlays" / "containerd", tmp_path)  # kustomize: relative only
+    component = os.path.relpath(KUSTOMIZE / "components" / "metrics-network-policy", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {overlay}\ncomponents:\n  - {component}\n"
+    )
+    result = subprocess.run(
+        [KUBECTL, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=GUARD, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    docs = load_documents(result.stdout)
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    check_network_policy(docs, one(docs, "DaemonSet"), scrapers)
 
 
 # -- Helm --------------------------------------------------------------------------------------------
@@ -650,6 +714,66 @@ def test_manifest_configs_point_at_the_example_with_every_key() -> None:
         assert "examples/config.toml" in text, name
         assert 'README.md, "Every key' not in text, f"{name}: points at a README section that is gone"
     assert (ROOT / "examples" / "config.toml").is_file()
+
+
+# -- the metrics port's NetworkPolicy (issue 13) ------------------------------------------------------
+
+PROMETHEUS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
+SCRAPER_SETS = (
+    "metrics.networkPolicy.scrapers[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=monitoring",
+    "metrics.networkPolicy.scrapers[0].podSelector.matchLabels.app\\.kubernetes\\.io/name=prometheus",
+)
+
+
+def test_helm_network_policy_admits_only_the_named_scrapers() -> None:
+    for extra in ([], ["metrics.port=9100"], ["metrics.podMonitor.enabled=true"]):
+        docs = helm_template(*SCRAPER_SETS, *extra)
+        check_network_policy(docs, check_daemonset(docs), [PROMETHEUS])
+    docs = helm_template("metrics.networkPolicy.scrapers[0].ipBlock.cidr=10.0.0.0/24")
+    check_network_policy(docs, one(docs, "DaemonSet"), [{"ipBlock": {"cidr": "10.0.0.0/24"}}])
+
+
+def test_helm_network_policy_admits_nobody_when_nothing_scrapes() -> None:
+    """No annotations and no PodMonitor: nothing scrapes, so no pod may connect (kubelet's probes
+    come from the node)."""
+    docs = helm_template("metrics.scrapeAnnotations=false")
+    ds = check_daemonset(docs)
+    assert "prometheus.io/scrape" not in ds["spec"]["template"]["metadata"]["annotations"]
+    check_network_policy(docs, ds, [])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],  # the default: the prometheus.io annotations, for a scraper the chart cannot name
+        ["metrics.podMonitor.enabled=true", "metrics.scrapeAnnotations=false"],
+        ["metrics.networkPolicy.enabled=false", "metrics.scrapeAnnotations=false"],
+        ["metrics.networkPolicy.enabled=false", *SCRAPER_SETS],
+        ["hostNetwork=true", "metrics.scrapeAnnotations=false"],  # a NetworkPolicy never applies
+        ["metrics.enabled=false", "metrics.scrapeAnnotations=false"],
+    ],
+    ids=["default", "podmonitor", "off", "off-with-scrapers", "host-network", "metrics-off"],
+)
+def test_helm_no_network_policy_where_it_would_cut_a_scraper_off_or_guard_nothing(values: list[str]) -> None:
+    assert not network_policies(helm_template(*values))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "metrics.networkPolicy.scrapers[0].service=prometheus",
+        "metrics.networkPolicy.scrapers[0].ipBlock.cidr=10.0.0.0",
+        "metrics.networkPolicy.scrapers[0].podSelector.matchLabels=x",
+        "metrics.networkPolicy.enabled=yes",
+    ],
+)
+def test_helm_schema_rejects_bad_network_policy_values(bad: str) -> None:
+    result = helm("template", "rel", str(CHART), "--set", bad)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
 
 
 # -- the image -----------------------------------------------------------------------------------------

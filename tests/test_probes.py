@@ -15,12 +15,35 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_config
-from probe_support import GUARD, Reply, daemon_with_probes, exchange, get, samples, scrape, value
+from probe_support import (
+    GUARD,
+    PROBE_TIMEOUT,
+    Reply,
+    Strangers,
+    daemon_with_probes,
+    exchange,
+    get,
+    samples,
+    scrape,
+    slow_loris,
+    timed_probes,
+    under_attack,
+    value,
+)
 
 from nri_plugin.daemon import probes
 from nri_plugin.daemon.metrics import Metrics
-from nri_plugin.daemon.probes import MAX_HEAD, ProbeError, ProbeServer, parse_address
+from nri_plugin.daemon.probes import (
+    MAX_CONNECTIONS,
+    MAX_HEAD,
+    MAX_PER_PEER,
+    ConnectionTable,
+    ProbeError,
+    ProbeServer,
+    parse_address,
+)
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 HOST = "127.0.0.1"
@@ -189,19 +212,128 @@ async def test_silent_client_gets_408(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.asyncio
-async def test_connections_beyond_the_limit_get_503(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_connections_beyond_the_limit_evict_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13: a full server no longer answers 503 (which failed liveness for as long as strangers
+    held the connections); the newcomer is served and the oldest idle connection closed."""
     monkeypatch.setattr(probes, "MAX_CONNECTIONS", 2)
     async with serving() as (server, port):
         idle = [await asyncio.open_connection(HOST, port) for _ in range(2)]
         try:
             await eventually(lambda: server.connections == 2)  # the server takes them in its own time
-            busy = await get(HOST, port, "/healthz")
-            assert (busy.status, busy.text) == (503, "busy: too many connections\n")
+            await healthy(port)
+            assert server.evicted == 1
+            (oldest, _), (younger, _) = idle
+            # The oldest was closed by the server; the younger one is still open, and still served.
+            assert await asyncio.wait_for(oldest.read(), GUARD) == b""
+            assert not younger.at_eof()
         finally:
             for _, writer in idle:
                 writer.close()
-                await writer.wait_closed()
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
         await eventually(lambda: server.connections == 0)
+        await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_evictions_are_said_at_warning_at_most_once_a_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(probes, "MAX_CONNECTIONS", 1)
+    async with serving() as (server, port):
+        held: list[asyncio.StreamWriter] = []
+
+        async def newcomers(count: int) -> None:
+            """`count` more idle connections, each taken (and evicting the one before) in turn."""
+            for _ in range(count):
+                _, writer = await asyncio.open_connection(HOST, port)
+                held.append(writer)
+                evictions = len(held) - 1
+                await eventually(lambda: server.evicted == evictions)  # noqa: B023 (awaited here)
+
+        try:
+            with structlog.testing.capture_logs() as logs:
+                await newcomers(4)  # the first takes the only place; each later one evicts
+                monkeypatch.setattr(probes, "EVICTION_WARNING_PERIOD", 0.0)
+                await newcomers(1)
+        finally:
+            for writer in held:
+                writer.close()
+        warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+        assert [entry["evicted"] for entry in warnings] == [1, 3]
+        assert "a NetworkPolicy admitting only the scraper" in warnings[0]["event"]
+        assert warnings[0]["last_from"] == HOST
+        assert server.evicted == 4
+
+
+def test_a_peer_at_its_limit_evicts_its_own_oldest() -> None:
+    table: ConnectionTable[str] = ConnectionTable(total=10, per_peer=2)
+    assert table.admit("kubelet", "k1") is None
+    assert table.admit("stranger", "s1") is None
+    assert table.admit("stranger", "s2") is None
+    assert table.admit("stranger", "s3") == ("stranger", "s1")
+    assert table.admit("stranger", "s4") == ("stranger", "s2")
+    assert (len(table), table.held_by("stranger"), table.held_by("kubelet"), table.evicted) == (3, 2, 1, 2)
+    assert list(table) == ["k1", "s3", "s4"]
+
+
+def test_a_full_table_evicts_from_the_peer_holding_the_most() -> None:
+    table: ConnectionTable[str] = ConnectionTable(total=4, per_peer=4)
+    for item in ("a1", "b1", "b2", "a2"):
+        assert table.admit(item[0], item) is None
+    # a and b hold two each: a tie goes to the peer that came first, which gives up its oldest.
+    assert table.admit("k", "k1") == ("a", "a1")
+    # b now holds the most.
+    assert table.admit("k", "k2") == ("b", "b1")
+    # Then k does (k1, k2 beside a2, b2): the next newcomer takes k's oldest.
+    assert table.admit("c", "c1") == ("k", "k1")
+    # One each (a2, b2, k2, c1): the first peer to have come gives up its connection.
+    assert table.admit("c", "c2") == ("a", "a2")
+    assert list(table) == ["b2", "k2", "c1", "c2"]
+
+
+def test_discarding_forgets_a_connection_once() -> None:
+    table: ConnectionTable[str] = ConnectionTable(total=2, per_peer=2)
+    table.admit("p", "x")
+    table.discard("p", "x")
+    table.discard("p", "x")  # closed after it was evicted: nothing left to forget
+    table.discard("nobody", "y")
+    assert (len(table), table.held_by("p"), list(table)) == (0, 0, [])
+    with pytest.raises(ValueError, match="at least 1"):
+        ConnectionTable(total=0, per_peer=1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("same_peer", [False, True], ids=["strangers-elsewhere", "strangers-on-our-address"])
+async def test_strangers_holding_the_port_cannot_starve_healthz(same_peer: bool) -> None:
+    """Issue 13: 200 idle connections, a slow-loris client and (from another address) a flood of new
+    connections; with the server holding all it may, /healthz is answered 200 each time, in time for
+    kubelet, and the server never holds more than its limits."""
+    async with serving() as (server, port):
+        async with under_attack(HOST, port, same_peer=same_peer):
+            held = MAX_PER_PEER if same_peer else MAX_CONNECTIONS
+            await eventually(lambda: server.connections == held)
+            took = await timed_probes(HOST, port, 20)
+            assert server.connections <= held
+            assert max(took) < PROBE_TIMEOUT, took
+            assert server.evicted >= 200 - held
+        await eventually(lambda: server.connections == 0)
+        await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_a_slow_client_is_cut_off_at_the_deadline_however_it_trickles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The head's deadline is for the whole head: a byte every 50 ms does not extend it."""
+    monkeypatch.setattr(probes, "READ_TIMEOUT", 0.3)
+    async with serving() as (_, port):
+        strangers = Strangers()
+        loris = asyncio.ensure_future(slow_loris(HOST, port, "127.0.0.2", strangers))
+        try:
+            await eventually(lambda: len(strangers.loris_answers) >= 2)
+        finally:
+            strangers.stopped = True
+            await asyncio.wait_for(loris, GUARD)
+        assert set(strangers.loris_answers) == {408}
         await healthy(port)
 
 
@@ -378,5 +510,25 @@ async def test_daemon_serves_probes_and_metrics(tmp_path: Path, device_plugins: 
             assert value(found, "mixed_cpu_nri_requests_total", event="synchronize", outcome="ok") == 1
             assert value(found, "mixed_cpu_nri_ready") == 1
             assert value(found, "mixed_cpu_kubelet_registered") == 0
+    assert proc.returncode == 0, "\n".join(seen)
+    assert not any("Traceback" in line for line in seen), "\n".join(seen)
+
+
+@pytest.mark.asyncio
+async def test_daemon_healthz_is_answered_under_a_connection_flood(
+    tmp_path: Path, device_plugins: Path
+) -> None:
+    """Issue 13, through the real daemon: strangers holding 200 idle connections, a slow-loris client
+    and a flood of new connections do not keep kubelet's liveness probe from a 200."""
+    config = write_daemon_config(tmp_path, device_plugins)
+    seen: list[str] = []
+    async with daemon_with_probes(config, tmp_path / "nri.sock", seen) as (proc, host, port):
+        async with under_attack(host, port) as strangers:
+            took = await timed_probes(host, port, 30)
+            assert max(took) < PROBE_TIMEOUT, took
+            assert strangers.flood_connections > 0
+            found = await scrape(host, port)  # Prometheus too
+            assert value(found, "mixed_cpu_nri_ready") == 0
+        took = await timed_probes(host, port, 5)  # and after
     assert proc.returncode == 0, "\n".join(seen)
     assert not any("Traceback" in line for line in seen), "\n".join(seen)

@@ -9,8 +9,23 @@
 
 Deliberately small: one request per connection (``Connection: close``), GET and HEAD only (405 for
 other methods), no request body read, the request head limited to `MAX_HEAD` bytes (431) and
-`READ_TIMEOUT` seconds (408), anything unparsable answered 400, at most `MAX_CONNECTIONS` at once
-(503 beyond). A client sending garbage costs one short-lived task, never the server.
+`READ_TIMEOUT` seconds in all (408), anything unparsable answered 400. A client sending garbage costs
+one short-lived task, never the server.
+
+Nobody can starve the probes by holding connections open (issue 13): the port listens on the pod IP,
+and kubelet restarts a daemon whose ``/healthz`` fails. Refusing connections beyond a limit would let
+any pod keep liveness failing with a few dozen idle sockets; instead every new connection is taken,
+and when that goes over a limit, an older one is closed (`ConnectionTable`):
+
+* a peer (one source address) holds at most `MAX_PER_PEER` connections: its next one closes its own
+  oldest, so a flood from one address only ever evicts itself;
+* at most `MAX_CONNECTIONS` in all: a new one closes the oldest connection of the peer holding the
+  most, never one of a peer holding fewer (kubelet's probes hold one or two at a time).
+
+A request head arrives within milliseconds of a connection from kubelet or Prometheus, so the newest
+connection is served while the idle and slow (slow-loris) ones wait to be evicted or time out (the
+deadline is for the whole head: trickling bytes does not extend it). Evictions are logged at warning,
+at most once per `EVICTION_WARNING_PERIOD`, with their count.
 """
 
 from __future__ import annotations
@@ -21,8 +36,9 @@ import json
 import os
 import re
 import socket
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -34,13 +50,28 @@ if TYPE_CHECKING:
     from nri_plugin.deviceplugin.server import DevicePluginServer
     from nri_plugin.nri.stub import Stub
 
-__all__ = ["MAX_HEAD", "NotReadyWarnings", "ProbeError", "ProbeServer", "parse_address", "readiness"]
+__all__ = [
+    "MAX_CONNECTIONS",
+    "MAX_HEAD",
+    "MAX_PER_PEER",
+    "ConnectionTable",
+    "NotReadyWarnings",
+    "ProbeError",
+    "ProbeServer",
+    "parse_address",
+    "readiness",
+]
 
 log = structlog.get_logger("nri_plugin.daemon.probes")
 
 MAX_HEAD = 8 * 1024  # request line and headers, in bytes
-READ_TIMEOUT = 5.0  # seconds to send the request head, and to take the answer
-MAX_CONNECTIONS = 32
+READ_TIMEOUT = 2.0  # seconds to send the whole request head (kubelet sends it at once)
+WRITE_TIMEOUT = 5.0  # seconds to take the answer
+# Open connections: from one source address, and in all. Beyond either, an older one is evicted.
+MAX_PER_PEER = 8
+MAX_CONNECTIONS = 64
+# Evictions are said at warning at most this often (seconds), with how many there were since.
+EVICTION_WARNING_PERIOD = 60.0
 # After an error answer, what the client may still be sending is read and dropped (this much, for at
 # most this long) before the socket closes: closing on unread data would reset the connection, and
 # the client could lose the answer.
@@ -146,6 +177,91 @@ class NotReadyWarnings:
                 warned = False
 
 
+_Item = TypeVar("_Item")
+
+
+class ConnectionTable(Generic[_Item]):
+    """The open connections, by peer and oldest first, and which one a newcomer evicts.
+
+    Pure bookkeeping (the server closes what `admit` hands back). A newcomer is always admitted: a
+    peer at `per_peer` gives up its own oldest connection; when `total` are open, the peer holding the
+    most gives up its oldest (on a tie, the one that has held connections the longest). So one address
+    flooding the port evicts only its own connections until it holds the most, and a peer holding a
+    connection or two, as kubelet's probes do, is the last to lose one.
+    """
+
+    def __init__(self, *, total: int, per_peer: int) -> None:
+        if total < 1 or per_peer < 1:
+            raise ValueError("connection limits must be at least 1")
+        self.total = total
+        self.per_peer = per_peer
+        self.evicted = 0
+        self._peers: dict[str, dict[_Item, None]] = {}  # per peer, an ordered set: oldest first
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[_Item]:
+        for items in list(self._peers.values()):
+            yield from list(items)
+
+    def held_by(self, peer: str) -> int:
+        return len(self._peers.get(peer, ()))
+
+    def admit(self, peer: str, item: _Item) -> tuple[str, _Item] | None:
+        """Count `item` as open from `peer`; the (peer, connection) it evicts, already forgotten here
+        and for the caller to close, if the limits call for one."""
+        evicted = self._victim(peer)
+        if evicted is not None:
+            self.discard(*evicted)
+            self.evicted += 1
+        self._peers.setdefault(peer, {})[item] = None
+        self._count += 1
+        return evicted
+
+    def discard(self, peer: str, item: _Item) -> None:
+        """Forget a closed connection (nothing if it was evicted already)."""
+        items = self._peers.get(peer)
+        if items is None or item not in items:
+            return
+        del items[item]
+        self._count -= 1
+        if not items:
+            del self._peers[peer]
+
+    def _victim(self, peer: str) -> tuple[str, _Item] | None:
+        own = self._peers.get(peer)
+        if own is not None and len(own) >= self.per_peer:
+            return peer, next(iter(own))
+        if self._count < self.total:
+            return None
+        greediest = max(self._peers, key=lambda name: len(self._peers[name]))
+        return greediest, next(iter(self._peers[greediest]))
+
+
+@dataclass(eq=False)
+class _Connection:
+    """One connection's handler task and stream, to end it at once (evicted, or the server closing)."""
+
+    task: asyncio.Task[None]
+    writer: asyncio.StreamWriter
+    ended: bool = False
+
+    def end(self) -> None:
+        """Drop the connection (no FIN dance with an idle or slow peer: the socket goes now) and stop
+        its handler, which then returns quietly (see `ProbeServer._handle`)."""
+        self.ended = True
+        self.writer.transport.abort()
+        self.task.cancel()
+
+
+def _peer_of(writer: asyncio.StreamWriter) -> str:
+    """The source address of a connection (its port left out: one address, one peer)."""
+    name = writer.get_extra_info("peername")
+    return str(name[0]) if isinstance(name, tuple) and name else "unknown"
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -167,7 +283,11 @@ class ProbeServer:
         self._metrics = metrics
         self._readiness = readiness
         self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[None]] = set()
+        self._open: ConnectionTable[_Connection] = ConnectionTable(
+            total=MAX_CONNECTIONS, per_peer=MAX_PER_PEER
+        )
+        self._evicted_unreported = 0
+        self._warned_at: float | None = None
 
     @property
     def bound(self) -> list[str]:
@@ -183,7 +303,12 @@ class ProbeServer:
     @property
     def connections(self) -> int:
         """Connections open now."""
-        return len(self._handlers)
+        return len(self._open)
+
+    @property
+    def evicted(self) -> int:
+        """Connections closed so far to make room for newer ones (see the module docstring)."""
+        return self._open.evicted
 
     async def start(self) -> None:
         """Listen; `ProbeError` with one line if that is not possible."""
@@ -204,8 +329,8 @@ class ProbeServer:
         if server is None:
             return
         server.close()
-        for task in list(self._handlers):
-            task.cancel()
+        for connection in self._open:
+            connection.end()
         await server.wait_closed()
 
     async def __aenter__(self) -> ProbeServer:
@@ -220,24 +345,59 @@ class ProbeServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._handlers.add(task)
+        me, peer = _Connection(task, writer), _peer_of(writer)
+        self._admit(peer, me)
         try:
-            if len(self._handlers) > MAX_CONNECTIONS:
-                status, head_only, body, kind = 503, False, b"busy: too many connections\n", _TEXT
-            else:
-                status, head_only, body, kind = await self._answer(reader)
+            status, head_only, body, kind = await self._answer(reader)
             writer.write(_response(status, body, kind, head_only))
-            await asyncio.wait_for(writer.drain(), READ_TIMEOUT)
+            await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
             if status >= 400 and writer.can_write_eof():
                 writer.write_eof()
                 await asyncio.wait_for(_discard(reader, LINGER_BYTES), LINGER_TIME)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            # Ended on purpose: return, not re-raise, since Python 3.11's asyncio.start_server logs a
+            # handler task that ends cancelled as an error.
+            if not me.ended:
+                raise
         finally:
-            self._handlers.discard(task)
+            self._open.discard(peer, me)
             writer.close()
             with contextlib.suppress(ConnectionError, asyncio.CancelledError):
                 await writer.wait_closed()
+
+    def _admit(self, peer: str, connection: _Connection) -> None:
+        """Take the new connection; close the one that makes room for it, if the limits call for one."""
+        evicted = self._open.admit(peer, connection)
+        if evicted is None:
+            return
+        evicted_peer, victim = evicted
+        victim.end()
+        log.debug(
+            "probe connection evicted to make room",
+            peer=evicted_peer,
+            held=self._open.held_by(evicted_peer),
+            open=len(self._open),
+            newcomer=peer,
+        )
+        self._warn_of_evictions(evicted_peer)
+
+    def _warn_of_evictions(self, peer: str) -> None:
+        """Say at warning, at most once per `EVICTION_WARNING_PERIOD`, that connections are being
+        evicted (with how many since the last warning): probes and scrapes still get through, but
+        something holds the port's connections open, which an operator wants to know and keep out."""
+        self._evicted_unreported += 1
+        now = asyncio.get_running_loop().time()
+        if self._warned_at is not None and now - self._warned_at < EVICTION_WARNING_PERIOD:
+            return
+        log.warning(
+            "connections to the metrics and probe port are evicted to make room: something holds "
+            "them open; a NetworkPolicy admitting only the scraper keeps others out (docs/deploy.md)",
+            evicted=self._evicted_unreported,  # since the last such warning
+            last_from=peer,
+        )
+        self._warned_at, self._evicted_unreported = now, 0
 
     async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bool, bytes, str]:
         """(status, HEAD?, body, content type) for the request on `reader`."""

@@ -47,6 +47,7 @@ import structlog
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, format_cpuset
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
+from nri_plugin.mixedcpu import trace
 from nri_plugin.mixedcpu.allocations import AllocationRecord, ContainerDevices, PodRef, devices_of
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.heal import Healer, HealObserver
@@ -252,6 +253,8 @@ class MixedCpuPlugin(
             await self._settle_displaced(displaced, pod)
             raise _refusal(exc) from None
         _log_fallback(plan.shared, pod, container, "CreateContainer")
+        trace.eligible(pod, container, plan, "CreateContainer")
+        trace.adjustment_chosen(pod, container, plan, "CreateContainer")
         record = ContainerRecord(
             id=container.id,
             shared_cpus=len(plan.shared.cpus),
@@ -259,6 +262,9 @@ class MixedCpuPlugin(
             device=check.proof.device,
         )
         before, after = await self.quotas.raise_for(pod, container, slot, record, saved)
+        trace.pod_quota_raised(
+            pod, container, (before, after), self.books.pods.get(slot.pod), "CreateContainer"
+        )
         self.healer.watch_creation(slot, container)
         log.info(
             "shared CPUs given",
@@ -276,6 +282,7 @@ class MixedCpuPlugin(
     ) -> Sequence[api.ContainerUpdate]:
         found = self.books.find(container.id)
         if found is None:
+            trace.update_passed_through(pod, container)
             return ()
         slot, record = found
         try:
@@ -296,6 +303,7 @@ class MixedCpuPlugin(
             # Whatever its kind: the update request itself carries what cannot be honoured.
             raise InvalidRequest(str(exc)) from None
         _log_fallback(plan.shared, pod, container, "UpdateContainer")
+        trace.update_planned(pod, container, resources, record, plan)
         await self._follow_update(pod, container, slot, record, plan)
         # An in-place resize rewrote the pod's own quota first when it grows: the pod quota follows
         # before the container's own is raised (cgroup v1 refuses a child above its parent).
@@ -410,6 +418,7 @@ class MixedCpuPlugin(
             log.warning("request refused", reason=refusal, **pod_fields(pod, container, event=event))
         for note in check.notes:
             log.info("request evidence ignored", reason=note, **pod_fields(pod, container, event=event))
+        trace.request_checked(pod, container, check, event)
         return check
 
     async def _kubelet_devices(self, pod: api.PodSandbox, container: api.Container) -> frozenset[str] | None:
@@ -447,10 +456,12 @@ class MixedCpuPlugin(
         before the reply. Raises a `PluginRefusal` (nothing changed) when the pod cgroup fails us."""
         now = replace(record, shared_cpus=len(plan.shared.cpus), exclusive=format_cpuset(plan.exclusive))
         if now == record:
+            trace.update_books(pod, container, "unchanged (same exclusive CPUs, same share)")
             return
         if now.shared_cpus == record.shared_cpus:
             self.books.hold(slot, now)
             self.keeper.save_quietly()
+            trace.update_books(pod, container, "its exclusive CPUs moved; same share, the pod quota stays")
             return
         before, after = await self.quotas.raise_for(
             pod, container, slot, now, self.books.pods.get(slot.pod), event="UpdateContainer"
@@ -472,7 +483,9 @@ class MixedCpuPlugin(
         event = "StopContainer" if why == "stopped" else "RemoveContainer"
         key = pod_key(pod)
         await self.quotas.resolve_unknown(key, pod.linux.cgroup_parent)
+        pod_before = self.books.pods.get(key)  # immutable: the books' pod as it was, for the trace
         held = self.books.release_holder(container.id)
+        trace.released(pod, container, held, event)
         if held is not None:
             log.info(
                 f"shared container {why}: its pod quota share is released",
@@ -486,6 +499,7 @@ class MixedCpuPlugin(
         await self.healer.at_pod_event(key)
         if key in self.books.pods:
             await self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
+        trace.pod_quota_settled(pod, container, (pod_before, self.books.pods.get(key)), event)
 
 
 def _without_hostile_pod_resources(pod: api.PodSandbox) -> api.PodSandbox:

@@ -85,3 +85,15 @@ mixed-cpu-nri-plugin/runtime: {{ .Values.runtime }}
 {{- define "mixed-cpu-nri-plugin.needsSpcT" -}}
 {{- if has .Values.runtime (list "cri-o" "openshift") -}}true{{- end -}}
 {{- end -}}
+
+{{/* "true" when the chart makes its NetworkPolicy: asked for, on the pod network (a NetworkPolicy
+     never applies to a hostNetwork pod), with a port to guard, and either the scrapers named or
+     nothing set up to scrape (prometheus.io annotations, a PodMonitor): on by default wherever
+     it cannot cut a scraper off. */}}
+{{- define "mixed-cpu-nri-plugin.networkPolicy" -}}
+{{- $metrics := .Values.metrics -}}
+{{- $scraped := or $metrics.scrapeAnnotations $metrics.podMonitor.enabled -}}
+{{- if and $metrics.enabled $metrics.networkPolicy.enabled (not .Values.hostNetwork) (or $metrics.networkPolicy.scrapers (not $scraped)) -}}
+true
+{{- end -}}
+{{- end -}}
