@@ -169,3 +169,23 @@ def test_the_lowered_pod_quota_at_stop_and_remove_is_systemds_and_survives_too(d
     assert steps["removed"] == {"systemd": "2s", "cpu.max": RESIZED}
     for step in ("removed, daemon-reload", "removed, set-property CPUWeight=60"):
         assert (steps[step]["systemd"], steps[step]["cpu.max"]) == ("2s", RESIZED), step
+
+
+def test_without_the_bus_systemd_reverts_the_raise_and_the_reconciler_writes_it_again(daemon: Any) -> None:
+    """With the file only: systemd never records the raise, and puts its own value back whenever it
+    re-applies the slice (the container's scope starting in it, a daemon-reload); the reconciler
+    (every 3 s here) writes the raise again each time."""
+    steps = daemon["file"]
+    assert steps["made"] == {"systemd": "1s", "cpu.max": BASELINE}
+    assert steps["reply"]["pod cpu.max at reply"] == RAISED
+    seen = steps["cpu.max seen"]
+    at_creation, at_reload = seen[: steps["reload from"]], seen[steps["reload from"] :]
+    assert [value for _, value in at_creation] == [BASELINE, RAISED, BASELINE, RAISED]
+    assert [value for _, value in at_reload] == [BASELINE, RAISED]  # put back by systemd, then healed
+    (reverted, _), (healed, _) = at_reload
+    assert healed - reverted < 6.0
+    heals = [line for line in daemon["daemon"]["bus lines"] if "heal=" in line]
+    assert len(heals) == 2
+    assert all("heal=pod_quota" in line and "kubepods-podfile.slice" in line for line in heals)
+    assert steps["at the end"] == {"systemd": "1s", "cpu.max": RAISED}  # systemd still knows nothing of it
+    assert steps["removed"] == {"systemd": "1s", "cpu.max": BASELINE}
