@@ -44,8 +44,8 @@ from cgroups import container_cgroup_path, pod_cgroup_path, read_layout
 NAMING = NAMINGS[1]  # containerd, systemd driver: /kubepods.slice/kubepods-pod<uid>.slice
 CONTROL = "kubepods-podcontrol.slice"
 HAND_WRITTEN = f"{3 * PERIOD} {PERIOD}"
-# How long a reload's effect, or the reconciler's write, is waited for (guards; under emulation a
-# reload takes 0.2-2 s).
+# How long a reload's effect, or the reconciler's write, is waited for (guards; under emulation on
+# 2 shared cores a daemon-reload took 7-20 s, a set-property 0.4-0.9 s).
 SETTLE = 30.0
 # The daemon's log lines the host's tests look at: the bus, and what the reconciler healed.
 BUS_WORDS = ("system bus", "systemd", "heal=")
