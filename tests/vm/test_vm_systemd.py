@@ -1,17 +1,22 @@
 """systemd as PID 1 on cgroup v2 (a Debian kernel in a QEMU VM, the host's systemd): the slices kubelet
-makes through systemd, and systemd putting back a slice's ``cpu.max`` written behind its back.
+makes through systemd, systemd putting back a slice's ``cpu.max`` written behind its back, and the real
+daemon's pod quotas set through systemd (issue #12).
 
-The last tests document the problem issue #12 item 3 fixes: the plugin raises a pod's quota by
-writing the pod cgroup's file, and when the pod cgroup is a systemd slice (the systemd cgroup driver)
-a ``systemctl daemon-reload`` or a property change of the slice puts systemd's value back; a value set
-through systemd survives. One VM for the module; each test makes its own slice, the way kubelet does
-(``StartTransientUnit`` on the system bus).
+The first tests document the problem: when the pod cgroup is a systemd slice (the systemd cgroup
+driver) a ``systemctl daemon-reload`` or a property change of the slice puts systemd's value back over
+a hand-written ``cpu.max``; a value set through systemd survives. Each makes its own slice, the way
+kubelet does (``StartTransientUnit`` on the system bus). The last ones read what the real daemon did
+(guest_daemon_systemd.py, run once): with the system bus, the raise, an in-place resize and the
+lowering are what systemd records and survive reloads and property changes; without it, the raise is
+reverted by systemd and written again by the reconciler. One VM for the module.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from vm.vm_support import Vm, vm_session
@@ -110,3 +115,77 @@ def test_a_property_change_of_the_slice_puts_back_a_hand_written_cpu_max(vm: Vm)
     assert write_behind_systemds_back(vm, path) == HAND_WRITTEN
     sh(vm, "systemctl set-property --runtime kubepods-podproperty.slice CPUWeight=50")
     assert eventually(vm, path, f"{PERIOD} {PERIOD}") == f"{PERIOD} {PERIOD}"
+
+
+# -- the real daemon: pod quotas through systemd (issue #12) ----------------------------------------
+
+BASELINE = f"{PERIOD} {PERIOD}"  # kubelet's pod quota: 1 CPU
+RAISED = HAND_WRITTEN  # + the 2 shared CPUs of the container asking for them
+RESIZED = f"{2 * PERIOD} {PERIOD}"  # the pod resized in place to 2 CPUs
+RESIZED_RAISED = f"{4 * PERIOD} {PERIOD}"  # + the 2 shared CPUs
+
+
+@pytest.fixture(scope="module")
+def daemon(vm: Vm) -> Any:
+    """The daemon's run against the simulator, the pods as systemd slices (guest_daemon_systemd.py)."""
+    result = vm.python("tests/vm/guest_daemon_systemd.py", timeout=600).json()
+    print(json.dumps({key: value for key, value in result.items() if key != "daemon"}, indent=1))
+    print("\n".join(result["daemon"]["bus lines"]))
+    return result
+
+
+def test_the_daemon_ran_cleanly_and_used_the_system_bus(daemon: Any) -> None:
+    assert daemon["daemon"]["exit statuses"] == [0, 0]
+    assert daemon["daemon"]["tracebacks"] == 0
+    assert [e for e in daemon["simulator errors"] if not e.startswith("drop ")] == []  # drop: a restart
+    assert any("connected to the system bus" in line for line in daemon["daemon"]["bus lines"])
+
+
+def test_the_raised_pod_quota_is_systemds_and_survives_daemon_reload_and_set_property(daemon: Any) -> None:
+    steps = daemon["bus"]
+    assert steps["made"] == {"systemd": "1s", "cpu.max": BASELINE}
+    created = steps["created"]
+    assert created["reply"]["adjusted cpus"] == "0-2"
+    assert created["reply"]["pod cpu.max at reply"] == RAISED
+    assert created["reply"]["container"]["cpu.max"] == RAISED
+    assert (created["systemd"], created["cpu.max"]) == ("3s", RAISED)
+    for step in ("daemon-reload", "set-property CPUWeight=50"):
+        assert (steps[step]["systemd"], steps[step]["cpu.max"]) == ("3s", RAISED), step
+
+
+def test_an_in_place_resize_of_the_slice_is_followed_through_systemd_and_survives(daemon: Any) -> None:
+    """kubelet sets the resized pod's limit (2 CPUs) on its slice, dropping the shares; at
+    UpdatePodSandbox the plugin raises it to 2 + the 2 shared CPUs, through systemd again."""
+    steps = daemon["bus"]
+    assert steps["resized by kubelet"] == {"systemd": "2s", "cpu.max": RESIZED}
+    assert steps["UpdatePodSandbox"] == {"systemd": "4s", "cpu.max": RESIZED_RAISED}
+    resized = steps["resized, set-property CPUWeight=40"]
+    assert (resized["systemd"], resized["cpu.max"]) == ("4s", RESIZED_RAISED)
+
+
+def test_the_lowered_pod_quota_at_stop_and_remove_is_systemds_and_survives_too(daemon: Any) -> None:
+    steps = daemon["bus"]
+    assert steps["stopped"] == {"systemd": "2s", "cpu.max": RESIZED}
+    assert steps["removed"] == {"systemd": "2s", "cpu.max": RESIZED}
+    for step in ("removed, daemon-reload", "removed, set-property CPUWeight=60"):
+        assert (steps[step]["systemd"], steps[step]["cpu.max"]) == ("2s", RESIZED), step
+
+
+def test_without_the_bus_systemd_reverts_the_raise_and_the_reconciler_writes_it_again(daemon: Any) -> None:
+    """With the file only: systemd never records the raise, and puts its own value back whenever it
+    re-applies the slice (the container's scope starting in it, a daemon-reload); the reconciler
+    (every 3 s here) writes the raise again each time."""
+    steps = daemon["file"]
+    assert steps["made"] == {"systemd": "1s", "cpu.max": BASELINE}
+    assert steps["reply"]["pod cpu.max at reply"] == RAISED
+    seen = steps["cpu.max seen"]
+    at_creation, at_reload = seen[: steps["reload from"]], seen[steps["reload from"] :]
+    assert [value for _, value in at_creation] == [BASELINE, RAISED, BASELINE, RAISED]
+    assert [value for _, value in at_reload] == [BASELINE, RAISED]  # put back by systemd, then healed
+    (reverted, _), (healed, _) = at_reload
+    assert healed - reverted < 6.0
+    heals = [line for line in daemon["daemon"]["bus lines"] if "heal=" in line]
+    assert len(heals) == 2
+    assert all("heal=pod_quota" in line and "kubepods-podfile.slice" in line for line in heals)
+    assert steps["at the end"] == {"systemd": "1s", "cpu.max": RAISED}  # systemd still knows nothing of it
+    assert steps["removed"] == {"systemd": "1s", "cpu.max": BASELINE}
