@@ -7,12 +7,14 @@ containers prove their request with the pod annotation (trusted here), so no dev
 
 Experiment knobs (environment): BENCH_UVLOOP=1 runs the stub on uvloop's event loop (when
 installed); BENCH_LOG=info (or debug, warning) configures logging as ``run`` does (JSON on stderr, which
-the benchmark sends to /dev/null) instead of dropping everything below error level.
+the benchmark sends to /dev/null) instead of dropping everything below error level. BENCH_STATS=PATH:
+on SIGUSR1 the child writes ``{"state_bytes": N}`` there, the bytes its state store has written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -44,9 +46,16 @@ def bench_plugin(cgroup_root: str, state_dir: str) -> MixedCpuPlugin:
     )
 
 
+def write_stats(plugin: MixedCpuPlugin, path: str) -> None:
+    with open(path + ".tmp", "w") as file:
+        json.dump({"state_bytes": plugin.store.written}, file)
+    os.replace(path + ".tmp", path)
+
+
 async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
+    plugin = bench_plugin(cgroup_root, state_dir)
     stub = Stub(
-        bench_plugin(cgroup_root, state_dir),
+        plugin,
         name="bench",
         index="10",
         socket_path=socket_path,
@@ -54,6 +63,9 @@ async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
     )
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stub.stop)
+    stats = os.environ.get("BENCH_STATS")
+    if stats:
+        loop.add_signal_handler(signal.SIGUSR1, write_stats, plugin, stats)
     await stub.run()
 
 

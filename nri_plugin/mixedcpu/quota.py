@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -181,7 +181,7 @@ def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
     )
 
 
-def _forget_if_done(pods: dict[str, PodRecord], key: str, now: CpuQuota) -> None:
+def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota) -> None:
     """Drop a pod with no shared container left once its quota is back to its own."""
     record = pods[key]
     if not record.containers and (now.unlimited or now.quota == record.baseline):
@@ -251,7 +251,7 @@ class PodQuotas:
         quota written back) and a `PreconditionFailed` (cgroup) or `PluginFailure` (state file) raised.
         """
         books = self.books
-        devices = dict(books.devices)
+        bindings = books.bindings_at(slot, record.device)
         before: CpuQuota | None = None
         pod_dir: OpenCgroup | None = None
         try:
@@ -260,12 +260,15 @@ class PodQuotas:
             if slot.pod not in books.pods:
                 books.pods[slot.pod] = new_pod_record(pod, before)
             books.hold(slot, record)
-            after = self._reconcile(pod_dir, books.pods, slot.pod, before)
+            # The pod's own quota is journaled ahead of the raise, the slot after it.
+            ahead = functools.partial(self._write_ahead, books.pods, slot.pod, establish=False)
+            after = self._reconcile(pod_dir, books.pods, slot.pod, before, ahead=ahead)
             self.keeper.commit()
         except (CgroupError, OSError) as exc:
             _restore(books.pods, slot.pod, saved)
-            books.devices = devices  # a failed creation binds no device
+            books.restore_bindings(bindings)  # a failed creation binds no device
             undone = self._undo(pod_dir, before)
+            self.keeper.save_quietly()  # the books as they were, where the journal has the new ones
             raise self._creation_refused(exc, pod, container, undone, event) from None
         finally:
             if pod_dir is not None:
@@ -447,7 +450,11 @@ class PodQuotas:
         return failed
 
     def _sync_pod(
-        self, pod: api.PodSandbox, pods: dict[str, PodRecord], previous: PodRecord | None, applied: int
+        self,
+        pod: api.PodSandbox,
+        pods: MutableMapping[str, PodRecord],
+        previous: PodRecord | None,
+        applied: int,
     ) -> bool:
         """Bring one pod's quota to its target; False (logged) when its cgroup fails us."""
         key = pod_key(pod)
@@ -460,7 +467,10 @@ class PodQuotas:
                 else:
                     pods[key] = _rebuilt(pod, pods[key], current, applied)
                     established = True
-                now = self._reconcile(pod_dir, pods, key, current)
+                # A new baseline is written ahead of the raise: killed before the books are saved,
+                # the next start would take the raised quota for the pod's own.
+                ahead = functools.partial(self._write_ahead, pods, key) if established else None
+                now = self._reconcile(pod_dir, pods, key, current, ahead=ahead)
             if now != current:
                 log.info(
                     "pod quota brought to its target",
@@ -483,13 +493,16 @@ class PodQuotas:
     def _reconcile(
         self,
         pod_dir: Cgroup,
-        pods: dict[str, PodRecord],
+        pods: MutableMapping[str, PodRecord],
         key: str,
         current: CpuQuota,
         attempt: int | None = 0,
+        *,
+        ahead: Callable[[], None] | None = None,
     ) -> CpuQuota:
         """Rebase the pod's record on `current` (kept in `pods` even if the write then fails), and write
-        its target to the pod cgroup; returns what the pod cgroup now holds.
+        its target to the pod cgroup; returns what the pod cgroup now holds. `ahead` runs between the
+        two (the books written ahead of the pod cgroup; it raises OSError to stop the write).
 
         Raising failures raise. A lowering the kernel refuses (v1: a child cgroup still has a higher
         quota, or was deleted moments ago and is not released yet) is retried a few times with
@@ -497,6 +510,8 @@ class PodQuotas:
         retry and logs nothing: its next check tries again.
         """
         record = pods[key] = rebase(pods[key], current)
+        if ahead is not None:
+            ahead()
         target = record.target()
         if current.quota is None or target is None or target == current.quota:
             return current
@@ -521,6 +536,15 @@ class PodQuotas:
             return current
         return self._read_back(pod_dir, target, kind)
 
+    def _write_ahead(self, pods: Mapping[str, PodRecord], key: str, *, establish: bool = True) -> None:
+        """A pod's own quota to the journal before its cgroup is raised (`Bookkeeper.write_ahead`).
+        A failure is logged and the write goes on: the save after it says whether the books are
+        on disk (and a creation is then undone)."""
+        try:
+            self.keeper.write_ahead(key, pods[key], establish=establish)
+        except OSError as exc:
+            log.error("cannot save the plugin's state", path=self.keeper.store.path, error=str(exc))
+
     def _read_back(self, pod_dir: Cgroup, target: int, kind: str) -> CpuQuota:
         now = read_cpu_quota(pod_dir)
         if now.quota != target:
@@ -537,14 +561,16 @@ class PodQuotas:
             self.observer.cgroup_write_failed(kind)
 
 
-def _restore(pods: dict[str, PodRecord], key: str, saved: PodRecord | None) -> None:
+def _restore(pods: MutableMapping[str, PodRecord], key: str, saved: PodRecord | None) -> None:
     if saved is None:
         pods.pop(key, None)
     else:
         pods[key] = saved
 
 
-def _sync_failed(pods: dict[str, PodRecord], key: str, previous: PodRecord | None, established: bool) -> None:
+def _sync_failed(
+    pods: MutableMapping[str, PodRecord], key: str, previous: PodRecord | None, established: bool
+) -> None:
     """What the books keep of a pod whose cgroup failed us at Synchronize."""
     record = pods[key]
     if previous is not None:
