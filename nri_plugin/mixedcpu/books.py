@@ -48,7 +48,7 @@ from collections.abc import (
     MutableMapping,
     ValuesView,
 )
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 __all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "WatchedMap"]
@@ -160,11 +160,15 @@ class PodRecord:
 
     def holding(self, name: str, record: ContainerRecord) -> PodRecord:
         """This pod with slot `name` held by `record`."""
-        return replace(self, containers=self.containers.with_holder(name, record))
+        return self._with(self.containers.with_holder(name, record))
 
     def without(self, name: str) -> PodRecord:
         """This pod with slot `name` free."""
-        return replace(self, containers=self.containers.without(name))
+        return self._with(self.containers.without(name))
+
+    def _with(self, containers: Containers) -> PodRecord:
+        # `dataclasses.replace` without its introspection of the fields: a creation makes two of these.
+        return PodRecord(self.cgroup_parent, self.baseline, self.period, self.baseline_source, containers)
 
 
 class Books:

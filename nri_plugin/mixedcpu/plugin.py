@@ -35,7 +35,7 @@ from typing import Protocol
 import structlog
 
 from api.nri import api_pb2 as api
-from cgroups import CgroupLayout, format_cpuset
+from cgroups import CgroupLayout
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.heal import Healer, HealObserver
@@ -51,6 +51,7 @@ from nri_plugin.mixedcpu.policy import (
     check_request,
     container_slot,
     cpus_or_empty,
+    format_cpuset,
     plan_create,
     plan_update,
     pod_key,

@@ -260,8 +260,9 @@ class PodQuotas:
             if slot.pod not in books.pods:
                 books.pods[slot.pod] = new_pod_record(pod, before)
             books.hold(slot, record)
-            # The pod's own quota is journaled ahead of the raise, the slot after it.
-            ahead = functools.partial(self._write_ahead, books.pods, slot.pod, establish=False)
+            # Journaled ahead of the raise: killed right after it, the next start knows the pod's own
+            # quota (and there is one append per creation, not two).
+            ahead = functools.partial(self.keeper.commit, establish=False)
             after = self._reconcile(pod_dir, books.pods, slot.pod, before, ahead=ahead)
             self.keeper.commit()
         except (CgroupError, OSError) as exc:
@@ -534,19 +535,20 @@ class PodQuotas:
                 )
             self._retry_later(key, attempt)
             return current
-        return self._read_back(pod_dir, target, kind)
+        return self._read_back(pod_dir, current.with_quota(target), kind)
 
-    def _write_ahead(self, pods: Mapping[str, PodRecord], key: str, *, establish: bool = True) -> None:
-        """A pod's own quota to the journal before its cgroup is raised (`Bookkeeper.write_ahead`).
-        A failure is logged and the write goes on: the save after it says whether the books are
-        on disk (and a creation is then undone)."""
+    def _write_ahead(self, pods: Mapping[str, PodRecord], key: str) -> None:
+        """A new pod's own quota to the journal before Synchronize raises its cgroup
+        (`Bookkeeper.write_ahead`). A failure is logged and the write goes on: the books are saved
+        again at the end of Synchronize."""
         try:
-            self.keeper.write_ahead(key, pods[key], establish=establish)
+            self.keeper.write_ahead(key, pods[key])
         except OSError as exc:
             log.error("cannot save the plugin's state", path=self.keeper.store.path, error=str(exc))
 
-    def _read_back(self, pod_dir: Cgroup, target: int, kind: str) -> CpuQuota:
-        now = read_cpu_quota(pod_dir)
+    def _read_back(self, pod_dir: Cgroup, written: CpuQuota, kind: str) -> CpuQuota:
+        target = written.quota
+        now = read_cpu_quota(pod_dir, period=written.period)  # the quota file only: the period stays
         if now.quota != target:
             self._write_failed(kind)
             raise CgroupError(

@@ -610,9 +610,13 @@ class Bookkeeper:
         """True while a change waits for the deferred write."""
         return self._flush_timer is not None
 
-    def commit(self) -> None:
+    def commit(self, *, establish: bool = True) -> None:
         """Persist the changes: at once when what Synchronize cannot rebuild changed (raises OSError),
-        else within `FLUSH_DELAY`."""
+        else within `FLUSH_DELAY`. `establish` False: when that would take a whole snapshot (no journal
+        yet), leave it to the next commit (a creation writes its books ahead of the pod cgroup only
+        when that costs one append)."""
+        if not establish and self._journal is None:
+            return
         self._absorb()
         if self._unrebuildable_changed() or (self._unsaved and self._journal is None and self._pods):
             self._write()
