@@ -142,7 +142,7 @@ async def on_kernel(
     root: Path, calls: int, books: int = 0, profiler: cProfile.Profile | None = None
 ) -> float:
     state_dir = root / "state"
-    state_dir.mkdir(exist_ok=True)
+    state_dir.mkdir(parents=True, exist_ok=True)
     with kernel_pods(books + calls) as (layout, parents):
         return await per_create(layout, parents, str(state_dir), books, profiler)
 

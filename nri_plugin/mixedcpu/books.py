@@ -239,6 +239,11 @@ class Books:
 
     # -- what changed ------------------------------------------------------------------------------
 
+    @property
+    def changed(self) -> bool:
+        """Whether anything was written since the last `take_changes`."""
+        return bool(self._pod_changes or self._device_changes)
+
     def take_changes(self) -> tuple[dict[str, PodRecord | None], dict[str, Slot | None]]:
         """The pod keys and device ids written since the last call, each with what it held before
         the first of those writes (None: absent); the record starts afresh."""

@@ -617,15 +617,20 @@ class Bookkeeper:
         when that costs one append)."""
         if not establish and self._journal is None:
             return
-        self._absorb()
-        if self._unrebuildable_changed() or (self._unsaved and self._journal is None and self._pods):
-            self._write()
-        elif (self._pods or self._devices or self._unsaved) and self._flush_timer is None:
-            try:
-                self._flush_timer = self._clock.call_later(FLUSH_DELAY, self._deferred_flush)
-            except RuntimeError:  # no running loop: nothing would ever fire the timer
+        if self._books.changed or self._pods or self._devices or self._unsaved:
+            # (else nothing to write: a creation's commit after the one ahead of its pod write)
+            self._absorb()
+            if self._unrebuildable_changed() or (self._unsaved and self._journal is None and self._pods):
                 self._write()
+            elif (self._pods or self._devices or self._unsaved) and self._flush_timer is None:
+                self._defer()
         self._maybe_compact()
+
+    def _defer(self) -> None:
+        try:
+            self._flush_timer = self._clock.call_later(FLUSH_DELAY, self._deferred_flush)
+        except RuntimeError:  # no running loop: nothing would ever fire the timer
+            self._write()
 
     def flush(self, *, force: bool = False) -> None:
         """Write the books now as one snapshot if anything is waiting or journaled (or `force`), after
