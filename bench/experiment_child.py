@@ -64,7 +64,7 @@ def patch(names: set[str]) -> None:
                 parse_cfs_period_us(read_text(os.path.join(base, "cpu.cfs_period_us"))),
             )
 
-        reconciler.read_cpu_quota = read_cpu_quota  # type: ignore[attr-defined]
+        reconciler.read_cpu_quota = read_cpu_quota  # type: ignore[attr-defined,assignment]
     if "fastcheck" in names:
         import re
 

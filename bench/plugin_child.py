@@ -7,12 +7,14 @@ containers prove their request with the pod annotation (trusted here), so no dev
 
 Experiment knobs (environment): BENCH_UVLOOP=1 runs the stub on uvloop's event loop (when
 installed); BENCH_LOG=info (or debug, warning) configures logging as ``run`` does (JSON on stderr, which
-the benchmark sends to /dev/null) instead of dropping everything below error level.
+the benchmark sends to /dev/null) instead of dropping everything below error level. BENCH_STATS=PATH:
+on SIGUSR1 the child writes ``{"state_bytes": N}`` there, the bytes its state store has written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -43,9 +45,30 @@ def bench_plugin(cgroup_root: str, state_dir: str) -> MixedCpuPlugin:
     )
 
 
+def write_stats(plugin: MixedCpuPlugin, path: str) -> None:
+    with open(path + ".tmp", "w") as file:
+        json.dump({"state_bytes": plugin.store.written}, file)
+    os.replace(path + ".tmp", path)
+
+
+def count_saves(store: StateStore) -> None:
+    """For a version whose store counts nothing (to compare with it): every whole-file save counted."""
+    from nri_plugin.mixedcpu import store as module
+
+    write = module.write_atomically  # type: ignore[attr-defined]
+    store.written = 0  # type: ignore[misc]
+
+    def counting(path: str, data: bytes, **options: bool) -> bool:
+        store.written += len(data)  # type: ignore[misc]
+        return write(path, data, **options)
+
+    module.write_atomically = counting  # type: ignore[attr-defined,assignment]
+
+
 async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
+    plugin = bench_plugin(cgroup_root, state_dir)
     stub = Stub(
-        bench_plugin(cgroup_root, state_dir),
+        plugin,
         name="bench",
         index="10",
         socket_path=socket_path,
@@ -53,13 +76,20 @@ async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
     )
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stub.stop)
+    stats = os.environ.get("BENCH_STATS")
+    if stats and not hasattr(plugin.store, "written"):
+        count_saves(plugin.store)
+    if stats:
+        loop.add_signal_handler(signal.SIGUSR1, write_stats, plugin, stats)
     await stub.run()
 
 
 def configure_logging() -> None:
     level = os.environ.get("BENCH_LOG", "error")
     if level == "error":
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+        structlog.configure(
+            wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR), cache_logger_on_first_use=True
+        )
     else:
         from nri_plugin.daemon.logs import configure_logging as production_logging
 

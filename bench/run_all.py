@@ -58,6 +58,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+from asking_create import kernel_available
+from asking_create import on_fake_tree as asking_on_fake_tree
+from asking_create import on_kernel as asking_on_kernel
 from google.protobuf.internal import api_implementation
 from heal_pass import on_fake_tree
 from workload import (
@@ -73,6 +76,7 @@ from workload import (
 )
 
 from api.nri import api_pb2 as api
+from nri_plugin.mixedcpu.store import FLUSH_DELAY
 from nri_plugin.nri import mux
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub
@@ -95,6 +99,10 @@ def _show(value: float, unit: str) -> str:
         return f"{value:.1f} ms" if value < 10 else f"{value:.0f} ms"
     if unit.startswith("/"):  # a count out of a total: "200/200"
         return f"{value:.0f}{unit}"
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "B":
+        return f"{value:.0f} B"
     return f"{value:.1f} {unit}"
 
 
@@ -177,6 +185,8 @@ class Settings:
     sync_pods: int
     idle_seconds: float
     repeat: int
+    fill_pods: int
+    kernel: bool  # the in-process asking creation on the real kernel's v1 cgroupfs too
 
 
 # -- one round: a plugin serving creations ------------------------------------------------------------
@@ -463,6 +473,104 @@ async def plugin_processing(table: Table, calls: int, node: Path) -> None:
     )
 
 
+# -- a node filling up ---------------------------------------------------------------------------------------
+
+FILL_ASKING = ("app-0", "app-1")  # per pod: two containers that ask
+FILL_WINDOW = 200  # creations compared at each end of the fill
+
+
+async def fill_round(table: Table, settings: Settings, node: Path) -> None:
+    """`fill_pods` pods, each with two containers that ask, created one after the other through the
+    runtime into an empty node: the round trip of each asking creation, the first ones (an empty
+    node) against the last ones (a node holding all the others), and the bytes the plugin wrote to
+    its state directory over the fill."""
+    pods = settings.fill_pods
+    cgroup_root, state_dir = fake_node(node, pods)
+    stats = node / "plugin-stats.json"
+    async with RuntimeSimulator(str(node / "nri.sock")) as sim:
+        plugin = PluginProcess(sim.socket_path, cgroup_root, state_dir, BENCH_STATS=str(stats))
+        try:
+            await sim.wait_for_plugins(1, timeout=30)
+            written = await plugin.state_bytes(stats)
+            latencies = []
+            for p in range(pods):
+                pod = realistic_pod(p, asking=FILL_ASKING)
+                await sim.run_pod_sandbox(pod)
+                for c in range(len(FILL_ASKING)):
+                    container = realistic_container(
+                        pod, p * CONTAINERS_PER_POD + c, state=api.CONTAINER_UNKNOWN
+                    )
+                    started = time.perf_counter()
+                    await sim.create_container(container)
+                    latencies.append(time.perf_counter() - started)
+            await asyncio.sleep(FLUSH_DELAY + 0.5)  # the last deferred write, a compaction under way
+            written = await plugin.state_bytes(stats) - written
+        finally:
+            plugin.stop()
+    _fill_rows(table, [s * 1e6 for s in latencies], written, pods)
+
+
+def _fill_rows(table: Table, us: list[float], written: int, pods: int) -> None:
+    creations = len(us)
+    table.add(
+        f"asking CreateContainer round trip p50 ({creations:,}, filling a node)",
+        statistics.median(us),
+        "µs",
+        "≤ 150 µs",
+        lambda v: v <= 150,
+        section=2.1,
+    )
+    table.add(
+        "asking CreateContainer round trip p99",
+        percentile(us, 0.99),
+        "µs",
+        "≤ 500 µs",
+        lambda v: v <= 500,
+        section=2.1,
+    )
+    window = min(FILL_WINDOW, creations // 2)
+    first, last = statistics.median(us[:window]), statistics.median(us[-window:])
+    table.add_parts(
+        f"creation into an empty node vs one holding {creations - window:,} shared containers in "
+        f"{pods:,} pods (medians of {window})",
+        {"first": (first, "µs"), "last": (last, "µs"), "ratio": (last / first, "x")},
+        "ratio ≤ 1.2",
+        lambda v: v["ratio"] <= 1.2,
+        section=2.1,
+    )
+    table.add(
+        "bytes written to the state directory per creation, over that fill",
+        written / creations,
+        "B",
+        "≤ 1 KiB",
+        lambda v: v <= 1024,
+        section=2.1,
+    )
+
+
+async def asking_processing(table: Table, settings: Settings, node: Path) -> None:
+    """The plugin's own CPU time per asking CreateContainer, first of its pod, in this process: on the
+    fake tree, and (full runs, as root on cgroup v1) on the real kernel's cgroupfs."""
+    calls = settings.fill_pods
+    seconds = await asking_on_fake_tree(node / "asking", calls)
+    table.add(
+        "  plugin's own CPU per asking CreateContainer, first of its pod (in-process, fake v1 tree)",
+        seconds * 1e6,
+        "µs",
+        "≤ 40 µs",
+        lambda v: v <= 40,
+        section=2.2,
+    )
+    if settings.kernel and kernel_available():
+        seconds = await asking_on_kernel(node / "asking-kernel", calls)
+        table.add(
+            "  plugin's own CPU per asking CreateContainer, first of its pod (in-process, v1 cgroupfs)",
+            seconds * 1e6,
+            "µs",
+            section=2.2,
+        )
+
+
 # -- the reconciler -----------------------------------------------------------------------------------
 
 
@@ -489,7 +597,9 @@ async def run(settings: Settings) -> Table:
         for _ in range(settings.repeat):
             await creations_round(table, settings, node)
             await synchronize_round(table, settings, node)
+            await fill_round(table, settings, node)
             await plugin_processing(table, settings.calls, node)
+            await asking_processing(table, settings, node)
             await heal_round(table, settings, node)
     return table
 
@@ -517,9 +627,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=None, help="timed CreateContainer round trips (10000)")
     args = parser.parse_args(argv)
     if args.quick:
-        settings = Settings(calls=300, burst=200, sync_pods=200, idle_seconds=0.2, repeat=1)
+        settings = Settings(
+            calls=300, burst=200, sync_pods=200, idle_seconds=0.2, repeat=1, fill_pods=100, kernel=False
+        )
     else:
-        settings = Settings(calls=10_000, burst=200, sync_pods=1000, idle_seconds=1.0, repeat=3)
+        settings = Settings(
+            calls=10_000, burst=200, sync_pods=1000, idle_seconds=1.0, repeat=3, fill_pods=1000, kernel=True
+        )
     if args.repeat is not None:
         settings = Settings(**{**settings.__dict__, "repeat": max(1, args.repeat)})
     if args.calls is not None:

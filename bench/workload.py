@@ -7,8 +7,11 @@ resident memory and CPU time from /proc.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +27,8 @@ SHARED_ANNOTATION = "cpu-shared.crio.io/app-0"
 CONTAINERS_PER_POD = 5
 
 
-def realistic_pod(n: int, *, shared: bool = True) -> api.PodSandbox:
+def realistic_pod(n: int, *, shared: bool = True, asking: tuple[str, ...] = ("app-0",)) -> api.PodSandbox:
+    """Pod `n`; with `shared`, the containers named in `asking` ask for shared CPUs."""
     uid = f"{n:08x}-1b2c-4d5e-8f90-{n:012x}"
     pod = api.PodSandbox(
         id=f"{n:064x}", uid=uid, name=f"workload-{n}-7d9f8c6b5-x2x4q", namespace=f"team-{n % 40}"
@@ -38,7 +42,8 @@ def realistic_pod(n: int, *, shared: bool = True) -> api.PodSandbox:
         }
     )
     if shared:
-        pod.annotations[SHARED_ANNOTATION] = "enable"
+        for name in asking:
+            pod.annotations[f"cpu-shared.crio.io/{name}"] = "enable"
     pod.runtime_handler = "runc"
     pod.linux.cgroup_parent = f"/kubepods/pod{uid}"
     pod.linux.cgroups_path = f"/kubepods/pod{uid}/{pod.id}"
@@ -179,6 +184,18 @@ class PluginProcess:
 
     def cpu_ns(self) -> int:
         return cpu_ns(self.proc.pid)
+
+    async def state_bytes(self, stats: Path) -> int:
+        """The bytes the plugin's state store has written so far (the child runs with
+        ``BENCH_STATS=stats``)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stats)
+        os.kill(self.proc.pid, signal.SIGUSR1)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            with contextlib.suppress(FileNotFoundError), open(stats) as file:  # noqa: ASYNC230 (tiny)
+                return int(json.load(file)["state_bytes"])
+        raise RuntimeError("the plugin process wrote no stats")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

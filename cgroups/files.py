@@ -422,15 +422,19 @@ def cgroup_exists(cgroup: CgroupDir) -> bool:
     return True
 
 
-def read_cpu_quota(cgroup: Cgroup) -> CpuQuota:
-    """The CFS limit: v1 ``cpu.cfs_quota_us`` + ``cpu.cfs_period_us``, v2 ``cpu.max``."""
+def read_cpu_quota(cgroup: Cgroup, *, period: int | None = None) -> CpuQuota:
+    """The CFS limit: v1 ``cpu.cfs_quota_us`` + ``cpu.cfs_period_us``, v2 ``cpu.max``.
+
+    `period` (v1): the period the caller has just read itself, taken as it is: only the quota file
+    is read (a read-back right after a quota write, which leaves the period alone)."""
     if cgroup.version == 2:
         return _parsed(cgroup, CPU_MAX, parse_cpu_max)
-    if not isinstance(cgroup, OpenCgroup):
+    if not isinstance(cgroup, OpenCgroup) and period is None:
         with OpenCgroup(cgroup) as opened:  # one walk for both files
             return read_cpu_quota(opened)
     quota = _parsed(cgroup, CFS_QUOTA_US, parse_cfs_quota_us)
-    period = _parsed(cgroup, CFS_PERIOD_US, parse_cfs_period_us)
+    if period is None:
+        period = _parsed(cgroup, CFS_PERIOD_US, parse_cfs_period_us)
     try:
         return CpuQuota(quota, period)
     except CgroupValueError as exc:

@@ -38,10 +38,20 @@ new field or method to forget.
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
-from dataclasses import dataclass, field, replace
+from collections.abc import (
+    Callable,
+    ItemsView,
+    Iterable,
+    Iterator,
+    KeysView,
+    Mapping,
+    MutableMapping,
+    ValuesView,
+)
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-__all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot"]
+__all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "WatchedMap"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,31 +160,70 @@ class PodRecord:
 
     def holding(self, name: str, record: ContainerRecord) -> PodRecord:
         """This pod with slot `name` held by `record`."""
-        return replace(self, containers=self.containers.with_holder(name, record))
+        return self._with(self.containers.with_holder(name, record))
 
     def without(self, name: str) -> PodRecord:
         """This pod with slot `name` free."""
-        return replace(self, containers=self.containers.without(name))
+        return self._with(self.containers.without(name))
+
+    def _with(self, containers: Containers) -> PodRecord:
+        # `dataclasses.replace` without its introspection of the fields: a creation makes two of these.
+        return PodRecord(self.cgroup_parent, self.baseline, self.period, self.baseline_source, containers)
 
 
 class Books:
     """Every pod the plugin has raised (or may have to lower), and the device ids bound to slots
-    (see the module docstring). ``pods`` and ``devices`` are plain dicts: change a pod by putting a
-    new `PodRecord` under its key."""
+    (see the module docstring). ``pods`` and ``devices`` are mappings like dicts: change a pod by
+    putting a new `PodRecord` under its key.
+
+    Every write to them goes through the two methods of `WatchedMap`, which keep what events need
+    at O(1) (the slot holding a container id, the devices of a slot or a pod) and note which keys
+    changed since the last `take_changes`, so that saving costs what changed, not the whole books.
+    """
 
     def __init__(
         self,
-        pods: dict[str, PodRecord] | None = None,
-        devices: dict[str, Slot] | None = None,
+        pods: Mapping[str, PodRecord] | None = None,
+        devices: Mapping[str, Slot] | None = None,
         pod_cgroups: dict[str, str] | None = None,
     ) -> None:
-        self.pods: dict[str, PodRecord] = pods if pods is not None else {}
+        # Container id -> the slots holding it (one, unless the books were edited by hand).
+        self._holding: dict[str, dict[Slot, None]] = {}
+        # Device id -> the slots whose live record presented it.
+        self._presented: dict[str, dict[Slot, None]] = {}
+        # Slot -> its bound device ids; pod key -> the device ids bound to its slots.
+        self._by_slot: dict[Slot, dict[str, None]] = {}
+        self._by_pod: dict[str, dict[str, None]] = {}
+        self._slot_count = 0
+        # Pod key -> its record when it first changed since `take_changes` (None: it was absent);
+        # the same for device ids.
+        self._pod_changes: dict[str, PodRecord | None] = {}
+        self._device_changes: dict[str, Slot | None] = {}
+        self._pods: WatchedMap[PodRecord] = WatchedMap(self._pod_written)
+        self._devices: WatchedMap[Slot] = WatchedMap(self._device_written)
+        self._pods.update(pods or {})
         # Device id -> the slot it is bound to. Without saved bindings, those of the live slots.
-        self.devices: dict[str, Slot] = devices if devices is not None else self.live_devices()
+        self._devices.update(devices if devices is not None else self.live_devices())
         # Pod key -> cgroup parent of the pods devices were bound to, as the binding event (or
         # Synchronize) named it: where to look for a bound pod whose record is gone. An index, not
         # part of the books' value (not compared, not saved: Synchronize rebuilds it).
         self.pod_cgroups: dict[str, str] = pod_cgroups if pod_cgroups is not None else {}
+
+    @property
+    def pods(self) -> WatchedMap[PodRecord]:
+        return self._pods
+
+    @pods.setter
+    def pods(self, pods: Mapping[str, PodRecord]) -> None:
+        self._pods.replace_all(pods)
+
+    @property
+    def devices(self) -> WatchedMap[Slot]:
+        return self._devices
+
+    @devices.setter
+    def devices(self, devices: Mapping[str, Slot]) -> None:
+        self._devices.replace_all(devices)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Books) and self.pods == other.pods and self.devices == other.devices
@@ -182,11 +231,55 @@ class Books:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"Books({self.pods!r}, {self.devices!r})"
+        return f"Books({dict(self.pods)!r}, {dict(self.devices)!r})"
 
     def copy(self) -> Books:
         """Books that change apart from these (the records themselves are immutable, so shared)."""
-        return Books(dict(self.pods), dict(self.devices), dict(self.pod_cgroups))
+        return Books(self.pods, self.devices, dict(self.pod_cgroups))
+
+    # -- what changed ------------------------------------------------------------------------------
+
+    @property
+    def changed(self) -> bool:
+        """Whether anything was written since the last `take_changes`."""
+        return bool(self._pod_changes or self._device_changes)
+
+    def take_changes(self) -> tuple[dict[str, PodRecord | None], dict[str, Slot | None]]:
+        """The pod keys and device ids written since the last call, each with what it held before
+        the first of those writes (None: absent); the record starts afresh."""
+        changes = self._pod_changes, self._device_changes
+        self._pod_changes, self._device_changes = {}, {}
+        return changes
+
+    def _pod_written(self, key: str, old: PodRecord | None, new: PodRecord | None) -> None:
+        self._pod_changes.setdefault(key, old)
+        if old is not None and new is not None and old.containers is new.containers:
+            return  # the same slots (a new baseline, period or source): nothing to re-index
+        if old is not None:
+            self._slot_count -= len(old.containers)
+            for name, record in old.containers.items():
+                slot = Slot(key, name)
+                _unindex(self._holding, record.id, slot)
+                if record.device is not None:
+                    _unindex(self._presented, record.device, slot)
+        if new is not None:
+            self._slot_count += len(new.containers)
+            for name, record in new.containers.items():
+                slot = Slot(key, name)
+                self._holding.setdefault(record.id, {})[slot] = None
+                if record.device is not None:
+                    self._presented.setdefault(record.device, {})[slot] = None
+
+    def _device_written(self, device: str, old: Slot | None, new: Slot | None) -> None:
+        self._device_changes.setdefault(device, old)
+        if old is not None:
+            _unindex(self._by_slot, old, device)
+            _unindex(self._by_pod, old.pod, device)
+        if new is not None:
+            self._by_slot.setdefault(new, {})[device] = None
+            self._by_pod.setdefault(new.pod, {})[device] = None
+
+    # -- reading -----------------------------------------------------------------------------------
 
     def slots(self) -> Iterator[tuple[Slot, ContainerRecord]]:
         for key, pod in self.pods.items():
@@ -199,47 +292,66 @@ class Books:
 
     def find(self, container_id: str) -> tuple[Slot, ContainerRecord] | None:
         """The slot the container id holds, if any."""
-        for slot, record in self.slots():
-            if record.id == container_id:
-                return slot, record
-        return None
+        slots = self._holding.get(container_id)
+        if not slots:
+            return None
+        slot = next(iter(slots))
+        return slot, self.pods[slot.pod].containers[slot.name]
 
     @property
     def shared_containers(self) -> int:
         """How many containers hold a slot."""
-        return sum(len(pod.containers) for pod in self.pods.values())
+        return self._slot_count
 
     def live_devices(self) -> dict[str, Slot]:
         """Device id -> the slot whose live container presented it."""
         return {record.device: slot for slot, record in self.slots() if record.device is not None}
 
-    def device_holders(self) -> dict[str, Slot]:
+    def device_holders(self) -> Mapping[str, Slot]:
         """Device id -> the slot it is bound to (for replay refusal): the bindings, and the device of
-        every live slot (always bound to it already, unless the books were edited by hand)."""
-        holders = self.live_devices()
-        holders.update(self.devices)
-        return holders
+        every live slot (always bound to it already, unless the books were edited by hand). A view:
+        looking one device up costs the same whatever the size of the books."""
+        return _DeviceHolders(self)
 
     def bound_pods(self) -> set[str]:
         """The keys of the pods some device id is bound to."""
-        return {slot.pod for slot in self.devices.values()}
+        return set(self._by_pod)
 
     def cgroup_parent(self, key: str) -> str | None:
         """The pod's cgroup parent as its record, or the event that bound a device to it, named it."""
         record = self.pods.get(key)
         return record.cgroup_parent if record is not None else self.pod_cgroups.get(key)
 
+    # -- changing ----------------------------------------------------------------------------------
+
     def bind(self, device: str, slot: Slot) -> None:
         """Bind a device id to the slot that proved its request with it. A slot has one device: a
         slot presenting another one (a new allocation) gives up the one it had."""
-        for other in [d for d, s in self.devices.items() if s == slot and d != device]:
+        for other in [d for d in self._by_slot.get(slot, ()) if d != device]:
             del self.devices[other]
-        self.devices[device] = slot
+        if self.devices.get(device) != slot:
+            self.devices[device] = slot
+
+    def bindings_at(self, slot: Slot, device: str | None) -> dict[str, Slot | None]:
+        """What `hold` of a record presenting `device` in `slot` may change of the bindings (the
+        device's, and the slot's other devices'), to put back with `restore_bindings`."""
+        touched: dict[str, Slot | None] = dict.fromkeys(self._by_slot.get(slot, ()), slot)
+        if device is not None:
+            touched[device] = self.devices.get(device)
+        return touched
+
+    def restore_bindings(self, bindings: Mapping[str, Slot | None]) -> None:
+        """Put back bindings taken with `bindings_at` (None: unbound)."""
+        for device, slot in bindings.items():
+            if slot is None:
+                self.devices.pop(device, None)
+            elif self.devices.get(device) != slot:
+                self.devices[device] = slot
 
     def unbind_pod(self, key: str) -> list[str]:
         """The pod's sandbox was stopped or removed: kubelet's allocations to it are over. Returns the
         device ids set free."""
-        freed = sorted(device for device, slot in self.devices.items() if slot.pod == key)
+        freed = sorted(self._by_pod.get(key, ()))
         for device in freed:
             del self.devices[device]
         self.pod_cgroups.pop(key, None)
@@ -280,3 +392,108 @@ class Books:
         slot, _ = found
         self.pods[slot.pod] = self.pods[slot.pod].without(slot.name)
         return found
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _unindex(index: dict[_K, dict[_V, None]], key: _K, value: _V) -> None:
+    entries = index.get(key)
+    if entries is not None:
+        entries.pop(value, None)
+        if not entries:
+            del index[key]
+
+
+class WatchedMap(MutableMapping[str, _V]):
+    """A dict whose every write calls ``written(key, old, new)`` (None: absent), for `Books`.
+
+    Only `__setitem__` and `__delitem__` write: ``pop``, ``update``, ``setdefault``, ``clear`` and
+    the rest are `MutableMapping`'s, built on those two, so no way of writing can miss the call.
+    Reads go straight to the dict. Equal to any mapping with the same items.
+    """
+
+    __slots__ = ("_data", "_written")
+
+    def __init__(self, written: Callable[[str, _V | None, _V | None], None]) -> None:
+        self._data: dict[str, _V] = {}
+        self._written = written
+
+    def __getitem__(self, key: str) -> _V:
+        return self._data[key]
+
+    def __setitem__(self, key: str, value: _V) -> None:
+        old = self._data.get(key)
+        self._data[key] = value
+        self._written(key, old, value)
+
+    def __delitem__(self, key: str) -> None:
+        old = self._data.pop(key)
+        self._written(key, old, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def get(self, key: str, default: _V | None = None) -> _V | None:  # type: ignore[override]
+        return self._data.get(key, default)
+
+    def keys(self) -> KeysView[str]:
+        return self._data.keys()
+
+    def values(self) -> ValuesView[_V]:
+        return self._data.values()
+
+    def items(self) -> ItemsView[str, _V]:
+        return self._data.items()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WatchedMap):
+            return self._data == other._data
+        if isinstance(other, Mapping):
+            return self._data == dict(other.items())
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def replace_all(self, items: Mapping[str, _V]) -> None:
+        """Hold exactly `items`: the keys not in it deleted, the others written."""
+        given = dict(items.items())
+        for key in [key for key in self._data if key not in given]:
+            del self[key]
+        for key, value in given.items():
+            if self._data.get(key) is not value:
+                self[key] = value
+
+
+class _DeviceHolders(Mapping[str, Slot]):
+    """`Books.device_holders`: the bindings over the devices the live slots presented."""
+
+    __slots__ = ("_books",)
+
+    def __init__(self, books: Books) -> None:
+        self._books = books
+
+    def __getitem__(self, device: str) -> Slot:
+        bound = self._books.devices.get(device)
+        if bound is not None:
+            return bound
+        presented = self._books._presented.get(device)
+        if not presented:
+            raise KeyError(device)
+        return next(reversed(presented))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**dict.fromkeys(self._books._presented), **dict.fromkeys(self._books.devices)})
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -79,7 +79,7 @@ class _Creation:
 
     slot: Slot
     container_id: str
-    cgroup: CgroupDir
+    cgroups_path: str  # as the runtime sent it: validated when it is looked for, not at creation
     due: float  # on the clock: when its cgroup must exist
 
 
@@ -209,13 +209,13 @@ class Healer:
     # -- the events ---------------------------------------------------------------------------------------
 
     def watch_creation(self, slot: Slot, container: api.Container) -> None:
-        """A container was given a share: its cgroup must appear within `grace` seconds."""
-        try:
-            cgroup = self.quotas.layout.cpu.dir(container_cgroup_path(container.linux.cgroups_path))
-        except CgroupError:  # no path, or one we would refuse: only its events can end it
+        """A container was given a share: its cgroup must appear within `grace` seconds. (Its path is
+        checked when it is looked for: most containers end the watch by their events first.)"""
+        path = container.linux.cgroups_path
+        if not path:  # no path: only its events can end it
             return
         due = self._clock.monotonic() + self.grace
-        self._creations.setdefault(slot.pod, {})[slot.name] = _Creation(slot, container.id, cgroup, due)
+        self._creations.setdefault(slot.pod, {})[slot.name] = _Creation(slot, container.id, path, due)
         self._arm_grace()
 
     def note_displaced(self, slot: Slot, record: ContainerRecord) -> None:
@@ -365,19 +365,20 @@ class Healer:
             if holder is None or holder.id != creation.container_id:
                 continue  # ended, or displaced, meanwhile
             try:
-                if cgroup_exists(creation.cgroup):
+                cgroup = self.quotas.layout.cpu.dir(container_cgroup_path(creation.cgroups_path))
+                if cgroup_exists(cgroup):
                     continue
-            except CgroupError:  # cannot tell: its events still can end it
+            except CgroupError:  # a path we refuse, or cannot tell: its events still can end it
                 continue
             if self._pod_gone(creation.slot.pod):  # not a failed creation: the whole pod went
                 self._drop_pod(creation.slot.pod, _WHY_FORGOTTEN)
                 self.quotas.keeper.save_quietly()
             else:
-                await self._give_back(creation)
+                await self._give_back(creation, cgroup)
             healed += 1
         return healed
 
-    async def _give_back(self, creation: _Creation) -> None:
+    async def _give_back(self, creation: _Creation, cgroup: CgroupDir) -> None:
         """The container never came to be: its slot is freed and its pod quota lowered."""
         self.books.release(creation.container_id)
         key = creation.slot.pod
@@ -391,7 +392,7 @@ class Healer:
             "creation failed after the plugin's adjustment, and no StopContainer or RemoveContainer follows",
             container_id=creation.container_id,
             slot=str(creation.slot),
-            container_cgroup=creation.cgroup.fs_path,
+            container_cgroup=cgroup.fs_path,
         )
 
     def _pod_gone(self, key: str) -> bool:

@@ -45,7 +45,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 import structlog
 
 from api.nri import api_pb2 as api
-from cgroups import CgroupLayout, format_cpuset
+from cgroups import CgroupLayout
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.mixedcpu import trace
 from nri_plugin.mixedcpu.allocations import AllocationRecord, ContainerDevices, PodRef, devices_of
@@ -64,6 +64,7 @@ from nri_plugin.mixedcpu.policy import (
     check_request,
     container_slot,
     cpus_or_empty,
+    format_cpuset,
     plan_create,
     plan_update,
     pod_key,

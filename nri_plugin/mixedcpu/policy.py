@@ -38,7 +38,7 @@ from typing import Final, Literal, Protocol
 
 from api.nri import api_pb2 as api
 from cgroups.cpuset import CpusetError
-from cgroups.cpuset import format as format_cpuset
+from cgroups.cpuset import format as _format_cpus
 from cgroups.cpuset import parse as parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY as MARKER_ANNOTATION
 from nri_plugin.mixedcpu.books import Slot
@@ -69,6 +69,7 @@ __all__ = [
     "cpus_or_empty",
     "describe",
     "exclusive_cpus",
+    "format_cpuset",
     "plan_create",
     "plan_sync",
     "plan_update",
@@ -119,6 +120,20 @@ def pod_key(pod: api.PodSandbox) -> str:
 
 def container_slot(pod: api.PodSandbox, container: api.Container) -> Slot:
     return Slot(pod_key(pod), container.name or container.id)
+
+
+@functools.lru_cache(maxsize=4096)
+def _format_known(cpus: frozenset[int]) -> str:
+    return _format_cpus(cpus)
+
+
+def format_cpuset(cpus: frozenset[int]) -> str:
+    """`cgroups.cpuset.format`, remembered: a node's containers keep to a few CPU sets, and every
+    creation formats three of them (its cpus, its exclusive and its shared ones)."""
+    try:
+        return _format_known(cpus)
+    except TypeError:  # a set, not a frozenset: not remembered
+        return _format_cpus(cpus)
 
 
 def describe(pod: api.PodSandbox, container: api.Container | None = None) -> str:
@@ -336,7 +351,20 @@ def shared_by_node(shared: frozenset[int], numa_nodes: NumaNodes) -> dict[int, f
 # -- eligibility and container values ---------------------------------------------------------------
 
 
-def _cpus(text: str, what: str, who: str) -> frozenset[int]:
+class _Who:
+    """How a message names a container (``container ns/pod/name`` and `tail`), made into text only
+    when a message is: a refusal is rare, and creation is the hot path."""
+
+    __slots__ = ("_container", "_pod", "_tail")
+
+    def __init__(self, pod: api.PodSandbox, container: api.Container, tail: str = "") -> None:
+        self._pod, self._container, self._tail = pod, container, tail
+
+    def __str__(self) -> str:
+        return f"container {describe(self._pod, self._container)}{self._tail}"
+
+
+def _cpus(text: str, what: str, who: str | _Who) -> frozenset[int]:
     try:
         return parse_cpuset(text)
     except CpusetError as exc:
@@ -347,14 +375,14 @@ def exclusive_cpus(shared: frozenset[int], pod: api.PodSandbox, container: api.C
     """The exclusive CPUs of a requesting container; `PolicyError` when it has none or the node
     has no shared CPUs."""
     who = _check_eligible(shared, pod, container)
-    cpus = _cpus(container.linux.resources.cpu.cpus, "cpuset", f"container {describe(pod, container)}")
+    cpus = _cpus(container.linux.resources.cpu.cpus, "cpuset", _Who(pod, container))
     return _exclusive_of(cpus, shared, who)
 
 
-def _check_eligible(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> str:
+def _check_eligible(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> _Who:
     """`exclusive_cpus`' checks of the node, the pod and the CPU request, before its cpuset's;
     returns how its messages begin."""
-    who = f"container {describe(pod, container)} asks for shared CPUs"
+    who = _Who(pod, container, " asks for shared CPUs")
     if not shared:
         raise PolicyError(
             f"{who} but the node's shared CPU pool is empty; set shared_cpuset in the plugin's config, "
@@ -378,7 +406,7 @@ def _check_eligible(shared: frozenset[int], pod: api.PodSandbox, container: api.
     return who
 
 
-def _exclusive_of(cpus: frozenset[int], shared: frozenset[int], who: str) -> frozenset[int]:
+def _exclusive_of(cpus: frozenset[int], shared: frozenset[int], who: _Who) -> frozenset[int]:
     """The rest of `exclusive_cpus`, on the container's CPUs (`cpus`) once its pod and request passed."""
     if not cpus:
         raise PolicyError(

@@ -53,7 +53,7 @@ import asyncio
 import contextlib
 import enum
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -246,7 +246,7 @@ def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
     )
 
 
-def _forget_if_done(pods: dict[str, PodRecord], key: str, now: CpuQuota) -> None:
+def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota) -> None:
     """Drop a pod with no shared container left once its quota is back to its own."""
     record = pods[key]
     if not record.containers and (now.unlimited or now.quota == record.baseline):
@@ -325,7 +325,7 @@ class PodQuotas:
         quota written back) and a `PreconditionFailed` (cgroup) or `PluginFailure` (state file) raised.
         """
         books = self.books
-        devices = dict(books.devices)
+        bindings = books.bindings_at(slot, record.device)
         before: CpuQuota | None = None
         pod_dir: OpenCgroup | None = None
         try:
@@ -334,18 +334,22 @@ class PodQuotas:
             if slot.pod not in books.pods:
                 books.pods[slot.pod] = new_pod_record(pod, before)
             books.hold(slot, record)
-            after = await self._reconcile(pod_dir, books.pods, slot.pod, before)
+            # Journaled ahead of the raise: killed right after it, the next start knows the pod's own
+            # quota (and there is one append per creation, not two).
+            ahead = functools.partial(self.keeper.commit, establish=False)
+            after = await self._reconcile(pod_dir, books.pods, slot.pod, before, ahead=ahead)
             self.keeper.commit()
         except (CgroupError, OSError) as exc:
             _restore(books.pods, slot.pod, saved)
-            books.devices = devices  # a failed creation binds no device
+            books.restore_bindings(bindings)  # a failed creation binds no device
             undone = await self._undo(pod_dir, pod.linux.cgroup_parent, slot.pod, before)
+            self.keeper.save_quietly()  # the books as they were, where the journal has the new ones
             raise self._creation_refused(exc, pod, container, undone, event) from None
         except asyncio.CancelledError:
             # The runtime gave up waiting (a write through systemd never answered): the books forget
             # the creation; the pod quota, if it moved, is brought to its target by the next check.
             _restore(books.pods, slot.pod, saved)
-            books.devices = devices
+            books.restore_bindings(bindings)
             raise
         finally:
             if pod_dir is not None:
@@ -577,7 +581,11 @@ class PodQuotas:
         return failed
 
     async def _sync_pod(
-        self, pod: api.PodSandbox, pods: dict[str, PodRecord], previous: PodRecord | None, applied: int
+        self,
+        pod: api.PodSandbox,
+        pods: MutableMapping[str, PodRecord],
+        previous: PodRecord | None,
+        applied: int,
     ) -> bool:
         """Bring one pod's quota to its target; False (logged) when its cgroup fails us."""
         key = pod_key(pod)
@@ -590,7 +598,10 @@ class PodQuotas:
                 else:
                     pods[key] = _rebuilt(pod, pods[key], current, applied)
                     established = True
-                now = await self._reconcile(pod_dir, pods, key, current)
+                # A new baseline is written ahead of the raise: killed before the books are saved,
+                # the next start would take the raised quota for the pod's own.
+                ahead = functools.partial(self._write_ahead, pods, key) if established else None
+                now = await self._reconcile(pod_dir, pods, key, current, ahead=ahead)
             if now != current:
                 log.info(
                     "pod quota brought to its target",
@@ -618,14 +629,17 @@ class PodQuotas:
     async def _reconcile(
         self,
         pod_dir: Cgroup,
-        pods: dict[str, PodRecord],
+        pods: MutableMapping[str, PodRecord],
         key: str,
         current: CpuQuota,
         attempt: int | None = 0,
+        *,
+        ahead: Callable[[], None] | None = None,
     ) -> CpuQuota:
         """Rebase the pod's record on `current` (kept in `pods` even if the write then fails), with
         the pod's own quota kubelet wrote at a resize adopted, and write its target to the pod cgroup
-        (through the `writer`); returns what the pod cgroup now holds.
+        (through the `writer`); returns what the pod cgroup now holds. `ahead` runs before the write
+        (the books written ahead of the pod cgroup; it raises OSError to stop the write).
 
         Raising failures raise. A lowering the kernel refuses (v1: a child cgroup still has a higher
         quota, or was deleted moments ago and is not released yet) is retried a few times with
@@ -634,6 +648,8 @@ class PodQuotas:
         """
         record = rebase(pods[key], current)
         record = pods[key] = self._adopted(record, current, key, pod_dir)
+        if ahead is not None:
+            ahead()
         target = record.target()
         if current.quota is None or target is None or target == current.quota:
             self._written[key] = current.quota
@@ -659,7 +675,7 @@ class PodQuotas:
                 )
             self._retry_later(key, attempt)
             return current
-        now = self._read_back(pod_dir, target, kind)
+        now = self._read_back(pod_dir, current.with_quota(target), kind)
         self._written[key] = now.quota
         return now
 
@@ -675,8 +691,18 @@ class PodQuotas:
             )
         return resized
 
-    def _read_back(self, pod_dir: Cgroup, target: int, kind: str) -> CpuQuota:
-        now = read_cpu_quota(pod_dir)
+    def _write_ahead(self, pods: Mapping[str, PodRecord], key: str) -> None:
+        """A new pod's own quota to the journal before Synchronize raises its cgroup
+        (`Bookkeeper.write_ahead`). A failure is logged and the write goes on: the books are saved
+        again at the end of Synchronize."""
+        try:
+            self.keeper.write_ahead(key, pods[key])
+        except OSError as exc:
+            log.error("cannot save the plugin's state", path=self.keeper.store.path, error=str(exc))
+
+    def _read_back(self, pod_dir: Cgroup, written: CpuQuota, kind: str) -> CpuQuota:
+        target = written.quota
+        now = read_cpu_quota(pod_dir, period=written.period)  # the quota file only: the period stays
         if now.quota != target:
             self._write_failed(kind)
             raise CgroupError(
@@ -691,14 +717,16 @@ class PodQuotas:
             self.observer.cgroup_write_failed(kind)
 
 
-def _restore(pods: dict[str, PodRecord], key: str, saved: PodRecord | None) -> None:
+def _restore(pods: MutableMapping[str, PodRecord], key: str, saved: PodRecord | None) -> None:
     if saved is None:
         pods.pop(key, None)
     else:
         pods[key] = saved
 
 
-def _sync_failed(pods: dict[str, PodRecord], key: str, previous: PodRecord | None, established: bool) -> None:
+def _sync_failed(
+    pods: MutableMapping[str, PodRecord], key: str, previous: PodRecord | None, established: bool
+) -> None:
     """What the books keep of a pod whose cgroup failed us at Synchronize."""
     record = pods[key]
     if previous is not None:

@@ -5,11 +5,16 @@ created meanwhile are brought up to date, and later events neither grow nor shri
 
 from __future__ import annotations
 
+import asyncio
+import os
+import random
 from pathlib import Path
 
 import pytest
 from fault_support import (
+    ISOLATED_ENV,
     PERIOD,
+    Population,
     daemon_running,
     inconsistencies,
     launch_daemon,
@@ -18,8 +23,10 @@ from fault_support import (
     within,
     write_config,
 )
+from mixedcpu_support import Daemon
 
 from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri.simulator import env_of
 
 
 @pytest.mark.asyncio
@@ -70,3 +77,127 @@ async def test_daemon_killed_and_restarted(short_dir: Path, version: int, state:
             assert inconsistencies(population) == []
         # Stopped with SIGTERM, the daemon saved its books: they name exactly the live shared containers.
         assert inconsistencies(population, books=StateStore(node.state).load()) == []
+
+
+# -- killed at random instants ----------------------------------------------------------------------------
+
+KILLS = 6  # per run: each at a random instant of a stream of events
+MAX_PODS = 40
+
+
+class Churn:
+    """kubelet's side of a busy node, one random event at a time: new pods (with containers that ask
+    or not), more containers, restarts, stops and removals, whole pods going away."""
+
+    def __init__(self, population: Population, rng: random.Random) -> None:
+        self.population = population
+        self.rng = rng
+        self.made = 0
+        self.live: dict[str, list[str]] = {}  # pod id -> its live container ids
+
+    def _id(self, what: str) -> str:
+        self.made += 1
+        return f"{what}{self.made}"
+
+    async def step(self) -> None:
+        rng = self.rng
+        roll = rng.random()
+        if not self.live or (roll < 0.25 and len(self.live) < MAX_PODS):
+            await self._new_pod()
+        elif roll < 0.55:
+            await self._create(rng.choice(list(self.live)))
+        elif roll < 0.75:
+            await self._restart()
+        elif roll < 0.92:
+            await self._stop_and_remove()
+        else:
+            await self._remove_pod()
+
+    async def _new_pod(self) -> None:
+        pod = self.population.pod(self._id("p"), self.rng.choice([2, 3, 4]) * PERIOD)
+        self.live[pod.id] = []
+        for _ in range(self.rng.choice([1, 1, 2])):
+            await self._create(pod.id)
+
+    async def _create(self, pod_id: str) -> None:
+        pod = self.population.pods[pod_id].pod
+        cid = self._id("c")
+        cpus = self.rng.choice(["2", "3-4", "5-6", "7"])
+        await self.population.create(pod, cid, f"n{cid}", cpus, asks=self.rng.random() < 0.6)
+        self._mark_if_unserved(cid)
+        self.live[pod_id].append(cid)
+
+    async def _restart(self) -> None:
+        pod_id = self.rng.choice(list(self.live))
+        if not self.live[pod_id]:
+            return
+        old = self.rng.choice(self.live[pod_id])
+        new = self._id("c")
+        await self.population.restart(old, new)
+        self._mark_if_unserved(new)
+        self.live[pod_id][self.live[pod_id].index(old)] = new
+
+    async def _stop_and_remove(self) -> None:
+        pod_id = self.rng.choice(list(self.live))
+        if not self.live[pod_id]:
+            return
+        cid = self.live[pod_id].pop(self.rng.randrange(len(self.live[pod_id])))
+        await self.population.runtime.stop_container(cid)
+        await self.population.runtime.remove_container(cid)
+
+    async def _remove_pod(self) -> None:
+        pod_id = self.rng.choice(list(self.live))
+        runtime = self.population.runtime
+        for cid in self.live.pop(pod_id):
+            await runtime.stop_container(cid)
+            await runtime.remove_container(cid)
+        await runtime.stop_pod_sandbox(pod_id)
+        await runtime.remove_pod_sandbox(pod_id)
+        self.population.tree.delete_pod(self.population.pods.pop(pod_id).pod)
+
+    def _mark_if_unserved(self, cid: str) -> None:
+        """An asking container created while the plugin was dead (or killed in the middle of its
+        CreateContainer) started without the variables: Synchronize gives it the CPUs, not the env."""
+        spec = self.population.specs[cid]
+        if spec.asks and ISOLATED_ENV not in env_of(self.population.runtime.containers[cid]):
+            spec.env = "stale"
+
+
+async def _kill_after(daemon: Daemon, seconds: float) -> None:
+    await asyncio.sleep(seconds)
+    await daemon.kill()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", [11, 12, 13])
+async def test_daemon_killed_at_random_instants(short_dir: Path, seed: int) -> None:
+    """SIGKILL at random instants of a stream of events (in the middle of a CreateContainer, between
+    a change and its deferred write, during a journal compaction): after each restart every container
+    and every pod quota is right (0 inconsistent, 0 quota drift), and so are the books at the end."""
+    rng = random.Random(seed)
+    node = make_node(short_dir, 1)
+    population, runtime = node.population, node.runtime
+    config = write_config(short_dir, node.tree)
+    churn = Churn(population, rng)
+    async with runtime:
+        for kill in range(KILLS):
+            daemon = await launch_daemon(config, node.socket)
+            await within(runtime.wait_for_plugins(1))
+            assert inconsistencies(population) == [], f"seed {seed}, after kill {kill}\n{daemon.stderr}"
+            killer = asyncio.ensure_future(_kill_after(daemon, rng.uniform(0.0, 0.4)))
+            while not killer.done():
+                await churn.step()
+                await asyncio.sleep(0)  # with no plugin connected, a step never waits on anything
+            await killer
+            await until(lambda: not runtime.plugins)
+            for _ in range(rng.randrange(4)):  # the node goes on while the plugin is dead
+                await churn.step()
+        async with daemon_running(config, node.socket):
+            await within(runtime.wait_for_plugins(1))
+            assert inconsistencies(population) == [], f"seed {seed}, after the last kill"
+            for _ in range(20):
+                await churn.step()
+            assert inconsistencies(population) == []
+        assert inconsistencies(population, books=StateStore(node.state).load()) == []
+    journals = [name for name in os.listdir(node.state) if ".journal." in name]
+    print(f"seed {seed}: {churn.made} pods and containers made; journals left {journals}")

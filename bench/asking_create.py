@@ -1,0 +1,182 @@
+"""The plugin's own time per CreateContainer of a container that asks for shared CPUs, bytes in to
+bytes out, on a fake cgroup v1 tree and on the real kernel's v1 cgroupfs.
+
+Usage: python bench/asking_create.py [--calls N] [--kernel] [--profile] [--books N]
+
+Each request is the first container of a new pod that asks (the pod annotation, trusted here): the
+whole asking path, in this process, with no socket: the mux and ttrpc framing, the stub, the
+policy, the pod cgroup walk, its quota read, raised and read back, the books' journal written,
+the reply encoded. Requests are encoded beforehand; the pods' cgroups exist (a fake v1 tree of
+regular files, or with --kernel a scratch subtree ``<mount>/heal-bench-<pid>`` of the real v1
+``cpu`` hierarchy, removed afterwards; root only). --books N first fills the books with N shared
+pods (a Synchronize), to see that the cost does not grow with them. --profile prints where the time
+goes by layer (cProfile: read shares, not absolute numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import functools
+import logging
+import os
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import structlog
+from heal_pass import kernel_pods
+from workload import already_shared, fake_node, lean_container, lean_pod, realistic_container, realistic_pod
+
+from api.nri import api_pb2 as api
+from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
+from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri import mux
+from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub
+from nri_plugin.ttrpc.aio import Server
+from nri_plugin.ttrpc.protocol import ClientSession
+
+SHARED_CPUS = frozenset({0, 1})
+Profiler = cProfile.Profile | None
+
+
+class _CountingTransport(asyncio.Transport):
+    """Where the replies go: counted, then dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += 1
+
+    def writelines(self, list_of_data: object) -> None:
+        self.written += 1
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def fake_layout(cgroup_root: str) -> CgroupLayout:
+    return CgroupLayout(
+        CgroupMode.V1,
+        Hierarchy(1, os.path.join(cgroup_root, "cpu")),
+        Hierarchy(1, os.path.join(cgroup_root, "cpuset")),
+    )
+
+
+def _frames(parents: list[str], first: int) -> list[bytes]:
+    """One CreateContainer per pod from `first` on: its container app-0, which asks."""
+    session = ClientSession()
+    frames = []
+    for n in range(first, len(parents)):
+        pod = realistic_pod(n)
+        pod.linux.cgroup_parent = parents[n]
+        container = realistic_container(pod, n * 5)  # app-0
+        container.linux.cgroups_path = f"{parents[n]}/{container.id}"
+        request = api.CreateContainerRequest(pod=pod, container=container)
+        _, message = session.send_request(
+            PLUGIN_SERVICE, "CreateContainer", request.SerializeToString(), timeout_nano=2_000_000_000
+        )
+        frames.append(b"".join(mux.encode(mux.PLUGIN_SERVICE_CONN, message)))
+    return frames
+
+
+async def per_create(
+    layout: CgroupLayout, parents: list[str], state_dir: str, books: int, profiler: Profiler
+) -> float:
+    """CPU seconds per asking CreateContainer into the pods of `parents` after the first `books`
+    (which a Synchronize makes shared first). CPU time, not wall time: on a shared machine the wall
+    clock also counts the waits for a core; in one thread with nothing to wait on, the CPU time is
+    the work."""
+    plugin = MixedCpuPlugin(
+        shared=SHARED_CPUS,
+        layout=layout,
+        store=StateStore(state_dir),
+        trusted=TrustedSources(pod_annotation=True),
+    )
+    if books:
+        pods, containers = [], []
+        for n in range(books):
+            pod = lean_pod(n)
+            pod.linux.cgroup_parent = parents[n]
+            pods.append(pod)
+            containers.append(already_shared(lean_container(pod, n * 5)))
+        await plugin.synchronize(pods, containers)
+        plugin.flush()
+    stub = Stub(plugin, name="bench", index="10", socket_path="/nonexistent")
+    trunk = mux.Trunk()
+    transport = _CountingTransport()
+    trunk.connection_made(transport)
+    server = Server({PLUGIN_SERVICE: stub._methods()}, functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
+    trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
+    frames = _frames(parents, books)
+    if profiler is not None:
+        profiler.enable()
+    started = time.process_time()
+    for frame in frames:
+        trunk.data_received(frame)
+    elapsed = time.process_time() - started
+    if profiler is not None:
+        profiler.disable()
+    assert transport.written == len(frames), "every request must be answered without waiting"
+    assert plugin.books.shared_containers == books + len(frames), "every container was given shared CPUs"
+    plugin.flush()
+    return elapsed / len(frames)
+
+
+async def on_fake_tree(
+    root: Path, calls: int, books: int = 0, profiler: cProfile.Profile | None = None
+) -> float:
+    cgroup_root, state_dir = fake_node(root, books + calls)
+    parents = [realistic_pod(n).linux.cgroup_parent for n in range(books + calls)]
+    return await per_create(fake_layout(cgroup_root), parents, state_dir, books, profiler)
+
+
+async def on_kernel(
+    root: Path, calls: int, books: int = 0, profiler: cProfile.Profile | None = None
+) -> float:
+    state_dir = root / "state"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with kernel_pods(books + calls) as (layout, parents):
+        return await per_create(layout, parents, str(state_dir), books, profiler)
+
+
+def kernel_available() -> bool:
+    return os.geteuid() == 0 and Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000, help="asking creations timed per run (2000)")
+    parser.add_argument("--runs", type=int, default=5, help="runs; the median is shown (5)")
+    parser.add_argument("--books", type=int, default=0, help="shared pods in the books beforehand (0)")
+    parser.add_argument("--kernel", action="store_true", help="real cgroup v1 cpu hierarchy (root)")
+    parser.add_argument("--profile", action="store_true", help="where the time goes, by layer")
+    args = parser.parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    measure = on_kernel if args.kernel else on_fake_tree
+    profiler = cProfile.Profile(time.process_time) if args.profile else None
+    samples = []
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="asking-bench-") as tmp:
+            samples.append(asyncio.run(measure(Path(tmp), args.calls, args.books, profiler)))
+    where = "the kernel's cgroup v1 cpu hierarchy" if args.kernel else "a fake cgroup v1 tree"
+    us = [s * 1e6 for s in samples]
+    print(
+        f"asking CreateContainer, first of its pod, on {where} ({args.books:,} shared pods in the books): "
+        f"median {statistics.median(us):.1f} µs of CPU per call (runs {min(us):.1f}-{max(us):.1f}, "
+        f"{args.calls:,} calls each)"
+    )
+    if profiler is not None:
+        from profile_create import report
+
+        report("Plugin, in process", pstats.Stats(profiler), args.calls * args.runs, 25, per="creation")
+
+
+if __name__ == "__main__":
+    main()
