@@ -4,6 +4,7 @@
 * ``backoff``: the one retry pacing, exponential with jitter.
 * ``atomicfile``: publish a whole file atomically and durably.
 * ``heap``: gives glibc's free heap back to the system after a large message.
+* ``smallfile``: open and read a small file whose path may hold a link, a FIFO or a huge file.
 
 This ``__init__`` imports nothing.
 """

@@ -18,16 +18,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import stat
 from dataclasses import dataclass
 from typing import Final
+
+from nri_plugin.common.smallfile import NotRegularFile, SymbolicLink, TooLarge, open_regular_file, read_capped
 
 __all__ = ["LOCK_FILE_NAME", "InstanceLock", "InstanceLockError", "lock_state_dir"]
 
 LOCK_FILE_NAME: Final = "daemon.lock"
 # The lock file holds a pid and a newline; more is not ours to read.
 _MAX_PID_TEXT: Final = 32
-_OPEN_FLAGS: Final = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class InstanceLockError(Exception):
@@ -54,8 +54,7 @@ def lock_state_dir(state_dir: str) -> InstanceLock:
     the file) or when the lock file cannot be made or opened.
     """
     path = os.path.join(state_dir, LOCK_FILE_NAME)
-    fd = _open_lock_file(state_dir, path)
-    info = os.fstat(fd)
+    fd, info = _open_lock_file(state_dir, path)
     held = _held.get((info.st_dev, info.st_ino))
     if held is not None:
         os.close(fd)
@@ -72,42 +71,39 @@ def lock_state_dir(state_dir: str) -> InstanceLock:
     return lock
 
 
-def _open_lock_file(state_dir: str, path: str) -> int:
-    """The lock file, opened (created 0600 if missing) without following a link or blocking on a
-    FIFO, and checked to be a regular file; read-only when the state dir is mounted so."""
+def _open_lock_file(state_dir: str, path: str) -> tuple[int, os.stat_result]:
+    """The lock file (created 0600 if missing) and its `os.fstat`, opened as every small file of the
+    state dir is (`nri_plugin.common.smallfile`: no link followed, no wait on a FIFO, a regular file
+    only); read-only when the state dir is mounted so."""
     try:
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
+            return open_regular_file(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             if exc.errno not in (errno.EROFS, errno.EACCES):
                 raise
-            fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)  # flock works on a read-only descriptor too
-    except OSError as exc:
-        raise InstanceLockError(_unusable_message(path, exc)) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+            return open_regular_file(path, os.O_RDONLY)  # flock works on a read-only descriptor too
+    except SymbolicLink:
+        raise InstanceLockError(
+            f"{path}: is a symbolic link; remove it (the daemon creates its lock file itself)"
+        ) from None
+    except NotRegularFile:
         raise InstanceLockError(
             f"{path}: not a regular file, so the daemon cannot take its one-per-node lock; remove it "
             "(the daemon creates it)"
-        )
-    return fd
-
-
-def _unusable_message(path: str, exc: OSError) -> str:
-    if exc.errno == errno.ELOOP:
-        return f"{path}: is a symbolic link; remove it (the daemon creates its lock file itself)"
-    return (
-        f"{path}: cannot open the daemon's lock file: {exc.strerror or exc}; point state_dir at a "
-        "directory only root can write"
-    )
+        ) from None
+    except OSError as exc:
+        raise InstanceLockError(
+            f"{path}: cannot open the daemon's lock file: {exc.strerror or exc}; point state_dir at a "
+            "directory only root can write"
+        ) from None
 
 
 def _holder(fd: int) -> int | None:
     """The pid the lock's holder wrote in the file, if it wrote one."""
     try:
-        text = os.pread(fd, _MAX_PID_TEXT, 0).decode("ascii").strip()
-    except (OSError, UnicodeDecodeError):
+        text = read_capped(fd, _MAX_PID_TEXT).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError, TooLarge):
         return None
     return int(text) if text.isdigit() else None
 

@@ -10,13 +10,14 @@ The file I/O half of the marker; the signing itself is :mod:`.marker`, which sta
 
 from __future__ import annotations
 
-import errno
+import functools
 import os
 import secrets
 import stat
 from pathlib import Path
 
 from nri_plugin.common.atomicfile import write_atomically
+from nri_plugin.common.smallfile import RefusedFile, SymbolicLink, TooLarge, read_small_file
 from nri_plugin.deviceplugin.marker import KEY_SIZE, HostKey
 
 KEY_FILE_NAME = "device-plugin-hmac.key"
@@ -46,40 +47,30 @@ def load_or_create_host_key(state_dir: str | os.PathLike[str], name: str = KEY_F
 
 
 def _read_secret(path: Path) -> bytes:
-    """Read and vet the secret file; FileNotFoundError if there is none."""
-    fd = _open_secret(path)
+    """Read and vet the secret file (`nri_plugin.common.smallfile`); FileNotFoundError if there is none."""
     try:
-        _vet(path, os.fstat(fd))
-        data = b""
-        while len(data) < KEY_SIZE + 1:
-            chunk = os.read(fd, KEY_SIZE + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
+        data = read_small_file(path, KEY_SIZE, vet=functools.partial(_vet, path))
+    except FileNotFoundError:
+        raise
+    except RefusedFile as exc:
+        raise HostKeyError(_refusal(path, exc)) from exc
+    except OSError as exc:
+        raise HostKeyError(f"{path}: cannot open the marker secret: {exc.strerror}") from exc
     if len(data) != KEY_SIZE:
         raise HostKeyError(_wrong_size(path, len(data)))
     return data
 
 
-def _open_secret(path: Path) -> int:
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # NONBLOCK: a FIFO must not hang us
-    try:
-        return os.open(path, flags)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise HostKeyError(
-                f"{path}: is a symbolic link; remove it, a new secret is then created"
-            ) from exc
-        raise HostKeyError(f"{path}: cannot open the marker secret: {exc.strerror}") from exc
+def _refusal(path: Path, exc: RefusedFile) -> str:
+    if isinstance(exc, TooLarge):  # grown since `_vet` saw its size
+        return _wrong_size(path, exc.size)
+    if isinstance(exc, SymbolicLink):
+        return f"{path}: is a symbolic link; remove it, a new secret is then created"
+    return f"{path}: not a regular file; remove it, a new secret is then created"
 
 
 def _vet(path: Path, info: os.stat_result) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        raise HostKeyError(f"{path}: not a regular file; remove it, a new secret is then created")
+    """Ours alone, and of the right size: the checks beyond what every small file gets."""
     if info.st_uid != os.geteuid():
         raise HostKeyError(
             f"{path}: owned by uid {info.st_uid}, not by us (uid {os.geteuid()});"

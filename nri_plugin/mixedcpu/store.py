@@ -59,10 +59,8 @@ same text.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import stat
 import threading
 import time
 import weakref
@@ -75,6 +73,7 @@ import structlog
 
 from nri_plugin.common.atomicfile import write_atomically
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
+from nri_plugin.common.smallfile import NotRegularFile, SymbolicLink, TooLarge, read_small_file
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME
 
@@ -106,9 +105,6 @@ STATE_VERSION: Final = 1
 FLUSH_DELAY = 1.0
 # The books of 1,000 pods take some 600 KB; a file larger than this was not written by us.
 MAX_STATE_SIZE: Final = 8 << 20
-# Opened like the marker key: a link is not followed, a FIFO does not block the open, a terminal
-# device does not become ours.
-_READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 # The journal is compacted into a new snapshot once it holds this much, and twice the snapshot.
 COMPACT_MIN_BYTES: Final = 16 * 1024
 _COMPACT_RATIO: Final = 2
@@ -344,44 +340,19 @@ class _Unusable(Exception):
     """The state file is not a file we could have written (the reason, for the log line)."""
 
 
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "directory"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
-
-
 def _read_state(path: str) -> bytes:
-    """The state file's bytes; `_Unusable` when it is not a regular file of at most `MAX_STATE_SIZE`
-    bytes, FileNotFoundError when there is none, OSError when it cannot be read."""
+    """The state file's bytes, read as the marker key is (`nri_plugin.common.smallfile`); `_Unusable`
+    when it is not a regular file of at most `MAX_STATE_SIZE` bytes, FileNotFoundError when there is
+    none, OSError when it cannot be read."""
     try:
-        fd = os.open(path, _READ_FLAGS)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _Unusable("a symbolic link, never written by the plugin") from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _Unusable(f"a {_kind(info.st_mode)}, not a regular file")
-        if info.st_size > MAX_STATE_SIZE:
-            raise _Unusable(f"{info.st_size} bytes, over the {MAX_STATE_SIZE}-byte limit of a state file")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_STATE_SIZE and (chunk := os.read(fd, MAX_STATE_SIZE + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > MAX_STATE_SIZE:
-            raise _Unusable(f"over the {MAX_STATE_SIZE}-byte limit of a state file")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        return read_small_file(path, MAX_STATE_SIZE)
+    except SymbolicLink:
+        raise _Unusable("a symbolic link, never written by the plugin") from None
+    except NotRegularFile as exc:
+        raise _Unusable(f"a {exc.kind}, not a regular file") from None
+    except TooLarge as exc:
+        over = f"over the {MAX_STATE_SIZE}-byte limit of a state file"
+        raise _Unusable(over if exc.grew else f"{exc.size} bytes, {over}") from None
 
 
 class StateStore:
