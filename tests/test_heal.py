@@ -34,7 +34,7 @@ from nri_plugin.daemon import config as config_module
 from nri_plugin.daemon.wiring import build_plugin
 from nri_plugin.mixedcpu import quota
 from nri_plugin.mixedcpu.books import Books, Slot
-from nri_plugin.mixedcpu.heal import CREATION_GRACE, Healer, PassReport
+from nri_plugin.mixedcpu.heal import CREATION_GRACE, MIN_CREATION_GRACE, Healer, PassReport
 from nri_plugin.mixedcpu.store import StateStore
 
 SHARED = frozenset({0, 1})
@@ -203,6 +203,46 @@ async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node:
     assert node.seen.heals == {"container_never_created": 1}
     assert plugin.healer.watched == frozenset()
     plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_tiny_reconcile_interval_does_not_shorten_the_grace_below_its_floor(tmp_path: Path) -> None:
+    """reconcile_interval = 1 (the least the config takes): a pass every second, but a creation still
+    has `MIN_CREATION_GRACE` for its cgroup to appear before its share is given back."""
+    node = Node(tmp_path, interval=1.0)
+    plugin = node.plugin
+    assert plugin.healer.grace == MIN_CREATION_GRACE == 2.0
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1", run=False)
+    await node.clock.advance(MIN_CREATION_GRACE - 0.01)  # a pass at 1 s came and went
+    assert node.tree.pod_quota(pod) == RAISED, "within the floor of the grace"
+    assert plugin.healer.watched == {"c1"}
+    assert node.seen.heals == {}
+    node.tree.run_container(container)  # a slow start: the cgroup at last
+    await node.clock.advance(INTERVAL)
+    assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.healer.watched == frozenset()
+    assert node.seen.heals == {}
+    # One that never comes is healed at the floor, not at its first pass.
+    await node.create(pod, "c2", "side", device="dev-2", run=False)
+    await node.clock.advance(MIN_CREATION_GRACE - 0.01)
+    assert plugin.healer.watched == {"c2"}
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(0.01)
+    [phantom] = heals(logs, "container_never_created")
+    assert phantom["container_id"] == "c2"
+    assert f"within {MIN_CREATION_GRACE:g} s of CreateContainer" in phantom["why"]
+    assert node.tree.pod_quota(pod) == RAISED  # c1's share only: c2's is back
+    plugin.healer.stop()
+
+
+def test_the_default_grace_is_one_interval_between_its_floor_and_its_ceiling(node: Node) -> None:
+    quotas = node.plugin.quotas
+    graces = {interval: Healer(quotas, interval=interval).grace for interval in (None, 1, 1.5, 2, 5, 10, 30)}
+    assert graces == {None: 10, 1: 2, 1.5: 2, 2: 2, 5: 5, 10: 10, 30: 10}
+    assert (CREATION_GRACE, MIN_CREATION_GRACE) == (10, 2)
+    assert Healer(quotas, interval=1, grace=0.5).grace == 0.5, "one given is taken as it is"
 
 
 @pytest.mark.asyncio

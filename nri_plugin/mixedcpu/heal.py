@@ -50,15 +50,17 @@ from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota
 from nri_plugin.mixedcpu.policy import pod_key
 from nri_plugin.mixedcpu.quota import PodQuotas, PodState
 
-__all__ = ["CREATION_GRACE", "HEAL_KINDS", "HealObserver", "Healer", "PassReport"]
+__all__ = ["CREATION_GRACE", "HEAL_KINDS", "MIN_CREATION_GRACE", "HealObserver", "Healer", "PassReport"]
 
 log = structlog.get_logger(LOGGER_NAME)
 
 # How long after its CreateContainer a container's cgroup may take to appear: far longer than a
 # creation takes (containerd makes it at StartContainer, milliseconds later; CRI-O in runc create,
 # tens of milliseconds), and at most one reconcile interval, so a failed creation is healed within
-# one period.
+# one period; but never under MIN_CREATION_GRACE, however short the interval: a slow start (a loaded
+# node, emulation) must not lose its share before the runtime has made its cgroup.
 CREATION_GRACE: Final = 10.0
+MIN_CREATION_GRACE: Final = 2.0
 HEAL_KINDS: Final = ("pod_gone", "container_never_created", "container_gone", "pod_quota")
 
 _T = TypeVar("_T")
@@ -92,11 +94,18 @@ class PassReport:
     seconds: float
 
 
+def _default_grace(interval: float | None) -> float:
+    """`CREATION_GRACE`, shortened to one reconcile `interval` but never below `MIN_CREATION_GRACE`."""
+    if interval is None:
+        return CREATION_GRACE
+    return min(CREATION_GRACE, max(interval, MIN_CREATION_GRACE))
+
+
 class Healer:
     """Checks the books held by `quotas` against the node; see the module docstring.
 
     `interval` None: no timer, the checks run at events and Synchronize only. `grace` defaults to
-    `CREATION_GRACE`, or the interval when that is shorter.
+    `CREATION_GRACE`, or the interval when that is shorter, but not under `MIN_CREATION_GRACE`.
     """
 
     def __init__(
@@ -112,7 +121,7 @@ class Healer:
             raise ValueError(f"reconcile interval must be positive, not {interval}")
         self.quotas = quotas
         self.interval = interval
-        self.grace = grace if grace is not None else min(CREATION_GRACE, interval or CREATION_GRACE)
+        self.grace = grace if grace is not None else _default_grace(interval)
         self.observer = observer
         self._clock = clock
         # Pod key -> slot name -> the latest creation in that slot whose cgroup is yet to be seen.
