@@ -1,5 +1,6 @@
-"""The layers hold: import-linter's contracts, what importing a pure module really loads, and package
-``__init__``s that import nothing (docs/design.md, "Layers")."""
+"""The layers hold: import-linter's contracts, what importing a module really loads, what the domain
+imports, package ``__init__``s that import nothing, and the seams between the domain, NRI and the
+daemon (docs/design.md, "Layers")."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from nri_plugin.daemon import logs as daemon_logs
+from nri_plugin.mixedcpu import logfields
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.nri import handlers
+
 ROOT = Path(__file__).resolve().parents[1]
+DOMAIN = ROOT / "nri_plugin" / "mixedcpu"
 
 # Modules that must stay free of I/O machinery: importing them may not load any of IO_MODULES.
 PURE_MODULES = (
@@ -32,6 +39,12 @@ PURE_MODULES = (
     "nri_plugin.common.backoff",
 )
 IO_MODULES = ("asyncio", "socket", "selectors", "grpc", "structlog", "prometheus_client")
+# What importing a module may not load at all (by name prefix): the contracts see import statements,
+# this sees what really comes, lazy and dynamic imports included.
+NOT_LOADED_BY = {
+    "nri_plugin.mixedcpu.policy": ("nri_plugin.mixedcpu.store", "nri_plugin.daemon"),
+    "nri_plugin.mixedcpu.plugin": ("nri_plugin.daemon",),
+}
 
 
 def test_import_linter_contracts_are_kept() -> None:
@@ -46,14 +59,52 @@ def test_import_linter_contracts_are_kept() -> None:
     assert int(summary[2]) == 0
 
 
-@pytest.mark.parametrize("module", PURE_MODULES)
-def test_pure_module_loads_no_io_machinery(module: str) -> None:
+def _loaded_after_import(module: str) -> set[str]:
+    """Every module in `sys.modules` once `module` is imported, in a fresh interpreter."""
     code = f"import sys, json; import {module}; print(json.dumps(sorted(sys.modules)))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
     )
-    loaded = set(json.loads(result.stdout))
+    return set(json.loads(result.stdout))
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_module_loads_no_io_machinery(module: str) -> None:
+    loaded = _loaded_after_import(module)
     assert not loaded & set(IO_MODULES), f"importing {module} loads {sorted(loaded & set(IO_MODULES))}"
+
+
+@pytest.mark.parametrize(("module", "prefixes"), NOT_LOADED_BY.items())
+def test_module_loads_nothing_of_what_it_must_not_reach(module: str, prefixes: tuple[str, ...]) -> None:
+    """The policy loads neither the store nor the daemon; the plugin, nothing of the daemon."""
+    assert {m for m in _loaded_after_import(module) if m.startswith(prefixes)} == set()
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules a source file imports, at any level of its code."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(DOMAIN.glob("*.py")), ids=lambda p: p.name)
+def test_the_domain_imports_no_transport(path: Path) -> None:
+    """Not even ttrpc's sans-I/O modules: the domain speaks to NRI's seam. (The layers contract keeps
+    the daemon out of the domain; it cannot keep ttrpc out, which NRI's own modules import, so the
+    domain's contract names only ``ttrpc.aio``: this checks the domain's own import statements.)"""
+    assert {m for m in _imports(path) if m.startswith("nri_plugin.ttrpc")} == set()
+
+
+@pytest.mark.parametrize("path", sorted(DOMAIN.glob("*.py")), ids=lambda p: p.name)
+def test_the_domain_uses_the_cgroups_library_not_its_internals(path: Path) -> None:
+    # `cgroups.cpuset` is public and pure: the policy takes cpu lists from it rather than through the
+    # package, whose __init__ brings the file modules (import-linter's policy contract).
+    internals = {m for m in _imports(path) if m.startswith("cgroups.") and m != "cgroups.cpuset"}
+    assert internals == set()
 
 
 def _package_inits() -> list[Path]:
@@ -78,3 +129,45 @@ def test_package_init_has_no_side_effects(init: Path) -> None:
             continue
         assert isinstance(node, ast.Assign | ast.AnnAssign), f"{init}: {ast.unparse(node)}"
         assert not any(isinstance(n, ast.Call) for n in ast.walk(node)), f"{init}: {ast.unparse(node)}"
+
+
+# -- the seams -----------------------------------------------------------------------------------------
+
+
+def test_the_event_field_is_the_one_the_daemon_renders() -> None:
+    assert logfields.EVENT_NAME == daemon_logs.EVENT_NAME
+
+
+def test_the_plugin_declares_the_handlers_it_has() -> None:
+    """It subclasses the protocol of every NRI handler it defines (so mypy checks each signature
+    against NRI's), and of no other."""
+    protocols = {
+        name: value
+        for name, value in vars(handlers).items()
+        if isinstance(value, type)
+        and getattr(value, "_is_protocol", False)
+        and value.__module__ == handlers.__name__
+    }
+    declared = {name for name, protocol in protocols.items() if protocol in MixedCpuPlugin.__mro__}
+    defined = {
+        name
+        for name, protocol in protocols.items()
+        if any(method in vars(MixedCpuPlugin) for method in _methods(protocol))
+    }
+    assert declared == defined
+    assert declared == {
+        "Configure",
+        "Synchronize",
+        "Shutdown",
+        "CreateContainer",
+        "UpdateContainer",
+        "StopContainer",
+        "RemoveContainer",
+        "UpdatePodSandbox",  # in-place pod resize (issue 12)
+        "StopPodSandbox",
+        "RemovePodSandbox",
+    }
+
+
+def _methods(protocol: type) -> set[str]:
+    return {name for name in vars(protocol) if not name.startswith("_")}
