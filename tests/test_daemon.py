@@ -415,6 +415,7 @@ def test_every_part_is_built_with_the_metrics_as_its_observer(
     assert isinstance(metrics, Metrics)
     assert plugin.observer is metrics
     assert device_plugin.observer is metrics
+    assert probes.observer is metrics
     # One key: the device plugin signs the markers the plugin checks, made in state_dir at start.
     assert plugin.marker_key is device_plugin.key
     assert device_plugin.key.path == tmp_path / "state" / KEY_FILE_NAME

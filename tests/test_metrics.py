@@ -286,10 +286,13 @@ def test_every_metric_is_exposed_before_anything_happens() -> None:
         "mixed_cpu_device_plugin_registrations",
         "mixed_cpu_nri_ready",
         "mixed_cpu_kubelet_registered",
+        "mixed_cpu_probe_connections_evicted",
     ):
         assert f"# TYPE {name}" in text, name
     assert 'mixed_cpu_cgroup_write_failures_total{kind="pod_quota_lower"} 0.0' in text
     assert 'mixed_cpu_device_plugin_registrations_total{outcome="failed"} 0.0' in text
+    assert 'mixed_cpu_probe_connections_evicted_total{reason="peer_limit"} 0.0' in text
+    assert 'mixed_cpu_probe_connections_evicted_total{reason="total_limit"} 0.0' in text
 
 
 def test_observer_cost_per_request() -> None:

@@ -22,6 +22,7 @@ from probe_support import (
     PROBE_TIMEOUT,
     Reply,
     Strangers,
+    connect,
     daemon_with_probes,
     exchange,
     get,
@@ -40,6 +41,7 @@ from nri_plugin.daemon.probes import (
     MAX_HEAD,
     MAX_PER_PEER,
     ConnectionTable,
+    Eviction,
     ProbeError,
     ProbeServer,
     parse_address,
@@ -264,13 +266,56 @@ async def test_evictions_are_said_at_warning_at_most_once_a_period(monkeypatch: 
         assert server.evicted == 4
 
 
+@pytest.mark.asyncio
+async def test_evictions_are_counted_by_reason_for_the_scrape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside the warning, at most once a minute, each eviction counts in
+    ``mixed_cpu_probe_connections_evicted_total{reason}``: an alert needs no log parsing."""
+    monkeypatch.setattr(probes, "MAX_PER_PEER", 2)
+    monkeypatch.setattr(probes, "MAX_CONNECTIONS", 3)
+    metrics = Metrics()
+    server = ProbeServer(f"{HOST}:0", metrics=metrics.render, readiness=lambda: None, observer=metrics)
+    held: list[asyncio.StreamWriter] = []
+
+    def evicted() -> dict[str, float]:
+        found = samples(metrics.render().decode())
+        name = "mixed_cpu_probe_connections_evicted_total"
+        return {reason: value(found, name, reason=reason) for reason in ("peer_limit", "total_limit")}
+
+    async with server:
+        [address] = server.bound
+        port = int(address.rpartition(":")[2])
+
+        async def idle(source: str) -> None:
+            """One more idle connection from `source`, once the server has taken it."""
+            _, writer = await connect(HOST, port, source)
+            held.append(writer)
+            await eventually(lambda: server.connections + server.evicted == len(held))
+
+        try:
+            for _ in range(3):  # the third: 127.0.0.1 holds its 2, gives up its oldest
+                await idle("127.0.0.1")
+            assert evicted() == {"peer_limit": 1, "total_limit": 0}
+            await idle("127.0.0.2")  # the third open connection: room for it
+            await idle("127.0.0.2")  # 3 open: 127.0.0.1 (2, came first) gives up one
+            assert evicted() == {"peer_limit": 1, "total_limit": 1}
+            # The scrape is a newcomer too (127.0.0.2 now holds the most): counted before it renders.
+            reply = await get(HOST, port, "/metrics", source="127.0.0.3")
+            assert reply.status == 200
+            scraped = samples(reply.text)
+            assert value(scraped, "mixed_cpu_probe_connections_evicted_total", reason="total_limit") == 2
+        finally:
+            for writer in held:
+                writer.close()
+    assert server.evicted == 3
+
+
 def test_a_peer_at_its_limit_evicts_its_own_oldest() -> None:
     table: ConnectionTable[str] = ConnectionTable(total=10, per_peer=2)
     assert table.admit("kubelet", "k1") is None
     assert table.admit("stranger", "s1") is None
     assert table.admit("stranger", "s2") is None
-    assert table.admit("stranger", "s3") == ("stranger", "s1")
-    assert table.admit("stranger", "s4") == ("stranger", "s2")
+    assert table.admit("stranger", "s3") == Eviction("stranger", "s1", "peer_limit")
+    assert table.admit("stranger", "s4") == Eviction("stranger", "s2", "peer_limit")
     assert (len(table), table.held_by("stranger"), table.held_by("kubelet"), table.evicted) == (3, 2, 1, 2)
     assert list(table) == ["k1", "s3", "s4"]
 
@@ -280,13 +325,13 @@ def test_a_full_table_evicts_from_the_peer_holding_the_most() -> None:
     for item in ("a1", "b1", "b2", "a2"):
         assert table.admit(item[0], item) is None
     # a and b hold two each: a tie goes to the peer that came first, which gives up its oldest.
-    assert table.admit("k", "k1") == ("a", "a1")
+    assert table.admit("k", "k1") == Eviction("a", "a1", "total_limit")
     # b now holds the most.
-    assert table.admit("k", "k2") == ("b", "b1")
+    assert table.admit("k", "k2") == Eviction("b", "b1", "total_limit")
     # Then k does (k1, k2 beside a2, b2): the next newcomer takes k's oldest.
-    assert table.admit("c", "c1") == ("k", "k1")
+    assert table.admit("c", "c1") == Eviction("k", "k1", "total_limit")
     # One each (a2, b2, k2, c1): the first peer to have come gives up its connection.
-    assert table.admit("c", "c2") == ("a", "a2")
+    assert table.admit("c", "c2") == Eviction("a", "a2", "total_limit")
     assert list(table) == ["b2", "k2", "c1", "c2"]
 
 

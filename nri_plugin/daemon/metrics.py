@@ -6,7 +6,8 @@ none of them imports this module. The stub calls ``request_done`` and ``reconnec
 (`nri_plugin.nri.stub.StubObserver`), the mixed-CPU plugin ``cgroup_write_failed`` and ``healed``
 (`nri_plugin.mixedcpu.plugin.PluginObserver`), the device plugin ``registration_done``
 (`nri_plugin.deviceplugin.server.RegistrationObserver`), the pod-resources client
-``pod_resources_lookup`` (`nri_plugin.deviceplugin.podresources.PodResourcesObserver`).
+``pod_resources_lookup`` (`nri_plugin.deviceplugin.podresources.PodResourcesObserver`), the probe
+server ``probe_connection_evicted`` (`nri_plugin.daemon.probes.ProbeObserver`).
 Gauges are read from their owners when scraped, through callables bound once the owners exist
 (``track``; `nri_plugin.daemon.wiring` does it): the shared-container count from the plugin's books,
 readiness from the stub and the device plugin, so they cannot drift from what they describe and
@@ -25,6 +26,7 @@ cost nothing per request.
 | `mixed_cpu_kubelet_registered` | gauge | | 1 while kubelet holds our registration (0 when off) |
 | `mixed_cpu_pod_resources_lookups_total` | counter | `outcome` | questions to kubelet's PodResources API |
 | `mixed_cpu_pod_resources_reachable` | gauge | | 1 while kubelet's record proves requests (0: marker alone) |
+| `mixed_cpu_probe_connections_evicted_total` | counter | `reason` | probe connections closed for newer ones |
 
 Labels:
 
@@ -49,6 +51,10 @@ Labels:
 * `outcome` of a pod-resources lookup (`nri_plugin.deviceplugin.podresources`, asked for each
   container that presents an allocation marker): `ok` (kubelet's record decided), `unavailable`
   (no socket or no answer: the marker binding alone decided).
+* `reason` of a probe connection evicted (`nri_plugin.daemon.probes`): `peer_limit` (its source
+  address already held 8 connections: it gave up its oldest), `total_limit` (64 were open: the address
+  holding the most gave up its oldest). Any rise means something holds the port's connections open
+  (the warning log line names the last address); kubelet's probes and the scrape still get through.
 """
 
 from __future__ import annotations
@@ -57,9 +63,10 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from nri_plugin.daemon.probes import EVICTION_REASONS
 from nri_plugin.mixedcpu.heal import HEAL_KINDS
 
-__all__ = ["DURATION_BUCKETS", "HEAL_KINDS", "WRITE_FAILURE_KINDS", "Metrics"]
+__all__ = ["DURATION_BUCKETS", "EVICTION_REASONS", "HEAL_KINDS", "WRITE_FAILURE_KINDS", "Metrics"]
 
 # From 100 µs (a cheap event) to 2 s, the runtime's default request deadline.
 DURATION_BUCKETS = (
@@ -130,6 +137,12 @@ class Metrics:
             "1 while kubelet's PodResources API proves requests; 0: the allocation marker alone does.",
             registry=r,
         )
+        self.probe_evictions = Counter(
+            "mixed_cpu_probe_connections_evicted",
+            "Connections to the metrics and probe port closed to make room for newer ones, by reason.",
+            ["reason"],
+            registry=r,
+        )
         for kind in WRITE_FAILURE_KINDS:
             self.write_failures.labels(kind)
         for kind in HEAL_KINDS:
@@ -138,6 +151,8 @@ class Metrics:
             self.registrations.labels(outcome)
         for outcome in LOOKUP_OUTCOMES:
             self.pod_resources_lookups.labels(outcome)
+        for reason in EVICTION_REASONS:
+            self.probe_evictions.labels(reason)
         # Label lookups take a lock and build tuples; a request pays a dict lookup instead.
         self._request_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
@@ -165,6 +180,9 @@ class Metrics:
 
     def pod_resources_lookup(self, outcome: str) -> None:
         self.pod_resources_lookups.labels(outcome).inc()
+
+    def probe_connection_evicted(self, reason: str) -> None:
+        self.probe_evictions.labels(reason).inc()
 
     # -- gauges read at scrape time --------------------------------------------------------------------
 

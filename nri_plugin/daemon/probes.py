@@ -25,7 +25,8 @@ and when that goes over a limit, an older one is closed (`ConnectionTable`):
 A request head arrives within milliseconds of a connection from kubelet or Prometheus, so the newest
 connection is served while the idle and slow (slow-loris) ones wait to be evicted or time out (the
 deadline is for the whole head: trickling bytes does not extend it). Evictions are logged at warning,
-at most once per `EVICTION_WARNING_PERIOD`, with their count.
+at most once per `EVICTION_WARNING_PERIOD`, with their count, and each is counted by its reason
+(`ProbeObserver`: ``mixed_cpu_probe_connections_evicted_total``), so that an alert need not parse logs.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import re
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -51,12 +52,15 @@ if TYPE_CHECKING:
     from nri_plugin.nri.stub import Stub
 
 __all__ = [
+    "EVICTION_REASONS",
     "MAX_CONNECTIONS",
     "MAX_HEAD",
     "MAX_PER_PEER",
     "ConnectionTable",
+    "Eviction",
     "NotReadyWarnings",
     "ProbeError",
+    "ProbeObserver",
     "ProbeServer",
     "parse_address",
     "readiness",
@@ -72,6 +76,8 @@ MAX_PER_PEER = 8
 MAX_CONNECTIONS = 64
 # Evictions are said at warning at most this often (seconds), with how many there were since.
 EVICTION_WARNING_PERIOD = 60.0
+# Why a connection was evicted: its peer held `MAX_PER_PEER` already, or the server `MAX_CONNECTIONS`.
+EVICTION_REASONS: Final = ("peer_limit", "total_limit")
 # After an error answer, what the client may still be sending is read and dropped (this much, for at
 # most this long) before the socket closes: closing on unread data would reset the connection, and
 # the client could lose the answer.
@@ -177,7 +183,23 @@ class NotReadyWarnings:
                 warned = False
 
 
+class ProbeObserver(Protocol):
+    """Told of every connection evicted (`nri_plugin.daemon.metrics`)."""
+
+    def probe_connection_evicted(self, reason: str) -> None:
+        """`reason`: one of `EVICTION_REASONS`."""
+
+
 _Item = TypeVar("_Item")
+
+
+@dataclass(frozen=True)
+class Eviction(Generic[_Item]):
+    """The connection a newcomer makes room by closing: whose, which, and why (`EVICTION_REASONS`)."""
+
+    peer: str
+    item: _Item
+    reason: str
 
 
 class ConnectionTable(Generic[_Item]):
@@ -209,16 +231,16 @@ class ConnectionTable(Generic[_Item]):
     def held_by(self, peer: str) -> int:
         return len(self._peers.get(peer, ()))
 
-    def admit(self, peer: str, item: _Item) -> tuple[str, _Item] | None:
-        """Count `item` as open from `peer`; the (peer, connection) it evicts, already forgotten here
-        and for the caller to close, if the limits call for one."""
-        evicted = self._victim(peer)
-        if evicted is not None:
-            self.discard(*evicted)
+    def admit(self, peer: str, item: _Item) -> Eviction[_Item] | None:
+        """Count `item` as open from `peer`; the connection it evicts, already forgotten here and for
+        the caller to close, if the limits call for one."""
+        eviction = self._victim(peer)
+        if eviction is not None:
+            self.discard(eviction.peer, eviction.item)
             self.evicted += 1
         self._peers.setdefault(peer, {})[item] = None
         self._count += 1
-        return evicted
+        return eviction
 
     def discard(self, peer: str, item: _Item) -> None:
         """Forget a closed connection (nothing if it was evicted already)."""
@@ -230,14 +252,14 @@ class ConnectionTable(Generic[_Item]):
         if not items:
             del self._peers[peer]
 
-    def _victim(self, peer: str) -> tuple[str, _Item] | None:
+    def _victim(self, peer: str) -> Eviction[_Item] | None:
         own = self._peers.get(peer)
         if own is not None and len(own) >= self.per_peer:
-            return peer, next(iter(own))
+            return Eviction(peer, next(iter(own)), "peer_limit")
         if self._count < self.total:
             return None
         greediest = max(self._peers, key=lambda name: len(self._peers[name]))
-        return greediest, next(iter(self._peers[greediest]))
+        return Eviction(greediest, next(iter(self._peers[greediest])), "total_limit")
 
 
 @dataclass(eq=False)
@@ -269,7 +291,8 @@ class _Refused(Exception):
 
 
 class ProbeServer:
-    """The HTTP endpoint; ``async with ProbeServer(address, metrics=..., readiness=...) as server``."""
+    """The HTTP endpoint; ``async with ProbeServer(address, metrics=..., readiness=...) as server``.
+    `observer` is told of each connection evicted."""
 
     def __init__(
         self,
@@ -277,11 +300,13 @@ class ProbeServer:
         *,
         metrics: Callable[[], bytes],
         readiness: Callable[[], str | None],
+        observer: ProbeObserver | None = None,
     ) -> None:
         self.address = address
         self.host, self.port = parse_address(address)
         self._metrics = metrics
         self._readiness = readiness
+        self.observer = observer
         self._server: asyncio.Server | None = None
         self._open: ConnectionTable[_Connection] = ConnectionTable(
             total=MAX_CONNECTIONS, per_peer=MAX_PER_PEER
@@ -369,19 +394,21 @@ class ProbeServer:
 
     def _admit(self, peer: str, connection: _Connection) -> None:
         """Take the new connection; close the one that makes room for it, if the limits call for one."""
-        evicted = self._open.admit(peer, connection)
-        if evicted is None:
+        eviction = self._open.admit(peer, connection)
+        if eviction is None:
             return
-        evicted_peer, victim = evicted
-        victim.end()
+        eviction.item.end()
+        if self.observer is not None:
+            self.observer.probe_connection_evicted(eviction.reason)
         log.debug(
             "probe connection evicted to make room",
-            peer=evicted_peer,
-            held=self._open.held_by(evicted_peer),
+            peer=eviction.peer,
+            reason=eviction.reason,
+            held=self._open.held_by(eviction.peer),
             open=len(self._open),
             newcomer=peer,
         )
-        self._warn_of_evictions(evicted_peer)
+        self._warn_of_evictions(eviction.peer)
 
     def _warn_of_evictions(self, peer: str) -> None:
         """Say at warning, at most once per `EVICTION_WARNING_PERIOD`, that connections are being

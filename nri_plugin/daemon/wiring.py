@@ -328,7 +328,10 @@ def build_probes(
     if metrics is None:
         return None
     return ProbeServer(
-        config.metrics_address, metrics=metrics.render, readiness=readiness(stub, device_plugin)
+        config.metrics_address,
+        metrics=metrics.render,
+        readiness=readiness(stub, device_plugin),
+        observer=metrics,
     )
 
 
