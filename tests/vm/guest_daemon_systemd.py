@@ -15,7 +15,8 @@ guest's tmpfs. Two runs of it:
 * ``file``: ``systemd_bus = ""`` (the fallback): the raise is written to the file, systemd knows
   nothing of it and a ``daemon-reload`` puts its own value back, until the reconciler
   (``reconcile_interval = 3``) writes the raise again. (Not 1: the reconciler's grace for a
-  container's cgroup to appear is one interval, and a scope's start under emulation may take longer.)
+  container's cgroup to appear is one interval (never under 2 s), and a scope's start under emulation
+  may take longer.)
 
 A control slice whose ``cpu.max`` is written by hand shows each reload's re-apply has happened before
 the plugin's slice is read. It prints one JSON object (its last line) with every reading as systemd and
