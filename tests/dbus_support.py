@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -73,21 +73,24 @@ def private_bus() -> Iterator[str]:
     directory = Path(tempfile.mkdtemp(prefix="bus-", dir="/tmp"))  # short: unix socket paths are limited
     path = directory / "bus"
     (directory / "bus.conf").write_text(BUS_CONFIG.format(path=path))
+    # dbus-daemon prints its address once it listens: the socket file alone appears at bind(), a
+    # moment before listen(), and a client connecting in between is refused.
     proc = subprocess.Popen(
-        [daemon, f"--config-file={directory / 'bus.conf'}", "--nofork", "--nopidfile"],
-        stdout=subprocess.DEVNULL,
+        [daemon, f"--config-file={directory / 'bus.conf'}", "--nofork", "--nopidfile", "--print-address=1"],
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 10
-        while not path.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.02)
-        if not path.exists():
-            pytest.fail(f"dbus-daemon did not start (status {proc.poll()})")
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 10)
+        if not ready or not proc.stdout.readline():
+            pytest.fail(f"dbus-daemon did not start listening within 10 s (status {proc.poll()})")
         yield str(path)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
         shutil.rmtree(directory, ignore_errors=True)
 
 
