@@ -11,6 +11,10 @@ regular files, or with --kernel a scratch subtree ``<mount>/heal-bench-<pid>`` o
 ``cpu`` hierarchy, removed afterwards; root only). --books N first fills the books with N shared
 pods (a Synchronize), to see that the cost does not grow with them. --profile prints where the time
 goes by layer (cProfile: read shares, not absolute numbers).
+
+Logging is set up as the daemon sets it (`nri_plugin.daemon.logs.configure_logging` with cached
+loggers, JSON, naming a node) at its default level, info, written to /dev/null: each asking
+creation renders its "shared CPUs given" line. --log-level picks another level (error: no line).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import argparse
 import asyncio
 import cProfile
 import functools
-import logging
 import os
 import pstats
 import statistics
@@ -27,12 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import structlog
 from heal_pass import kernel_pods
 from workload import already_shared, fake_node, lean_container, lean_pod, realistic_container, realistic_pod
 
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.daemon.logs import LEVELS, configure_logging
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri import mux
@@ -157,8 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--books", type=int, default=0, help="shared pods in the books beforehand (0)")
     parser.add_argument("--kernel", action="store_true", help="real cgroup v1 cpu hierarchy (root)")
     parser.add_argument("--profile", action="store_true", help="where the time goes, by layer")
+    parser.add_argument("--log-level", choices=LEVELS, default="info", help="the daemon's log level (info)")
     args = parser.parse_args(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    # As the daemon's `wiring.load_settings` does, its lines going to /dev/null.
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - open for the whole run
+    configure_logging(args.log_level, "json", stream=devnull, cache_loggers=True, node="bench-node")
     measure = on_kernel if args.kernel else on_fake_tree
     profiler = cProfile.Profile(time.process_time) if args.profile else None
     samples = []
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"asking CreateContainer, first of its pod, on {where} ({args.books:,} shared pods in the books): "
         f"median {statistics.median(us):.1f} µs of CPU per call (runs {min(us):.1f}-{max(us):.1f}, "
-        f"{args.calls:,} calls each)"
+        f"{args.calls:,} calls each; log level {args.log_level})"
     )
     if profiler is not None:
         from profile_create import report

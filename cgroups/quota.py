@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Final, TypeGuard
 
 from cgroups._text import quote
@@ -43,7 +43,7 @@ _DECIMAL: Final = re.compile(r"[0-9]{1,19}")
 
 
 def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def _check_period(period: object) -> None:
@@ -82,7 +82,7 @@ class CpuQuota:
 
     def with_quota(self, quota: int | None) -> CpuQuota:
         """The same period with another quota."""
-        return replace(self, quota=quota)
+        return CpuQuota(quota, self.period)
 
 
 def _number(text: str, what: str, expected: str) -> int:
