@@ -162,9 +162,10 @@ async def test_state_change_events_are_counted_by_event(short_dir: Path) -> None
     metrics = Metrics()
     plugin, _ = make_plugin(short_dir / "state", tree.layout, observer=metrics)
     socket_path = short_dir / "nri.sock"
-    async with RuntimeSimulator(
-        socket_path, runtime_name="cri-o", runtime_version="1.36.3", nri_version=""
-    ) as sim, plugin_running(plugin, socket_path, observer=metrics):
+    async with (
+        RuntimeSimulator(socket_path, runtime_name="cri-o", runtime_version="1.36.3", nri_version="") as sim,
+        plugin_running(plugin, socket_path, observer=metrics),
+    ):
         await sim.wait_for_plugins(1, GUARD)
         pod = make_pod(Naming("cri-o", "cgroupfs"), "3333-4444")
         tree.add_pod(pod, 2 * PERIOD)
