@@ -653,8 +653,10 @@ class PodQuotas:
         backoff, then at the pod's next event; `attempt` None (the reconciler's check) schedules no
         retry and logs nothing: its next check tries again.
         """
-        record = rebase(pods[key], current)
-        record = pods[key] = self._adopted(record, current, key, pod_dir)
+        held = pods[key]
+        record = self._adopted(rebase(held, current), current, key, pod_dir)
+        if record is not held:  # (the same record written again would only mark the pod as changed)
+            pods[key] = record
         if ahead is not None:
             ahead()
         target = record.target()
