@@ -379,8 +379,9 @@ class CgroupOpener:
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
         except OSError as exc:
+            error = _open_error(exc, cgroup.fs_path, parent, name)
             os.close(parent)
-            raise _open_error(exc, cgroup.fs_path, parent, name) from exc
+            raise error from exc
         if len(self._parents) >= self._limit:
             _close_all(self._parents)
         self._parents[key] = parent
