@@ -16,8 +16,9 @@ from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, m
 from api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.mixedcpu import policy
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-from nri_plugin.mixedcpu.store import _encode_operations
+from nri_plugin.mixedcpu.store import _encode_operations, apply_operation, pod_operations
 
 SHARED = frozenset({0, 1})
 NAMING = Naming("containerd", "cgroupfs")
@@ -128,22 +129,51 @@ def test_a_remembered_plan_does_not_skip_the_checks() -> None:
         policy.plan_create(SHARED, pod, bad)
 
 
-def test_a_journal_line_is_what_json_dumps_writes() -> None:
+def _reference_operations(key: str, old: PodRecord | None, new: PodRecord | None) -> list[list[object]]:
+    """The journal operations of the module docstring, as plain lists (what the line must read as)."""
+    if new is None:
+        return [] if old is None else [["X", key]]
+    ops: list[list[object]] = []
+    header = (new.cgroup_parent, new.baseline, new.period, new.baseline_source)
+    if old is None or (old.cgroup_parent, old.baseline, old.period, old.baseline_source) != header:
+        ops.append(["P", key, *header])
+    before = old.containers if old is not None else {}
+    ops.extend(["F", key, name] for name in before if name not in new.containers)
+    ops.extend(
+        ["C", key, name, r.id, r.shared_cpus, r.exclusive, r.device]
+        for name, r in new.containers.items()
+        if before.get(name) != r
+    )
+    return ops
+
+
+def test_a_journal_line_reads_as_its_operations() -> None:
+    """The line is put together from templates: it must read (JSON) as the operations it stands for,
+    whatever the strings hold, and replay to the new record."""
     rnd = random.Random(14)
     alphabet = 'ab-_/:@."\\\n\x00\u2028é\U0001f600'
 
-    def value() -> str | int | None:
-        kind = rnd.randrange(3)
-        if kind == 0:
-            return None
-        if kind == 1:
-            return rnd.randrange(-(10**15), 10**15)
+    def text() -> str:
         return "".join(rnd.choice(alphabet) for _ in range(rnd.randrange(12)))
 
+    def record() -> PodRecord | None:
+        if rnd.random() < 0.2:
+            return None
+        slots = {
+            text(): ContainerRecord(text(), rnd.randrange(4), text(), rnd.choice([None, text()]))
+            for _ in range(rnd.randrange(3))
+        }
+        baseline = rnd.choice([None, rnd.randrange(1, 10**12)])
+        return PodRecord(
+            rnd.choice(["/kubepods/p", text()]), baseline, rnd.randrange(1, 10**6), text(), slots
+        )
+
     for _ in range(2000):
-        ops = [
-            [rnd.choice("PCFXBU"), *(value() for _ in range(rnd.randrange(6)))]
-            for _ in range(rnd.randrange(4))
-        ]
-        expected = (json.dumps(ops, separators=(",", ":")) + "\n").encode() if ops else b""
-        assert _encode_operations(ops) == expected
+        key, old, new = text(), record(), record()
+        line = _encode_operations(pod_operations(key, old, new))
+        expected = _reference_operations(key, old, new)
+        assert (json.loads(line) if line else []) == json.loads(json.dumps(expected))
+        books = Books({key: old} if old is not None else {})
+        for op in json.loads(line) if line else []:
+            apply_operation(books, op)
+        assert books.pods.get(key) == new
