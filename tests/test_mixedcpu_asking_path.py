@@ -165,7 +165,7 @@ def test_a_journal_line_reads_as_its_operations() -> None:
         }
         baseline = rnd.choice([None, rnd.randrange(1, 10**12)])
         return PodRecord(
-            rnd.choice(["/kubepods/p", text()]), baseline, rnd.randrange(1, 10**6), text(), slots
+            rnd.choice(["/kubepods/p", text()]), baseline, rnd.randrange(1, 10**6), text(), Containers(slots)
         )
 
     for _ in range(2000):
