@@ -81,8 +81,12 @@ class CpuQuota:
         return self.quota is None
 
     def with_quota(self, quota: int | None) -> CpuQuota:
-        """The same period with another quota."""
-        return CpuQuota(quota, self.period)
+        """The same period with another quota: only the quota is checked (the period was)."""
+        _check_quota(quota)
+        limit = object.__new__(CpuQuota)
+        object.__setattr__(limit, "quota", quota)
+        object.__setattr__(limit, "period", self.period)
+        return limit
 
 
 def _number(text: str, what: str, expected: str) -> int:
