@@ -177,3 +177,14 @@ def test_a_journal_line_reads_as_its_operations() -> None:
         for op in json.loads(line) if line else []:
             apply_operation(books, op)
         assert books.pods.get(key) == new
+
+
+@pytest.mark.asyncio
+async def test_shutdown_writes_the_waiting_line(tmp_path: Path) -> None:
+    plugin, tree, key = _node(tmp_path)
+    pod = make_pod(NAMING, "uid-1")
+    tree.add_pod(pod, 200_000)
+    with structlog.testing.capture_logs() as logs:
+        assert await plugin.create_container(pod, make_container(NAMING, pod, "c1", annotations=marker(key)))
+        await plugin.shutdown()
+        assert [e["container"] for e in logs if e["event"] == "shared CPUs given"] == ["main"]

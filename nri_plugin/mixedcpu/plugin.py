@@ -6,9 +6,10 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
 
 * **CreateContainer** of a container that proves a request (with an allocation marker: kubelet's
   own record is asked first, `allocations`): the pod's quota is raised before the
-  reply, the books saved, and the adjustment goes back. A request that cannot be honoured, or a pod
-  cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors` refusal (the stub
-  answers the runtime with its status code): nothing is left half-configured.
+  reply, the books saved, and the adjustment goes back; its info line is written right after the
+  reply (`logfields.LaterLines`), before anything of the next event. A request that cannot be
+  honoured, or a pod cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors`
+  refusal (the stub answers the runtime with its status code): nothing is left half-configured.
 * **StopContainer / RemoveContainer**: the container's slot is released, its own cgroup quota put
   back to its own value (stop means stop: its cgroup may linger until removal), and the pod quota
   written down to its new target (retried when the kernel refuses it yet).
@@ -332,6 +333,7 @@ class MixedCpuPlugin(
         await self._release(pod, container, "removed")
 
     async def shutdown(self) -> None:
+        self.later.flush()
         self.flush()
 
     @_holding_the_books
