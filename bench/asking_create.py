@@ -11,6 +11,10 @@ regular files, or with --kernel a scratch subtree ``<mount>/heal-bench-<pid>`` o
 ``cpu`` hierarchy, removed afterwards; root only). --books N first fills the books with N shared
 pods (a Synchronize), to see that the cost does not grow with them. --profile prints where the time
 goes by layer (cProfile: read shares, not absolute numbers).
+
+Logging is set up as the daemon sets it (`nri_plugin.daemon.logs.configure_logging` with cached
+loggers, JSON, naming a node) at its default level, info, written to /dev/null: each asking
+creation renders its "shared CPUs given" line. --log-level picks another level (error: no line).
 """
 
 from __future__ import annotations
@@ -19,20 +23,20 @@ import argparse
 import asyncio
 import cProfile
 import functools
-import logging
 import os
 import pstats
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-import structlog
 from heal_pass import kernel_pods
 from workload import already_shared, fake_node, lean_container, lean_pod, realistic_container, realistic_pod
 
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.daemon.logs import LEVELS, configure_logging
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri import mux
@@ -86,13 +90,26 @@ def _frames(parents: list[str], first: int) -> list[bytes]:
     return frames
 
 
+class Cost(NamedTuple):
+    """CPU seconds per asking CreateContainer: before its reply is written (what the runtime waits
+    for), and after it (the info line the plugin writes at the loop's next turn: `LaterLines`)."""
+
+    before_reply: float
+    after_reply: float
+
+    @property
+    def total(self) -> float:
+        return self.before_reply + self.after_reply
+
+
 async def per_create(
     layout: CgroupLayout, parents: list[str], state_dir: str, books: int, profiler: Profiler
-) -> float:
+) -> Cost:
     """CPU seconds per asking CreateContainer into the pods of `parents` after the first `books`
     (which a Synchronize makes shared first). CPU time, not wall time: on a shared machine the wall
     clock also counts the waits for a core; in one thread with nothing to wait on, the CPU time is
-    the work."""
+    the work. What the plugin does after each reply (its log line) is run and timed apart, as the
+    loop's next turn would."""
     plugin = MixedCpuPlugin(
         shared=SHARED_CPUS,
         layout=layout,
@@ -108,6 +125,7 @@ async def per_create(
             containers.append(already_shared(lean_container(pod, n * 5)))
         await plugin.synchronize(pods, containers)
         plugin.flush()
+    plugin.later.flush()
     stub = Stub(plugin, name="bench", index="10", socket_path="/nonexistent")
     trunk = mux.Trunk()
     transport = _CountingTransport()
@@ -115,23 +133,33 @@ async def per_create(
     server = Server({PLUGIN_SERVICE: stub._methods()}, functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
     trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
     frames = _frames(parents, books)
+    clock = time.process_time
+    before = after = 0.0
     if profiler is not None:
         profiler.enable()
-    started = time.process_time()
     for frame in frames:
+        started = clock()
         trunk.data_received(frame)
-    elapsed = time.process_time() - started
+        replied = clock()
+        plugin.later.flush()
+        before += replied - started
+        after += clock() - replied
     if profiler is not None:
         profiler.disable()
     assert transport.written == len(frames), "every request must be answered without waiting"
     assert plugin.books.shared_containers == books + len(frames), "every container was given shared CPUs"
     plugin.flush()
-    return elapsed / len(frames)
+    return Cost(before / len(frames), after / len(frames))
 
 
 async def on_fake_tree(
     root: Path, calls: int, books: int = 0, profiler: cProfile.Profile | None = None
 ) -> float:
+    """CPU seconds per asking creation until its reply (`Cost.before_reply`), on a fake v1 tree."""
+    return (await fake_tree_cost(root, calls, books, profiler)).before_reply
+
+
+async def fake_tree_cost(root: Path, calls: int, books: int = 0, profiler: Profiler = None) -> Cost:
     cgroup_root, state_dir = fake_node(root, books + calls)
     parents = [realistic_pod(n).linux.cgroup_parent for n in range(books + calls)]
     return await per_create(fake_layout(cgroup_root), parents, state_dir, books, profiler)
@@ -140,6 +168,11 @@ async def on_fake_tree(
 async def on_kernel(
     root: Path, calls: int, books: int = 0, profiler: cProfile.Profile | None = None
 ) -> float:
+    """The same as `on_fake_tree` on the kernel's cgroup v1 (root)."""
+    return (await kernel_cost(root, calls, books, profiler)).before_reply
+
+
+async def kernel_cost(root: Path, calls: int, books: int = 0, profiler: Profiler = None) -> Cost:
     state_dir = root / "state"
     state_dir.mkdir(parents=True, exist_ok=True)
     with kernel_pods(books + calls) as (layout, parents):
@@ -157,21 +190,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--books", type=int, default=0, help="shared pods in the books beforehand (0)")
     parser.add_argument("--kernel", action="store_true", help="real cgroup v1 cpu hierarchy (root)")
     parser.add_argument("--profile", action="store_true", help="where the time goes, by layer")
+    parser.add_argument("--log-level", choices=LEVELS, default="info", help="the daemon's log level (info)")
     args = parser.parse_args(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    measure = on_kernel if args.kernel else on_fake_tree
+    # As the daemon's `wiring.load_settings` does, its lines going to /dev/null.
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - open for the whole run
+    configure_logging(args.log_level, "json", stream=devnull, cache_loggers=True, node="bench-node")
+    measure = kernel_cost if args.kernel else fake_tree_cost
     profiler = cProfile.Profile(time.process_time) if args.profile else None
-    samples = []
+    samples: list[Cost] = []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="asking-bench-") as tmp:
             samples.append(asyncio.run(measure(Path(tmp), args.calls, args.books, profiler)))
     where = "the kernel's cgroup v1 cpu hierarchy" if args.kernel else "a fake cgroup v1 tree"
-    us = [s * 1e6 for s in samples]
     print(
-        f"asking CreateContainer, first of its pod, on {where} ({args.books:,} shared pods in the books): "
-        f"median {statistics.median(us):.1f} µs of CPU per call (runs {min(us):.1f}-{max(us):.1f}, "
-        f"{args.calls:,} calls each)"
+        f"asking CreateContainer, first of its pod, on {where} ({args.books:,} shared pods in the books, "
+        f"{args.calls:,} calls per run, {args.runs} runs, log level {args.log_level}), µs of CPU per call:"
     )
+    for label, values in (
+        ("until the reply", [s.before_reply for s in samples]),
+        ("after the reply (its log line)", [s.after_reply for s in samples]),
+        ("total", [s.total for s in samples]),
+    ):
+        us = [v * 1e6 for v in values]
+        print(f"  {label}: median {statistics.median(us):.1f} (runs {min(us):.1f}-{max(us):.1f})")
     if profiler is not None:
         from profile_create import report
 

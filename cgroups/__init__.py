@@ -28,6 +28,7 @@ from cgroups.errors import (
 )
 from cgroups.files import (
     Cgroup,
+    CgroupOpener,
     OpenCgroup,
     cgroup_exists,
     open_cgroup,
@@ -70,6 +71,7 @@ __all__ = [
     "CgroupModeError",
     "CgroupMount",
     "CgroupNotFound",
+    "CgroupOpener",
     "CgroupPath",
     "CgroupPathError",
     "CgroupPermissionError",

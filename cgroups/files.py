@@ -8,7 +8,9 @@ Rules kept by every function here:
 * its files are opened relative to that directory's descriptor (``openat``), with ``O_NOFOLLOW``
   too. Every function takes a `CgroupDir` (the directory is walked to and closed again for each
   call) or an `OpenCgroup` (walked to once, then any number of reads and writes through the one
-  descriptor: `open_cgroup`);
+  descriptor: `open_cgroup`, or `CgroupOpener`, which holds the parent directories of the cgroups
+  it opens so that each open is one ``openat``); an `OpenCgroup` also holds its CFS limit file
+  open, read-write, from the read to the write;
 * files are opened as they are, never created (no ``O_CREAT``): a missing file is `CgroupNotFound`;
   and never waited on (``O_NONBLOCK``): what is opened must be a regular file, as every cgroup file
   is, else it is refused (a FIFO or device in a fake or tampered tree would otherwise block the
@@ -24,7 +26,9 @@ import contextlib
 import errno
 import os
 import stat
+import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, TypeAlias, TypeVar
 
@@ -55,6 +59,7 @@ __all__ = [
     "CPU_MAX",
     "MAX_READ",
     "Cgroup",
+    "CgroupOpener",
     "OpenCgroup",
     "cgroup_exists",
     "open_cgroup",
@@ -74,6 +79,8 @@ CFS_PERIOD_US: Final = "cpu.cfs_period_us"
 CPU_MAX: Final = "cpu.max"
 CPUSET_CPUS: Final = "cpuset.cpus"
 _EFFECTIVE_CPUS: Final = {1: "cpuset.effective_cpus", 2: "cpuset.cpus.effective"}
+# The CFS limit files an `OpenCgroup` may hold open read-write, from its read to its write.
+_LIMIT_NAMES: Final = frozenset({CFS_QUOTA_US, CPU_MAX})
 # Our own file names need no check each time they are opened (a caller's name is checked).
 _KNOWN_NAMES: Final = frozenset(
     {CFS_QUOTA_US, CFS_PERIOD_US, CPU_MAX, CPUSET_CPUS, *_EFFECTIVE_CPUS.values()}
@@ -93,6 +100,7 @@ _READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK 
 # times the write itself (a journalled truncation to 0 and a flush at close: 145 us against 7 us).
 # A fake tree's file is cut after the write instead, when it still holds more than the new value.
 _WRITE_FLAGS: Final = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+_READ_WRITE_FLAGS: Final = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 
 _NOT_REGULAR: Final = (
     "not a regular file (a FIFO, socket or device where a cgroup file was expected); the cgroup tree "
@@ -176,15 +184,17 @@ def _open_at(dir_fd: int, name: str, flags: int, path: Callable[[], str]) -> int
         raise _open_error(exc, path(), dir_fd, name) from exc
 
 
-def _check_regular(fd: int, path: Callable[[], str]) -> None:
-    """Refuse (closing `fd`) anything but a regular file: a cgroup file always is one."""
+def _check_regular(fd: int, path: Callable[[], str]) -> int:
+    """Refuse (closing `fd`) anything but a regular file: a cgroup file always is one. Returns its
+    size: 0 for a cgroup filesystem's file, whatever it holds (a fake tree's file has its own)."""
     try:
-        mode = os.fstat(fd).st_mode
+        status = os.fstat(fd)
     except OSError as exc:
         os.close(fd)
         raise _io_error(exc, path(), "inspect") from exc
+    mode = status.st_mode
     if stat.S_ISREG(mode):
-        return
+        return status.st_size
     os.close(fd)
     where = path()
     if stat.S_ISDIR(mode):
@@ -224,14 +234,20 @@ class OpenCgroup:
     Pass it wherever a `CgroupDir` is taken. Close it (`close`, or use it as a context manager);
     it refers to the directory it was opened on even if that is removed, when its files are gone
     (`CgroupNotFound`), or replaced by a new one of the same name.
+
+    `hold_limit` (what `CgroupOpener` asks for): its CFS limit file (v1 ``cpu.cfs_quota_us``, v2
+    ``cpu.max``) is opened read-write at its first read and held until `close`, so that the write
+    after the read needs no second open. `fd`: the directory already opened (by `CgroupOpener`).
     """
 
-    __slots__ = ("_fd", "cgroup")
+    __slots__ = ("_fd", "_hold_limit", "_limit", "cgroup")
 
-    def __init__(self, cgroup: CgroupDir) -> None:
+    def __init__(self, cgroup: CgroupDir, *, hold_limit: bool = False, fd: int | None = None) -> None:
         self._fd = -1
+        self._limit: _HeldFile | None = None
+        self._hold_limit = hold_limit
         self.cgroup = cgroup
-        self._fd = _open_dir(cgroup)
+        self._fd = _open_dir(cgroup) if fd is None else fd
 
     @property
     def hierarchy(self) -> Hierarchy:
@@ -260,10 +276,34 @@ class OpenCgroup:
         return self._fd
 
     def close(self) -> None:
-        """Close the descriptor (idempotent)."""
+        """Close the descriptor, and the limit file's if held (idempotent)."""
+        limit, self._limit = self._limit, None
+        if limit is not None:
+            os.close(limit.fd)
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+    def _held(self, name: str) -> _HeldFile | None:
+        """The file `name` held open read-write, if it is the limit file this cgroup holds (opened
+        now at its first use); None for any other file, or when it cannot be opened for writing (a
+        read-only file or mount: opened as each access needs, to fail as that access would)."""
+        if not self._hold_limit or name not in _LIMIT_NAMES:
+            return None
+        if self._limit is not None and self._limit.name == name:
+            return self._limit
+        dir_fd = self.fileno()
+        try:
+            fd = os.open(name, _READ_WRITE_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno in _PERMISSION_ERRNOS:
+                return None
+            raise _open_error(exc, os.path.join(self.fs_path, name), dir_fd, name) from exc
+        size = _check_regular(fd, lambda: os.path.join(self.fs_path, name))
+        if self._limit is not None:
+            os.close(self._limit.fd)
+        self._limit = _HeldFile(name, fd, size)
+        return self._limit
 
     def __enter__(self) -> OpenCgroup:
         return self
@@ -283,6 +323,16 @@ class OpenCgroup:
         return f"OpenCgroup({self.cgroup!r}, fd={self._fd})"
 
 
+@dataclass(slots=True)
+class _HeldFile:
+    """A cgroup file an `OpenCgroup` holds open read-write: its name, its descriptor, and the
+    largest size it has had for us (0 on a cgroup filesystem, whose files always show 0)."""
+
+    name: str
+    fd: int
+    size: int
+
+
 Cgroup: TypeAlias = "CgroupDir | OpenCgroup"
 
 
@@ -292,7 +342,64 @@ def open_cgroup(cgroup: CgroupDir) -> OpenCgroup:
     return OpenCgroup(cgroup)
 
 
-def _open_file(cgroup: Cgroup, name: str, flags: int) -> int:
+class CgroupOpener:
+    """Opens cgroups with one ``openat`` each, below their parent directories, held open here.
+
+    Each parent is walked to once (from its mount point, without following symlinks, as every walk
+    here) and its descriptor kept: a node's pod cgroups sit below a handful of parents (``kubepods``,
+    its QoS levels, or their slices), so opening a pod's cgroup is then one ``openat`` of its last
+    component with ``O_NOFOLLOW``, which cannot leave the parent. A parent removed since it was
+    walked to (its pods then fail with ENOENT below it) is walked to afresh once, so a recreated
+    one is found. The cgroups it opens hold their CFS limit file (`OpenCgroup`'s `hold_limit`).
+    At most `limit` parents are held; `close` closes them all.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self._limit = limit
+        self._parents: dict[tuple[Hierarchy, tuple[str, ...]], int] = {}
+        self._finalizer = weakref.finalize(self, _close_all, self._parents)
+
+    def open(self, cgroup: CgroupDir) -> OpenCgroup:
+        """`cgroup` held open; raises as `open_cgroup` does."""
+        parts = cgroup.path.parts
+        if not parts:
+            return OpenCgroup(cgroup, hold_limit=True)
+        key = (cgroup.hierarchy, parts[:-1])
+        name = parts[-1]
+        held = self._parents.get(key)
+        if held is not None:
+            try:
+                return OpenCgroup(cgroup, hold_limit=True, fd=os.open(name, _DIR_FLAGS, dir_fd=held))
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise _open_error(exc, cgroup.fs_path, held, name) from exc
+            # Gone, or its parent is (removed since, perhaps made anew): walk to the parent again.
+            os.close(self._parents.pop(key))
+        parent = _open_dir(CgroupDir(cgroup.hierarchy, CgroupPath(parts[:-1])))
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            error = _open_error(exc, cgroup.fs_path, parent, name)
+            os.close(parent)
+            raise error from exc
+        if len(self._parents) >= self._limit:
+            _close_all(self._parents)
+        self._parents[key] = parent
+        return OpenCgroup(cgroup, hold_limit=True, fd=fd)
+
+    def close(self) -> None:
+        """Close every parent held (the opener may still be used: they are walked to again)."""
+        _close_all(self._parents)
+
+
+def _close_all(parents: dict[tuple[Hierarchy, tuple[str, ...]], int]) -> None:
+    for fd in parents.values():
+        os.close(fd)
+    parents.clear()
+
+
+def _open_file(cgroup: Cgroup, name: str, flags: int) -> tuple[int, int]:
+    """The file opened with `flags`, and its size (see `_check_regular`)."""
     if name not in _KNOWN_NAMES:
         check_name(name, "cgroup file name")
 
@@ -307,8 +414,11 @@ def _open_file(cgroup: Cgroup, name: str, flags: int) -> int:
             fd = _open_at(dir_fd, name, flags, path)
         finally:
             os.close(dir_fd)
-    _check_regular(fd, path)
-    return fd
+    return fd, _check_regular(fd, path)
+
+
+def _held_file(cgroup: Cgroup, name: str) -> _HeldFile | None:
+    return cgroup._held(name) if isinstance(cgroup, OpenCgroup) else None
 
 
 def _io_error(exc: OSError, path: str, action: str) -> CgroupError:
@@ -319,30 +429,40 @@ def _io_error(exc: OSError, path: str, action: str) -> CgroupError:
     return CgroupError(f"cannot {action} {path}: {reason}", path=path, errno=code)
 
 
-def _read_all(fd: int) -> bytes | None:
-    """The file's bytes; None when it holds more than `MAX_READ`."""
-    data = os.read(fd, _FIRST_READ)
-    if not data:
-        return data
-    chunks = [data]
-    size = len(data)
-    while size <= MAX_READ and (chunk := os.read(fd, MAX_READ + 1 - size)):
+def _read_all(fd: int, *, from_start: bool = False) -> bytes | None:
+    """The file's bytes (read at offset 0 on, leaving the file's offset alone, when `from_start`: a
+    held file); None when it holds more than `MAX_READ`. A read that returns less than asked is the
+    end: a regular file's reads are short only there, and the kernel fills a cgroup file's read
+    with the whole value."""
+    chunks: list[bytes] = []
+    size = 0
+    want = _FIRST_READ
+    while True:
+        chunk = os.pread(fd, want, size) if from_start else os.read(fd, want)
         chunks.append(chunk)
         size += len(chunk)
+        if len(chunk) < want or size > MAX_READ:
+            break
+        want = MAX_READ + 1 - size
     if size > MAX_READ:
         return None
-    return data if len(chunks) == 1 else b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def read_value(cgroup: Cgroup, name: str) -> str:
     """The text of the cgroup file `name` in `cgroup`, as the kernel gives it (newline included)."""
-    fd = _open_file(cgroup, name, _READ_FLAGS)
+    held = _held_file(cgroup, name)
     try:
-        data = _read_all(fd)
+        if held is not None:
+            data = _read_all(held.fd, from_start=True)
+        else:
+            fd, _ = _open_file(cgroup, name, _READ_FLAGS)
+            try:
+                data = _read_all(fd)
+            finally:
+                os.close(fd)
     except OSError as exc:
         raise _io_error(exc, os.path.join(cgroup.fs_path, name), "read") from exc
-    finally:
-        os.close(fd)
     if data is None:
         path = os.path.join(cgroup.fs_path, name)
         raise CgroupError(f"{path} holds more than {MAX_READ} bytes; not a cgroup value file", path=path)
@@ -383,25 +503,52 @@ def write_value(cgroup: Cgroup, name: str, value: str) -> None:
         path = os.path.join(cgroup.fs_path, name)
         raise CgroupValueError(f"refusing to write {quote(value)} to {path}: not printable ASCII", path=path)
     data = (value + "\n").encode("ascii")
-    fd = _open_file(cgroup, name, _WRITE_FLAGS)
-    try:
+    held = _held_file(cgroup, name)
+    if held is not None:
+        written = _write_held(held, data, cgroup, value)
+    else:
+        fd, size = _open_file(cgroup, name, _WRITE_FLAGS)
         try:
-            written = os.write(fd, data)
-        except OSError as exc:
-            raise _reject_error(exc, os.path.join(cgroup.fs_path, name), name, value) from exc
-        try:
-            # A cgroup file's size is 0: only a fake tree's file can hold the end of a longer value.
-            if os.fstat(fd).st_size > written:
-                os.ftruncate(fd, written)
-        except OSError as exc:
-            raise _io_error(exc, os.path.join(cgroup.fs_path, name), "truncate") from exc
-    finally:
-        os.close(fd)
+            written = _write(fd, data, cgroup, name, value)
+            if size:
+                _cut(fd, written, cgroup, name)
+        finally:
+            os.close(fd)
     if written != len(data):
         path = os.path.join(cgroup.fs_path, name)
         raise CgroupError(
             f"short write of {quote(value)} to {path}: {written} of {len(data)} bytes", path=path
         )
+
+
+def _write(fd: int, data: bytes, cgroup: Cgroup, name: str, value: str) -> int:
+    try:
+        return os.write(fd, data)
+    except OSError as exc:
+        raise _reject_error(exc, os.path.join(cgroup.fs_path, name), name, value) from exc
+
+
+def _write_held(held: _HeldFile, data: bytes, cgroup: Cgroup, value: str) -> int:
+    """Write through a held file, whose offset is 0 (it is read with ``pread``) and put back to 0."""
+    written = _write(held.fd, data, cgroup, held.name, value)
+    if held.size:
+        _cut(held.fd, written, cgroup, held.name)
+        try:
+            os.lseek(held.fd, 0, os.SEEK_SET)
+        except OSError as exc:
+            raise _io_error(exc, os.path.join(cgroup.fs_path, held.name), "rewind") from exc
+    held.size = max(held.size, written)
+    return written
+
+
+def _cut(fd: int, written: int, cgroup: Cgroup, name: str) -> None:
+    """A file that had a size when opened is a fake tree's (a cgroup file's size is 0): cut it to
+    the value just written, so nothing of a longer one is left after it."""
+    try:
+        if os.fstat(fd).st_size > written:
+            os.ftruncate(fd, written)
+    except OSError as exc:
+        raise _io_error(exc, os.path.join(cgroup.fs_path, name), "truncate") from exc
 
 
 def _parsed(cgroup: Cgroup, name: str, parse: Callable[[str], _T]) -> _T:

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Final, TypeGuard
 
 from cgroups._text import quote
@@ -43,7 +43,7 @@ _DECIMAL: Final = re.compile(r"[0-9]{1,19}")
 
 
 def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def _check_period(period: object) -> None:
@@ -81,8 +81,12 @@ class CpuQuota:
         return self.quota is None
 
     def with_quota(self, quota: int | None) -> CpuQuota:
-        """The same period with another quota."""
-        return replace(self, quota=quota)
+        """The same period with another quota: only the quota is checked (the period was)."""
+        _check_quota(quota)
+        limit = object.__new__(CpuQuota)
+        object.__setattr__(limit, "quota", quota)
+        object.__setattr__(limit, "period", self.period)
+        return limit
 
 
 def _number(text: str, what: str, expected: str) -> int:

@@ -44,6 +44,9 @@ NAMING = Naming("containerd", "cgroupfs")
 REQUESTS = "mixed_cpu_nri_requests_total"
 DURATION_COUNT = "mixed_cpu_nri_request_duration_seconds_count"
 
+# An open for writing: the plugin holds a pod's quota file read-write from its read to its write.
+_FOR_WRITING = os.O_WRONLY | os.O_RDWR
+
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
@@ -159,9 +162,10 @@ async def test_state_change_events_are_counted_by_event(short_dir: Path) -> None
     metrics = Metrics()
     plugin, _ = make_plugin(short_dir / "state", tree.layout, observer=metrics)
     socket_path = short_dir / "nri.sock"
-    async with RuntimeSimulator(
-        socket_path, runtime_name="cri-o", runtime_version="1.36.3", nri_version=""
-    ) as sim, plugin_running(plugin, socket_path, observer=metrics):
+    async with (
+        RuntimeSimulator(socket_path, runtime_name="cri-o", runtime_version="1.36.3", nri_version="") as sim,
+        plugin_running(plugin, socket_path, observer=metrics),
+    ):
         await sim.wait_for_plugins(1, GUARD)
         pod = make_pod(Naming("cri-o", "cgroupfs"), "3333-4444")
         tree.add_pod(pod, 2 * PERIOD)
@@ -191,7 +195,7 @@ async def test_cgroup_write_failure_is_counted(short_dir: Path, monkeypatch: pyt
         real_open = os.open
 
         def read_only(path: str, flags: int, *args: object, **kwargs: object) -> int:
-            if str(path).endswith("cpu.cfs_quota_us") and flags & os.O_WRONLY:
+            if str(path).endswith("cpu.cfs_quota_us") and flags & _FOR_WRITING:
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
             return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 

@@ -40,6 +40,9 @@ RUNTIME_VERSIONS: dict[str, dict[str, Any]] = {
 BASELINE = 3 * PERIOD  # fwd: 2 CPUs, sidecar: 1 CPU
 RAISED = BASELINE + 2 * PERIOD  # + n(shared) x period
 
+# An open for writing: the plugin holds a pod's quota file read-write from its read to its write.
+_FOR_WRITING = os.O_WRONLY | os.O_RDWR
+
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
@@ -244,7 +247,7 @@ def _fail_writes(
 
     def open_(path: str, flags: int, *args: object, **kwargs: object) -> int:
         dir_fd = kwargs.get("dir_fd")
-        if str(path).endswith(names) and flags & os.O_WRONLY:
+        if str(path).endswith(names) and flags & _FOR_WRITING:
             where = f"/proc/self/fd/{dir_fd}/{path}" if isinstance(dir_fd, int) else str(path)
             full = os.path.realpath(where)
             content = Path(full).read_bytes()
@@ -268,7 +271,7 @@ def _fail_opens(monkeypatch: pytest.MonkeyPatch, error: int) -> None:
     real = os.open
 
     def open_(path: str, flags: int, *args: object, **kwargs: object) -> int:
-        if str(path).endswith(("cpu.cfs_quota_us", "cpu.max")) and flags & os.O_WRONLY:
+        if str(path).endswith(("cpu.cfs_quota_us", "cpu.max")) and flags & _FOR_WRITING:
             raise OSError(error, os.strerror(error), str(path))
         return real(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 

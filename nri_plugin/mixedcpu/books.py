@@ -100,6 +100,9 @@ class Containers(Mapping[str, ContainerRecord]):
     def __contains__(self, name: object) -> bool:
         return name in self._records
 
+    def get(self, name: str, default: ContainerRecord | None = None) -> ContainerRecord | None:  # type: ignore[override]
+        return self._records.get(name, default)  # (Mapping's own raises and catches a KeyError)
+
     # The dict's own views (read-only) are several times faster to walk than Mapping's generic ones.
     def keys(self) -> KeysView[str]:
         return self._records.keys()

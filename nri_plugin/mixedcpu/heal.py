@@ -190,9 +190,13 @@ class Healer:
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    def _arm_grace(self) -> None:
-        """Have the earliest creation checked when it falls due (only while the timer runs)."""
+    def _arm_grace(self, due: float | None = None) -> None:
+        """Have the earliest creation checked when it falls due (only while the timer runs). `due`:
+        that of the creation just watched; when the timer falls due before it, nothing changes (and
+        the others need no look: a creation after a burst must not cost the burst)."""
         if self._tick is None or not self._creations:
+            return
+        if due is not None and self._grace_timer is not None and self._grace_due <= due:
             return
         due = min(c.due for slots in self._creations.values() for c in slots.values())
         if self._grace_timer is not None:
@@ -225,7 +229,7 @@ class Healer:
             return
         due = self._clock.monotonic() + self.grace
         self._creations.setdefault(slot.pod, {})[slot.name] = _Creation(slot, container.id, path, due)
-        self._arm_grace()
+        self._arm_grace(due)
 
     def note_displaced(self, slot: Slot, record: ContainerRecord) -> None:
         """A new instance took `slot` from `record`'s container, which is dead or dying."""

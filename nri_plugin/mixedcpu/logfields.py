@@ -9,12 +9,14 @@ against the daemon's by a test.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Final
 
 from api.nri import api_pb2 as api
 from cgroups import CpuQuota
 
-__all__ = ["EVENT_NAME", "LOGGER_NAME", "pod_fields", "show_quota"]
+__all__ = ["EVENT_NAME", "LOGGER_NAME", "LaterLines", "pod_fields", "show_quota"]
 
 LOGGER_NAME: Final = "nri_plugin.mixedcpu.plugin"
 EVENT_NAME: Final = "event_name"
@@ -34,3 +36,34 @@ def show_quota(quota: CpuQuota | int | None) -> str:
     if isinstance(quota, CpuQuota):
         quota = quota.quota
     return "unlimited" if quota is None else str(quota)
+
+
+class LaterLines:
+    """Log lines written once the reply has gone out, so that the runtime does not wait for them.
+
+    Rendering a line the daemon's way (JSON, through the stdlib handler) costs more CPU than the
+    rest of an asking creation; the line says what was done, which nothing waits for. `add` queues
+    a line (a callable that logs it) and, when none was waiting, has the running loop write the
+    queue at its next turn: after the reply, which the handler's return writes at once. `flush`
+    writes what waits now: each handler does first, so that a line keeps its place before the next
+    event's. With no running loop, a line is written at once.
+    """
+
+    __slots__ = ("_waiting",)
+
+    def __init__(self) -> None:
+        self._waiting: list[Callable[[], None]] = []
+
+    def add(self, line: Callable[[], None]) -> None:
+        if not self._waiting:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:
+                line()
+                return
+        self._waiting.append(line)
+
+    def flush(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for line in waiting:
+            line()

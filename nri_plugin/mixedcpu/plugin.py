@@ -6,9 +6,10 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
 
 * **CreateContainer** of a container that proves a request (with an allocation marker: kubelet's
   own record is asked first, `allocations`): the pod's quota is raised before the
-  reply, the books saved, and the adjustment goes back. A request that cannot be honoured, or a pod
-  cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors` refusal (the stub
-  answers the runtime with its status code): nothing is left half-configured.
+  reply, the books saved, and the adjustment goes back; its info line is written right after the
+  reply (`logfields.LaterLines`), before anything of the next event. A request that cannot be
+  honoured, or a pod cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors`
+  refusal (the stub answers the runtime with its status code): nothing is left half-configured.
 * **StopContainer / RemoveContainer**: the container's slot is released, its own cgroup quota put
   back to its own value (stop means stop: its cgroup may linger until removal), and the pod quota
   written down to its new target (retried when the kernel refuses it yet).
@@ -45,17 +46,19 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 import structlog
 
 from api.nri import api_pb2 as api
-from cgroups import CgroupLayout
+from cgroups import CgroupLayout, CpuQuota
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.mixedcpu import trace
 from nri_plugin.mixedcpu.allocations import AllocationRecord, ContainerDevices, PodRef, devices_of
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.heal import Healer, HealObserver
-from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
+from nri_plugin.mixedcpu.logfields import LOGGER_NAME, LaterLines, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import (
     MARKER_ANNOTATION,
+    CreatePlan,
     MarkerKey,
     PolicyError,
+    Proof,
     RequestCheck,
     SharedChoice,
     SharedPool,
@@ -86,10 +89,12 @@ _R = TypeVar("_R")
 def _holding_the_books(
     handler: Callable[Concatenate[MixedCpuPlugin, _P], Coroutine[Any, Any, _R]],
 ) -> Callable[Concatenate[MixedCpuPlugin, _P], Coroutine[Any, Any, _R]]:
-    """Run the handler holding `PodQuotas.lock` (free, with no suspension, when nobody holds it)."""
+    """Run the handler holding `PodQuotas.lock` (free, with no suspension, when nobody holds it),
+    after the log lines of the previous events (`LaterLines`)."""
 
     @functools.wraps(handler)
     async def locked(self: MixedCpuPlugin, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self.later.flush()
         async with self.quotas.lock:
             return await handler(self, *args, **kwargs)
 
@@ -162,6 +167,7 @@ class MixedCpuPlugin(
         self.keeper = Bookkeeper(store, clock=clock)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
         self.healer = Healer(self.quotas, interval=reconcile_interval, observer=observer, clock=clock)
+        self.later = LaterLines()  # the info line of each creation, written after its reply
 
     @property
     def books(self) -> Books:
@@ -220,6 +226,7 @@ class MixedCpuPlugin(
     async def create_container(
         self, pod: api.PodSandbox, container: api.Container
     ) -> api.CreateContainerResponse | None:
+        tracing = trace.tracing()  # debug on: the decision trace, asked once per event
         kubelet = await self._kubelet_devices(pod, container)  # first: no await once the books change
         slot = container_slot(pod, container)
         await self.healer.at_pod_event(slot.pod)
@@ -239,9 +246,10 @@ class MixedCpuPlugin(
                 previous_id=displaced.id,
                 **pod_fields(pod, container, event="CreateContainer"),
             )
-        check = self._check(pod, container, event="CreateContainer", kubelet=kubelet)
+        check = self._check(pod, container, event="CreateContainer", kubelet=kubelet, tracing=tracing)
         if check.proof is None:
-            log.debug("no request for shared CPUs", **pod_fields(pod, container, event="CreateContainer"))
+            if tracing:
+                log.debug("no request for shared CPUs", **pod_fields(pod, container, event="CreateContainer"))
             await self._settle_displaced(displaced, pod)
             return None
         try:
@@ -254,27 +262,20 @@ class MixedCpuPlugin(
             await self._settle_displaced(displaced, pod)
             raise _refusal(exc) from None
         _log_fallback(plan.shared, pod, container, "CreateContainer")
-        trace.eligible(pod, container, plan, "CreateContainer")
-        trace.adjustment_chosen(pod, container, plan, "CreateContainer")
+        if tracing:
+            trace.eligible(pod, container, plan, "CreateContainer")
+            trace.adjustment_chosen(pod, container, plan, "CreateContainer")
         record = ContainerRecord(
             id=container.id,
             shared_cpus=len(plan.shared.cpus),
             exclusive=format_cpuset(plan.exclusive),
             device=check.proof.device,
         )
-        before, after = await self.quotas.raise_for(pod, container, slot, record, saved)
-        trace.pod_quota_raised(
-            pod, container, (before, after), self.books.pods.get(slot.pod), "CreateContainer"
-        )
+        quotas = await self.quotas.raise_for(pod, container, slot, record, saved)
+        if tracing:
+            trace.pod_quota_raised(pod, container, quotas, self.books.pods.get(slot.pod), "CreateContainer")
         self.healer.watch_creation(slot, container)
-        log.info(
-            "shared CPUs given",
-            proof=str(check.proof),
-            cpus=format_cpuset(plan.cpus),
-            quota=show_quota(plan.quota),
-            pod_quota=f"{show_quota(before)} -> {show_quota(after)}",
-            **pod_fields(pod, container, event="CreateContainer"),
-        )
+        self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))
         return api.CreateContainerResponse(adjust=plan.adjustment)
 
     @_holding_the_books
@@ -332,6 +333,7 @@ class MixedCpuPlugin(
         await self._release(pod, container, "removed")
 
     async def shutdown(self) -> None:
+        self.later.flush()
         self.flush()
 
     @_holding_the_books
@@ -402,9 +404,11 @@ class MixedCpuPlugin(
         *,
         event: str,
         kubelet: frozenset[str] | None = None,
+        tracing: bool | None = None,
     ) -> RequestCheck:
         """The policy's verdict on the container's request (`kubelet`: the device ids kubelet's record
-        gives it, None when not asked), its refusals and notes logged."""
+        gives it, None when not asked), its refusals and notes logged; traced when `tracing` (None:
+        `trace.tracing`)."""
         if holders is None:
             holders = self.books.device_holders() if MARKER_ANNOTATION in container.annotations else {}
         check = check_request(
@@ -419,7 +423,8 @@ class MixedCpuPlugin(
             log.warning("request refused", reason=refusal, **pod_fields(pod, container, event=event))
         for note in check.notes:
             log.info("request evidence ignored", reason=note, **pod_fields(pod, container, event=event))
-        trace.request_checked(pod, container, check, event)
+        if tracing or (tracing is None and trace.tracing()):
+            trace.request_checked(pod, container, check, event)
         return check
 
     async def _kubelet_devices(self, pod: api.PodSandbox, container: api.Container) -> frozenset[str] | None:
@@ -515,6 +520,25 @@ def _without_hostile_pod_resources(pod: api.PodSandbox) -> api.PodSandbox:
         pod.linux.ClearField("pod_resources")
         pod.linux.ClearField("pod_overhead")
     return pod
+
+
+def _log_given(
+    pod: api.PodSandbox,
+    container: api.Container,
+    proof: Proof,
+    plan: CreatePlan,
+    quotas: tuple[CpuQuota, CpuQuota],
+) -> None:
+    """The info line of a container given shared CPUs (written after the reply: `LaterLines`)."""
+    before, after = quotas
+    log.info(
+        "shared CPUs given",
+        proof=str(proof),
+        cpus=format_cpuset(plan.cpus),
+        quota=show_quota(plan.quota),
+        pod_quota=f"{show_quota(before)} -> {show_quota(after)}",
+        **pod_fields(pod, container, event="CreateContainer"),
+    )
 
 
 def _log_fallback(choice: SharedChoice, pod: api.PodSandbox, container: api.Container, event: str) -> None:

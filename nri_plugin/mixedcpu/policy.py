@@ -444,7 +444,8 @@ def _env(adjust: api.ContainerAdjustment, shared: frozenset[int], exclusive: fro
 
 @dataclass(frozen=True, slots=True)
 class CreatePlan:
-    """What a shared container gets at creation."""
+    """What a shared container gets at creation. Shared by every creation with the same CPUs and
+    limits (`plan_create`): read it, never change its `adjustment`."""
 
     exclusive: frozenset[int]
     cpus: frozenset[int]
@@ -452,6 +453,13 @@ class CreatePlan:
     period: int
     adjustment: api.ContainerAdjustment
     shared: SharedChoice  # its shared CPUs (the pod quota share is their number)
+
+
+# (shared CPUs, the container's cpuset text, its quota and period as given or None) -> its plan.
+_PlanKey = tuple[frozenset[int], str, int | None, int | None]
+_PLANS: dict[_PlanKey, CreatePlan] = {}
+# A node's containers come in a few shapes; more than this many means churn: start afresh.
+_MAX_PLANS: Final = 1024
 
 
 def plan_create(
@@ -462,11 +470,36 @@ def plan_create(
     numa_nodes: NumaNodes | None = None,
 ) -> CreatePlan:
     """The CreateContainer adjustment of a proven container; `PolicyError` if it cannot have one.
-    `numa_nodes` given: its shared CPUs are those local to its exclusive ones (`choose_shared`)."""
-    exclusive = exclusive_cpus(shared, pod, container)
+    `numa_nodes` given: its shared CPUs are those local to its exclusive ones (`choose_shared`).
+
+    The plan depends only on the shared CPUs and the container's cpuset, quota and period: once the
+    pod and the request have passed `exclusive_cpus`' checks, the plan made for the same values
+    before is the answer (without NUMA locality: its node map may change)."""
+    who = _check_eligible(shared, pod, container)
+    cpu = container.linux.resources.cpu
+    key = (
+        shared,
+        cpu.cpus,
+        cpu.quota.value if cpu.HasField("quota") else None,
+        cpu.period.value if cpu.HasField("period") else None,
+    )
+    known = _PLANS.get(key) if numa_nodes is None else None
+    if known is not None:
+        return known
+    exclusive = _exclusive_of(_cpus(cpu.cpus, "cpuset", _Who(pod, container)), shared, who)
+    plan = _new_plan(shared, exclusive, cpu, numa_nodes)
+    if numa_nodes is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _new_plan(
+    shared: frozenset[int], exclusive: frozenset[int], cpu: api.LinuxCPU, numa_nodes: NumaNodes | None
+) -> CreatePlan:
     given = choose_shared(shared, exclusive, numa_nodes)
     cpus = exclusive | given.cpus
-    cpu = container.linux.resources.cpu
     period = _period(cpu)
     quota = len(cpus) * period if _limited(cpu) else None
     adjust = api.ContainerAdjustment()

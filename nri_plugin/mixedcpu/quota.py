@@ -67,6 +67,7 @@ from cgroups import (
     CgroupError,
     CgroupLayout,
     CgroupNotFound,
+    CgroupOpener,
     CgroupPathError,
     CgroupWriteRejected,
     CpuQuota,
@@ -282,6 +283,7 @@ class PodQuotas:
         self._retries: dict[str, Timer] = {}
         self._retrying: set[asyncio.Task[None]] = set()
         self._dirs: dict[str, CgroupDir] = {}  # cgroup parent -> its validated pod cgroup
+        self._opener = CgroupOpener()  # holds the pod cgroups' parent directories
         # Pod key -> the quota last written to (or found at its target in) the pod cgroup here: a
         # value off the target and not this one was written by someone else (`adopt_resize`).
         self._written: dict[str, int | None] = {}
@@ -306,6 +308,11 @@ class PodQuotas:
             found = self._dirs[cgroup_parent] = hierarchy.dir(pod_cgroup_path(cgroup_parent))
         return found
 
+    def open_pod(self, cgroup_parent: str) -> OpenCgroup:
+        """The pod's cgroup held open (one ``openat`` below its held parent: `CgroupOpener`), its
+        CFS limit file held from its read to its write. Raises `CgroupError`."""
+        return self._opener.open(self.pod_dir(cgroup_parent))
+
     # -- CreateContainer -------------------------------------------------------------------------------
 
     async def raise_for(
@@ -329,7 +336,7 @@ class PodQuotas:
         before: CpuQuota | None = None
         pod_dir: OpenCgroup | None = None
         try:
-            pod_dir = open_cgroup(self.pod_dir(pod.linux.cgroup_parent))  # one walk for reads and write
+            pod_dir = self.open_pod(pod.linux.cgroup_parent)  # one walk for reads and write
             before = read_cpu_quota(pod_dir)
             if slot.pod not in books.pods:
                 books.pods[slot.pod] = new_pod_record(pod, before)
@@ -400,7 +407,7 @@ class PodQuotas:
         record = self.books.pods.get(key)
         if record is None or record.baseline_source != "unknown":
             return
-        with contextlib.suppress(CgroupError), open_cgroup(self.pod_dir(cgroup_parent)) as pod_dir:
+        with contextlib.suppress(CgroupError), self.open_pod(cgroup_parent) as pod_dir:
             await self._reconcile(pod_dir, self.books.pods, key, read_cpu_quota(pod_dir))
 
     async def settle(self, key: str, cgroup_parent: str, fields: Mapping[str, str], attempt: int = 0) -> None:
@@ -410,7 +417,7 @@ class PodQuotas:
         if key not in pods:
             return
         try:
-            with open_cgroup(self.pod_dir(cgroup_parent)) as pod_dir:
+            with self.open_pod(cgroup_parent) as pod_dir:
                 now = await self._reconcile(pod_dir, pods, key, read_cpu_quota(pod_dir), attempt)
             self._forget_if_done(key, now)
         except CgroupError as exc:
@@ -516,7 +523,7 @@ class PodQuotas:
         if record is None:
             return None
         try:
-            with open_cgroup(self.pod_dir(pod.linux.cgroup_parent)) as pod_dir:
+            with self.open_pod(pod.linux.cgroup_parent) as pod_dir:
                 current = read_cpu_quota(pod_dir)
                 baseline = None
                 if resources is not None:
@@ -543,7 +550,7 @@ class PodQuotas:
         was healed."""
         record = self.books.pods[key]
         try:
-            pod_dir = open_cgroup(self.pod_dir(record.cgroup_parent))
+            pod_dir = self.open_pod(record.cgroup_parent)
         except CgroupNotFound:
             return PodCheck(PodState.GONE)
         except CgroupError as exc:  # an invalid path, a permission: nothing to say about the pod
@@ -591,7 +598,7 @@ class PodQuotas:
         key = pod_key(pod)
         established = False
         try:
-            with open_cgroup(self.pod_dir(pod.linux.cgroup_parent)) as pod_dir:  # one walk for all
+            with self.open_pod(pod.linux.cgroup_parent) as pod_dir:  # one walk for all
                 current = read_cpu_quota(pod_dir)
                 if previous is not None:
                     pods[key] = _known(pods[key], previous)
@@ -646,8 +653,10 @@ class PodQuotas:
         backoff, then at the pod's next event; `attempt` None (the reconciler's check) schedules no
         retry and logs nothing: its next check tries again.
         """
-        record = rebase(pods[key], current)
-        record = pods[key] = self._adopted(record, current, key, pod_dir)
+        held = pods[key]
+        record = self._adopted(rebase(held, current), current, key, pod_dir)
+        if record is not held:  # (the same record written again would only mark the pod as changed)
+            pods[key] = record
         if ahead is not None:
             ahead()
         target = record.target()
@@ -675,9 +684,10 @@ class PodQuotas:
                 )
             self._retry_later(key, attempt)
             return current
-        now = self._read_back(pod_dir, current.with_quota(target), kind)
-        self._written[key] = now.quota
-        return now
+        # Not read back: a write(2) the kernel accepted set the value (a writer through systemd reads
+        # it back itself); a value someone changes later is the reconciler's to see.
+        self._written[key] = target
+        return current.with_quota(target)
 
     def _adopted(self, record: PodRecord, current: CpuQuota, key: str, pod_dir: Cgroup) -> PodRecord:
         """`adopt_resize`, logged when it finds a resize."""
@@ -699,18 +709,6 @@ class PodQuotas:
             self.keeper.write_ahead(key, pods[key])
         except OSError as exc:
             log.error("cannot save the plugin's state", path=self.keeper.store.path, error=str(exc))
-
-    def _read_back(self, pod_dir: Cgroup, written: CpuQuota, kind: str) -> CpuQuota:
-        target = written.quota
-        now = read_cpu_quota(pod_dir, period=written.period)  # the quota file only: the period stays
-        if now.quota != target:
-            self._write_failed(kind)
-            raise CgroupError(
-                f"{pod_dir}: wrote quota {target} but read back {show_quota(now)} "
-                "(is another agent managing it?)",
-                path=pod_dir.fs_path,
-            )
-        return now
 
     def _write_failed(self, kind: str) -> None:
         if self.observer is not None:

@@ -224,26 +224,47 @@ def _container_from_json(entry: object) -> ContainerRecord:
 
 # -- the journal's operations -------------------------------------------------------------------------------
 
-Operation = list[Any]
+# One operation, encoded: the text of its JSON array (see the module docstring).
+Operation = str
+_NO_SLOTS: Final = Containers()
 
 
 def pod_operations(key: str, old: PodRecord | None, new: PodRecord | None) -> list[Operation]:
-    """What turns the pod's record `old` into `new` (None: absent), as journal operations."""
+    """What turns the pod's record `old` into `new` (None: absent), as encoded journal operations.
+
+    Each is written from its template with the C string encoder: an operation holds only strings,
+    integers and None, and ``json.dumps`` builds an encoder at every call, which cost more than the
+    rest of a creation's write."""
+    pod = _text_json(key)
     if new is None:
-        return [] if old is None else [["X", key]]
+        return [] if old is None else [f'["X",{pod}]']
     ops: list[Operation] = []
     if old is None or _header(old) != _header(new):
-        ops.append(["P", key, new.cgroup_parent, new.baseline, new.period, new.baseline_source])
-    before = old.containers if old is not None else Containers()
+        parent, source = _text_json(new.cgroup_parent), _text_json(new.baseline_source)
+        ops.append(f'["P",{pod},{parent},{_int_json(new.baseline)},{int(new.period)},{source}]')
+    before = old.containers if old is not None else _NO_SLOTS
     if new.containers is before:
         return ops
-    ops.extend(["F", key, name] for name in before if name not in new.containers)
-    ops.extend(
-        ["C", key, name, record.id, record.shared_cpus, record.exclusive, record.device]
-        for name, record in new.containers.items()
-        if before.get(name) != record
-    )
+    ops.extend(f'["F",{pod},{_text_json(name)}]' for name in before if name not in new.containers)
+    for name, record in new.containers.items():
+        if before.get(name) != record:
+            ops.append(_slot_operation(pod, name, record))
     return ops
+
+
+def _slot_operation(pod: str, name: str, record: ContainerRecord) -> Operation:
+    device = "null" if record.device is None else _text_json(record.device)
+    return (
+        f'["C",{pod},{_text_json(name)},{_text_json(record.id)},{int(record.shared_cpus)},'
+        f"{_text_json(record.exclusive)},{device}]"
+    )
+
+
+_text_json = encode_basestring_ascii  # a str as JSON, as json.dumps writes it (ASCII, escaped)
+
+
+def _int_json(value: int | None) -> str:
+    return "null" if value is None else str(int(value))
 
 
 def _header(pod: PodRecord) -> tuple[str, int | None, int, str]:
@@ -252,12 +273,14 @@ def _header(pod: PodRecord) -> tuple[str, int | None, int, str]:
 
 
 def _device_operation(device: str, slot: Slot | None) -> Operation:
-    return ["U", device] if slot is None else ["B", device, slot.pod, slot.name]
+    if slot is None:
+        return f'["U",{_text_json(device)}]'
+    return f'["B",{_text_json(device)},{_text_json(slot.pod)},{_text_json(slot.name)}]'
 
 
 def _encode_operations(ops: list[Operation]) -> bytes:
     """One journal line: the operations of one write, as a JSON array (empty: no line)."""
-    return (json.dumps(ops, separators=(",", ":")) + "\n").encode() if ops else b""
+    return f"[{','.join(ops)}]\n".encode() if ops else b""
 
 
 def apply_operation(books: Books, op: object) -> None:

@@ -4,6 +4,7 @@ every input we refuse."""
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from cgroups import (
     CgroupPath,
     CgroupPathError,
     Hierarchy,
+    check_name,
     container_cgroup_path,
     expand_slice,
     open_cgroup,
@@ -461,3 +463,32 @@ def test_expand_slice_builds_every_level(levels: list[str]) -> None:
     expanded = expand_slice(name).parts
     assert expanded == tuple("-".join(levels[: i + 1]) + ".slice" for i in range(len(levels)))
     assert pod_cgroup_path(name) == pod_cgroup_path("/" + "/".join(expanded))
+
+
+def test_one_match_of_a_cgroupfs_path_decides_as_its_components_do() -> None:
+    """`parse_cgroupfs_path` takes a valid path with one match: exactly the paths whose every
+    component `check_name` takes, with the same refusals for the others."""
+    rnd = random.Random(14)
+    alphabet = "ab9_.:@-/ \x00é"
+
+    def by_component(text: str) -> tuple[str, ...] | None:
+        if not text.startswith("/") or len(text) > 4096:
+            return None
+        if text == "/":
+            return ()
+        parts = tuple(text[1:].split("/"))
+        try:
+            for part in parts:
+                check_name(part, "part")
+        except CgroupPathError:
+            return None
+        return parts
+
+    texts = ["/" + "a" * 255, "/" + "a" * 256, "/..", "/.../a", "/a/..b", "/a.", "/a//b", "/a/"]
+    texts += ["".join(rnd.choice(alphabet) for _ in range(rnd.randrange(10))) for _ in range(20000)]
+    for text in texts:
+        try:
+            parsed: tuple[str, ...] | None = parse_cgroupfs_path(text).parts
+        except CgroupPathError:
+            parsed = None
+        assert parsed == by_component(text), text
