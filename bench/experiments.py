@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import statistics
 import tempfile
@@ -60,6 +61,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str], bool]] = {
     ),
     "info-logs": ("production logging: info level, JSON, to /dev/null", {"BENCH_LOG": "info"}, False),
     "sim-uvloop": ("the simulator on uvloop (the runtime side cheaper)", {}, True),
+    "gc-off": ("no garbage collection, in the plugin or the simulator", {"BENCH_GC": "off"}, False),
     "both-uvloop": ("both on uvloop", {"BENCH_UVLOOP": "1"}, True),
 }
 
@@ -191,6 +193,12 @@ def sync_experiments(rounds: int) -> None:
 def run_variant(
     calls: int, env: dict[str, str], sim_uvloop: bool, asking: bool
 ) -> tuple[float, float, float, float]:
+    if env.get("BENCH_GC") == "off":  # the simulator's side too
+        gc.disable()
+        try:
+            return run_variant(calls, {**env, "BENCH_GC": "off, in the child"}, sim_uvloop, asking)
+        finally:
+            gc.enable()
     if sim_uvloop:
         import uvloop
 
@@ -205,7 +213,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default="", help="comma-separated variant names (baseline is always run)")
     parser.add_argument("--sync", action="store_true", help="Synchronize variants instead of round trips")
-    parser.add_argument("--asking", action="store_true", help="asking creations, first and second of a new pod")
+    parser.add_argument("--asking", action="store_true", help="asking creations, two per new pod")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     if args.sync:

@@ -9,11 +9,13 @@ Experiment knobs (environment): BENCH_UVLOOP=1 runs the stub on uvloop's event l
 installed); BENCH_LOG=info (or debug, warning) configures logging as ``run`` does (JSON on stderr, which
 the benchmark sends to /dev/null) instead of dropping everything below error level. BENCH_STATS=PATH:
 on SIGUSR1 the child writes ``{"state_bytes": N}`` there, the bytes its state store has written.
+BENCH_GC=off: no garbage collection at all (to see what collections cost the round trips).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -98,6 +100,8 @@ def configure_logging() -> None:
 
 if __name__ == "__main__":
     configure_logging()
+    if os.environ.get("BENCH_GC", "").startswith("off"):
+        gc.disable()
     if os.environ.get("BENCH_UVLOOP") == "1":
         import uvloop
 
