@@ -193,18 +193,19 @@ def sync_experiments(rounds: int) -> None:
 def run_variant(
     calls: int, env: dict[str, str], sim_uvloop: bool, asking: bool
 ) -> tuple[float, float, float, float]:
-    if env.get("BENCH_GC") == "off":  # the simulator's side too
+    collecting = env.get("BENCH_GC") != "off"  # off: in the simulator too
+    if not collecting:
         gc.disable()
-        try:
-            return run_variant(calls, {**env, "BENCH_GC": "off, in the child"}, sim_uvloop, asking)
-        finally:
-            gc.enable()
-    if sim_uvloop:
-        import uvloop
+    try:
+        if sim_uvloop:
+            import uvloop
 
-        result: tuple[float, float, float, float] = uvloop.run(one_run(calls, env, asking))
-        return result
-    return asyncio.run(one_run(calls, env, asking))
+            result: tuple[float, float, float, float] = uvloop.run(one_run(calls, env, asking))
+            return result
+        return asyncio.run(one_run(calls, env, asking))
+    finally:
+        if not collecting:
+            gc.enable()
 
 
 def main() -> None:

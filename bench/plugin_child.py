@@ -26,6 +26,7 @@ import structlog
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.common.backoff import Backoff
+from nri_plugin.daemon.app import freeze_start_up_heap
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
@@ -100,8 +101,9 @@ def configure_logging() -> None:
 
 if __name__ == "__main__":
     configure_logging()
-    if os.environ.get("BENCH_GC", "").startswith("off"):
+    if os.environ.get("BENCH_GC") == "off":
         gc.disable()
+    freeze_start_up_heap()  # as the daemon's `Daemon.run` does
     if os.environ.get("BENCH_UVLOOP") == "1":
         import uvloop
 
