@@ -33,6 +33,8 @@ and measures, in order:
   first or second of its pod) into an empty node: the asking round trip's p50 and p99, the CPU time
   each side spent per creation, the first creations against the last, the bytes written to the
   state directory;
+* the floor under those round trips: a bare request and reply between two asyncio processes
+  (bench/echo_floor.py);
 * the plugin's own processing per CreateContainer in this process, bytes in to bytes out, with no
   socket or peer;
 * the reconciler's whole pass over books holding 1,000 shared pods with nothing to heal, in this
@@ -65,6 +67,7 @@ import structlog
 from asking_create import kernel_available
 from asking_create import on_fake_tree as asking_on_fake_tree
 from asking_create import on_kernel as asking_on_kernel
+from echo_floor import measure as echo_measure
 from google.protobuf.internal import api_implementation
 from heal_pass import on_fake_tree
 from workload import (
@@ -569,6 +572,18 @@ def _fill_rows(table: Table, us: list[float], split: tuple[float, float], writte
     )
 
 
+async def echo_floor(table: Table, calls: int) -> None:
+    """The floor under any round trip here: a bare request of a CreateContainer's size and a short
+    reply between two processes each on asyncio's event loop, with no ttrpc, mux or NRI
+    (bench/echo_floor.py, which also compares blocking sockets and uvloop)."""
+    p50, p99, server_cpu = await asyncio.to_thread(echo_measure, "asyncio", "asyncio", calls)
+    table.add_parts(
+        "  floor: a bare 1,950-byte request and 100-byte reply, asyncio to asyncio, no ttrpc or NRI",
+        {"p50": (p50, "µs"), "p99": (p99, "µs"), "server CPU": (server_cpu, "µs")},
+        section=2.1,
+    )
+
+
 async def asking_processing(table: Table, settings: Settings, node: Path) -> None:
     """The plugin's own CPU time per asking CreateContainer, first of its pod, in this process: on the
     fake tree, and (full runs, as root on cgroup v1) on the real kernel's cgroupfs."""
@@ -619,6 +634,7 @@ async def run(settings: Settings) -> Table:
             await creations_round(table, settings, node)
             await synchronize_round(table, settings, node)
             await fill_round(table, settings, node)
+            await echo_floor(table, settings.calls // 2)
             await plugin_processing(table, settings.calls, node)
             await asking_processing(table, settings, node)
             await heal_round(table, settings, node)
