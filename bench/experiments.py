@@ -1,18 +1,20 @@
 """What proposed changes would save per CreateContainer round trip: measured, not guessed.
 
-Usage: python bench/experiments.py [--calls N] [--rounds N] [--only NAME,...] [--sync]
+Usage: python bench/experiments.py [--calls N] [--rounds N] [--only NAME,...] [--sync | --asking]
 
 Each variant runs the round-trip benchmark of run_all.py (the simulator here, the plugin in a child
 process) with one change: the plugin's event loop (uvloop), a glibc tunable, production logging, or a
 change to the core code patched in by bench/experiment_child.py. The variants run interleaved, round
 after round, and the table shows medians over the rounds, so that the machine's noise hits them all
-alike.
+alike. With --asking the round trips are asking creations, each the first or second container of a
+new pod (run_all.py's fill), and the pods are all made before the timed creations.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import statistics
 import tempfile
@@ -59,13 +61,19 @@ VARIANTS: dict[str, tuple[str, dict[str, str], bool]] = {
     ),
     "info-logs": ("production logging: info level, JSON, to /dev/null", {"BENCH_LOG": "info"}, False),
     "sim-uvloop": ("the simulator on uvloop (the runtime side cheaper)", {}, True),
+    "gc-off": ("no garbage collection, in the plugin or the simulator", {"BENCH_GC": "off"}, False),
     "both-uvloop": ("both on uvloop", {"BENCH_UVLOOP": "1"}, True),
 }
 
 
-async def one_run(calls: int, env: dict[str, str]) -> tuple[float, float, float, float]:
+ASKING = ("app-0", "app-1")  # the fill's asking containers, two per pod
+
+
+async def one_run(calls: int, env: dict[str, str], asking: bool = False) -> tuple[float, float, float, float]:
     if "BENCH_PATCH" in env:
         env = {**env, "BENCH_CHILD": PATCHED}
+    if asking:
+        return await asking_run(calls, env)
     with tempfile.TemporaryDirectory(prefix="nri-exp-") as tmp:
         node = Path(tmp)
         cgroup_root, state_dir = fake_node(node, 1)
@@ -88,6 +96,37 @@ async def one_run(calls: int, env: dict[str, str]) -> tuple[float, float, float,
                     await sim.create_container(container)
                     samples.append(time.perf_counter() - started)
                     del sim.containers[container.id]
+                plugin_cpu, own_cpu = plugin.cpu_ns() - plugin_cpu, time.process_time_ns() - own_cpu
+            finally:
+                plugin.stop()
+    us = [s * 1e6 for s in samples]
+    return statistics.median(us), percentile(us, 0.99), plugin_cpu / calls / 1e3, own_cpu / calls / 1e3
+
+
+async def asking_run(calls: int, env: dict[str, str]) -> tuple[float, float, float, float]:
+    """`calls` asking creations into an empty node, two per new pod (the pods made first, untimed)."""
+    pods = (calls + len(ASKING) - 1) // len(ASKING)
+    with tempfile.TemporaryDirectory(prefix="nri-exp-") as tmp:
+        node = Path(tmp)
+        cgroup_root, state_dir = fake_node(node, pods)
+        async with RuntimeSimulator(str(node / "nri.sock")) as sim:
+            plugin = PluginProcess(sim.socket_path, cgroup_root, state_dir, **env)
+            try:
+                await sim.wait_for_plugins(1, timeout=30)
+                containers = []
+                for p in range(pods):
+                    pod = realistic_pod(p, asking=ASKING)
+                    await sim.run_pod_sandbox(pod)
+                    containers += [
+                        realistic_container(pod, p * 5 + c, state=api.CONTAINER_UNKNOWN)
+                        for c in range(len(ASKING))
+                    ]
+                samples = []
+                plugin_cpu, own_cpu = plugin.cpu_ns(), time.process_time_ns()
+                for container in containers[:calls]:
+                    started = time.perf_counter()
+                    await sim.create_container(container)
+                    samples.append(time.perf_counter() - started)
                 plugin_cpu, own_cpu = plugin.cpu_ns() - plugin_cpu, time.process_time_ns() - own_cpu
             finally:
                 plugin.stop()
@@ -151,13 +190,22 @@ def sync_experiments(rounds: int) -> None:
         )
 
 
-def run_variant(calls: int, env: dict[str, str], sim_uvloop: bool) -> tuple[float, float, float, float]:
-    if sim_uvloop:
-        import uvloop
+def run_variant(
+    calls: int, env: dict[str, str], sim_uvloop: bool, asking: bool
+) -> tuple[float, float, float, float]:
+    collecting = env.get("BENCH_GC") != "off"  # off: in the simulator too
+    if not collecting:
+        gc.disable()
+    try:
+        if sim_uvloop:
+            import uvloop
 
-        result: tuple[float, float, float, float] = uvloop.run(one_run(calls, env))
-        return result
-    return asyncio.run(one_run(calls, env))
+            result: tuple[float, float, float, float] = uvloop.run(one_run(calls, env, asking))
+            return result
+        return asyncio.run(one_run(calls, env, asking))
+    finally:
+        if not collecting:
+            gc.enable()
 
 
 def main() -> None:
@@ -166,6 +214,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default="", help="comma-separated variant names (baseline is always run)")
     parser.add_argument("--sync", action="store_true", help="Synchronize variants instead of round trips")
+    parser.add_argument("--asking", action="store_true", help="asking creations, two per new pod")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     if args.sync:
@@ -178,7 +227,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name in names:
             _, env, sim_uvloop = VARIANTS[name]
-            results[name].append(run_variant(args.calls, env, sim_uvloop))
+            results[name].append(run_variant(args.calls, env, sim_uvloop, args.asking))
     base = [statistics.median(r[i] for r in results["baseline"]) for i in range(4)]
     print(f"{args.rounds} rounds of {args.calls} round trips per variant; medians over the rounds.\n")
     print("| variant | p50 | Δ p50 | p99 | plugin CPU / call | Δ plugin CPU | simulator CPU / call |")

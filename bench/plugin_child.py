@@ -9,11 +9,13 @@ Experiment knobs (environment): BENCH_UVLOOP=1 runs the stub on uvloop's event l
 installed); BENCH_LOG=info (or debug, warning) configures logging as ``run`` does (JSON on stderr, which
 the benchmark sends to /dev/null) instead of dropping everything below error level. BENCH_STATS=PATH:
 on SIGUSR1 the child writes ``{"state_bytes": N}`` there, the bytes its state store has written.
+BENCH_GC=off: no garbage collection at all (to see what collections cost the round trips).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ import structlog
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.common.backoff import Backoff
+from nri_plugin.daemon.app import freeze_start_up_heap
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
@@ -98,6 +101,9 @@ def configure_logging() -> None:
 
 if __name__ == "__main__":
     configure_logging()
+    if os.environ.get("BENCH_GC") == "off":
+        gc.disable()
+    freeze_start_up_heap()  # as the daemon's `Daemon.run` does
     if os.environ.get("BENCH_UVLOOP") == "1":
         import uvloop
 

@@ -29,6 +29,12 @@ and measures, in order:
   4 MiB ttrpc message) at the 4 MiB limit and in 1 MiB messages; after the last, the burst of 200
   through the runtime's lock again, onto a plugin whose books hold those 1,000 pods; and the largest
   RSS right after a Synchronize and half a second later;
+* the fill: 1,000 pods run, then their 2,000 asking containers created one after the other (each the
+  first or second of its pod) into an empty node: the asking round trip's p50 and p99, the CPU time
+  each side spent per creation, the first creations against the last, the bytes written to the
+  state directory;
+* the floor under those round trips: a bare request and reply between two asyncio processes
+  (bench/echo_floor.py);
 * the plugin's own processing per CreateContainer in this process, bytes in to bytes out, with no
   socket or peer;
 * the reconciler's whole pass over books holding 1,000 shared pods with nothing to heal, in this
@@ -61,6 +67,7 @@ import structlog
 from asking_create import kernel_available
 from asking_create import on_fake_tree as asking_on_fake_tree
 from asking_create import on_kernel as asking_on_kernel
+from echo_floor import measure as echo_measure
 from google.protobuf.internal import api_implementation
 from heal_pass import on_fake_tree
 from workload import (
@@ -482,8 +489,10 @@ FILL_WINDOW = 200  # creations compared at each end of the fill
 async def fill_round(table: Table, settings: Settings, node: Path) -> None:
     """`fill_pods` pods, each with two containers that ask, created one after the other through the
     runtime into an empty node: the round trip of each asking creation, the first ones (an empty
-    node) against the last ones (a node holding all the others), and the bytes the plugin wrote to
-    its state directory over the fill."""
+    node) against the last ones (a node holding all the others), where each round trip's CPU time
+    goes (the plugin's process, the simulator's), and the bytes the plugin wrote to its state
+    directory over the fill. The pods are run first (RunPodSandbox changes nothing in the plugin's
+    books: the node fills with the creations), so that the CPU times are the creations' alone."""
     pods = settings.fill_pods
     cgroup_root, state_dir = fake_node(node, pods)
     stats = node / "plugin-stats.json"
@@ -492,25 +501,31 @@ async def fill_round(table: Table, settings: Settings, node: Path) -> None:
         try:
             await sim.wait_for_plugins(1, timeout=30)
             written = await plugin.state_bytes(stats)
-            latencies = []
+            containers = []
             for p in range(pods):
                 pod = realistic_pod(p, asking=FILL_ASKING)
                 await sim.run_pod_sandbox(pod)
-                for c in range(len(FILL_ASKING)):
-                    container = realistic_container(
-                        pod, p * CONTAINERS_PER_POD + c, state=api.CONTAINER_UNKNOWN
-                    )
-                    started = time.perf_counter()
-                    await sim.create_container(container)
-                    latencies.append(time.perf_counter() - started)
+                containers += [
+                    realistic_container(pod, p * CONTAINERS_PER_POD + c, state=api.CONTAINER_UNKNOWN)
+                    for c in range(len(FILL_ASKING))
+                ]
+            latencies = []
+            plugin_cpu, own_cpu = plugin.cpu_ns(), time.process_time_ns()
+            for container in containers:
+                started = time.perf_counter()
+                await sim.create_container(container)
+                latencies.append(time.perf_counter() - started)
+            plugin_cpu, own_cpu = plugin.cpu_ns() - plugin_cpu, time.process_time_ns() - own_cpu
             await asyncio.sleep(FLUSH_DELAY + 0.5)  # the last deferred write, a compaction under way
             written = await plugin.state_bytes(stats) - written
         finally:
             plugin.stop()
-    _fill_rows(table, [s * 1e6 for s in latencies], written, pods)
+    creations = len(latencies)
+    split = (plugin_cpu / creations / 1e3, own_cpu / creations / 1e3)
+    _fill_rows(table, [s * 1e6 for s in latencies], split, written, pods)
 
 
-def _fill_rows(table: Table, us: list[float], written: int, pods: int) -> None:
+def _fill_rows(table: Table, us: list[float], split: tuple[float, float], written: int, pods: int) -> None:
     creations = len(us)
     table.add(
         f"asking CreateContainer round trip p50 ({creations:,}, filling a node)",
@@ -526,6 +541,15 @@ def _fill_rows(table: Table, us: list[float], written: int, pods: int) -> None:
         "µs",
         "≤ 500 µs",
         lambda v: v <= 500,
+        section=2.1,
+    )
+    table.add_parts(
+        "  where an asking round trip's time goes (means)",
+        {
+            "wall": (statistics.fmean(us), "µs"),
+            "plugin CPU": (split[0], "µs"),
+            "simulator CPU": (split[1], "µs"),
+        },
         section=2.1,
     )
     window = min(FILL_WINDOW, creations // 2)
@@ -544,6 +568,18 @@ def _fill_rows(table: Table, us: list[float], written: int, pods: int) -> None:
         "B",
         "≤ 1 KiB",
         lambda v: v <= 1024,
+        section=2.1,
+    )
+
+
+async def echo_floor(table: Table, calls: int) -> None:
+    """The floor under any round trip here: a bare request of a CreateContainer's size and a short
+    reply between two processes each on asyncio's event loop, with no ttrpc, mux or NRI
+    (bench/echo_floor.py, which also compares blocking sockets and uvloop)."""
+    p50, p99, server_cpu = await asyncio.to_thread(echo_measure, "asyncio", "asyncio", calls)
+    table.add_parts(
+        "  floor: a bare 1,950-byte request and 100-byte reply, asyncio to asyncio, no ttrpc or NRI",
+        {"p50": (p50, "µs"), "p99": (p99, "µs"), "server CPU": (server_cpu, "µs")},
         section=2.1,
     )
 
@@ -598,6 +634,7 @@ async def run(settings: Settings) -> Table:
             await creations_round(table, settings, node)
             await synchronize_round(table, settings, node)
             await fill_round(table, settings, node)
+            await echo_floor(table, settings.calls // 2)
             await plugin_processing(table, settings.calls, node)
             await asking_processing(table, settings, node)
             await heal_round(table, settings, node)

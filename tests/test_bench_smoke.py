@@ -27,6 +27,8 @@ EXPECTED_ROWS = (
     "plugin's own processing per CreateContainer",
     "asking CreateContainer round trip p50",
     "asking CreateContainer round trip p99",
+    "where an asking round trip's time goes",
+    "floor: a bare 1,950-byte request",
     "creation into an empty node vs one holding",
     "bytes written to the state directory per creation",
     "plugin's own CPU per asking CreateContainer, first of its pod (in-process, fake v1 tree)",

@@ -29,6 +29,7 @@ from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_dae
 
 from api.nri import api_pb2 as api
 from nri_plugin.common.clock import ManualClock
+from nri_plugin.daemon import app
 from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, NRI_ENDED, Daemon, DaemonError
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
@@ -192,6 +193,37 @@ async def test_the_runtime_going_away_for_good_is_status_1_after_a_full_shutdown
         "(or run it without --no-reconnect)"
     )
     assert log == ["start probes", "nri run", "nri ended", "close probes", "flush"]
+
+
+def test_run_freezes_the_start_up_heap_before_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    monkeypatch.setattr(app, "freeze_start_up_heap", lambda: log.append("freeze"))
+    daemon = Daemon(StandInNri(log, ends=True), state=StandInState(log), drain_seconds=0.0)
+    with pytest.raises(DaemonError):
+        daemon.run()
+    assert log == ["freeze", "nri run", "nri ended", "flush"]
+
+
+def test_the_frozen_start_up_heap_keeps_no_garbage_and_is_not_walked_again() -> None:
+    # In a process of its own: a frozen heap is frozen for good.
+    script = """
+import gc, weakref
+from nri_plugin.daemon.app import freeze_start_up_heap
+class Node:
+    pass
+cycle = Node()
+cycle.self = cycle
+gone = weakref.ref(cycle)
+del cycle
+freeze_start_up_heap()
+assert gone() is None, "cyclic garbage frozen"
+assert gc.get_freeze_count() > 1000, gc.get_freeze_count()
+assert len(gc.get_objects(2)) < 100, len(gc.get_objects(2))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=GUARD, check=False
+    )
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.asyncio

@@ -235,6 +235,36 @@ async def test_container_lifecycle(socket_path: Path) -> None:
     ]
 
 
+class EnvAdjuster(Recorder):
+    """Sets one variable the container has, removes another, adds a third, and sets the quota."""
+
+    async def create_container(
+        self, pod: api.PodSandbox, container: api.Container
+    ) -> api.CreateContainerResponse:
+        response = api.CreateContainerResponse()
+        response.adjust.env.add(key="PATH", value="/opt/bin")
+        response.adjust.env.add(key="-HOME")
+        response.adjust.env.add(key="NEW", value="1")
+        response.adjust.linux.resources.cpu.quota.value = 400000
+        return response
+
+
+@pytest.mark.asyncio
+async def test_env_and_cpu_adjustments_applied_as_the_spec_generator_does(socket_path: Path) -> None:
+    async with RuntimeSimulator(socket_path) as sim, plugin_running(EnvAdjuster(), socket_path):
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        container = make_container(pod, 1)
+        container.env.extend(["HOME=/root", "PATH=/usr/bin", "LANG=C"])
+        result = await sim.create_container(container)
+    # Every entry of a name set or removed goes; the ones set come last, in the adjustment's order.
+    assert list(result.container.env) == ["LANG=C", "PATH=/opt/bin", "NEW=1"]
+    cpu = result.container.linux.resources.cpu
+    assert (cpu.quota.value, cpu.period.value, cpu.cpus) == (400000, 100000, "2-3")
+    assert list(container.env) == ["PATH=/bin", "HOME=/root", "PATH=/usr/bin", "LANG=C"]  # the CRI's copy
+
+
 @pytest.mark.asyncio
 async def test_state_change_events_on_older_runtime(socket_path: Path) -> None:
     """CRI-O 1.36 (NRI v0.11) sends start/remove through StateChange; the stub delivers them the same."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -56,6 +57,7 @@ __all__ = [
     "NriSide",
     "Service",
     "State",
+    "freeze_start_up_heap",
 ]
 
 log = structlog.get_logger("nri_plugin.daemon.app")
@@ -144,6 +146,7 @@ class Daemon:
 
     def run(self) -> int:
         """Serve in a new event loop until stopped; the exit status. Raises `DaemonError`."""
+        freeze_start_up_heap()
         return asyncio.run(self.main())
 
     async def main(self) -> int:
@@ -213,6 +216,20 @@ class Daemon:
             return
         log.info("signal received, shutting down", signal=name)
         self.stop()
+
+
+def freeze_start_up_heap() -> None:
+    """Take what start-up built (the modules, the config, the plugin and its books as loaded) out of
+    the garbage collector's sight for good.
+
+    A full collection walks every tracked object: over the daemon's start-up heap (some 42,000
+    objects) that is 28 ms of CPU on the development VM, a pause that whichever request triggers it
+    waits through, and it comes back every time the heap has grown by a quarter. Frozen, those
+    objects are never walked again (a full collection right after takes well under a millisecond).
+    Cyclic garbage is collected first, so that nothing already unreachable is kept for good.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 async def let_leftover_tasks_finish(seconds: float) -> None:

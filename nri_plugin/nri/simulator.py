@@ -28,7 +28,7 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from google.protobuf.message import Message
@@ -186,6 +186,10 @@ class RuntimeSimulator:
         self.omitted: list[tuple[str, str]] = []
         self._released: set[str] = set()  # containers whose resources are gone
         self._plugins: list[PluginConnection] = []
+        # `plugins`, and each event's subscribers among them, kept until a plugin joins or leaves
+        # (`_plugins_changed`): an event reads them instead of sorting and filtering every time.
+        self._ready: tuple[PluginConnection, ...] = ()
+        self._subscribed: dict[Event, tuple[PluginConnection, ...]] = {}
         self._changed = asyncio.Condition()
         # Runtimes hold one lock for a whole event across all plugins, and take it again to apply a
         # plugin's unsolicited updates (so a plugin that waits for those inside a handler stalls).
@@ -219,6 +223,7 @@ class RuntimeSimulator:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._plugins.clear()
+        self._plugins_changed()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
@@ -232,7 +237,12 @@ class RuntimeSimulator:
     @property
     def plugins(self) -> list[PluginConnection]:
         """Plugins that registered, configured and synchronized, in index order."""
-        return sorted((p for p in self._plugins if p.synchronized), key=lambda p: p.index)
+        return list(self._ready)
+
+    def _plugins_changed(self) -> None:
+        """A plugin was synchronized or left: which plugins events go to, and in what order."""
+        self._ready = tuple(sorted((p for p in self._plugins if p.synchronized), key=lambda p: p.index))
+        self._subscribed = {}
 
     async def wait_for_plugins(self, count: int = 1, timeout: float = 5.0) -> list[PluginConnection]:
         async with self._changed:
@@ -369,6 +379,7 @@ class RuntimeSimulator:
         for update in replies:
             self._apply_update(update, source=plugin.full_name)
         plugin.synchronized = True
+        self._plugins_changed()
 
     async def _sync_messages(
         self, plugin: PluginConnection, pods: list[api.PodSandbox], containers: list[api.Container]
@@ -445,6 +456,7 @@ class RuntimeSimulator:
     def _drop(self, plugin: PluginConnection, reason: str) -> None:
         if plugin in self._plugins:
             self._plugins.remove(plugin)
+            self._plugins_changed()
             self._record("drop", plugin.full_name, outcome="dropped", detail=reason)
             if reason == "connection closed":
                 log.info("plugin disconnected", plugin=plugin.full_name)
@@ -455,8 +467,13 @@ class RuntimeSimulator:
     def _record(self, event: str, plugin: str, **fields: str) -> None:
         self.records.append(Record(event=event, plugin=plugin, **fields))
 
-    def _subscribers(self, event: Event) -> list[PluginConnection]:
-        return [p for p in self.plugins if p.subscribed(event)]
+    def _subscribers(self, event: Event) -> tuple[PluginConnection, ...]:
+        """The plugins `event` goes to, in index order (a tuple: a plugin dropped during the event
+        makes a new one, and the event goes on over the one it started with)."""
+        found = self._subscribed.get(event)
+        if found is None:
+            found = self._subscribed[event] = tuple(p for p in self._ready if p.subscribed(event))
+        return found
 
     async def _state_event(self, event: Event, pod: api.PodSandbox, container: api.Container | None) -> None:
         """Deliver a StateChange-class event, on the dedicated v0.12 method where the plugin has it."""
@@ -587,7 +604,7 @@ class RuntimeSimulator:
         if not validators:
             return
         route = EVENT_ROUTES[Event.VALIDATE_CONTAINER_ADJUSTMENT]
-        consulted = [api.PluginInstance(name=p.name, index=p.index) for p in self.plugins]
+        consulted = [api.PluginInstance(name=p.name, index=p.index) for p in self._ready]
         for plugin in validators:
             request = api.ValidateContainerAdjustmentRequest(
                 pod=pod, container=pristine, adjust=adjust, update=updates, plugins=consulted
@@ -630,9 +647,7 @@ class RuntimeSimulator:
                         others.append(update)
             # Runtimes change only what the update carries: kubelet's CPU manager sends a cpuset
             # alone, and the container keeps its quota and period.
-            merged = _copy(container.linux.resources)
-            _merge_resources(merged, applied, {}, "")
-            _set_resources(container, merged)
+            _merge_resources(container.linux.resources, applied, {}, "")
             for update in others:
                 self._apply_update(update, source=route.method)
             return applied
@@ -690,9 +705,7 @@ class RuntimeSimulator:
                 detail="no such container",
             )
             return False
-        merged = _copy(container.linux.resources)
-        _merge_resources(merged, update.linux.resources, {}, source)
-        _set_resources(container, merged)
+        _merge_resources(container.linux.resources, update.linux.resources, {}, source)
         self.applied_updates.append(update)
         return True
 
@@ -712,9 +725,7 @@ class _Dropped(Exception):
     """The plugin failed fatally during a multi-step exchange."""
 
 
-_CpuScalar = Literal["shares", "quota", "period", "realtime_runtime", "realtime_period"]
-_CPU_SCALARS: tuple[_CpuScalar, ...] = ("shares", "quota", "period", "realtime_runtime", "realtime_period")
-_CPU_STRINGS = ("cpus", "mems")
+_CPU_STRINGS = frozenset({"cpus", "mems"})  # LinuxCPU's string fields; the others are wrapper messages
 
 
 _M = TypeVar("_M", bound=Message)
@@ -737,16 +748,16 @@ def _claim(claims: dict[str, str], key: str, owner: str) -> None:
 def _merge_resources(
     target: api.LinuxResources, source: api.LinuxResources, claims: dict[str, str], owner: str
 ) -> None:
-    """Copy the CPU fields ``source`` sets into ``target`` (the only ones our plugins touch)."""
-    for name in _CPU_SCALARS:
-        if source.cpu.HasField(name):
-            _claim(claims, f"cpu.{name}", owner)
-            getattr(target.cpu, name).CopyFrom(getattr(source.cpu, name))
-    for text_field in _CPU_STRINGS:
-        value = getattr(source.cpu, text_field)
-        if value:
-            _claim(claims, f"cpu.{text_field}", owner)
-            setattr(target.cpu, text_field, value)
+    """Copy the CPU fields ``source`` sets into ``target`` (the only ones our plugins touch).
+    `ListFields` names just the fields set (a wrapper present, a string not empty): an adjustment
+    sets two or three of the seven."""
+    for descriptor, value in source.cpu.ListFields():
+        name = descriptor.name
+        _claim(claims, f"cpu.{name}", owner)
+        if name in _CPU_STRINGS:
+            setattr(target.cpu, name, value)
+        else:
+            getattr(target.cpu, name).CopyFrom(value)
 
 
 def _merge_adjustment(
@@ -762,27 +773,21 @@ def _merge_adjustment(
 
 
 def _apply_adjustment(container: api.Container, adjust: api.ContainerAdjustment) -> None:
-    """What the runtime's OCI spec generator does with env and CPU adjustments."""
-    env = list(container.env)
-    for item in adjust.env:
-        name = item.key.lstrip("-")
-        env = [e for e in env if e.split("=", 1)[0] != name]
-        if not item.key.startswith("-"):
-            env.append(f"{item.key}={item.value}")
-    del container.env[:]
-    container.env.extend(env)
+    """What the runtime's OCI spec generator does with env and CPU adjustments. Each env name comes
+    once in `adjust` (`_merge_adjustment` refused it otherwise): a name set or removed ("-NAME")
+    loses its old entries, and one set goes at the end, in the adjustment's order."""
+    if adjust.env:
+        touched = {item.key.lstrip("-") for item in adjust.env}
+        env = [e for e in container.env if e.partition("=")[0] not in touched]
+        env += [f"{item.key}={item.value}" for item in adjust.env if not item.key.startswith("-")]
+        del container.env[:]
+        container.env.extend(env)
     for key, value in adjust.annotations.items():
         if key.startswith("-"):
             container.annotations.pop(key[1:], None)
         else:
             container.annotations[key] = value
-    merged = _copy(container.linux.resources)
-    _merge_resources(merged, adjust.linux.resources, {}, "")
-    _set_resources(container, merged)
-
-
-def _set_resources(container: api.Container, resources: api.LinuxResources) -> None:
-    container.linux.resources.CopyFrom(resources)
+    _merge_resources(container.linux.resources, adjust.linux.resources, {}, "")
 
 
 def env_of(container: api.Container) -> dict[str, str]:

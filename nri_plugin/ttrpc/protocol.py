@@ -76,6 +76,8 @@ class MessageType(enum.IntEnum):
 
 
 _TYPES: Final = frozenset(MessageType)
+# The type of a received header's raw byte: a dict lookup, where calling the enum costs a microsecond.
+_TYPE_OF: Final = {member.value: member for member in MessageType}
 
 
 # Status texts sent by the Go server for the same conditions; peers may log or compare them.
@@ -165,9 +167,9 @@ class FrameDecoder:
         if self._discard or len(self._buffer) < HEADER_SIZE:
             return self._need_data()
         length, stream_id, raw_type, flags = self._buffer.unpack_header(_HEADER)
-        if raw_type not in _TYPES:
+        type_ = _TYPE_OF.get(raw_type)
+        if type_ is None:
             raise RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
-        type_ = MessageType(raw_type)
         if length > self._max_data:
             self._start_discard(length)
             return OversizedFrame(stream_id=stream_id, type=type_, flags=flags, length=length)
