@@ -185,12 +185,26 @@ def test_any_bytes_give_a_config_or_one_error_line(tmp_path_factory: Any, data: 
 # -- what the fuzzing found --------------------------------------------------------------------------------
 
 
-def test_deeply_nested_arrays_are_a_config_error_not_a_crash(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("recursion_limit", "message"),
+    [
+        (1000, "nested too deeply"),  # the interpreter's default: tomllib runs out of frames
+        (100_000, "unknown key"),  # raised (hypothesis raises it while it runs): parsed, then refused
+    ],
+)
+def test_deeply_nested_arrays_are_a_config_error_not_a_crash(
+    tmp_path: Path, recursion_limit: int, message: str
+) -> None:
     path = tmp_path / "config.toml"
-    for nested in ("[" * 5000 + "]" * 5000, "{a = " * 5000 + "1" + "}" * 5000):
-        path.write_text(f'shared_cpuset = "0-1"\nx = {nested}\n')
-        with pytest.raises(ConfigError, match="nested too deeply"):
-            load_config(path, check=False)
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(recursion_limit)  # the outcome depends on it: pinned, not inherited
+    try:
+        for nested in ("[" * 5000 + "]" * 5000, "{a = " * 5000 + "1" + "}" * 5000):
+            path.write_text(f'shared_cpuset = "0-1"\nx = {nested}\n')
+            with pytest.raises(ConfigError, match=message):
+                load_config(path, check=False)
+    finally:
+        sys.setrecursionlimit(before)
 
 
 @pytest.mark.parametrize("key", ["a\nb", "a\rb", "\u202eevil", "x\0y", "caf\u00e9", "\u0430dmin"])
