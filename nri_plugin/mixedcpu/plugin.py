@@ -381,7 +381,13 @@ class MixedCpuPlugin(
             return self._check(pod, container, holders, event="Synchronize", kubelet=kubelet)
 
         rebuilt = rebuild_books(
-            self.shared, previous, pods, containers, check_at_sync, numa_nodes=self.pool.numa_nodes
+            self.shared,
+            previous,
+            pods,
+            containers,
+            check_at_sync,
+            numa_nodes=self.pool.numa_nodes,
+            check_all=trace.tracing(),
         )
         present = {pod_key(pod): pod for pod in pods}
         self.healer.before_sync(previous, containers)

@@ -32,6 +32,7 @@ from nri_plugin.mixedcpu.policy import (
     cpus_or_empty,
     plan_sync,
     pod_key,
+    shows_evidence,
 )
 
 __all__ = ["CheckRequest", "PendingUpdate", "Rebuilt", "rebuild_books", "updates_to_send"]
@@ -75,10 +76,15 @@ def rebuild_books(
     check: CheckRequest,
     *,
     numa_nodes: NumaNodes | None = None,
+    check_all: bool = False,
 ) -> Rebuilt:
     """New books holding a slot for every live container that proves a request and can have the
     `shared` CPUs (with `numa_nodes`, those local to its exclusive ones); pods get placeholder records
-    (`quota.PodQuotas.sync_pods` fills them in)."""
+    (`quota.PodQuotas.sync_pods` fills them in).
+
+    Only the containers that show some evidence (`policy.shows_evidence`) are checked: for the others
+    `check` could prove and note nothing. `check_all` checks every live container all the same (the
+    decision trace writes a line for each)."""
     by_sandbox = {pod.id: pod for pod in pods}
     present = {pod_key(pod): pod for pod in pods}
     known = {record.id: record for _, record in previous.slots()}
@@ -88,18 +94,25 @@ def rebuild_books(
     where = {slot.pod: present[slot.pod].linux.cgroup_parent for slot in bound.values()}
     rebuilt = Rebuilt(Books({}, bound, where))
     pool = SharedPool(shared, numa_nodes)
-    for container in _live(containers, by_sandbox, known):
+    for container in _live(containers, by_sandbox, known, check_all):
         pod = by_sandbox[container.pod_sandbox_id]
         _adopt(rebuilt, pool, pod, container, known.get(container.id), check)
     return rebuilt
 
 
 def _live(
-    containers: Iterable[api.Container], by_sandbox: Mapping[str, api.PodSandbox], known: Mapping[str, object]
+    containers: Iterable[api.Container],
+    by_sandbox: Mapping[str, api.PodSandbox],
+    known: Mapping[str, object],
+    check_all: bool,
 ) -> list[api.Container]:
     """The containers to look at, those the books already knew first: a replayed marker must not
     evict its real holder."""
-    live = [c for c in containers if c.state != _GONE and c.pod_sandbox_id in by_sandbox]
+    live = []
+    for container in containers:
+        pod = by_sandbox.get(container.pod_sandbox_id)
+        if pod is not None and container.state != _GONE and (check_all or shows_evidence(pod, container)):
+            live.append(container)
     live.sort(key=lambda c: (c.id not in known, c.created_at, c.id))
     return live
 

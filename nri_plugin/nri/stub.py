@@ -210,7 +210,7 @@ class _Session:
 
     pods: list[api.PodSandbox] = field(default_factory=list)
     containers: list[api.Container] = field(default_factory=list)
-    # Serialized bytes of the chunks gathered so far.
+    # Bytes of the chunks gathered so far, as received (their ttrpc envelopes included).
     size: int = 0
     # Where the connection was when the synchronization began: where a failed one goes back to.
     before_sync: ConnectionState = ConnectionState.CONFIGURED
@@ -571,10 +571,12 @@ class Stub:
         return api.ConfigureResponse(events=events)
 
     async def _synchronize(
-        self, session: _Session, request: api.SynchronizeRequest, _ctx: object
+        self, session: _Session, request: api.SynchronizeRequest, ctx: CallContext
     ) -> api.SynchronizeResponse:
         self._sync_began(session)
-        session.size += request.ByteSize()
+        # The bytes received, as the ttrpc server counted them: a chunk's ByteSize() would walk
+        # all of its objects again (10 ms for a 4 MiB chunk).
+        session.size += ctx.request_size
         if session.size > self.max_sync_bytes:
             raise self._sync_too_large(session)
         session.pods.extend(request.pods)

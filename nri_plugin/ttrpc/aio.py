@@ -89,6 +89,9 @@ class CallContext:
     timeout_nano: int
     # `loop.time()` at which the server gives up on the handler; None when there is no budget.
     deadline: float | None
+    # Bytes of the request as received (its ttrpc envelope and payload): what a handler that
+    # gathers several requests counts against its limit, without serializing them again.
+    request_size: int = 0
 
     def time_remaining(self) -> float | None:
         """Seconds left of the budget (never negative), or None when unbounded."""
@@ -273,6 +276,7 @@ def _context(event: RequestReceived) -> CallContext:
         metadata=tuple((kv.key, kv.value) for kv in request.metadata) if request.metadata else (),
         timeout_nano=request.timeout_nano,
         deadline=deadline,
+        request_size=event.size,
     )
 
 

@@ -191,10 +191,12 @@ class FrameDecoder:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RequestReceived:
-    """A well-formed request on a fresh stream; answer it with `ServerSession.send_response`."""
+    """A well-formed request on a fresh stream; answer it with `ServerSession.send_response`.
+    `size`: the bytes of its ttrpc message data (the envelope and the payload in it)."""
 
     stream_id: int
     request: request_pb2.Request
+    size: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -313,7 +315,7 @@ class ServerSession:
             self._reply(frame.stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
             return None
         self._active.add(frame.stream_id)
-        return RequestReceived(stream_id=frame.stream_id, request=request)
+        return RequestReceived(stream_id=frame.stream_id, request=request, size=len(frame.data))
 
 
 # --- client --------------------------------------------------------------------------------------
