@@ -179,9 +179,20 @@ class Server:
         # The budget counts from arrival, not from when the handler first runs.
         running = _Running()
         ctx = _context(event)
-        coro = self._serve(event, ctx, running)
+        try:
+            # Decoded now: the handler's coroutine holds the request message, not the ttrpc envelope
+            # around it (a second copy of a Synchronize chunk's megabytes, for as long as it runs).
+            method = self._lookup(ctx.service, ctx.method)
+            request = _decode_payload(method, event.request.payload)
+        except TtrpcError as exc:
+            self._respond(event.stream_id, b"", exc.code, exc.message)
+            return
+        coro = self._serve(event.stream_id, method, request, ctx, running)
+        del request
         loop = asyncio.get_running_loop()
-        if not _EAGER:
+        if not _EAGER or event.size >= _LARGE_REQUEST:
+            # A large request (a Synchronize chunk) waits for the next turn of the loop: by then the
+            # buffers that carried its bytes here are gone, and its handler runs without them.
             running.task = loop.create_task(coro, name=_task_name(event))
         else:
             # Run the handler now, inside this callback, up to its first real suspension: a handler
@@ -199,18 +210,23 @@ class Server:
         self._tasks.add(running.task)
         running.task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, event: RequestReceived, ctx: CallContext, running: _Running) -> None:
-        code, message, payload = await self._call(event, ctx, running)
-        self._respond(event.stream_id, payload, code, message)
+    async def _serve(
+        self,
+        stream_id: int,
+        method: UnaryMethod[Any, Any],
+        request: Message,
+        ctx: CallContext,
+        running: _Running,
+    ) -> None:
+        code, message, payload = await self._call(method, request, ctx, running)
+        self._respond(stream_id, payload, code, message)
 
     async def _call(
-        self, event: RequestReceived, ctx: CallContext, running: _Running
+        self, method: UnaryMethod[Any, Any], request: Message, ctx: CallContext, running: _Running
     ) -> tuple[int, str, bytes]:
         """Run the handler; returns (code, message, payload) of the response."""
-        request = event.request
         try:
-            method = self._lookup(request.service, request.method)
-            reply = await _with_budget(method.handler(_decode_payload(method, request.payload), ctx), running)
+            reply = await _with_budget(method.handler(request, ctx), running)
             return Code.OK, "", reply.SerializeToString()
         except TtrpcError as exc:
             return exc.code, exc.message, b""
@@ -221,8 +237,8 @@ class Server:
             if suppressed is not None:
                 logger.exception(
                     "ttrpc handler %s/%s failed%s",
-                    request.service,
-                    request.method,
+                    ctx.service,
+                    ctx.method,
                     suppressed_note(suppressed),
                 )
             # Go sends err.Error(); an exception without text still needs a readable message.
@@ -316,6 +332,8 @@ class _Running:
 
 # Eager start needs create_task(context=...), which came in Python 3.11.
 _EAGER = sys.version_info >= (3, 11)
+# Requests at least this large (only Synchronize chunks are) start in a task of their own.
+_LARGE_REQUEST = 64 * 1024
 
 
 async def _resume(coro: Coroutine[Any, Any, None], pending: Any) -> None:
