@@ -489,6 +489,28 @@ async def test_handler_that_never_waits_is_answered_inside_data_received() -> No
 
 
 @pytest.mark.asyncio
+async def test_a_large_request_is_answered_from_a_task_without_its_envelope() -> None:
+    """A request of 64 KiB or more (a Synchronize chunk) is not handled inside data_received: it
+    starts at the next turn of the loop, once the buffers that carried it are let go; its handler
+    gets the decoded message and the request's size, and holds no ttrpc envelope."""
+    sent: list[bytes] = []
+    seen: list[tuple[int, int]] = []
+
+    async def measure(request: StringValue, ctx: CallContext) -> StringValue:
+        seen.append((len(request.value), ctx.request_size))
+        return StringValue(value="ok")
+
+    server = Server({ECHO: {"Measure": UnaryMethod(StringValue, measure)}}, sent.append)
+    big = StringValue(value="x" * (64 * 1024)).SerializeToString()
+    message = raw_request(1, "Measure", big)
+    server.data_received(message)
+    assert sent == []  # not yet: it waits for the loop
+    await guard(server.wait_closed())
+    assert decode_responses(sent) == [(1, 0, "", StringValue(value="ok").SerializeToString())]
+    assert seen == [(64 * 1024, len(message) - 10)]  # the size: the frame's data, its header aside
+
+
+@pytest.mark.asyncio
 async def test_handler_suspending_after_an_eager_start_keeps_its_context() -> None:
     """A handler started eagerly and resumed in a task sees one context throughout (tokens stay valid)."""
     var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
