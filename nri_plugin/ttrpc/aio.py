@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
 
@@ -32,6 +32,7 @@ from nri_plugin.ttrpc.errors import (
 )
 from nri_plugin.ttrpc.logbudget import LogBudget, suppressed_note
 from nri_plugin.ttrpc.protocol import (
+    LARGE_REQUEST,
     ClientSession,
     RequestReceived,
     ResponseReceived,
@@ -179,22 +180,20 @@ class Server:
         # The budget counts from arrival, not from when the handler first runs.
         running = _Running()
         ctx = _context(event)
-        try:
-            # Decoded now: the handler's coroutine holds the request message, not the ttrpc envelope
-            # around it (a second copy of a Synchronize chunk's megabytes, for as long as it runs).
-            method = self._lookup(ctx.service, ctx.method)
-            request = _decode_payload(method, event.request.payload)
-        except TtrpcError as exc:
-            self._respond(event.stream_id, b"", exc.code, exc.message)
-            return
-        coro = self._serve(event.stream_id, method, request, ctx, running)
-        del request
         loop = asyncio.get_running_loop()
-        if not _EAGER or event.size >= _LARGE_REQUEST:
-            # A large request (a Synchronize chunk) waits for the next turn of the loop: by then the
-            # buffers that carried its bytes here are gone, and its handler runs without them.
-            running.task = loop.create_task(coro, name=_task_name(event))
+        if not _EAGER or event.size >= LARGE_REQUEST:
+            # A large request (a Synchronize chunk) is decoded and handled at the next turn of the
+            # loop: by then the buffers that carried its bytes here are gone.
+            running.task = loop.create_task(
+                self._decode_and_serve(event, ctx, running), name=_task_name(event)
+            )
         else:
+            try:
+                method, request = self._decode(event, ctx)
+            except TtrpcError as exc:
+                self._respond(event.stream_id, b"", exc.code, exc.message)
+                return
+            coro = self._serve(event.stream_id, method, request, ctx, running)
             # Run the handler now, inside this callback, up to its first real suspension: a handler
             # that never waits is answered without a task and without extra event-loop iterations
             # (each one costs an epoll call), which is most of the plugin's share of a round trip.
@@ -209,6 +208,22 @@ class Server:
         running.arm(loop, ctx.deadline)
         self._tasks.add(running.task)
         running.task.add_done_callback(self._tasks.discard)
+
+    def _decode(self, event: RequestReceived, ctx: CallContext) -> tuple[UnaryMethod[Any, Any], Message]:
+        """The method called and its request message; `TtrpcError` for an unknown one or bad bytes."""
+        method = self._lookup(ctx.service, ctx.method)
+        return method, _decode_payload(method, event.data)
+
+    async def _decode_and_serve(self, event: RequestReceived, ctx: CallContext, running: _Running) -> None:
+        stream_id = event.stream_id
+        try:
+            method, request = self._decode(event, ctx)
+        except TtrpcError as exc:
+            self._respond(stream_id, b"", exc.code, exc.message)
+            return
+        # The handler holds the decoded message, not the bytes it came in (nor the ttrpc envelope).
+        del event
+        await self._serve(stream_id, method, request, ctx, running)
 
     async def _serve(
         self,
@@ -296,9 +311,10 @@ def _context(event: RequestReceived) -> CallContext:
     )
 
 
-def _decode_payload(method: UnaryMethod[ReqT, Any], payload: bytes) -> ReqT:
+def _decode_payload(method: UnaryMethod[ReqT, Any], payload: bytes | memoryview) -> ReqT:
     try:
-        return method.request_type.FromString(payload)
+        # A view is parsed in place (the stubs say bytes; upb takes any buffer, without a copy).
+        return method.request_type.FromString(cast(bytes, payload))
     except DecodeError as exc:
         raise TtrpcError(Code.INTERNAL, f"ttrpc: error unmarshalling payload: {exc}") from exc
 
@@ -332,8 +348,6 @@ class _Running:
 
 # Eager start needs create_task(context=...), which came in Python 3.11.
 _EAGER = sys.version_info >= (3, 11)
-# Requests at least this large (only Synchronize chunks are) start in a task of their own.
-_LARGE_REQUEST = 64 * 1024
 
 
 async def _resume(coro: Coroutine[Any, Any, None], pending: Any) -> None:

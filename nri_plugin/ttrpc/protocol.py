@@ -36,6 +36,7 @@ __all__ = [
     "FLAG_REMOTE_CLOSED",
     "FLAG_REMOTE_OPEN",
     "HEADER_SIZE",
+    "LARGE_REQUEST",
     "MAX_DATA",
     "MAX_STREAM_ID",
     "NEED_DATA",
@@ -192,11 +193,19 @@ class FrameDecoder:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RequestReceived:
     """A well-formed request on a fresh stream; answer it with `ServerSession.send_response`.
-    `size`: the bytes of its ttrpc message data (the envelope and the payload in it)."""
+    `size`: the bytes of its ttrpc message data (the envelope and the payload in it). `payload`: for a
+    large request (`LARGE_REQUEST` bytes or more), its payload, a view of the bytes received, kept out
+    of `request` (whose ``payload`` is then empty); None: it is ``request.payload``."""
 
     stream_id: int
     request: request_pb2.Request
     size: int = 0
+    payload: memoryview | None = None
+
+    @property
+    def data(self) -> bytes | memoryview:
+        """The request's payload, wherever it is."""
+        return self.payload if self.payload is not None else self.request.payload
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -230,6 +239,61 @@ def _response_message(stream_id: int, payload: bytes, code: int, message: str) -
     if code != Code.OK:
         response.status.CopyFrom(status_pb2.Status(code=code, message=message))
     return encode_frame(stream_id, MessageType.RESPONSE, 0, response.SerializeToString())
+
+
+# Requests at least this large (only Synchronize chunks are) keep their payload out of the envelope.
+LARGE_REQUEST: Final = 64 * 1024
+
+# Wire types of the protobuf encoding (what follows a field's key).
+_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
+_PAYLOAD_FIELD: Final = 3  # ttrpc.Request.payload
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The base-128 varint at `pos` and the position after it; IndexError when cut short."""
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80 or shift > 63:
+            return value, pos
+        shift += 7
+
+
+def _split_payload(data: bytes) -> tuple[bytes, memoryview | None]:
+    """A ttrpc.Request's bytes without its payload field, and the payload as a view of `data` (no
+    copy of its megabytes: parsing the envelope would copy it once, and reading ``payload`` once
+    more). Only a plainly well-formed envelope with one payload is split; any other comes back whole,
+    with None, for the protobuf decoder to parse (or refuse) as it always does."""
+    found: tuple[int, int, int] | None = None  # the payload field's start, its bytes' start and end
+    pos, end = 0, len(data)
+    try:
+        while pos < end:
+            field_start = pos
+            key, pos = _varint(data, pos)
+            wire = key & 7
+            if key >> 3 == 0 or (key >> 3 == _PAYLOAD_FIELD and wire != _LEN):
+                return data, None
+            if wire == _VARINT:
+                _, pos = _varint(data, pos)
+            elif wire == _LEN:
+                length, pos = _varint(data, pos)
+                if key >> 3 == _PAYLOAD_FIELD:
+                    if found is not None:
+                        return data, None
+                    found = (field_start, pos, pos + length)
+                pos += length
+            elif wire in (_FIXED64, _FIXED32):
+                pos += 8 if wire == _FIXED64 else 4
+            else:
+                return data, None
+    except IndexError:
+        return data, None
+    if found is None or pos != end:
+        return data, None
+    field_start, begin, stop = found
+    return data[:field_start] + data[stop:], memoryview(data)[begin:stop]
 
 
 # --- server --------------------------------------------------------------------------------------
@@ -309,13 +373,18 @@ class ServerSession:
             self._reply(frame.stream_id, Code.INVALID_ARGUMENT, _MSG_REUSED_ID)
             return None
         self._last_stream_id = frame.stream_id
+        data, payload = frame.data, None
+        if len(data) >= LARGE_REQUEST:
+            data, payload = _split_payload(data)
         try:
-            request = request_pb2.Request.FromString(frame.data)
+            request = request_pb2.Request.FromString(data)
         except DecodeError as exc:
             self._reply(frame.stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
             return None
         self._active.add(frame.stream_id)
-        return RequestReceived(stream_id=frame.stream_id, request=request, size=len(frame.data))
+        return RequestReceived(
+            stream_id=frame.stream_id, request=request, size=len(frame.data), payload=payload
+        )
 
 
 # --- client --------------------------------------------------------------------------------------
