@@ -70,7 +70,7 @@ from nri_plugin.mixedcpu.policy import (
     pod_key,
 )
 from nri_plugin.mixedcpu.quota import CgroupObserver, PodQuotas
-from nri_plugin.mixedcpu.resync import rebuild_books, updates_to_send
+from nri_plugin.mixedcpu.resync import needed_at_sync, rebuild_books, updates_to_send
 from nri_plugin.mixedcpu.store import Bookkeeper, StateStore
 from nri_plugin.nri import handlers
 from nri_plugin.nri.errors import InvalidRequest, PluginRefusal, PreconditionFailed
@@ -365,6 +365,11 @@ class MixedCpuPlugin(
             self.keeper.save_quietly()
         elif unbound:
             self.keeper.save_quietly()
+
+    def needed_at_sync(self, pod: api.PodSandbox | None, container: api.Container) -> bool:
+        """Which containers a Synchronize in chunks keeps for `synchronize` (the stub's
+        `SyncSelector`): those `resync.needed_at_sync` names, every one while tracing."""
+        return needed_at_sync(pod, container, self.books) or trace.tracing()
 
     @_holding_the_books
     async def synchronize(

@@ -35,7 +35,7 @@ from nri_plugin.mixedcpu.policy import (
     shows_evidence,
 )
 
-__all__ = ["CheckRequest", "PendingUpdate", "Rebuilt", "rebuild_books", "updates_to_send"]
+__all__ = ["CheckRequest", "PendingUpdate", "Rebuilt", "needed_at_sync", "rebuild_books", "updates_to_send"]
 
 log = structlog.get_logger(LOGGER_NAME)
 
@@ -66,6 +66,18 @@ class Rebuilt:
     # Pod key -> how many CPUs its shared containers already have beyond their exclusive ones.
     applied: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     pending: list[PendingUpdate] = field(default_factory=list)
+
+
+def needed_at_sync(
+    pod: api.PodSandbox | None, container: api.Container, previous: Books, *, check_all: bool = False
+) -> bool:
+    """Whether Synchronize must see this container: one that may prove a request
+    (`policy.shows_evidence`), one the `previous` books hold (the healer looks up its state), a
+    stopped one (its own quota may have to be given back), and any whose pod is not known yet. The
+    others change nothing `rebuild_books` or the healer does with them; `check_all`: every one."""
+    if check_all or pod is None or container.state == _GONE:
+        return True
+    return shows_evidence(pod, container) or previous.find(container.id) is not None
 
 
 def rebuild_books(
