@@ -55,7 +55,7 @@ from nri_plugin.nri.routes import (
     Call,
     Deliver,
 )
-from nri_plugin.ttrpc.aio import CallContext, Client, Server, UnaryMethod
+from nri_plugin.ttrpc.aio import CallContext, Client, Server, UnaryMethod, decode_payload
 from nri_plugin.ttrpc.errors import Code, ConnectionClosed, TtrpcError
 
 __all__ = [
@@ -238,7 +238,7 @@ class _Session:
     def gather(self, request: api.SynchronizeRequest, select: SyncSelector | None) -> None:
         """Add one chunk. With `select`, every pod and the containers it needs are copied out of the
         chunk (each copy a small message of its own), and nothing else of the chunk is kept: its
-        megabytes go once it is answered. Without, its objects are kept as they are (and so is it)."""
+        megabytes go at once. Without, its objects are kept as they are (and so is it)."""
         self.seen += len(request.containers)
         if select is None:
             self.pods.extend(request.pods)
@@ -534,7 +534,7 @@ class Stub:
         methods: dict[str, UnaryMethod[Any, Any]] = {
             CONFIGURE.method: UnaryMethod(CONFIGURE.request_type, self._configure_for(session)),
             SYNCHRONIZE.method: UnaryMethod(
-                SYNCHRONIZE.request_type, functools.partial(self._synchronize, session)
+                SYNCHRONIZE.request_type, functools.partial(self._synchronize, session), raw=True
             ),
             SHUTDOWN.method: UnaryMethod(SHUTDOWN.request_type, self._shutdown),
             STATE_CHANGE: UnaryMethod(api.StateChangeEvent, self._state_change),
@@ -546,7 +546,9 @@ class Stub:
         if observer is not None:
             for method, unary in list(methods.items()):
                 label = _state_change_label if method == STATE_CHANGE else METHOD_LABELS[method]
-                methods[method] = UnaryMethod(unary.request_type, _observed(observer, label, unary.handler))
+                methods[method] = UnaryMethod(
+                    unary.request_type, _observed(observer, label, unary.handler), raw=unary.raw
+                )
         return methods
 
     async def _handling(self, work: Awaitable[T]) -> T:
@@ -612,18 +614,23 @@ class Stub:
         return api.ConfigureResponse(events=events)
 
     async def _synchronize(
-        self, session: _Session, request: api.SynchronizeRequest, ctx: CallContext
+        self, session: _Session, request: api.SynchronizeRequest | bytes | memoryview, ctx: CallContext
     ) -> api.SynchronizeResponse:
+        """One chunk: `request` as received (undecoded: `_gather` decodes it and keeps only what the
+        plugin needs), or a message when called by hand."""
         self._sync_began(session)
         # The bytes received, as the ttrpc server counted them: a chunk's ByteSize() would walk
         # all of its objects again (10 ms for a 4 MiB chunk).
         session.size += ctx.request_size
         if session.size > self.max_sync_bytes:
             raise self._sync_too_large(session)
-        # The last (or only) message is held until the plugin has answered anyway: its objects are
-        # used as they came, copying them would only add to its memory.
-        session.gather(request, self._handlers.select if request.more else None)
-        if request.more:
+        more = self._gather(session, request)
+        del request  # what was not kept goes now, before the plugin works on what was
+        if self._handlers.select is not None:
+            # The chunk's memory back to the system at once: the next chunk, or the plugin's work on
+            # the whole, would otherwise come on top of it (glibc keeps what large frees leave).
+            heap.release_free_memory()
+        if more:
             return api.SynchronizeResponse(more=True)
         seen = session.seen
         pods, containers = session.take()
@@ -642,6 +649,18 @@ class Stub:
             updates=len(updates),
         )
         return api.SynchronizeResponse(update=updates)
+
+    def _gather(self, session: _Session, data: api.SynchronizeRequest | bytes | memoryview) -> bool:
+        """Decode one chunk and add it to the session; whether more are to come. The bytes received
+        are let go (a view of them released) as soon as they are decoded."""
+        if isinstance(data, api.SynchronizeRequest):
+            request = data
+        else:
+            request = decode_payload(api.SynchronizeRequest, data)
+            if isinstance(data, memoryview):
+                data.release()
+        session.gather(request, self._handlers.select)
+        return request.more
 
     def _sync_too_large(self, session: _Session) -> TtrpcError:
         """A Synchronize over `max_sync_bytes`: its chunks let go, the connection dropped, the memory

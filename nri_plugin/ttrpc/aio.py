@@ -50,6 +50,7 @@ __all__ = [
     "UnaryMethod",
     "UnixServer",
     "connect_unix",
+    "decode_payload",
     "serve_unix",
 ]
 
@@ -103,10 +104,15 @@ class CallContext:
 
 @dataclass(frozen=True)
 class UnaryMethod(Generic[ReqT, RespT]):
-    """One method: how to decode its request and the coroutine that answers it."""
+    """One method: how to decode its request and the coroutine that answers it.
+
+    `raw`: the handler gets the request's payload undecoded (bytes, or for a large request a view of
+    the bytes received, which it may release once decoded) and decodes it itself (`decode_payload`):
+    a handler that keeps only part of a large message can then let the rest go while it works."""
 
     request_type: type[ReqT]
     handler: Callable[[ReqT, CallContext], Awaitable[RespT]]
+    raw: bool = False
 
 
 # Fully qualified service name -> bare method name -> method.
@@ -212,7 +218,9 @@ class Server:
     def _decode(self, event: RequestReceived, ctx: CallContext) -> tuple[UnaryMethod[Any, Any], Message]:
         """The method called and its request message; `TtrpcError` for an unknown one or bad bytes."""
         method = self._lookup(ctx.service, ctx.method)
-        return method, _decode_payload(method, event.data)
+        if method.raw:
+            return method, event.data  # type: ignore[return-value]  # (the handler decodes it)
+        return method, decode_payload(method.request_type, event.data)
 
     async def _decode_and_serve(self, event: RequestReceived, ctx: CallContext, running: _Running) -> None:
         stream_id = event.stream_id
@@ -311,10 +319,11 @@ def _context(event: RequestReceived) -> CallContext:
     )
 
 
-def _decode_payload(method: UnaryMethod[ReqT, Any], payload: bytes | memoryview) -> ReqT:
+def decode_payload(request_type: type[ReqT], payload: bytes | memoryview) -> ReqT:
+    """A request message from its payload; `TtrpcError` (Internal, Go's text) when malformed."""
     try:
         # A view is parsed in place (the stubs say bytes; upb takes any buffer, without a copy).
-        return method.request_type.FromString(cast(bytes, payload))
+        return request_type.FromString(cast(bytes, payload))
     except DecodeError as exc:
         raise TtrpcError(Code.INTERNAL, f"ttrpc: error unmarshalling payload: {exc}") from exc
 
