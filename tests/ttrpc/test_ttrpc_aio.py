@@ -24,10 +24,11 @@ from nri_plugin.ttrpc.aio import (
     UnaryMethod,
     UnixServer,
     connect_unix,
+    decode_payload,
     serve_unix,
 )
 from nri_plugin.ttrpc.errors import Code, ConnectionClosed, OversizedMessage, TtrpcError
-from nri_plugin.ttrpc.protocol import MessageType, encode_frame
+from nri_plugin.ttrpc.protocol import LARGE_REQUEST, MessageType, encode_frame
 
 ECHO = "test.Echo"
 BIG = 5 << 20
@@ -508,6 +509,27 @@ async def test_a_large_request_is_answered_from_a_task_without_its_envelope() ->
     await guard(server.wait_closed())
     assert decode_responses(sent) == [(1, 0, "", StringValue(value="ok").SerializeToString())]
     assert seen == [(64 * 1024, len(message) - 10)]  # the size: the frame's data, its header aside
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [10, 64 * 1024], ids=["small", "large"])
+async def test_a_raw_method_gets_the_payload_undecoded(size: int) -> None:
+    """`UnaryMethod(raw=True)`: the handler gets the payload's bytes (a view of those received for a
+    large request, which it may release) and decodes them itself."""
+    sent: list[bytes] = []
+    got: list[tuple[type, str]] = []
+
+    async def raw(data: Any, ctx: CallContext) -> StringValue:
+        got.append((type(data), decode_payload(StringValue, data).value))
+        if isinstance(data, memoryview):
+            data.release()
+        return StringValue(value="ok")
+
+    server = Server({ECHO: {"Raw": UnaryMethod(StringValue, raw, raw=True)}}, sent.append)
+    server.data_received(raw_request(1, "Raw", StringValue(value="x" * size).SerializeToString()))
+    await guard(server.wait_closed())
+    assert got == [(memoryview if size >= LARGE_REQUEST else bytes, "x" * size)]
+    assert decode_responses(sent) == [(1, 0, "", StringValue(value="ok").SerializeToString())]
 
 
 @pytest.mark.asyncio
