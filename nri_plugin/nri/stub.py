@@ -31,9 +31,10 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Final, Protocol, TypeVar, cast, runtime_checkable
 
 import structlog
+from google.protobuf.message import DecodeError
 
 from api.nri import api_pb2 as api
 from nri_plugin.common import heap
@@ -55,6 +56,7 @@ from nri_plugin.nri.routes import (
     Call,
     Deliver,
 )
+from nri_plugin.ttrpc import wire
 from nri_plugin.ttrpc.aio import CallContext, Client, Server, UnaryMethod, decode_payload
 from nri_plugin.ttrpc.errors import Code, ConnectionClosed, TtrpcError
 
@@ -254,6 +256,40 @@ class _Session:
                 copied = api.Container()
                 copied.CopyFrom(container)
                 self.containers.append(copied)
+
+    def gather_bytes(self, data: bytes | memoryview, select: SyncSelector) -> bool | None:
+        """`gather` straight from a chunk's bytes, one object at a time: each pod, and each container
+        `select` needs, parsed on its own (a small message of its own, nothing copied), the others
+        dropped as soon as they are looked at, so that the chunk is never parsed whole (a 4 MiB chunk
+        parses into some 9 MiB). Whether more chunks are to come; None, with nothing added, when the
+        bytes are not plainly well formed (then `gather` on the whole decode, which refuses them
+        as it always did)."""
+        found = wire.fields(data)
+        if found is None or any(_SYNC_WIRE.get(field.number, field.wire) != field.wire for field in found):
+            return None
+        view = memoryview(data)
+        more, pods, containers = False, [], []
+        by_sandbox = dict(self._by_sandbox)
+        try:
+            for field in found:
+                value = view[field.begin : field.end]
+                if field.number == _SYNC_PODS:
+                    pod = api.PodSandbox.FromString(cast(bytes, value))
+                    pods.append(pod)
+                    by_sandbox[pod.id] = pod
+                elif field.number == _SYNC_CONTAINERS:
+                    container = api.Container.FromString(cast(bytes, value))
+                    if select.needed_at_sync(by_sandbox.get(container.pod_sandbox_id), container):
+                        containers.append(container)
+                elif field.number == _SYNC_MORE:
+                    more = bool(wire.varint(value, 0)[0])
+        except DecodeError:
+            return None
+        self.seen += sum(1 for field in found if field.number == _SYNC_CONTAINERS)
+        self.pods.extend(pods)
+        self.containers.extend(containers)
+        self._by_sandbox = by_sandbox
+        return more
 
     def take(self) -> tuple[list[api.PodSandbox], list[api.Container]]:
         """All the chunks so far, joined; the next Synchronize starts afresh."""
@@ -653,13 +689,17 @@ class Stub:
     def _gather(self, session: _Session, data: api.SynchronizeRequest | bytes | memoryview) -> bool:
         """Decode one chunk and add it to the session; whether more are to come. The bytes received
         are let go (a view of them released) as soon as they are decoded."""
+        select = self._handlers.select
         if isinstance(data, api.SynchronizeRequest):
             request = data
         else:
+            more = None if select is None else session.gather_bytes(data, select)
+            if more is not None:
+                _release(data)
+                return more
             request = decode_payload(api.SynchronizeRequest, data)
-            if isinstance(data, memoryview):
-                data.release()
-        session.gather(request, self._handlers.select)
+            _release(data)
+        session.gather(request, select)
         return request.more
 
     def _sync_too_large(self, session: _Session) -> TtrpcError:
@@ -716,6 +756,17 @@ class Stub:
         if notify is not None:
             await self._handling(notify(request.pod, request.container))
         return api.Empty()
+
+
+# SynchronizeRequest's fields and their wire types.
+_SYNC_PODS, _SYNC_CONTAINERS, _SYNC_MORE = 1, 2, 3
+_SYNC_WIRE: Final = {_SYNC_PODS: wire.LEN, _SYNC_CONTAINERS: wire.LEN, _SYNC_MORE: wire.VARINT}
+
+
+def _release(data: bytes | memoryview) -> None:
+    """Let go of a view of the bytes received (the bytes go with it, if nothing else holds them)."""
+    if isinstance(data, memoryview):
+        data.release()
 
 
 def _state_change_label(request: api.StateChangeEvent) -> str:

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from api.google.rpc import status_pb2
 from api.ttrpc import request_pb2
+from nri_plugin.ttrpc import wire
 from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import (
     Code,
@@ -244,21 +245,7 @@ def _response_message(stream_id: int, payload: bytes, code: int, message: str) -
 # Requests at least this large (only Synchronize chunks are) keep their payload out of the envelope.
 LARGE_REQUEST: Final = 64 * 1024
 
-# Wire types of the protobuf encoding (what follows a field's key).
-_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
 _PAYLOAD_FIELD: Final = 3  # ttrpc.Request.payload
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    """The base-128 varint at `pos` and the position after it; IndexError when cut short."""
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80 or shift > 63:
-            return value, pos
-        shift += 7
 
 
 def _split_payload(data: bytes) -> tuple[bytes, memoryview | None]:
@@ -266,34 +253,14 @@ def _split_payload(data: bytes) -> tuple[bytes, memoryview | None]:
     copy of its megabytes: parsing the envelope would copy it once, and reading ``payload`` once
     more). Only a plainly well-formed envelope with one payload is split; any other comes back whole,
     with None, for the protobuf decoder to parse (or refuse) as it always does."""
-    found: tuple[int, int, int] | None = None  # the payload field's start, its bytes' start and end
-    pos, end = 0, len(data)
-    try:
-        while pos < end:
-            field_start = pos
-            key, pos = _varint(data, pos)
-            wire = key & 7
-            if key >> 3 == 0 or (key >> 3 == _PAYLOAD_FIELD and wire != _LEN):
-                return data, None
-            if wire == _VARINT:
-                _, pos = _varint(data, pos)
-            elif wire == _LEN:
-                length, pos = _varint(data, pos)
-                if key >> 3 == _PAYLOAD_FIELD:
-                    if found is not None:
-                        return data, None
-                    found = (field_start, pos, pos + length)
-                pos += length
-            elif wire in (_FIXED64, _FIXED32):
-                pos += 8 if wire == _FIXED64 else 4
-            else:
-                return data, None
-    except IndexError:
+    found = wire.fields(data)
+    if found is None:
         return data, None
-    if found is None or pos != end:
+    payloads = [field for field in found if field.number == _PAYLOAD_FIELD]
+    if len(payloads) != 1 or payloads[0].wire != wire.LEN:
         return data, None
-    field_start, begin, stop = found
-    return data[:field_start] + data[stop:], memoryview(data)[begin:stop]
+    payload = payloads[0]
+    return data[: payload.start] + data[payload.end :], memoryview(data)[payload.begin : payload.end]
 
 
 # --- server --------------------------------------------------------------------------------------
