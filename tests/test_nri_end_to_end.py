@@ -753,7 +753,10 @@ class Selecting(Recorder):
         self.asked: list[tuple[str | None, str]] = []
         self.given: list[api.Container] = []
 
-    def needed_at_sync(self, pod: api.PodSandbox | None, container: api.Container) -> bool:
+    def sync_filter(self) -> Callable[[api.PodSandbox | None, api.Container], bool]:
+        return self._needed
+
+    def _needed(self, pod: api.PodSandbox | None, container: api.Container) -> bool:
         self.asked.append((pod.id if pod is not None else None, container.id))
         return container.name == "c0"
 

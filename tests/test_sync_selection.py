@@ -1,4 +1,4 @@
-"""The containers a Synchronize in chunks keeps for the mixed-CPU plugin (`MixedCpuPlugin.needed_at_sync`,
+"""The containers a Synchronize in chunks keeps for the mixed-CPU plugin (`MixedCpuPlugin.sync_filter`,
 the stub's `SyncSelector`): whatever the others are, leaving them out changes nothing the plugin does."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ async def test_the_containers_left_out_change_nothing(
         by_sandbox = {pod.id: pod for pod in pods}
         given = containers
         if side == "needed":
-            given = [c for c in containers if plugin.needed_at_sync(by_sandbox[c.pod_sandbox_id], c)]
+            given = [c for c in containers if plugin.sync_filter()(by_sandbox[c.pod_sandbox_id], c)]
             assert len(given) < len(containers)
         with structlog.testing.capture_logs() as logs:
             updates = await plugin.synchronize(pods, given)
@@ -95,13 +95,13 @@ async def test_the_containers_left_out_change_nothing(
 def test_a_container_whose_pod_has_not_come_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(trace, "tracing", lambda: False)
     plugin, _, pods, containers = _node(tmp_path)
-    assert all(plugin.needed_at_sync(None, container) for container in containers)
+    assert all(plugin.sync_filter()(None, container) for container in containers)
     plain = [c for c in containers if c.name == "plain"]
-    assert not any(plugin.needed_at_sync(pods[0], c) for c in plain)
+    assert not any(plugin.sync_filter()(pods[0], c) for c in plain)
 
 
 def test_tracing_keeps_every_container(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(trace, "tracing", lambda: True)
     plugin, _, pods, containers = _node(tmp_path)
     by_sandbox = {pod.id: pod for pod in pods}
-    assert all(plugin.needed_at_sync(by_sandbox[c.pod_sandbox_id], c) for c in containers)
+    assert all(plugin.sync_filter()(by_sandbox[c.pod_sandbox_id], c) for c in containers)

@@ -366,10 +366,10 @@ class MixedCpuPlugin(
         elif unbound:
             self.keeper.save_quietly()
 
-    def needed_at_sync(self, pod: api.PodSandbox | None, container: api.Container) -> bool:
-        """Which containers a Synchronize in chunks keeps for `synchronize` (the stub's
+    def sync_filter(self) -> Callable[[api.PodSandbox | None, api.Container], bool]:
+        """Which containers of a Synchronize chunk `synchronize` is to see (the stub's
         `SyncSelector`): those `resync.needed_at_sync` names, every one while tracing."""
-        return needed_at_sync(pod, container, self.books) or trace.tracing()
+        return functools.partial(needed_at_sync, previous=self.books, check_all=trace.tracing())
 
     @_holding_the_books
     async def synchronize(

@@ -71,6 +71,7 @@ __all__ = [
     "Stub",
     "StubError",
     "StubObserver",
+    "SyncFilter",
     "SyncSelector",
     "resolve_identity",
 ]
@@ -114,6 +115,10 @@ class StubObserver(Protocol):
         """The connection to the runtime was lost; the stub connects again."""
 
 
+# Whether the plugin's `synchronize` must see a container, given its pod (None: not come yet).
+SyncFilter = Callable[[api.PodSandbox | None, api.Container], bool]
+
+
 @runtime_checkable
 class SyncSelector(Protocol):
     """What a plugin may add to its `handlers.Synchronize`: which containers it needs to see.
@@ -122,9 +127,9 @@ class SyncSelector(Protocol):
     the plugin needs, each copied out of its chunk, so that a chunk's memory goes once it is
     answered (a 4 MiB chunk parses into some 9 MiB). A plugin without it gets every container."""
 
-    def needed_at_sync(self, pod: api.PodSandbox | None, container: api.Container) -> bool:
-        """Whether `synchronize` must see this container (`pod`: its pod, None when no chunk has
-        brought it yet)."""
+    def sync_filter(self) -> Callable[[api.PodSandbox | None, api.Container], bool]:
+        """For one chunk: whether `synchronize` must see a container (given its pod, None when no
+        chunk has brought it yet). Asked once per chunk, so the plugin reads its settings once."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +242,7 @@ class _Session:
     # The pods gathered so far by sandbox id (only with a `select`).
     _by_sandbox: dict[str, api.PodSandbox] = field(default_factory=dict)
 
-    def gather(self, request: api.SynchronizeRequest, select: SyncSelector | None) -> None:
+    def gather(self, request: api.SynchronizeRequest, select: SyncFilter | None) -> None:
         """Add one chunk. With `select`, every pod and the containers it needs are copied out of the
         chunk (each copy a small message of its own), and nothing else of the chunk is kept: its
         megabytes go at once. Without, its objects are kept as they are (and so is it)."""
@@ -252,12 +257,12 @@ class _Session:
             self.pods.append(kept)
             self._by_sandbox[kept.id] = kept
         for container in request.containers:
-            if select.needed_at_sync(self._by_sandbox.get(container.pod_sandbox_id), container):
+            if select(self._by_sandbox.get(container.pod_sandbox_id), container):
                 copied = api.Container()
                 copied.CopyFrom(container)
                 self.containers.append(copied)
 
-    def gather_bytes(self, data: bytes | memoryview, select: SyncSelector) -> bool | None:
+    def gather_bytes(self, data: bytes | memoryview, select: SyncFilter) -> bool | None:
         """`gather` straight from a chunk's bytes, one object at a time: each pod, and each container
         `select` needs, parsed on its own (a small message of its own, nothing copied), the others
         dropped as soon as they are looked at, so that the chunk is never parsed whole (a 4 MiB chunk
@@ -279,7 +284,7 @@ class _Session:
                     by_sandbox[pod.id] = pod
                 elif field.number == _SYNC_CONTAINERS:
                     container = api.Container.FromString(cast(bytes, value))
-                    if select.needed_at_sync(by_sandbox.get(container.pod_sandbox_id), container):
+                    if select(by_sandbox.get(container.pod_sandbox_id), container):
                         containers.append(container)
                 elif field.number == _SYNC_MORE:
                     more = bool(wire.varint(value, 0)[0])
@@ -689,7 +694,7 @@ class Stub:
     def _gather(self, session: _Session, data: api.SynchronizeRequest | bytes | memoryview) -> bool:
         """Decode one chunk and add it to the session; whether more are to come. The bytes received
         are let go (a view of them released) as soon as they are decoded."""
-        select = self._handlers.select
+        select = self._handlers.select.sync_filter() if self._handlers.select is not None else None
         if isinstance(data, api.SynchronizeRequest):
             request = data
         else:

@@ -58,7 +58,11 @@ def fields(data: bytes | memoryview) -> list[Field] | None:
     try:
         while pos < end:
             start = pos
-            key, pos = varint(data, pos)
+            key = data[pos]
+            if key < 0x80:  # a one-byte key: fields 1 to 15, every field of the messages split here
+                pos += 1
+            else:
+                key, pos = varint(data, pos)
             number, wire = key >> 3, key & 7
             if not 0 < number <= _NUMBER_MAX:
                 return None
