@@ -123,9 +123,9 @@ SyncFilter = Callable[[api.PodSandbox | None, api.Container], bool]
 class SyncSelector(Protocol):
     """What a plugin may add to its `handlers.Synchronize`: which containers it needs to see.
 
-    A Synchronize in chunks then keeps, from one chunk to the next, every pod and only the containers
-    the plugin needs, each copied out of its chunk, so that a chunk's memory goes once it is
-    answered (a 4 MiB chunk parses into some 9 MiB). A plugin without it gets every container."""
+    A Synchronize then keeps, from one chunk to the next, every pod and only the containers the
+    plugin needs, each parsed on its own from the chunk's bytes, so that no chunk is ever parsed
+    whole (a 4 MiB chunk parses into some 9 MiB). A plugin without it gets every container."""
 
     def sync_filter(self) -> Callable[[api.PodSandbox | None, api.Container], bool]:
         """For one chunk: whether `synchronize` must see a container (given its pod, None when no
@@ -239,36 +239,21 @@ class _Session:
     seen: int = 0
     # Where the connection was when the synchronization began: where a failed one goes back to.
     before_sync: ConnectionState = ConnectionState.CONFIGURED
-    # The pods gathered so far by sandbox id (only with a `select`).
+    # The pods gathered so far by sandbox id (by `gather_bytes`, for its `select`).
     _by_sandbox: dict[str, api.PodSandbox] = field(default_factory=dict)
 
-    def gather(self, request: api.SynchronizeRequest, select: SyncFilter | None) -> None:
-        """Add one chunk. With `select`, every pod and the containers it needs are copied out of the
-        chunk (each copy a small message of its own), and nothing else of the chunk is kept: its
-        megabytes go at once. Without, its objects are kept as they are (and so is it)."""
+    def gather(self, request: api.SynchronizeRequest) -> None:
+        """Add one chunk, its objects as they are (and so the whole chunk, kept with them)."""
         self.seen += len(request.containers)
-        if select is None:
-            self.pods.extend(request.pods)
-            self.containers.extend(request.containers)
-            return
-        for pod in request.pods:
-            kept = api.PodSandbox()
-            kept.CopyFrom(pod)
-            self.pods.append(kept)
-            self._by_sandbox[kept.id] = kept
-        for container in request.containers:
-            if select(self._by_sandbox.get(container.pod_sandbox_id), container):
-                copied = api.Container()
-                copied.CopyFrom(container)
-                self.containers.append(copied)
+        self.pods.extend(request.pods)
+        self.containers.extend(request.containers)
 
     def gather_bytes(self, data: bytes | memoryview, select: SyncFilter) -> bool | None:
-        """`gather` straight from a chunk's bytes, one object at a time: each pod, and each container
-        `select` needs, parsed on its own (a small message of its own, nothing copied), the others
-        dropped as soon as they are looked at, so that the chunk is never parsed whole (a 4 MiB chunk
-        parses into some 9 MiB). Whether more chunks are to come; None, with nothing added, when the
-        bytes are not plainly well formed (then `gather` on the whole decode, which refuses them
-        as it always did)."""
+        """Add one chunk from its bytes, one object at a time: each pod, and each container `select`
+        needs, parsed on its own (a small message of its own), the others dropped as soon as they
+        are looked at, so that the chunk is never parsed whole (a 4 MiB chunk parses into some
+        9 MiB). Whether more chunks are to come; None, with nothing added, when the bytes are not
+        plainly well formed (`wire.fields`)."""
         found = wire.fields(data)
         if found is None or any(_SYNC_WIRE.get(field.number, field.wire) != field.wire for field in found):
             return None
@@ -692,19 +677,22 @@ class Stub:
         return api.SynchronizeResponse(update=updates)
 
     def _gather(self, session: _Session, data: api.SynchronizeRequest | bytes | memoryview) -> bool:
-        """Decode one chunk and add it to the session; whether more are to come. The bytes received
-        are let go (a view of them released) as soon as they are decoded."""
-        select = self._handlers.select.sync_filter() if self._handlers.select is not None else None
-        if isinstance(data, api.SynchronizeRequest):
-            request = data
-        else:
-            more = None if select is None else session.gather_bytes(data, select)
+        """Add one chunk to the session; whether more are to come. With the plugin's `SyncSelector`
+        the chunk is taken apart from its bytes (`_Session.gather_bytes`); without, or when its bytes
+        are not plainly well formed, it is decoded (or refused, as always) and kept whole. The bytes
+        received are let go (a view of them released) as soon as that is done."""
+        request = None
+        if isinstance(data, api.SynchronizeRequest):  # served by hand
+            request, data = data, data.SerializeToString()
+        if self._handlers.select is not None:
+            more = session.gather_bytes(data, self._handlers.select.sync_filter())
             if more is not None:
                 _release(data)
                 return more
+        if request is None:
             request = decode_payload(api.SynchronizeRequest, data)
-            _release(data)
-        session.gather(request, select)
+        _release(data)
+        session.gather(request)
         return request.more
 
     def _sync_too_large(self, session: _Session) -> TtrpcError:
