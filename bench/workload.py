@@ -182,6 +182,15 @@ class PluginProcess:
     def rss_mib(self) -> float:
         return rss_mib(self.proc.pid)
 
+    def peak_rss_mib(self) -> float:
+        """VmHWM: the most resident memory since the start or since `reset_peak_rss`."""
+        return rss_mib(self.proc.pid, "VmHWM")
+
+    def reset_peak_rss(self) -> None:
+        """Start VmHWM again from the current VmRSS (``clear_refs`` 5, Linux 4.0+)."""
+        with open(f"/proc/{self.proc.pid}/clear_refs", "w") as file:
+            file.write("5")
+
     def cpu_ns(self) -> int:
         return cpu_ns(self.proc.pid)
 
@@ -203,12 +212,12 @@ class PluginProcess:
         self.proc.wait(timeout=10)
 
 
-def rss_mib(pid: int) -> float:
-    """VmRSS of a process, in MiB."""
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """VmRSS (or another size field of /proc/<pid>/status, e.g. VmHWM) of a process, in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    raise RuntimeError(f"no {field} for process {pid}")
 
 
 def cpu_ns(pid: int) -> int:

@@ -37,6 +37,7 @@ EXPECTED_ROWS = (
     "Synchronize 200 pods / 1,000 containers, plugin restart, lean objects",
     "Synchronize 200 pods / 1,000 containers, plugin restart: 1.5 MB in 1 message",
     "Synchronize 200 pods / 1,000 containers, plugin restart: 1.5 MB in 2 messages",
+    "plugin peak RSS during Synchronize",
     "plugin RSS right after Synchronize",
     "plugin RSS 0.5 s after Synchronize",
     "reconcile pass over 200 shared pods",

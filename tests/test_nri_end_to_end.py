@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 from google.protobuf.message import Message
 from mixedcpu_support import plugin_running as running_stub
+from structlog.testing import capture_logs
 
 from api.nri import api_pb2 as api
 from nri_plugin.common.backoff import Backoff
@@ -772,6 +773,52 @@ async def test_every_registration_resets_the_reconnect_backoff(socket_path: Path
 
 
 # -- Synchronize chunks belong to their connection -------------------------------------------------------
+
+
+class Selecting(Recorder):
+    """A plugin that needs only the containers named c0 (a `SyncSelector`), and records what it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[str | None, str]] = []
+        self.given: list[api.Container] = []
+
+    def sync_filter(self) -> Callable[[api.PodSandbox | None, api.Container], bool]:
+        return self._needed
+
+    def _needed(self, pod: api.PodSandbox | None, container: api.Container) -> bool:
+        self.asked.append((pod.id if pod is not None else None, container.id))
+        return container.name == "c0"
+
+    async def synchronize(
+        self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
+    ) -> Sequence[api.ContainerUpdate]:
+        self.given = list(containers)
+        return await super().synchronize(pods, containers)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("limit", [64 * 1024, 4 << 20], ids=["chunked", "one-message"])
+async def test_synchronize_keeps_only_the_containers_the_plugin_needs(socket_path: Path, limit: int) -> None:
+    """Every pod reaches the plugin, and only the containers it says it needs (each asked with its
+    pod, once that came); the log counts every container the runtime sent."""
+    plugin = Selecting()
+    async with RuntimeSimulator(socket_path, max_message_size=limit) as sim:
+        for n in range(200):
+            pod = make_pod(n, annotations=4)
+            sim.add_pod(pod)
+            for c in range(2):
+                sim.add_container(make_container(pod, c))
+        with capture_logs() as logs:
+            async with plugin_running(plugin, socket_path):
+                await sim.wait_for_plugins(1, GUARD)
+    assert (len(sim.sync_chunks) > 2) == (limit < 1 << 20)
+    assert plugin.synced == [(200, 200)]
+    assert sorted(c.id for c in plugin.given) == sorted(f"pod{n}-c0" for n in range(200))
+    assert len(plugin.asked) == 400
+    assert all(pod_id == container_id.partition("-")[0] for pod_id, container_id in plugin.asked)
+    [synced] = [entry for entry in logs if entry["event"] == "synchronized"]
+    assert (synced["pods"], synced["containers"]) == (200, 400)
 
 
 class DropsAfterFirstChunk(RuntimeSimulator):

@@ -31,6 +31,7 @@ from nri_plugin.mixedcpu.policy import (
     plan_sync,
     plan_update,
     pod_quota_target,
+    shows_evidence,
 )
 from nri_plugin.nri.errors import PluginRefusal
 from nri_plugin.ttrpc.errors import Code
@@ -523,6 +524,61 @@ def test_env_notes_need_the_exact_name() -> None:
         "OPENSHIFT_ISOLATED_CPUS in the container's env is not a request: "
         "env set in a pod spec proves nothing",
     )
+
+
+_EVIDENCE_KEYS = st.sampled_from(
+    [ANNOTATION_KEY, "cpu-shared.crio.io/main", "cpu-shared.crio.io/other", "cpu-shared.crio.io", "app"]
+)
+_EVIDENCE_VALUES = st.sampled_from(["enable", "true", "forged", ""])
+_ENV_ENTRIES = st.sampled_from(
+    [
+        "OPENSHIFT_SHARED_CPUS=0-1",
+        "OPENSHIFT_ISOLATED_CPUS",
+        "OPENSHIFT_MUTUAL_CPUS=2",
+        "NOTE=OPENSHIFT_SHARED_CPUS=1",
+        "PATH=/bin",
+        "OPENSHIFT_X=1",
+    ]
+)
+
+
+@given(
+    annotations=st.dictionaries(_EVIDENCE_KEYS, _EVIDENCE_VALUES, max_size=3),
+    pod_annotations=st.dictionaries(_EVIDENCE_KEYS, _EVIDENCE_VALUES, max_size=3),
+    env=st.lists(_ENV_ENTRIES, max_size=3).map(tuple),
+    marker_trusted=st.booleans(),
+    annotation_trusted=st.booleans(),
+    kubelet=st.sampled_from([None, frozenset(), frozenset({"shared-cpus-1"})]),
+)
+def test_no_evidence_means_the_check_finds_nothing(
+    annotations: dict[str, str],
+    pod_annotations: dict[str, str],
+    env: tuple[str, ...],
+    marker_trusted: bool,
+    annotation_trusted: bool,
+    kubelet: frozenset[str] | None,
+) -> None:
+    """Synchronize checks only the containers `shows_evidence` picks: for every other one,
+    `check_request` must prove, refuse and note nothing, whatever is trusted."""
+    pod, container = _request(annotations, pod_annotations, env)
+    check = check_request(
+        pod,
+        container,
+        marker_key=KEY if marker_trusted else None,
+        trust_pod_annotation=annotation_trusted,
+        device_holders={},
+        kubelet_devices=kubelet,
+    )
+    if not shows_evidence(pod, container):
+        assert (check.proof, check.notes, check.refusals) == (None, (), ())
+
+
+def test_shows_evidence_sees_each_kind() -> None:
+    assert not shows_evidence(*_request())
+    assert shows_evidence(*_request({ANNOTATION_KEY: "forged"}))
+    assert shows_evidence(*_request(pod_annotations={"cpu-shared.crio.io/main": "no"}))
+    assert not shows_evidence(*_request(pod_annotations={"cpu-shared.crio.io/other": "enable"}))
+    assert shows_evidence(*_request(env=("OPENSHIFT_SHARED_CPUS=0-1",)))
 
 
 def test_forged_marker_does_not_hide_a_trusted_annotation() -> None:

@@ -70,7 +70,20 @@ __all__ = ["DURATION_BUCKETS", "EVICTION_REASONS", "HEAL_KINDS", "WRITE_FAILURE_
 
 # From 100 µs (a cheap event) to 2 s, the runtime's default request deadline.
 DURATION_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
 )
 WRITE_FAILURE_KINDS = ("pod_quota_raise", "pod_quota_lower", "pod_quota_restore", "container_quota_lower")
 REGISTRATION_OUTCOMES = ("ok", "failed")

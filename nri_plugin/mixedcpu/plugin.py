@@ -73,7 +73,7 @@ from nri_plugin.mixedcpu.policy import (
     pod_key,
 )
 from nri_plugin.mixedcpu.quota import CgroupObserver, PodQuotas
-from nri_plugin.mixedcpu.resync import rebuild_books, updates_to_send
+from nri_plugin.mixedcpu.resync import needed_at_sync, rebuild_books, updates_to_send
 from nri_plugin.mixedcpu.store import Bookkeeper, StateStore
 from nri_plugin.nri import handlers
 from nri_plugin.nri.errors import InvalidRequest, PluginRefusal, PreconditionFailed
@@ -368,6 +368,11 @@ class MixedCpuPlugin(
         elif unbound:
             self.keeper.save_quietly()
 
+    def sync_filter(self) -> Callable[[api.PodSandbox | None, api.Container], bool]:
+        """Which containers of a Synchronize chunk `synchronize` is to see (the stub's
+        `SyncSelector`): those `resync.needed_at_sync` names, every one while tracing."""
+        return functools.partial(needed_at_sync, previous=self.books, check_all=trace.tracing())
+
     @_holding_the_books
     async def synchronize(
         self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
@@ -383,7 +388,13 @@ class MixedCpuPlugin(
             return self._check(pod, container, holders, event="Synchronize", kubelet=kubelet)
 
         rebuilt = rebuild_books(
-            self.shared, previous, pods, containers, check_at_sync, numa_nodes=self.pool.numa_nodes
+            self.shared,
+            previous,
+            pods,
+            containers,
+            check_at_sync,
+            numa_nodes=self.pool.numa_nodes,
+            check_all=trace.tracing(),
         )
         present = {pod_key(pod): pod for pod in pods}
         self.healer.before_sync(previous, containers)

@@ -76,6 +76,7 @@ __all__ = [
     "pod_key",
     "pod_quota_target",
     "shared_by_node",
+    "shows_evidence",
 ]
 
 SHARED_ENV: Final = "OPENSHIFT_SHARED_CPUS"
@@ -203,6 +204,18 @@ def check_request(
     if proof is None:
         notes.extend(_env_notes(container))
     return RequestCheck(proof, tuple(notes), tuple(refusals))
+
+
+def shows_evidence(pod: api.PodSandbox, container: api.Container) -> bool:
+    """Whether the container carries anything `check_request` looks at: the device-plugin marker,
+    its pod annotation, or a CPU variable in its env. Without any, `check_request` proves nothing and
+    notes nothing: Synchronize skips such containers (most of a node's) with this one test."""
+    if MARKER_ANNOTATION in container.annotations:
+        return True
+    if POD_ANNOTATION_PREFIX + container.name in pod.annotations:
+        return True
+    env = container.env
+    return bool(env) and _ENV_PREFIX in "\n".join(env)
 
 
 def _marker_proof(
@@ -364,9 +377,28 @@ class _Who:
         return f"container {describe(self._pod, self._container)}{self._tail}"
 
 
+# CPU lists longer than this are parsed afresh each time: the cache holds a node's few short lists,
+# never whatever long text a runtime sends.
+_REMEMBERED_LIST_LENGTH: Final = 64
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_known(text: str) -> frozenset[int]:
+    return parse_cpuset(text)
+
+
+def _parse(text: str) -> frozenset[int]:
+    """`cgroups.cpuset.parse`, remembered for short lists: a Synchronize parses the cpuset, the
+    recorded exclusive CPUs and the environment's lists of every shared container, and a node's
+    containers keep to a few of them. A malformed list raises each time (errors are not kept)."""
+    if len(text) > _REMEMBERED_LIST_LENGTH:
+        return parse_cpuset(text)
+    return _parse_known(text)
+
+
 def _cpus(text: str, what: str, who: str | _Who) -> frozenset[int]:
     try:
-        return parse_cpuset(text)
+        return _parse(text)
     except CpusetError as exc:
         raise PolicyError(f"{who}: the runtime sent a malformed {what}: {exc}", kind="node") from None
 
@@ -609,7 +641,7 @@ def _format_shared(shared: frozenset[int]) -> str:
 def cpus_or_empty(text: str | None) -> frozenset[int]:
     """The CPUs of a list we wrote or recorded ourselves; empty when it is missing or malformed."""
     try:
-        return parse_cpuset(text or "")
+        return _parse(text or "")
     except CpusetError:
         return frozenset()
 
@@ -629,9 +661,8 @@ def plan_sync(
     ``OPENSHIFT_ISOLATED_CPUS`` we injected (only CPUs it really has count); its CPUs minus the shared
     pool, old (from ``OPENSHIFT_SHARED_CPUS``) and current.
     """
-    who = f"container {describe(pod, container)}"
     cpu = container.linux.resources.cpu
-    current = _cpus(cpu.cpus, "cpuset", who)
+    current = _cpus(cpu.cpus, "cpuset", _Who(pod, container))
     shared_env, isolated_env = _cpu_env(container)
     exclusive = recorded_exclusive & current
     if not exclusive:

@@ -32,9 +32,10 @@ from nri_plugin.mixedcpu.policy import (
     cpus_or_empty,
     plan_sync,
     pod_key,
+    shows_evidence,
 )
 
-__all__ = ["CheckRequest", "PendingUpdate", "Rebuilt", "rebuild_books", "updates_to_send"]
+__all__ = ["CheckRequest", "PendingUpdate", "Rebuilt", "needed_at_sync", "rebuild_books", "updates_to_send"]
 
 log = structlog.get_logger(LOGGER_NAME)
 
@@ -67,6 +68,18 @@ class Rebuilt:
     pending: list[PendingUpdate] = field(default_factory=list)
 
 
+def needed_at_sync(
+    pod: api.PodSandbox | None, container: api.Container, previous: Books, *, check_all: bool = False
+) -> bool:
+    """Whether Synchronize must see this container: one that may prove a request
+    (`policy.shows_evidence`), one the `previous` books hold (the healer looks up its state), a
+    stopped one (its own quota may have to be given back), and any whose pod is not known yet. The
+    others change nothing `rebuild_books` or the healer does with them; `check_all`: every one."""
+    if check_all or pod is None or container.state == _GONE:
+        return True
+    return shows_evidence(pod, container) or previous.find(container.id) is not None
+
+
 def rebuild_books(
     shared: frozenset[int],
     previous: Books,
@@ -75,10 +88,15 @@ def rebuild_books(
     check: CheckRequest,
     *,
     numa_nodes: NumaNodes | None = None,
+    check_all: bool = False,
 ) -> Rebuilt:
     """New books holding a slot for every live container that proves a request and can have the
     `shared` CPUs (with `numa_nodes`, those local to its exclusive ones); pods get placeholder records
-    (`quota.PodQuotas.sync_pods` fills them in)."""
+    (`quota.PodQuotas.sync_pods` fills them in).
+
+    Only the containers that show some evidence (`policy.shows_evidence`) are checked: for the others
+    `check` could prove and note nothing. `check_all` checks every live container all the same (the
+    decision trace writes a line for each)."""
     by_sandbox = {pod.id: pod for pod in pods}
     present = {pod_key(pod): pod for pod in pods}
     known = {record.id: record for _, record in previous.slots()}
@@ -88,18 +106,25 @@ def rebuild_books(
     where = {slot.pod: present[slot.pod].linux.cgroup_parent for slot in bound.values()}
     rebuilt = Rebuilt(Books({}, bound, where))
     pool = SharedPool(shared, numa_nodes)
-    for container in _live(containers, by_sandbox, known):
+    for container in _live(containers, by_sandbox, known, check_all):
         pod = by_sandbox[container.pod_sandbox_id]
         _adopt(rebuilt, pool, pod, container, known.get(container.id), check)
     return rebuilt
 
 
 def _live(
-    containers: Iterable[api.Container], by_sandbox: Mapping[str, api.PodSandbox], known: Mapping[str, object]
+    containers: Iterable[api.Container],
+    by_sandbox: Mapping[str, api.PodSandbox],
+    known: Mapping[str, object],
+    check_all: bool,
 ) -> list[api.Container]:
     """The containers to look at, those the books already knew first: a replayed marker must not
     evict its real holder."""
-    live = [c for c in containers if c.state != _GONE and c.pod_sandbox_id in by_sandbox]
+    live = []
+    for container in containers:
+        pod = by_sandbox.get(container.pod_sandbox_id)
+        if pod is not None and container.state != _GONE and (check_all or shows_evidence(pod, container)):
+            live.append(container)
     live.sort(key=lambda c: (c.id not in known, c.created_at, c.id))
     return live
 

@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
 
@@ -32,6 +32,7 @@ from nri_plugin.ttrpc.errors import (
 )
 from nri_plugin.ttrpc.logbudget import LogBudget, suppressed_note
 from nri_plugin.ttrpc.protocol import (
+    LARGE_REQUEST,
     ClientSession,
     RequestReceived,
     ResponseReceived,
@@ -49,6 +50,7 @@ __all__ = [
     "UnaryMethod",
     "UnixServer",
     "connect_unix",
+    "decode_payload",
     "serve_unix",
 ]
 
@@ -89,6 +91,9 @@ class CallContext:
     timeout_nano: int
     # `loop.time()` at which the server gives up on the handler; None when there is no budget.
     deadline: float | None
+    # Bytes of the request as received (its ttrpc envelope and payload): what a handler that
+    # gathers several requests counts against its limit, without serializing them again.
+    request_size: int = 0
 
     def time_remaining(self) -> float | None:
         """Seconds left of the budget (never negative), or None when unbounded."""
@@ -99,10 +104,15 @@ class CallContext:
 
 @dataclass(frozen=True)
 class UnaryMethod(Generic[ReqT, RespT]):
-    """One method: how to decode its request and the coroutine that answers it."""
+    """One method: how to decode its request and the coroutine that answers it.
+
+    `raw`: the handler gets the request's payload undecoded (bytes, or for a large request a view of
+    the bytes received, which it may release once decoded) and decodes it itself (`decode_payload`):
+    a handler that keeps only part of a large message can then let the rest go while it works."""
 
     request_type: type[ReqT]
     handler: Callable[[ReqT, CallContext], Awaitable[RespT]]
+    raw: bool = False
 
 
 # Fully qualified service name -> bare method name -> method.
@@ -176,11 +186,20 @@ class Server:
         # The budget counts from arrival, not from when the handler first runs.
         running = _Running()
         ctx = _context(event)
-        coro = self._serve(event, ctx, running)
         loop = asyncio.get_running_loop()
-        if not _EAGER:
-            running.task = loop.create_task(coro, name=_task_name(event))
+        if not _EAGER or event.size >= LARGE_REQUEST:
+            # A large request (a Synchronize chunk) is decoded and handled at the next turn of the
+            # loop: by then the buffers that carried its bytes here are gone.
+            running.task = loop.create_task(
+                self._decode_and_serve(event, ctx, running), name=_task_name(event)
+            )
         else:
+            try:
+                method, request = self._decode(event, ctx)
+            except TtrpcError as exc:
+                self._respond(event.stream_id, b"", exc.code, exc.message)
+                return
+            coro = self._serve(event.stream_id, method, request, ctx, running)
             # Run the handler now, inside this callback, up to its first real suspension: a handler
             # that never waits is answered without a task and without extra event-loop iterations
             # (each one costs an epoll call), which is most of the plugin's share of a round trip.
@@ -196,18 +215,41 @@ class Server:
         self._tasks.add(running.task)
         running.task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, event: RequestReceived, ctx: CallContext, running: _Running) -> None:
-        code, message, payload = await self._call(event, ctx, running)
-        self._respond(event.stream_id, payload, code, message)
+    def _decode(self, event: RequestReceived, ctx: CallContext) -> tuple[UnaryMethod[Any, Any], Message]:
+        """The method called and its request message; `TtrpcError` for an unknown one or bad bytes."""
+        method = self._lookup(ctx.service, ctx.method)
+        if method.raw:
+            return method, event.data  # type: ignore[return-value]  # (the handler decodes it)
+        return method, decode_payload(method.request_type, event.data)
+
+    async def _decode_and_serve(self, event: RequestReceived, ctx: CallContext, running: _Running) -> None:
+        stream_id = event.stream_id
+        try:
+            method, request = self._decode(event, ctx)
+        except TtrpcError as exc:
+            self._respond(stream_id, b"", exc.code, exc.message)
+            return
+        # The handler holds the decoded message, not the bytes it came in (nor the ttrpc envelope).
+        del event
+        await self._serve(stream_id, method, request, ctx, running)
+
+    async def _serve(
+        self,
+        stream_id: int,
+        method: UnaryMethod[Any, Any],
+        request: Message,
+        ctx: CallContext,
+        running: _Running,
+    ) -> None:
+        code, message, payload = await self._call(method, request, ctx, running)
+        self._respond(stream_id, payload, code, message)
 
     async def _call(
-        self, event: RequestReceived, ctx: CallContext, running: _Running
+        self, method: UnaryMethod[Any, Any], request: Message, ctx: CallContext, running: _Running
     ) -> tuple[int, str, bytes]:
         """Run the handler; returns (code, message, payload) of the response."""
-        request = event.request
         try:
-            method = self._lookup(request.service, request.method)
-            reply = await _with_budget(method.handler(_decode_payload(method, request.payload), ctx), running)
+            reply = await _with_budget(method.handler(request, ctx), running)
             return Code.OK, "", reply.SerializeToString()
         except TtrpcError as exc:
             return exc.code, exc.message, b""
@@ -218,8 +260,8 @@ class Server:
             if suppressed is not None:
                 logger.exception(
                     "ttrpc handler %s/%s failed%s",
-                    request.service,
-                    request.method,
+                    ctx.service,
+                    ctx.method,
                     suppressed_note(suppressed),
                 )
             # Go sends err.Error(); an exception without text still needs a readable message.
@@ -273,12 +315,15 @@ def _context(event: RequestReceived) -> CallContext:
         metadata=tuple((kv.key, kv.value) for kv in request.metadata) if request.metadata else (),
         timeout_nano=request.timeout_nano,
         deadline=deadline,
+        request_size=event.size,
     )
 
 
-def _decode_payload(method: UnaryMethod[ReqT, Any], payload: bytes) -> ReqT:
+def decode_payload(request_type: type[ReqT], payload: bytes | memoryview) -> ReqT:
+    """A request message from its payload; `TtrpcError` (Internal, Go's text) when malformed."""
     try:
-        return method.request_type.FromString(payload)
+        # A view is parsed in place (the stubs say bytes; upb takes any buffer, without a copy).
+        return request_type.FromString(cast(bytes, payload))
     except DecodeError as exc:
         raise TtrpcError(Code.INTERNAL, f"ttrpc: error unmarshalling payload: {exc}") from exc
 

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from api.google.rpc import status_pb2
 from api.ttrpc import request_pb2
+from nri_plugin.ttrpc import wire
 from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import (
     Code,
@@ -36,6 +37,7 @@ __all__ = [
     "FLAG_REMOTE_CLOSED",
     "FLAG_REMOTE_OPEN",
     "HEADER_SIZE",
+    "LARGE_REQUEST",
     "MAX_DATA",
     "MAX_STREAM_ID",
     "NEED_DATA",
@@ -193,10 +195,20 @@ class FrameDecoder:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RequestReceived:
-    """A well-formed request on a fresh stream; answer it with `ServerSession.send_response`."""
+    """A well-formed request on a fresh stream; answer it with `ServerSession.send_response`.
+    `size`: the bytes of its ttrpc message data (the envelope and the payload in it). `payload`: for a
+    large request (`LARGE_REQUEST` bytes or more), its payload, a view of the bytes received, kept out
+    of `request` (whose ``payload`` is then empty); None: it is ``request.payload``."""
 
     stream_id: int
     request: request_pb2.Request
+    size: int = 0
+    payload: memoryview | None = None
+
+    @property
+    def data(self) -> bytes | memoryview:
+        """The request's payload, wherever it is."""
+        return self.payload if self.payload is not None else self.request.payload
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -230,6 +242,27 @@ def _response_message(stream_id: int, payload: bytes, code: int, message: str) -
     if code != Code.OK:
         response.status.CopyFrom(status_pb2.Status(code=code, message=message))
     return encode_frame(stream_id, MessageType.RESPONSE, 0, response.SerializeToString())
+
+
+# Requests at least this large (only Synchronize chunks are) keep their payload out of the envelope.
+LARGE_REQUEST: Final = 64 * 1024
+
+_PAYLOAD_FIELD: Final = 3  # ttrpc.Request.payload
+
+
+def _split_payload(data: bytes) -> tuple[bytes, memoryview | None]:
+    """A ttrpc.Request's bytes without its payload field, and the payload as a view of `data` (no
+    copy of its megabytes: parsing the envelope would copy it once, and reading ``payload`` once
+    more). Only a plainly well-formed envelope with one payload is split; any other comes back whole,
+    with None, for the protobuf decoder to parse (or refuse) as it always does."""
+    found = wire.fields(data)
+    if found is None:
+        return data, None
+    payloads = [field for field in found if field.number == _PAYLOAD_FIELD]
+    if len(payloads) != 1 or payloads[0].wire != wire.LEN:
+        return data, None
+    payload = payloads[0]
+    return data[: payload.start] + data[payload.end :], memoryview(data)[payload.begin : payload.end]
 
 
 # --- server --------------------------------------------------------------------------------------
@@ -309,13 +342,18 @@ class ServerSession:
             self._reply(frame.stream_id, Code.INVALID_ARGUMENT, _MSG_REUSED_ID)
             return None
         self._last_stream_id = frame.stream_id
+        data, payload = frame.data, None
+        if len(data) >= LARGE_REQUEST:
+            data, payload = _split_payload(data)
         try:
-            request = request_pb2.Request.FromString(frame.data)
+            request = request_pb2.Request.FromString(data)
         except DecodeError as exc:
             self._reply(frame.stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
             return None
         self._active.add(frame.stream_id)
-        return RequestReceived(stream_id=frame.stream_id, request=request)
+        return RequestReceived(
+            stream_id=frame.stream_id, request=request, size=len(frame.data), payload=payload
+        )
 
 
 # --- client --------------------------------------------------------------------------------------

@@ -24,10 +24,11 @@ from nri_plugin.ttrpc.aio import (
     UnaryMethod,
     UnixServer,
     connect_unix,
+    decode_payload,
     serve_unix,
 )
 from nri_plugin.ttrpc.errors import Code, ConnectionClosed, OversizedMessage, TtrpcError
-from nri_plugin.ttrpc.protocol import MessageType, encode_frame
+from nri_plugin.ttrpc.protocol import LARGE_REQUEST, MessageType, encode_frame
 
 ECHO = "test.Echo"
 BIG = 5 << 20
@@ -486,6 +487,49 @@ async def test_handler_that_never_waits_is_answered_inside_data_received() -> No
     server = Server(EchoService().services(), sent.append)
     server.data_received(raw_request(1, "Echo", StringValue(value="now").SerializeToString()))
     assert decode_responses(sent) == [(1, 0, "", StringValue(value="now").SerializeToString())]
+
+
+@pytest.mark.asyncio
+async def test_a_large_request_is_answered_from_a_task_without_its_envelope() -> None:
+    """A request of 64 KiB or more (a Synchronize chunk) is not handled inside data_received: it
+    starts at the next turn of the loop, once the buffers that carried it are let go; its handler
+    gets the decoded message and the request's size, and holds no ttrpc envelope."""
+    sent: list[bytes] = []
+    seen: list[tuple[int, int]] = []
+
+    async def measure(request: StringValue, ctx: CallContext) -> StringValue:
+        seen.append((len(request.value), ctx.request_size))
+        return StringValue(value="ok")
+
+    server = Server({ECHO: {"Measure": UnaryMethod(StringValue, measure)}}, sent.append)
+    big = StringValue(value="x" * (64 * 1024)).SerializeToString()
+    message = raw_request(1, "Measure", big)
+    server.data_received(message)
+    assert sent == []  # not yet: it waits for the loop
+    await guard(server.wait_closed())
+    assert decode_responses(sent) == [(1, 0, "", StringValue(value="ok").SerializeToString())]
+    assert seen == [(64 * 1024, len(message) - 10)]  # the size: the frame's data, its header aside
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [10, 64 * 1024], ids=["small", "large"])
+async def test_a_raw_method_gets_the_payload_undecoded(size: int) -> None:
+    """`UnaryMethod(raw=True)`: the handler gets the payload's bytes (a view of those received for a
+    large request, which it may release) and decodes them itself."""
+    sent: list[bytes] = []
+    got: list[tuple[type, str]] = []
+
+    async def raw(data: Any, ctx: CallContext) -> StringValue:
+        got.append((type(data), decode_payload(StringValue, data).value))
+        if isinstance(data, memoryview):
+            data.release()
+        return StringValue(value="ok")
+
+    server = Server({ECHO: {"Raw": UnaryMethod(StringValue, raw, raw=True)}}, sent.append)
+    server.data_received(raw_request(1, "Raw", StringValue(value="x" * size).SerializeToString()))
+    await guard(server.wait_closed())
+    assert got == [(memoryview if size >= LARGE_REQUEST else bytes, "x" * size)]
+    assert decode_responses(sent) == [(1, 0, "", StringValue(value="ok").SerializeToString())]
 
 
 @pytest.mark.asyncio

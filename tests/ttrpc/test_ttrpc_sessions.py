@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from api.google.rpc import status_pb2
 from api.ttrpc import request_pb2
+from nri_plugin.ttrpc import protocol
 from nri_plugin.ttrpc.errors import Code, LocalProtocolError, OversizedMessage, ProtocolError, TtrpcError
 from nri_plugin.ttrpc.protocol import (
     HEADER_SIZE,
@@ -409,3 +410,57 @@ def test_ttrpc_error_keeps_known_and_unknown_codes() -> None:
     assert odd.code == 99
     assert not isinstance(odd.code, Code)
     assert str(odd) == "99"
+
+
+# -- large requests: the payload kept out of the envelope --------------------------------------------
+
+
+@given(
+    service=st.text(max_size=40),
+    method=st.text(max_size=40),
+    payload=st.binary(max_size=300),
+    timeout=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    metadata=st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=3),
+)
+def test_a_split_envelope_decodes_to_the_same_request(
+    service: str, method: str, payload: bytes, timeout: int, metadata: list[tuple[str, str]]
+) -> None:
+    request = request_pb2.Request(service=service, method=method, payload=payload, timeout_nano=timeout)
+    for key, value in metadata:
+        request.metadata.add(key=key, value=value)
+    data = request.SerializeToString()
+    rest, view = protocol._split_payload(data)
+    if not payload:  # proto3 leaves an empty payload out: nothing to split
+        assert (rest, view) == (data, None)
+        return
+    assert view is not None
+    assert bytes(view) == payload
+    assert request_pb2.Request.FromString(rest) == request_pb2.Request(
+        service=service, method=method, timeout_nano=timeout, metadata=request.metadata
+    )
+
+
+@given(st.binary(max_size=200))
+def test_a_malformed_envelope_is_never_split_into_something_else(data: bytes) -> None:
+    """Whatever the bytes, a split gives what the whole parse gives, or no split at all."""
+    rest, view = protocol._split_payload(data)
+    if view is None:
+        assert rest == data
+        return
+    whole = request_pb2.Request.FromString(data)  # a split envelope is a valid one
+    part = request_pb2.Request.FromString(rest)
+    assert bytes(view) == whole.payload
+    part.payload = whole.payload
+    assert part == whole
+
+
+def test_a_large_request_comes_with_its_payload_apart() -> None:
+    payload = b"\x0a" * protocol.LARGE_REQUEST
+    request = request_pb2.Request(service="a.B", method="C", payload=payload)
+    session = ServerSession()
+    [event] = session.receive_data(encode_frame(1, MessageType.REQUEST, 0, request.SerializeToString()))
+    assert event.payload is not None
+    assert bytes(event.payload) == payload
+    assert event.request.payload == b""
+    assert bytes(event.data) == payload
+    assert event.size == request.ByteSize()

@@ -1,0 +1,82 @@
+"""The protobuf wire format at the top level of a message: where each field is, nothing decoded.
+
+What lets a large message be taken apart without parsing it whole: a ttrpc request's payload kept
+out of its envelope (`nri_plugin.ttrpc.protocol`), a Synchronize chunk parsed one object at a time
+(`nri_plugin.nri.stub`). Only plainly well-formed bytes are taken apart; anything else is left to
+the protobuf decoder, which parses (or refuses) it as it always does.
+"""
+
+from __future__ import annotations
+
+from typing import Final, NamedTuple
+
+__all__ = ["LEN", "VARINT", "Field", "fields", "varint"]
+
+# Wire types (what follows a field's key).
+VARINT: Final = 0
+_FIXED64: Final = 1
+LEN: Final = 2
+_FIXED32: Final = 5
+
+
+class Field(NamedTuple):
+    """One top-level field: its number and wire type, where it starts (its key) and where its value
+    starts and ends (a LEN field's bytes, a varint's bytes, a fixed field's bytes)."""
+
+    number: int
+    wire: int
+    start: int
+    begin: int
+    end: int
+
+
+# The most bytes a varint takes (64 bits, 7 per byte), and the largest field number.
+_VARINT_MAX: Final = 10
+_NUMBER_MAX: Final = (1 << 29) - 1
+
+
+def varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """The base-128 varint at `pos` and the position after it; IndexError when cut short,
+    ValueError when longer than 10 bytes."""
+    value = shift = 0
+    for _ in range(_VARINT_MAX):
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("varint longer than 10 bytes")
+
+
+def fields(data: bytes | memoryview) -> list[Field] | None:
+    """Every top-level field of the message in `data`, in order; None when it is not plainly well
+    formed (a field cut short, an overlong varint, a field number out of range, a group or an
+    unknown wire type)."""
+    found: list[Field] = []
+    pos, end = 0, len(data)
+    try:
+        while pos < end:
+            start = pos
+            key = data[pos]
+            if key < 0x80:  # a one-byte key: fields 1 to 15, every field of the messages split here
+                pos += 1
+            else:
+                key, pos = varint(data, pos)
+            number, wire = key >> 3, key & 7
+            if not 0 < number <= _NUMBER_MAX:
+                return None
+            begin = pos
+            if wire == VARINT:
+                _, pos = varint(data, pos)
+            elif wire == LEN:
+                length, begin = varint(data, pos)
+                pos = begin + length
+            elif wire in (_FIXED64, _FIXED32):
+                pos += 8 if wire == _FIXED64 else 4
+            else:
+                return None
+            found.append(Field(number, wire, start, begin, pos))
+    except (IndexError, ValueError):
+        return None
+    return found if pos == end else None

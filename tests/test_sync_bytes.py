@@ -1,0 +1,67 @@
+"""A Synchronize chunk taken apart one object at a time (`stub._Session.gather_bytes`) gives the
+plugin what parsing it whole and selecting gives (`_Session.gather`), and takes apart nothing that
+the protobuf decoder would refuse."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from api.nri import api_pb2 as api
+from nri_plugin.nri.stub import _Session
+
+
+def _every_other(pod: api.PodSandbox | None, container: api.Container) -> bool:
+    """Needs the containers with an even number in their name, and those whose pod is unknown."""
+    return pod is None or container.name.endswith(("0", "2", "4", "6", "8"))
+
+
+def _request(pods: int, containers: list[int], more: bool) -> api.SynchronizeRequest:
+    request = api.SynchronizeRequest(more=more)
+    for n in range(pods):
+        pod = request.pods.add(id=f"p{n}", uid=f"u{n}", name=f"pod-{n}")
+        pod.annotations[f"cpu-shared.crio.io/c{n}"] = "enable"
+    for n in containers:
+        container = request.containers.add(id=f"c{n}", pod_sandbox_id=f"p{n % 7}", name=f"c{n}")
+        container.env.append(f"N={n}")
+    return request
+
+
+def _selected(request: api.SynchronizeRequest) -> api.SynchronizeRequest:
+    """The request with only the containers `_every_other` needs (every pod comes before them)."""
+    pods = {pod.id: pod for pod in request.pods}
+    kept = [c for c in request.containers if _every_other(pods.get(c.pod_sandbox_id), c)]
+    return api.SynchronizeRequest(pods=request.pods, containers=kept, more=request.more)
+
+
+def _gathered(session: _Session) -> tuple[list[bytes], list[bytes], int]:
+    pods, containers = session.pods, session.containers
+    return [p.SerializeToString() for p in pods], [c.SerializeToString() for c in containers], session.seen
+
+
+@given(st.integers(0, 6), st.lists(st.integers(0, 30), max_size=12), st.booleans())
+def test_taken_apart_or_parsed_whole_the_plugin_gets_the_same(
+    pods: int, containers: list[int], more: bool
+) -> None:
+    data = _request(pods, containers, more).SerializeToString()
+    apart, whole = _Session(), _Session()
+    assert apart.gather_bytes(data, _every_other) == more
+    whole.gather(_selected(api.SynchronizeRequest.FromString(data)))
+    assert _gathered(apart)[:2] == _gathered(whole)[:2]
+    assert apart.seen == len(containers)
+
+
+@given(st.binary(max_size=120))
+def test_bytes_the_decoder_refuses_are_never_taken_apart(data: bytes) -> None:
+    session = _Session()
+    more = session.gather_bytes(data, _every_other)
+    if more is None:
+        assert _gathered(session) == ([], [], 0)
+        return
+    whole = _Session()
+    request = api.SynchronizeRequest.FromString(data)  # taken apart: the decoder takes it too
+    whole.gather(request)
+    assert more == request.more
+    pods, kept, seen = _gathered(session)
+    assert (pods, seen) == (_gathered(whole)[0], len(request.containers))
+    assert set(kept) <= set(_gathered(whole)[1])
