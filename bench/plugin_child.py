@@ -10,6 +10,10 @@ installed); BENCH_LOG=info (or debug, warning) configures logging as ``run`` doe
 the benchmark sends to /dev/null) instead of dropping everything below error level. BENCH_STATS=PATH:
 on SIGUSR1 the child writes ``{"state_bytes": N}`` there, the bytes its state store has written.
 BENCH_GC=off: no garbage collection at all (to see what collections cost the round trips).
+
+The plugin runs as in its image: the development venv's packages the image lacks (rich, pygments:
+structlog.dev imports them when it finds them) are refused before anything imports structlog
+(bench/image_imports.py); BENCH_DEV_PACKAGES=1 lets them in.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ import logging
 import os
 import signal
 import sys
+
+from image_imports import refuse_not_in_image
+
+if os.environ.get("BENCH_DEV_PACKAGES") != "1":
+    refuse_not_in_image()  # before structlog is imported: as in the image
 
 import structlog
 

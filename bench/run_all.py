@@ -42,6 +42,11 @@ and measures, in order:
 * the reconciler's whole pass over books holding 1,000 shared pods with nothing to heal, in this
   process (bench/heal_pass.py; it also runs on the real kernel's cgroup v1 tree with --kernel).
 
+The plugin's process imports what it would in its image (``pip install .``): the development venv's
+packages a dependency picks up only when present (rich and pygments for structlog.dev, ~4 MiB of
+RSS) are refused (bench/image_imports.py); with BENCH_DEV_PACKAGES=1 in the environment they are
+let in, to see the venv's figures.
+
 With --repeat N (default 3) each row shows the median of the N rounds and, in brackets, their range
 (a count shows its worst round); "met?" judges the median. A burst "meets" its target when all are
 answered and the max is at most 0.2 s, a tenth of the 2 s budget. --quick runs a small smoke version
@@ -698,6 +703,13 @@ def machine() -> str:
     )
 
 
+PLUGIN_IMPORTS = (
+    "the development venv's, rich and pygments included (BENCH_DEV_PACKAGES=1)"
+    if os.environ.get("BENCH_DEV_PACKAGES") == "1"
+    else "as in the image (pip install .): the venv's rich, pygments, grpc_tools refused"
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small smoke run (seconds, not minutes)")
@@ -724,6 +736,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     table = asyncio.run(run(settings))
     print(f"Machine: {before}")
+    print(f"Plugin imports: {PLUGIN_IMPORTS}")
     print(
         f"Rounds: {settings.repeat} (median, range in brackets); took {time.perf_counter() - started:.0f} s; "
         f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
