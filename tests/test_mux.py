@@ -360,7 +360,7 @@ class Recorder:
         self.lost: list[Exception | None] = []
         self._changed = asyncio.Event()
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         assert data, "receivers must never get b'' (it means EOF to sans-I/O code)"
         assert not self.lost, "data after connection_lost"
         self.data += data
@@ -645,7 +645,7 @@ async def test_local_close_flushes_then_closes(trunk_and_peer: tuple[Trunk, RawP
 @pytest.mark.asyncio
 async def test_receiver_failure_closes_the_trunk(trunk_and_peer: tuple[Trunk, RawPeer]) -> None:
     class Broken(Recorder):
-        def data_received(self, data: bytes) -> None:
+        def data_received(self, data: bytes | memoryview) -> None:
             raise ValueError("broken receiver")
 
     trunk, peer = trunk_and_peer
@@ -733,7 +733,7 @@ async def test_a_peer_that_does_not_read_stops_our_reading(trunk_and_peer: tuple
     class Echo(Recorder):
         """Answers every piece with 256 KiB."""
 
-        def data_received(self, data: bytes) -> None:
+        def data_received(self, data: bytes | memoryview) -> None:
             super().data_received(data)
             send(b"a" * (256 * 1024))
 

@@ -359,7 +359,7 @@ class RawRuntime:
         trunk.channel(mux.RUNTIME_SERVICE_CONN, Server(services, functools.partial(trunk.send, 2)))
         return trunk
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         for event in self.session.receive_data(data):
             assert isinstance(event, ResponseReceived)
             self.responses.put_nowait(event)

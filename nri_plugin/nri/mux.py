@@ -198,9 +198,9 @@ class MuxDecoder:
         found = self.next_payload()
         if found is NEED_DATA:
             return NEED_DATA
-        return MuxFrame(conn_id=found[0], payload=found[1])
+        return MuxFrame(conn_id=found[0], payload=bytes(found[1]))
 
-    def next_payload(self) -> tuple[int, bytes] | NeedData:
+    def next_payload(self) -> tuple[int, bytes | memoryview] | NeedData:
         """:meth:`next_event` as a plain ``(conn_id, payload)`` pair (what :class:`Trunk` uses:
         one object fewer per frame)."""
         if self._error is not None:
@@ -211,7 +211,7 @@ class MuxDecoder:
             self._error = exc
             raise
 
-    def _next_frame(self) -> tuple[int, bytes] | NeedData:
+    def _next_frame(self) -> tuple[int, bytes | memoryview] | NeedData:
         available = len(self._buffer)
         if available < HEADER_SIZE:
             if self._eof and available:
@@ -241,7 +241,7 @@ class MuxDecoder:
 class ChannelReceiver(Protocol):
     """What :meth:`Trunk.channel` delivers one connection's bytes to (e.g. a ttrpc endpoint)."""
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         """Next piece of the connection's byte stream (never empty)."""
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -401,7 +401,7 @@ class Trunk(asyncio.BufferedProtocol):
         self._decoder.receive_data(self._read_view[:nbytes])
         self._dispatch()
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         """Feed bytes as if read from the socket (the transport itself uses `buffer_updated`)."""
         if self._shutting_down:
             return
@@ -448,7 +448,7 @@ class Trunk(asyncio.BufferedProtocol):
                 return
             self._deliver(*found)
 
-    def _deliver(self, conn_id: int, payload: bytes) -> None:
+    def _deliver(self, conn_id: int, payload: bytes | memoryview) -> None:
         receiver = self._receivers.get(conn_id)
         if receiver is None:
             suppressed = self._unheard_log.take()

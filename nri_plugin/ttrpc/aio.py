@@ -71,7 +71,7 @@ _NANO = 1_000_000_000
 class Receiver(Protocol):
     """What a channel feeds: a `Server` or a `Client`."""
 
-    def data_received(self, data: bytes) -> None: ...
+    def data_received(self, data: bytes | memoryview) -> None: ...
 
     def connection_lost(self, exc: BaseException | None) -> None: ...
 
@@ -142,7 +142,7 @@ class Server:
         # A handler failing for every request of a hostile peer must not flood the log.
         self._failure_log = LogBudget()
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         if self._lost:
             return
         try:
@@ -501,7 +501,7 @@ class Client:
         self._pending.pop(stream_id, None)
         self._session.abandon(stream_id)
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         if self._closed is not None:
             return
         try:
@@ -625,7 +625,7 @@ class _ChannelProtocol(asyncio.Protocol, Generic[R]):
             raise ConnectionClosed()
         self._transport.write(message)
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         self.receiver.data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -31,6 +31,10 @@ NEED_DATA: Final = NeedData.NEED_DATA
 # cause a memmove.
 _COMPACT_MIN: Final = 64 * 1024
 
+# A frame at least this large (only Synchronize chunks are) that ends where the bytes received end
+# is handed over, not copied: `ReceiveBuffer.take`.
+HAND_OVER_MIN: Final = 64 * 1024
+
 
 class ReceiveBuffer:
     """Bytes received and not yet consumed.
@@ -64,10 +68,18 @@ class ReceiveBuffer:
         """`header` read at the front, consuming nothing; the caller checks there are enough bytes."""
         return header.unpack_from(self._data, self._start)
 
-    def take(self, skip: int, length: int) -> bytes:
-        """Consume `skip` bytes (a header already read) and then `length` bytes, returned."""
+    def take(self, skip: int, length: int) -> bytes | memoryview:
+        """Consume `skip` bytes (a header already read) and then `length` bytes, returned.
+
+        A large frame (`HAND_OVER_MIN`) that is all the buffer holds past its header comes as a view
+        of the buffer's own memory, which the buffer gives up (it starts afresh): a 4 MiB message
+        is not copied at each layer (the mux's frame, then the ttrpc frame in it), so it is held
+        once, not two or three times over. Any other frame is copied out as bytes."""
         begin = self._start + skip
         end = begin + length
+        if length >= HAND_OVER_MIN and end == len(self._data):
+            data, self._data, self._start = self._data, bytearray(), 0
+            return memoryview(data)[begin:end]
         with memoryview(self._data) as view:
             taken = view[begin:end].tobytes()
         self._consume_to(end)

@@ -17,7 +17,7 @@ import enum
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 from google.protobuf.message import DecodeError
 
@@ -95,7 +95,7 @@ class Frame:
     stream_id: int
     type: MessageType
     flags: int
-    data: bytes
+    data: bytes | memoryview  # a large frame: a view of the bytes received (`ReceiveBuffer.take`)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,7 +139,7 @@ class FrameDecoder:
         """Bytes held while waiting for the rest of a frame."""
         return len(self._buffer)
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | memoryview) -> None:
         # Broken for good: keep nothing more of the stream.
         self._check_not_broken()
         if self._eof:
@@ -250,7 +250,7 @@ LARGE_REQUEST: Final = 64 * 1024
 _PAYLOAD_FIELD: Final = 3  # ttrpc.Request.payload
 
 
-def _split_payload(data: bytes) -> tuple[bytes, memoryview | None]:
+def _split_payload(data: bytes | memoryview) -> tuple[bytes | memoryview, memoryview | None]:
     """A ttrpc.Request's bytes without its payload field, and the payload as a view of `data` (no
     copy of its megabytes: parsing the envelope would copy it once, and reading ``payload`` once
     more). Only a plainly well-formed envelope with one payload is split; any other comes back whole,
@@ -262,7 +262,8 @@ def _split_payload(data: bytes) -> tuple[bytes, memoryview | None]:
     if len(payloads) != 1 or payloads[0].wire != wire.LEN:
         return data, None
     payload = payloads[0]
-    return data[: payload.start] + data[payload.end :], memoryview(data)[payload.begin : payload.end]
+    envelope = b"".join((data[: payload.start], data[payload.end :]))
+    return envelope, memoryview(data)[payload.begin : payload.end]
 
 
 # --- server --------------------------------------------------------------------------------------
@@ -288,7 +289,7 @@ class ServerSession:
         """Streams received and not yet answered."""
         return frozenset(self._active)
 
-    def receive_data(self, data: bytes) -> list[RequestReceived]:
+    def receive_data(self, data: bytes | memoryview) -> list[RequestReceived]:
         self._decoder.receive_data(data)
         events: list[RequestReceived] = []
         for item in _drain(self._decoder):
@@ -346,7 +347,7 @@ class ServerSession:
         if len(data) >= LARGE_REQUEST:
             data, payload = _split_payload(data)
         try:
-            request = request_pb2.Request.FromString(data)
+            request = request_pb2.Request.FromString(cast(bytes, data))  # upb parses a view in place
         except DecodeError as exc:
             self._reply(frame.stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
             return None
@@ -405,7 +406,7 @@ class ClientSession:
         """Stop waiting for a call (timed out, cancelled); its response, if any, becomes unexpected."""
         self._pending.discard(stream_id)
 
-    def receive_data(self, data: bytes) -> list[ClientEvent]:
+    def receive_data(self, data: bytes | memoryview) -> list[ClientEvent]:
         self._decoder.receive_data(data)
         events: list[ClientEvent] = []
         for item in _drain(self._decoder):
@@ -431,7 +432,7 @@ class ClientSession:
 
 def _decode_response(frame: Frame) -> ResponseReceived:
     try:
-        response = request_pb2.Response.FromString(frame.data)
+        response = request_pb2.Response.FromString(cast(bytes, frame.data))
     except DecodeError as exc:
         # Only this call fails: the framing is intact, so the connection can go on.
         return ResponseReceived(

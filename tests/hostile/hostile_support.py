@@ -119,12 +119,12 @@ class RawPluginChannel:
     async def call(self, method: str, payload: bytes, *, service: str = PLUGIN_SERVICE) -> Reply:
         return await self.response(self.request(method, payload, service=service))
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         self._decoder.receive_data(data)
         while (frame := self._decoder.next_event()) is not NEED_DATA:
             assert frame.type is MessageType.RESPONSE, frame
             assert not hasattr(frame, "length"), "the plugin sent an oversized frame"
-            response = request_pb2.Response.FromString(frame.data)
+            response = request_pb2.Response.FromString(bytes(frame.data))
             code = response.status.code if response.HasField("status") else Code.OK
             if frame.stream_id in self.responses:
                 self.stray.append(frame.stream_id)  # answered twice

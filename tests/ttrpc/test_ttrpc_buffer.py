@@ -11,7 +11,7 @@ import pytest
 
 from nri_plugin.nri import mux
 from nri_plugin.ttrpc import protocol
-from nri_plugin.ttrpc.buffer import _COMPACT_MIN, NEED_DATA, NeedData, ReceiveBuffer
+from nri_plugin.ttrpc.buffer import _COMPACT_MIN, HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.protocol import FrameDecoder, MessageType, encode_frame
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +61,50 @@ def test_the_ttrpc_decoder_lets_go_of_a_large_frame_once_delivered() -> None:
         decoder.receive_data(wire[start : start + 65536])
     assert decoder.next_event() is not NEED_DATA
     assert decoder._buffer.held == 0
+
+
+def test_a_large_frame_that_ends_the_bytes_received_is_handed_over_not_copied() -> None:
+    buffer = ReceiveBuffer()
+    body = bytes(range(256)) * (HAND_OVER_MIN // 256)
+    buffer.append(b"hdr-" + body)
+    taken = buffer.take(4, len(body))
+    assert isinstance(taken, memoryview)  # the buffer's own memory, given up
+    assert taken == body
+    assert buffer.held == len(buffer) == 0
+    buffer.append(b"next")  # the buffer goes on with fresh memory: the view stays as it was
+    assert taken == body
+    assert buffer.take(0, 4) == b"next"
+
+
+@pytest.mark.parametrize(
+    ("length", "after"),
+    [(HAND_OVER_MIN - 1, b""), (HAND_OVER_MIN, b"more")],
+    ids=["small", "followed-by-more"],
+)
+def test_other_frames_are_copied_out(length: int, after: bytes) -> None:
+    buffer = ReceiveBuffer()
+    buffer.append(bytes(length) + after)
+    taken = buffer.take(0, length)
+    assert type(taken) is bytes
+    assert taken == bytes(length)
+    assert buffer.take(0, len(after)) == after
+
+
+def test_a_large_request_through_the_mux_and_ttrpc_is_held_once() -> None:
+    """A 4 MiB ttrpc message as a Go peer sends it (4096 bytes, then the rest): the mux's frame and
+    then the ttrpc frame are views, the ttrpc one of the one copy the ttrpc decoder made."""
+    message = encode_frame(1, MessageType.REQUEST, 0, bytes(4 << 20))
+    muxed = b"".join(mux.encode(1, message))
+    trunk, decoder = mux.MuxDecoder(), FrameDecoder()
+    for start in range(0, len(muxed), 65536):
+        trunk.receive_data(muxed[start : start + 65536])
+        while (found := trunk.next_payload()) is not NEED_DATA:
+            decoder.receive_data(found[1])
+    frame = decoder.next_event()
+    assert isinstance(frame, protocol.Frame)
+    assert isinstance(frame.data, memoryview)
+    assert frame.data == bytes(4 << 20)
+    assert trunk._buffer.held == decoder._buffer.held == 0
 
 
 def _modules_loaded_by(module: str) -> set[str]:

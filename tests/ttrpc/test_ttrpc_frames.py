@@ -33,7 +33,7 @@ frames = st.builds(
 
 
 def encode(frame: Frame) -> bytes:
-    return encode_frame(frame.stream_id, frame.type, frame.flags, frame.data)
+    return encode_frame(frame.stream_id, frame.type, frame.flags, bytes(frame.data))
 
 
 def drain(decoder: FrameDecoder) -> list[Frame | OversizedFrame]:

@@ -52,7 +52,7 @@ def decode_one(message: bytes) -> tuple[Frame, request_pb2.Response]:
     assert decoder.next_event() is NEED_DATA
     assert decoder.buffered == 0, "exactly one whole message"
     assert frame.type is MessageType.RESPONSE
-    return frame, request_pb2.Response.FromString(frame.data)
+    return frame, request_pb2.Response.FromString(bytes(frame.data))
 
 
 def status_of(message: bytes) -> tuple[int, int, str]:
@@ -256,7 +256,7 @@ def test_client_request_encoding() -> None:
     frame = decoder.next_event()
     assert isinstance(frame, Frame)
     assert (frame.stream_id, frame.type, frame.flags) == (stream_id, MessageType.REQUEST, 0)
-    request = request_pb2.Request.FromString(frame.data)
+    request = request_pb2.Request.FromString(bytes(frame.data))
     assert (request.service, request.method, request.payload, request.timeout_nano) == (
         "svc",
         "M",
@@ -435,7 +435,7 @@ def test_a_split_envelope_decodes_to_the_same_request(
         return
     assert view is not None
     assert bytes(view) == payload
-    assert request_pb2.Request.FromString(rest) == request_pb2.Request(
+    assert request_pb2.Request.FromString(bytes(rest)) == request_pb2.Request(
         service=service, method=method, timeout_nano=timeout, metadata=request.metadata
     )
 
@@ -448,7 +448,7 @@ def test_a_malformed_envelope_is_never_split_into_something_else(data: bytes) ->
         assert rest == data
         return
     whole = request_pb2.Request.FromString(data)  # a split envelope is a valid one
-    part = request_pb2.Request.FromString(rest)
+    part = request_pb2.Request.FromString(bytes(rest))
     assert bytes(view) == whole.payload
     part.payload = whole.payload
     assert part == whole
