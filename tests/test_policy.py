@@ -21,6 +21,7 @@ from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.books import Slot
 from nri_plugin.mixedcpu.policy import (
     ISOLATED_ENV,
+    MAX_CFS_QUOTA,
     SHARED_ENV,
     PolicyError,
     baseline_from_pod_resources,
@@ -638,6 +639,22 @@ def test_update_quota_falls_back_to_the_containers_current_quota() -> None:
     bad.cpu.cpus = "4,,5"
     with pytest.raises(PolicyError, match="malformed requested cpuset"):
         plan_update(frozenset({0, 1}), pod, limited, bad, frozenset({4, 5}))
+
+
+@pytest.mark.parametrize("quota", [MAX_CFS_QUOTA, MAX_CFS_QUOTA - 100_000, (1 << 63) - 1])
+def test_an_update_quota_raised_past_the_kernels_largest_is_refused(quota: int) -> None:
+    # The raise adds the shared CPUs' share: past 2^44 - 1 us the kernel refuses it, past int64
+    # protobuf cannot even hold it (hypothesis found ValueError: Value out of range).
+    pod = make_pod(CGROUPFS)
+    container = make_container(CGROUPFS, pod, "c1", cpus="0-1,4-5", quota=400_000)
+    requested = api.LinuxResources()
+    requested.cpu.cpus = "4-5"
+    requested.cpu.quota.value = quota
+    with pytest.raises(PolicyError, match="above the kernel's largest quota"):
+        plan_update(frozenset({0, 1}), pod, container, requested, frozenset({4, 5}))
+    requested.cpu.quota.value = MAX_CFS_QUOTA - 200_000  # plus 2 x 100 ms: exactly the largest
+    update = plan_update(frozenset({0, 1}), pod, container, requested, frozenset({4, 5})).update
+    assert update.linux.resources.cpu.quota.value == MAX_CFS_QUOTA
 
 
 def test_pod_quota_target() -> None:

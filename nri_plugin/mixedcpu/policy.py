@@ -598,7 +598,14 @@ def _update_quota(
     quota = len(cpus) * period
     if not _limited(requested) or not own:
         return quota
-    return requested.quota.value + len(cpus - own) * period
+    raised = requested.quota.value + len(cpus - own) * period
+    if raised > MAX_CFS_QUOTA:
+        raise PolicyError(
+            f"requested CFS quota {requested.quota.value} plus the shared CPUs' share is {raised} us,"
+            f" above the kernel's largest quota ({MAX_CFS_QUOTA} us); ask for a CPU limit the kernel"
+            " accepts, or for none"
+        )
+    return raised
 
 
 @dataclass(frozen=True, slots=True)
