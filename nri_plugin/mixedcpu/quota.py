@@ -338,9 +338,7 @@ class PodQuotas:
         try:
             pod_dir = self.open_pod(pod.linux.cgroup_parent)  # one walk for reads and write
             before = read_cpu_quota(pod_dir)
-            if slot.pod not in books.pods:
-                books.pods[slot.pod] = new_pod_record(pod, before)
-            books.hold(slot, record)
+            books.hold(slot, record, new_pod=None if slot.pod in books.pods else new_pod_record(pod, before))
             # Journaled ahead of the raise: killed right after it, the next start knows the pod's own
             # quota (and there is one append per creation, not two).
             ahead = functools.partial(self.keeper.commit, establish=False)
