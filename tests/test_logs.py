@@ -182,6 +182,25 @@ def test_json_timestamp_is_structlogs_iso_utc(time_ns: int) -> None:
     assert logs_module._iso_utc(time_ns) == expected  # the second's text cached
 
 
+def test_json_lines_follow_logging_disable_and_a_disabled_logger() -> None:
+    out = io.StringIO()
+    configure_logging("info", "json", stream=out)
+    logging.disable(logging.WARNING)
+    try:
+        log.warning("disabled")
+        log.error("above what is disabled")
+    finally:
+        logging.disable(logging.NOTSET)
+    stdlib = logging.getLogger("nri_plugin.test")
+    stdlib.disabled = True
+    try:
+        log.error("its logger disabled")
+    finally:
+        stdlib.disabled = False
+    log.info("enabled again")
+    assert [e["msg"] for e in json_lines(out.getvalue())] == ["above what is disabled", "enabled again"]
+
+
 def test_json_line_that_cannot_be_written_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
     class Unshowable:
         def __repr__(self) -> str:

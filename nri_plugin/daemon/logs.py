@@ -169,7 +169,7 @@ def _json_line(
 
 class _JsonLineLogger(structlog.stdlib.BoundLogger):
     """structlog's stdlib logger whose lines, in the JSON format, skip its processor chain and the
-    stdlib record: filtered by the same threshold (the logger's effective level, live), rendered by
+    stdlib record: filtered as the record would have been (the logger's level, live), rendered by
     `_json_line` and written by our handler (`_Handler.write_json`). Everything else (bind,
     is_enabled_for ...) is structlog's."""
 
@@ -178,7 +178,9 @@ class _JsonLineLogger(structlog.stdlib.BoundLogger):
     ) -> None:
         logger = self._logger
         handler = _Settings.handler
-        if logger.disabled or NAME_TO_LEVEL[method_name] < logger.getEffectiveLevel() or handler is None:
+        # The stdlib logger's own test, as its record would have passed: its level (live), the
+        # logger disabled, logging.disable.
+        if not logger.isEnabledFor(NAME_TO_LEVEL[method_name]) or handler is None:
             return
         fields = {**self._context, **event_kw} if self._context else event_kw
         if event_args:
