@@ -182,6 +182,20 @@ def test_json_timestamp_is_structlogs_iso_utc(time_ns: int) -> None:
     assert logs_module._iso_utc(time_ns) == expected  # the second's text cached
 
 
+def test_capture_logs_sees_the_lines_of_loggers_cached_in_the_json_format() -> None:
+    """A test's structlog.testing.capture_logs (the chain changed in place) takes the lines of
+    loggers cached with the daemon's configuration; our chain back, they are JSON lines again."""
+    out = io.StringIO()
+    configure_logging("info", "json", stream=out, cache_loggers=True, node="node-7")
+    cached = structlog.get_logger("nri_plugin.test.cached")
+    cached.info("before")
+    with structlog.testing.capture_logs() as logged:
+        cached.warning("captured", why="a test")
+    cached.info("after")
+    assert logged == [{"event": "captured", "why": "a test", "log_level": "warning"}]
+    assert [e["msg"] for e in json_lines(out.getvalue())] == ["before", "after"]
+
+
 def test_json_lines_follow_logging_disable_and_a_disabled_logger() -> None:
     out = io.StringIO()
     configure_logging("info", "json", stream=out)

@@ -39,7 +39,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, MutableMapping
-from typing import Any, Final, TextIO
+from typing import Any, ClassVar, Final, TextIO
 
 import structlog
 from structlog._log_levels import NAME_TO_LEVEL, map_method_name
@@ -106,6 +106,8 @@ class _Settings:
     base_level: int = logging.INFO
     handler: _Handler | None = None
     node: str | None = None
+    # The structlog processors it configured (a list structlog keeps and bound loggers share).
+    chain: ClassVar[list[structlog.types.Processor]] = []
 
 
 class _Stamp:
@@ -135,6 +137,8 @@ def _json_fallback(value: object) -> object:
 
 
 _ENCODE: Final = json.JSONEncoder(default=_json_fallback).encode
+# The last processor of the chain configure_logging sets: the line goes on to our formatter.
+_TO_FORMATTER: Final = structlog.stdlib.ProcessorFormatter.wrap_for_formatter
 _WITH_ARGUMENTS: Final = structlog.stdlib.PositionalArgumentsFormatter()
 # The caller's frame, not this module's, is where a line's stack starts.
 _WITH_STACK: Final = structlog.processors.StackInfoRenderer(additional_ignores=[__name__])
@@ -171,22 +175,28 @@ class _JsonLineLogger(structlog.stdlib.BoundLogger):
     """structlog's stdlib logger whose lines, in the JSON format, skip its processor chain and the
     stdlib record: filtered as the record would have been (the logger's level, live), rendered by
     `_json_line` and written by our handler (`_Handler.write_json`). Everything else (bind,
-    is_enabled_for ...) is structlog's."""
+    is_enabled_for ...) is structlog's, and so is a line while another chain is configured in
+    place of ours (a test's ``structlog.testing.capture_logs``)."""
 
     def _proxy_to_logger(
         self, method_name: str, event: str | None = None, *event_args: Any, **event_kw: Any
-    ) -> None:
+    ) -> Any:
+        handler, chain = _Settings.handler, _Settings.chain
+        if handler is None or self._processors is not chain or chain[-1] is not _TO_FORMATTER:
+            # Not the chain configure_logging set, or changed in place (structlog.testing.capture_logs
+            # does): structlog's way.
+            return super()._proxy_to_logger(method_name, event, *event_args, **event_kw)
         logger = self._logger
-        handler = _Settings.handler
         # The stdlib logger's own test, as its record would have passed: its level (live), the
         # logger disabled, logging.disable.
-        if not logger.isEnabledFor(NAME_TO_LEVEL[method_name]) or handler is None:
-            return
+        if not logger.isEnabledFor(NAME_TO_LEVEL[method_name]):
+            return None
         fields = {**self._context, **event_kw} if self._context else event_kw
         if event_args:
             formatted = {"event": event, "positional_args": event_args}
             event = _WITH_ARGUMENTS(None, method_name, formatted)["event"]
         handler.write_json(logger.name, method_name, event, fields)
+        return None
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -315,17 +325,18 @@ def configure_logging(
     _Settings.handler = handler
     _Settings.base_level = threshold
     _Settings.node = node
+    _Settings.chain = [
+        # The root logger's level decides, read at each call: toggle_debug takes effect at once.
+        structlog.stdlib.filter_by_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.PositionalArgumentsFormatter(),
+        timestamper,
+        structlog.processors.StackInfoRenderer(),
+        _TO_FORMATTER,
+    ]
     structlog.configure(
-        processors=[
-            # The root logger's level decides, read at each call: toggle_debug takes effect at once.
-            structlog.stdlib.filter_by_level,
-            structlog.stdlib.add_logger_name,
-            structlog.stdlib.add_log_level,
-            structlog.stdlib.PositionalArgumentsFormatter(),
-            timestamper,
-            structlog.processors.StackInfoRenderer(),
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
+        processors=_Settings.chain,
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=_JsonLineLogger if rendered == "json" else structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=cache_loggers,
