@@ -4,6 +4,7 @@ line about a container, and SIGUSR1 turning debug logging on and off at run time
 from __future__ import annotations
 
 import asyncio
+import datetime
 import io
 import json
 import logging
@@ -31,6 +32,7 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
+from nri_plugin.daemon import logs as logs_module
 from nri_plugin.daemon.logs import configure_logging, debug_toggle_on_sigusr1, resolve_format, toggle_debug
 from nri_plugin.nri.simulator import RuntimeSimulator
 
@@ -90,6 +92,140 @@ def test_json_lines_for_structlog_and_stdlib_loggers() -> None:
     assert (failure["level"], failure["msg"]) == ("error", "it failed")
     assert failure["exception"].startswith("Traceback (most recent call last):")
     assert failure["exception"].endswith("ValueError: bad value")
+
+
+class _Shown:
+    def __repr__(self) -> str:
+        return "<shown>"
+
+
+class _Structured:
+    def __structlog__(self) -> list[int]:
+        return [1, 2]
+
+
+def _reference_logger(name: str) -> Any:
+    """A logger through structlog's configured processor chain and a stdlib record: the long way a
+    JSON line went before it was rendered in one step, and the way a console line still goes."""
+    config = structlog.get_config()
+    return structlog.stdlib.BoundLogger(logging.getLogger(name), config["processors"], {})
+
+
+def _without_timestamp(line: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(k, v) for k, v in line.items() if k != "timestamp"]
+
+
+def test_json_line_rendered_in_one_step_is_the_processor_chains_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys, their order and values as the processor chain and formatter render them: the leading
+    keys, a caller's node kept and its reserved keys overridden, bound context, positional
+    arguments, values JSON cannot encode, a stack and an exception; and no stdlib record made."""
+    out = io.StringIO()
+    configure_logging("info", "json", stream=out, node="node-7")
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+        ("info", ("shared CPUs given",), {"event_name": "CreateContainer", "pod": "web", "count": 2}),
+        ("warning", ("quota %s of %s", "a", 3), {"shown": _Shown(), "structured": _Structured()}),
+        ("info", ("reserved",), {"msg": "x", "level": "y", "logger": "z", "timestamp": 1, "node": "mine"}),
+        ("error", ("no event name",), {"event_name": None, "stack_info": True}),
+        ("info", ("dict argument %(n)s",), {}),
+    ]
+
+    def log_all(logger: Any) -> None:
+        for method, args, kwargs in calls:
+            getattr(logger, method)(*args, **kwargs)
+        logger.info("dict argument %(n)s", {"n": 5})
+        try:
+            raise ValueError("bad value")
+        except ValueError:
+            logger.bind(attempt=1).exception("it failed")
+
+    log_all(_reference_logger("nri_plugin.test"))
+    reference = json_lines(out.getvalue())
+    out.truncate(0)
+    out.seek(0)
+
+    def no_record(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a stdlib record was made for a structlog line")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(logging.Logger, "handle", no_record)
+        log_all(log)
+    fast = json_lines(out.getvalue())
+    assert len(fast) == len(reference) == len(calls) + 2
+    for ours, theirs in zip(fast, reference, strict=True):
+        ours_stack, theirs_stack = ours.pop("stack", None), theirs.pop("stack", None)
+        assert (ours_stack is None) == (theirs_stack is None)
+        assert _without_timestamp(ours) == _without_timestamp(theirs)
+        assert ours["timestamp"].endswith("Z")
+    assert fast[3]["level"] == "error"
+    assert fast[-1]["exception"].endswith("ValueError: bad value")
+
+
+@pytest.mark.parametrize(
+    "time_ns",
+    [
+        0,
+        1_700_000_000_000_000_000,
+        1_700_000_000_123_456_789,
+        1_700_000_000_000_001_000,
+        1_999_999_999_999_999_999,
+    ],
+)
+def test_json_timestamp_is_structlogs_iso_utc(time_ns: int) -> None:
+    seconds, micro = divmod(time_ns // 1000, 1_000_000)
+    expected = (
+        datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+        .replace(microsecond=micro)
+        .isoformat()
+        .replace("+00:00", "Z")
+    )
+    assert logs_module._iso_utc(time_ns) == expected
+    assert logs_module._iso_utc(time_ns) == expected  # the second's text cached
+
+
+def test_capture_logs_sees_the_lines_of_loggers_cached_in_the_json_format() -> None:
+    """A test's structlog.testing.capture_logs (the chain changed in place) takes the lines of
+    loggers cached with the daemon's configuration; our chain back, they are JSON lines again."""
+    out = io.StringIO()
+    configure_logging("info", "json", stream=out, cache_loggers=True, node="node-7")
+    cached = structlog.get_logger("nri_plugin.test.cached")
+    cached.info("before")
+    with structlog.testing.capture_logs() as logged:
+        cached.warning("captured", why="a test")
+    cached.info("after")
+    assert logged == [{"event": "captured", "why": "a test", "log_level": "warning"}]
+    assert [e["msg"] for e in json_lines(out.getvalue())] == ["before", "after"]
+
+
+def test_json_lines_follow_logging_disable_and_a_disabled_logger() -> None:
+    out = io.StringIO()
+    configure_logging("info", "json", stream=out)
+    logging.disable(logging.WARNING)
+    try:
+        log.warning("disabled")
+        log.error("above what is disabled")
+    finally:
+        logging.disable(logging.NOTSET)
+    stdlib = logging.getLogger("nri_plugin.test")
+    stdlib.disabled = True
+    try:
+        log.error("its logger disabled")
+    finally:
+        stdlib.disabled = False
+    log.info("enabled again")
+    assert [e["msg"] for e in json_lines(out.getvalue())] == ["above what is disabled", "enabled again"]
+
+
+def test_json_line_that_cannot_be_written_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    class Unshowable:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    out = io.StringIO()
+    configure_logging("info", "json", stream=out)
+    log.info("bad field", value=Unshowable())  # no exception here
+    log.info("next line")
+    assert [e["msg"] for e in json_lines(out.getvalue())] == ["next line"]
+    assert "--- Logging error ---" in capsys.readouterr().err
 
 
 def test_console_lines_are_text() -> None:

@@ -71,6 +71,32 @@ def test_same_id_does_not_displace_itself() -> None:
     assert books.displace(Slot("pod-b", "fwd"), "x") is None  # unknown pod
 
 
+def test_a_new_pod_is_put_in_the_books_with_its_slot_held_in_one_write() -> None:
+    """The first container of a pod: the pod's record goes in already holding the slot, one write
+    (one change recorded, against nothing before), the device bound as for a known pod."""
+    books = Books()
+    books.take_changes()
+    writes: list[str] = []
+    recorded = books.pods._written
+
+    def counted(key: str, old: PodRecord | None, new: PodRecord | None) -> None:
+        writes.append(key)
+        recorded(key, old, new)
+
+    books.pods._written = counted
+    record = ContainerRecord("fwd-1", 2, "4-5", "shared-cpus-0")
+    assert (
+        books.hold(Slot("pod-n", "fwd"), record, new_pod=PodRecord("/kubepods/pod-n", 300_000, 100_000))
+        is None
+    )
+    assert writes == ["pod-n"]
+    assert books.pods["pod-n"].containers == {"fwd": record}
+    assert books.pods["pod-n"].target() == 500_000
+    assert books.take_changes() == ({"pod-n": None}, {"shared-cpus-0": None})
+    assert books.find("fwd-1") == (Slot("pod-n", "fwd"), record)
+    assert books.device_holders() == {"shared-cpus-0": Slot("pod-n", "fwd")}
+
+
 def test_device_holders_and_find() -> None:
     books = _books()
     assert books.device_holders() == {"shared-cpus-0": Slot("pod-a", "fwd")}

@@ -68,6 +68,28 @@ def test_a_new_pod_appends_a_few_lines_whatever_the_books_hold(tmp_path: Path) -
         assert StateStore(directory).load() == keeper.books
 
 
+def test_a_commit_ahead_that_wrote_leaves_nothing_waiting_and_one_that_could_not_does(tmp_path: Path) -> None:
+    """A creation's commit after the raise is needed only when its commit ahead left the books
+    waiting: with a journal the new pod is written ahead (nothing waits); without one yet (a first
+    start) nothing is written ahead and the commit after writes the snapshot."""
+    keeper = _keeper(tmp_path / "journaled", _pods(2))
+    assert not keeper.waiting
+    _new_pod(keeper.books, 1)
+    assert keeper.waiting
+    keeper.commit_ahead()
+    assert not keeper.waiting
+    assert StateStore(tmp_path / "journaled").load() == keeper.books
+
+    fresh = Bookkeeper(StateStore(tmp_path / "fresh", fsync=False), None)
+    _new_pod(fresh.books, 1)
+    fresh.commit_ahead()
+    assert fresh.waiting
+    assert not (tmp_path / "fresh" / STATE_FILE_NAME).exists()
+    fresh.commit()
+    assert not fresh.waiting
+    assert StateStore(tmp_path / "fresh").load() == fresh.books
+
+
 def test_the_journal_lines_are_the_change(tmp_path: Path) -> None:
     keeper = _keeper(tmp_path, _pods(3))
     _new_pod(keeper.books, 7)

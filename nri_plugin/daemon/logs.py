@@ -20,20 +20,29 @@ One threshold, the root logger's level, filters both kinds of logger, so it can 
 Given a node name (the daemon takes NODE_NAME from its environment; the manifests set it from the
 pod's ``spec.nodeName``), every line carries it as ``node``: ``kubectl logs`` of a DaemonSet's pods
 says which node a line is from.
+
+In the JSON format a structlog line (all of ours) does not go through structlog's processors and a
+stdlib record: `_JsonLineLogger` renders it in one step, one JSON encoder call over the line's
+fields in order, and hands the text to the handler to write. The same line, some 5 times cheaper
+(about 45 us a line the long way): the plugin writes one per container given shared CPUs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import json
 import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator, MutableMapping
-from typing import Any, Final, TextIO
+from typing import Any, ClassVar, Final, TextIO
 
 import structlog
+from structlog._log_levels import NAME_TO_LEVEL, map_method_name
 
 __all__ = [
     "EVENT_NAME",
@@ -70,12 +79,124 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
         self.stream = self.target if self.target is not None else sys.stderr
         super().emit(record)
 
+    def write_json(
+        self, logger_name: str, method_name: str, event: str | None, fields: dict[str, Any]
+    ) -> None:
+        """Render a structlog call's line (`_json_line`) and write it as `emit` writes a record's:
+        under the handler's lock (grpc's threads log through it too), flushed, a failure (a value
+        JSON cannot show, a closed stream) reported the stdlib's way, not raised at the caller."""
+        self.acquire()
+        try:
+            line = _json_line(logger_name, method_name, event, fields)
+            self.stream = self.target if self.target is not None else sys.stderr
+            self.stream.write(line + self.terminator)
+            self.flush()
+        except RecursionError:
+            raise
+        except Exception:  # as logging.StreamHandler.emit
+            self.handleError(logging.makeLogRecord({"msg": event, "name": logger_name}))
+        finally:
+            self.release()
+
 
 class _Settings:
-    """What `configure_logging` set last: the level `toggle_debug` returns to, and our handler."""
+    """What `configure_logging` set last: the level `toggle_debug` returns to, our handler and the
+    node every line names."""
 
     base_level: int = logging.INFO
     handler: _Handler | None = None
+    node: str | None = None
+    # The structlog processors it configured (a list structlog keeps and bound loggers share).
+    chain: ClassVar[list[structlog.types.Processor]] = []
+
+
+class _Stamp:
+    """The last second `_iso_utc` formatted, and its text: (second, "YYYY-MM-DDTHH:MM:SS"), one
+    attribute so that a thread reads a matching pair."""
+
+    second_text: tuple[int, str] = (-1, "")
+
+
+def _iso_utc(time_ns: int) -> str:
+    """`time_ns` (ns since the epoch) as structlog's ``TimeStamper(fmt="iso")`` writes it, in UTC
+    with microseconds (none when they are 0, as ``datetime.isoformat``) and a ``Z``; the date and
+    time of day formatted once a second, not at each line."""
+    second, micro = divmod(time_ns // 1000, 1_000_000)
+    cached, text = _Stamp.second_text
+    if cached != second:
+        text = datetime.datetime.fromtimestamp(second, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+        _Stamp.second_text = (second, text)
+    return f"{text}.{micro:06d}Z" if micro else f"{text}Z"
+
+
+def _json_fallback(value: object) -> object:
+    """What JSON cannot encode, as structlog's JSONRenderer shows it: its ``__structlog__()``, or
+    its repr."""
+    shown = getattr(value, "__structlog__", None)
+    return shown() if callable(shown) else repr(value)
+
+
+_ENCODE: Final = json.JSONEncoder(default=_json_fallback).encode
+# The last processor of the chain configure_logging sets: the line goes on to our formatter.
+_TO_FORMATTER: Final = structlog.stdlib.ProcessorFormatter.wrap_for_formatter
+_WITH_ARGUMENTS: Final = structlog.stdlib.PositionalArgumentsFormatter()
+# The caller's frame, not this module's, is where a line's stack starts.
+_WITH_STACK: Final = structlog.processors.StackInfoRenderer(additional_ignores=[__name__])
+
+
+def _json_line(
+    logger_name: str, method_name: str, event: str | None, fields: MutableMapping[str, Any]
+) -> str:
+    """The JSON line the processor chain would render for a structlog call: the leading keys in
+    their order (`_LEADING_KEYS`; the caller's own ``timestamp``, ``level``, ``logger`` or ``msg``
+    give way, its ``node`` does not), then the caller's fields, then a stack or exception asked
+    for with ``stack_info`` or ``exc_info``."""
+    if "stack_info" in fields:
+        fields = _WITH_STACK(None, method_name, fields)
+    if "exc_info" in fields:
+        fields = structlog.processors.format_exc_info(None, method_name, fields)
+    line: dict[str, Any] = {"timestamp": _iso_utc(time.time_ns()), "level": map_method_name(method_name)}
+    if NODE_KEY in fields:
+        line[NODE_KEY] = fields[NODE_KEY]
+    elif _Settings.node is not None:
+        line[NODE_KEY] = _Settings.node
+    line["logger"] = logger_name
+    line[MESSAGE_KEY] = event
+    named = fields.pop(EVENT_NAME, None)
+    if named is not None:
+        line["event"] = named
+    for key, value in fields.items():
+        if key not in line:
+            line[key] = value
+    return str(_ENCODE(line))
+
+
+class _JsonLineLogger(structlog.stdlib.BoundLogger):
+    """structlog's stdlib logger whose lines, in the JSON format, skip its processor chain and the
+    stdlib record: filtered as the record would have been (the logger's level, live), rendered by
+    `_json_line` and written by our handler (`_Handler.write_json`). Everything else (bind,
+    is_enabled_for ...) is structlog's, and so is a line while another chain is configured in
+    place of ours (a test's ``structlog.testing.capture_logs``)."""
+
+    def _proxy_to_logger(
+        self, method_name: str, event: str | None = None, *event_args: Any, **event_kw: Any
+    ) -> Any:
+        handler, chain = _Settings.handler, _Settings.chain
+        if handler is None or self._processors is not chain or chain[-1] is not _TO_FORMATTER:
+            # Not the chain configure_logging set, or changed in place (structlog.testing.capture_logs
+            # does): structlog's way.
+            return super()._proxy_to_logger(method_name, event, *event_args, **event_kw)
+        logger = self._logger
+        # The stdlib logger's own test, as its record would have passed: its level (live), the
+        # logger disabled, logging.disable.
+        if not logger.isEnabledFor(NAME_TO_LEVEL[method_name]):
+            return None
+        fields = {**self._context, **event_kw} if self._context else event_kw
+        if event_args:
+            formatted = {"event": event, "positional_args": event_args}
+            event = _WITH_ARGUMENTS(None, method_name, formatted)["event"]
+        handler.write_json(logger.name, method_name, event, fields)
+        return None
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -203,19 +324,21 @@ def configure_logging(
     root.setLevel(threshold)
     _Settings.handler = handler
     _Settings.base_level = threshold
+    _Settings.node = node
+    _Settings.chain = [
+        # The root logger's level decides, read at each call: toggle_debug takes effect at once.
+        structlog.stdlib.filter_by_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.PositionalArgumentsFormatter(),
+        timestamper,
+        structlog.processors.StackInfoRenderer(),
+        _TO_FORMATTER,
+    ]
     structlog.configure(
-        processors=[
-            # The root logger's level decides, read at each call: toggle_debug takes effect at once.
-            structlog.stdlib.filter_by_level,
-            structlog.stdlib.add_logger_name,
-            structlog.stdlib.add_log_level,
-            structlog.stdlib.PositionalArgumentsFormatter(),
-            timestamper,
-            structlog.processors.StackInfoRenderer(),
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
+        processors=_Settings.chain,
         logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
+        wrapper_class=_JsonLineLogger if rendered == "json" else structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=cache_loggers,
     )
     return rendered

@@ -360,10 +360,13 @@ class Books:
         self.pod_cgroups.pop(key, None)
         return freed
 
-    def hold(self, slot: Slot, record: ContainerRecord) -> ContainerRecord | None:
-        """Give the slot to `record` (its pod must be known) and bind its device id, if any, to the
-        slot. Returns the record it replaced, if any."""
-        pod = self.pods[slot.pod]
+    def hold(
+        self, slot: Slot, record: ContainerRecord, *, new_pod: PodRecord | None = None
+    ) -> ContainerRecord | None:
+        """Give the slot to `record` (its pod must be known, or given as `new_pod`: a pod the books
+        do not hold yet, put in with the slot held in one step) and bind its device id, if any, to
+        the slot. Returns the record it replaced, if any."""
+        pod = self.pods[slot.pod] if new_pod is None else new_pod
         previous = pod.containers.get(slot.name)
         self.pods[slot.pod] = pod.holding(slot.name, record)
         if record.device is not None:

@@ -338,14 +338,14 @@ class PodQuotas:
         try:
             pod_dir = self.open_pod(pod.linux.cgroup_parent)  # one walk for reads and write
             before = read_cpu_quota(pod_dir)
-            if slot.pod not in books.pods:
-                books.pods[slot.pod] = new_pod_record(pod, before)
-            books.hold(slot, record)
+            books.hold(slot, record, new_pod=None if slot.pod in books.pods else new_pod_record(pod, before))
             # Journaled ahead of the raise: killed right after it, the next start knows the pod's own
             # quota (and there is one append per creation, not two).
-            ahead = functools.partial(self.keeper.commit, establish=False)
-            after = await self._reconcile(pod_dir, books.pods, slot.pod, before, ahead=ahead)
-            self.keeper.commit()
+            after = await self._reconcile(
+                pod_dir, books.pods, slot.pod, before, ahead=self.keeper.commit_ahead
+            )
+            if self.keeper.waiting:  # left by the commit ahead (no journal yet)
+                self.keeper.commit()
         except (CgroupError, OSError) as exc:
             _restore(books.pods, slot.pod, saved)
             books.restore_bindings(bindings)  # a failed creation binds no device

@@ -702,14 +702,25 @@ class Bookkeeper:
         when that costs one append)."""
         if not establish and self._journal is None:
             return
-        if self._books.changed or self._pods or self._devices or self._unsaved:
-            # (else nothing to write: a creation's commit after the one ahead of its pod write)
+        if self.waiting:
             self._absorb()
             if self._unrebuildable_changed() or (self._unsaved and self._journal is None and self._pods):
                 self._write()
             elif (self._pods or self._devices or self._unsaved) and self._flush_timer is None:
                 self._defer()
         self._maybe_compact()
+
+    def commit_ahead(self) -> None:
+        """A creation's books journaled before its pod cgroup is raised: `commit` with `establish`
+        False. What it leaves (no journal yet: the next write is a snapshot) is `waiting`."""
+        self.commit(establish=False)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the books hold changes a `commit` would write or schedule (without any, it only
+        looks at the compaction: a creation's commit after a commit ahead that wrote its books
+        can be left out)."""
+        return bool(self._books.changed or self._pods or self._devices or self._unsaved)
 
     def _defer(self) -> None:
         try:
