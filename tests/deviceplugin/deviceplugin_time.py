@@ -17,7 +17,7 @@ from nri_plugin.common.clock import ManualClock
 from nri_plugin.deviceplugin.registration import RegistrationState
 from nri_plugin.deviceplugin.server import BACKOFF_INITIAL, BACKOFF_MAX, DevicePluginServer
 
-GUARD = 5.0  # real seconds; only against a hang
+GUARD = 15.0  # real seconds; only against a hang (a loaded 2-core CI machine took over 5 s for one wait)
 # Virtual time a test stays short of (or goes past) a due time: far above the float rounding of the
 # sums the server computes, far below any delay it uses.
 EPSILON = 1e-6
