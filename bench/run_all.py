@@ -71,9 +71,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+from asking_create import fake_tree_cost as asking_fake_tree_cost
 from asking_create import kernel_available
-from asking_create import on_fake_tree as asking_on_fake_tree
-from asking_create import on_kernel as asking_on_kernel
+from asking_create import kernel_cost as asking_kernel_cost
 from echo_floor import measure as echo_measure
 from google.protobuf.internal import api_implementation
 from heal_pass import on_fake_tree
@@ -631,20 +631,27 @@ async def asking_processing(table: Table, settings: Settings, node: Path) -> Non
     """The plugin's own CPU time per asking CreateContainer, first of its pod, in this process: on the
     fake tree, and (full runs, as root on cgroup v1) on the real kernel's cgroupfs."""
     calls = settings.fill_pods
-    seconds = await asking_on_fake_tree(node / "asking", calls)
+    cost = await asking_fake_tree_cost(node / "asking", calls)
     table.add(
-        "  plugin's own CPU per asking CreateContainer, first of its pod (in-process, fake v1 tree)",
-        seconds * 1e6,
+        "  plugin's own CPU per asking CreateContainer, first of its pod, until its reply"
+        " (in-process, fake v1 tree)",
+        cost.before_reply * 1e6,
         "µs",
         "≤ 40 µs",
         lambda v: v <= 40,
         section=2.2,
     )
+    table.add(
+        "  the same: its 'shared CPUs given' info line, written after the reply",
+        cost.after_reply * 1e6,
+        "µs",
+        section=2.2,
+    )
     if settings.kernel and kernel_available():
-        seconds = await asking_on_kernel(node / "asking-kernel", calls)
+        cost = await asking_kernel_cost(node / "asking-kernel", calls)
         table.add(
-            "  plugin's own CPU per asking CreateContainer, first of its pod (in-process, v1 cgroupfs)",
-            seconds * 1e6,
+            "  plugin's own CPU per asking CreateContainer until its reply (in-process, v1 cgroupfs)",
+            cost.before_reply * 1e6,
             "µs",
             section=2.2,
         )
