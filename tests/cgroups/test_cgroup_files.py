@@ -5,11 +5,11 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fs_support import count_opens, outcome_within
 
 from cgroups import (
     CgroupDir,
@@ -299,28 +299,6 @@ def test_directory_in_place_of_a_file(tree: Hierarchy) -> None:
         assert info.value.errno == errno.EISDIR
 
 
-def _within(seconds: float, work: Callable[[], object], release: Callable[[], None]) -> BaseException | None:
-    """Run `work` in a thread; it must end within `seconds` (else `release` unblocks it and the test
-    fails). What it raised, if anything."""
-    outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            work()
-            outcome.append(None)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        release()
-        thread.join(5)
-        pytest.fail(f"{work} blocked for more than {seconds} s")
-    return outcome[0]
-
-
 @pytest.mark.parametrize("kind", ["fifo", "fifo-with-writer", "socket"])
 def test_a_fifo_or_socket_in_place_of_a_quota_file_never_blocks(tree: Hierarchy, kind: str) -> None:
     """A FIFO in place of a quota file blocked the daemon's event loop (issue #13): now every open is
@@ -344,7 +322,7 @@ def test_a_fifo_or_socket_in_place_of_a_quota_file_never_blocks(tree: Hierarchy,
 
     try:
         for work in (lambda: read_cpu_quota(pod), lambda: write_cpu_quota(pod, 200_000)):
-            error = _within(2.0, work, release)
+            error = outcome_within(2.0, work, release)
             assert isinstance(error, CgroupError), error
             assert "not a regular file" in str(error) or "No such device" in str(error), error
             assert str(path) in str(error)
@@ -483,18 +461,6 @@ def test_non_ascii_content(tree: Hierarchy) -> None:
 # --- an open cgroup: one walk, several files ---------------------------------------------------
 
 
-def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    opened: list[str] = []
-    real_open = os.open
-
-    def counting(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
-        opened.append(path)
-        return real_open(path, flags, mode, dir_fd=dir_fd)
-
-    monkeypatch.setattr(os, "open", counting)
-    return opened
-
-
 def test_an_open_cgroup_reads_and_writes_like_its_directory(tree: Hierarchy) -> None:
     ctr = tree.dir(CTR)
     with open_cgroup(ctr) as held:
@@ -523,7 +489,7 @@ def test_an_open_cgroup_reads_and_writes_like_its_directory(tree: Hierarchy) -> 
 
 def test_an_open_cgroup_walks_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pod = _fake_tree(tmp_path, 1).dir(POD)
-    opened = _count_opens(monkeypatch)
+    opened = count_opens(monkeypatch)
     walk = [str(tmp_path), "kubepods", "pod1"]
     read_cpu_quota(pod)  # one walk, then both files
     assert opened == [*walk, "cpu.cfs_quota_us", "cpu.cfs_period_us"]

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fs_support import count_opens
 
 from cgroups import (
     CgroupNotFound,
@@ -48,18 +49,6 @@ def _hierarchy(mount: Path, version: int, *pods: str) -> Hierarchy:
     return Hierarchy(1 if version == 1 else 2, str(mount))
 
 
-def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    opened: list[str] = []
-    real_open = os.open
-
-    def counting(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
-        opened.append(path)
-        return real_open(path, flags, mode, dir_fd=dir_fd)
-
-    monkeypatch.setattr(os, "open", counting)
-    return opened
-
-
 def _limit_file(version: int) -> str:
     return "cpu.cfs_quota_us" if version == 1 else "cpu.max"
 
@@ -69,7 +58,7 @@ def test_a_pod_is_one_openat_below_its_held_parent(
 ) -> None:
     hierarchy = _hierarchy(tmp_path, version, "pod1", "pod2")
     opener = CgroupOpener()
-    opened = _count_opens(monkeypatch)
+    opened = count_opens(monkeypatch)
     with opener.open(hierarchy.dir(PODS.child("pod1"))) as pod:
         assert read_cpu_quota(pod) == CpuQuota(200000, 100000)
     assert opened[:3] == [str(tmp_path), "kubepods", "pod1"]  # the parent walked to once
@@ -86,7 +75,7 @@ def test_the_limit_is_read_and_written_through_one_open(
     hierarchy = _hierarchy(tmp_path, version, "pod1")
     opener = CgroupOpener()
     with opener.open(hierarchy.dir(PODS.child("pod1"))) as pod:
-        opened = _count_opens(monkeypatch)
+        opened = count_opens(monkeypatch)
         current = read_cpu_quota(pod)
         assert write_cpu_quota(pod, 1_000_000, current=current) == CpuQuota(1_000_000, 100000)
         write_cpu_quota(pod, 2000, current=current)  # shorter: nothing of the longer one is left

@@ -8,11 +8,11 @@ import errno
 import os
 import socket
 import stat
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fs_support import outcome_within
 
 from nri_plugin.common.smallfile import (
     NotRegularFile,
@@ -34,27 +34,6 @@ def _nothing_left_open() -> Iterator[None]:
     before = _open_fds()
     yield
     assert _open_fds() <= before
-
-
-def _within(seconds: float, work: Callable[[], object], release: Callable[[], None]) -> object:
-    """`work`'s outcome (its value or the exception it raised); a test failure, not a hung run, if it
-    blocks: `release` then unblocks it."""
-    outcome: list[object] = []
-
-    def run() -> None:
-        try:
-            outcome.append(work())
-        except Exception as exc:  # the outcome under test
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        release()
-        thread.join(5)
-        pytest.fail(f"blocked for more than {seconds} s")
-    return outcome[0]
 
 
 def test_a_regular_file_is_read_whole(tmp_path: Path) -> None:
@@ -111,7 +90,7 @@ def test_a_fifo_is_refused_without_waiting(tmp_path: Path, writer: bool) -> None
         held.append(fd)
 
     try:
-        refused = _within(10.0, lambda: read_small_file(path, 100), release)
+        refused = outcome_within(10.0, lambda: read_small_file(path, 100), release)
     finally:
         for fd in held:
             os.close(fd)
