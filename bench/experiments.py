@@ -63,6 +63,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str], bool]] = {
     "sim-uvloop": ("the simulator on uvloop (the runtime side cheaper)", {}, True),
     "gc-off": ("no garbage collection, in the plugin or the simulator", {"BENCH_GC": "off"}, False),
     "both-uvloop": ("both on uvloop", {"BENCH_UVLOOP": "1"}, True),
+    "no-metrics": ("the plugin without the daemon's metrics observer", {"BENCH_METRICS": "off"}, False),
 }
 
 
