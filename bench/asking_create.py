@@ -1,7 +1,7 @@
 """The plugin's own time per CreateContainer of a container that asks for shared CPUs, bytes in to
 bytes out, on a fake cgroup v1 tree and on the real kernel's v1 cgroupfs.
 
-Usage: python bench/asking_create.py [--calls N] [--kernel] [--profile] [--books N]
+Usage: python bench/asking_create.py [--calls N] [--kernel] [--profile] [--books N] [--idle-us N]
 
 Each request is the first container of a new pod that asks (the pod annotation, trusted here): the
 whole asking path, in this process, with no socket: the mux and ttrpc framing, the stub, the
@@ -10,7 +10,9 @@ the reply encoded. Requests are encoded beforehand; the pods' cgroups exist (a f
 regular files, or with --kernel a scratch subtree ``<mount>/heal-bench-<pid>`` of the real v1
 ``cpu`` hierarchy, removed afterwards; root only). --books N first fills the books with N shared
 pods (a Synchronize), to see that the cost does not grow with them. --profile prints where the time
-goes by layer (cProfile: read shares, not absolute numbers).
+goes by layer (cProfile: read shares, not absolute numbers). --idle-us N sleeps N µs before each
+request (untimed), as the live plugin waits for the runtime's next one: a process that slept comes
+back to cold CPU caches, and the same work costs it more CPU than back to back.
 
 Logging is set up as the daemon sets it (`nri_plugin.daemon.logs.configure_logging` with cached
 loggers, JSON, naming a node) at its default level, info, written to /dev/null: each asking
@@ -103,13 +105,18 @@ class Cost(NamedTuple):
 
 
 async def per_create(
-    layout: CgroupLayout, parents: list[str], state_dir: str, books: int, profiler: Profiler
+    layout: CgroupLayout,
+    parents: list[str],
+    state_dir: str,
+    books: int,
+    profiler: Profiler,
+    idle: float = 0.0,
 ) -> Cost:
     """CPU seconds per asking CreateContainer into the pods of `parents` after the first `books`
     (which a Synchronize makes shared first). CPU time, not wall time: on a shared machine the wall
     clock also counts the waits for a core; in one thread with nothing to wait on, the CPU time is
     the work. What the plugin does after each reply (its log line) is run and timed apart, as the
-    loop's next turn would."""
+    loop's next turn would. `idle`: seconds slept before each request, untimed."""
     plugin = MixedCpuPlugin(
         shared=SHARED_CPUS,
         layout=layout,
@@ -138,6 +145,8 @@ async def per_create(
     if profiler is not None:
         profiler.enable()
     for frame in frames:
+        if idle:
+            time.sleep(idle)  # noqa: ASYNC251 - idle between requests, as a live plugin is; untimed
         started = clock()
         trunk.data_received(frame)
         replied = clock()
@@ -159,10 +168,12 @@ async def on_fake_tree(
     return (await fake_tree_cost(root, calls, books, profiler)).before_reply
 
 
-async def fake_tree_cost(root: Path, calls: int, books: int = 0, profiler: Profiler = None) -> Cost:
+async def fake_tree_cost(
+    root: Path, calls: int, books: int = 0, profiler: Profiler = None, idle: float = 0.0
+) -> Cost:
     cgroup_root, state_dir = fake_node(root, books + calls)
     parents = [realistic_pod(n).linux.cgroup_parent for n in range(books + calls)]
-    return await per_create(fake_layout(cgroup_root), parents, state_dir, books, profiler)
+    return await per_create(fake_layout(cgroup_root), parents, state_dir, books, profiler, idle)
 
 
 async def on_kernel(
@@ -172,11 +183,13 @@ async def on_kernel(
     return (await kernel_cost(root, calls, books, profiler)).before_reply
 
 
-async def kernel_cost(root: Path, calls: int, books: int = 0, profiler: Profiler = None) -> Cost:
+async def kernel_cost(
+    root: Path, calls: int, books: int = 0, profiler: Profiler = None, idle: float = 0.0
+) -> Cost:
     state_dir = root / "state"
     state_dir.mkdir(parents=True, exist_ok=True)
     with kernel_pods(books + calls) as (layout, parents):
-        return await per_create(layout, parents, str(state_dir), books, profiler)
+        return await per_create(layout, parents, str(state_dir), books, profiler, idle)
 
 
 def kernel_available() -> bool:
@@ -190,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--books", type=int, default=0, help="shared pods in the books beforehand (0)")
     parser.add_argument("--kernel", action="store_true", help="real cgroup v1 cpu hierarchy (root)")
     parser.add_argument("--profile", action="store_true", help="where the time goes, by layer")
+    parser.add_argument("--idle-us", type=float, default=0.0, help="µs slept before each request (0)")
     parser.add_argument("--log-level", choices=LEVELS, default="info", help="the daemon's log level (info)")
     args = parser.parse_args(argv)
     # As the daemon's `wiring.load_settings` does, its lines going to /dev/null.
@@ -200,11 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     samples: list[Cost] = []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="asking-bench-") as tmp:
-            samples.append(asyncio.run(measure(Path(tmp), args.calls, args.books, profiler)))
+            idle = args.idle_us / 1e6
+            samples.append(asyncio.run(measure(Path(tmp), args.calls, args.books, profiler, idle)))
     where = "the kernel's cgroup v1 cpu hierarchy" if args.kernel else "a fake cgroup v1 tree"
     print(
         f"asking CreateContainer, first of its pod, on {where} ({args.books:,} shared pods in the books, "
-        f"{args.calls:,} calls per run, {args.runs} runs, log level {args.log_level}), µs of CPU per call:"
+        f"{args.calls:,} calls per run, {args.runs} runs, log level {args.log_level}, "
+        f"{args.idle_us:g} µs idle before each), µs of CPU per call:"
     )
     for label, values in (
         ("until the reply", [s.before_reply for s in samples]),

@@ -10,6 +10,10 @@ installed); BENCH_LOG=info (or debug, warning) configures logging as ``run`` doe
 the benchmark sends to /dev/null) instead of dropping everything below error level. BENCH_STATS=PATH:
 on SIGUSR1 the child writes ``{"state_bytes": N}`` there, the bytes its state store has written.
 BENCH_GC=off: no garbage collection at all (to see what collections cost the round trips).
+BENCH_METRICS=off: no metrics observer (the daemon has one unless metrics_address is empty, and so does
+this child by default: each request counted and timed into its Prometheus histogram).
+BENCH_PROFILE=PATH: SIGUSR2 starts cProfile in the child, the next SIGUSR2 stops it and dumps the stats
+to PATH (to see where the live process's time goes during a timed part only).
 
 The plugin runs as in its image: the development venv's packages the image lacks (rich, pygments:
 structlog.dev imports them when it finds them) are refused before anything imports structlog
@@ -36,6 +40,7 @@ import structlog
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.daemon.app import freeze_start_up_heap
+from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub
@@ -43,7 +48,7 @@ from nri_plugin.nri.stub import Stub
 SHARED_CPUS = frozenset({0, 1})
 
 
-def bench_plugin(cgroup_root: str, state_dir: str) -> MixedCpuPlugin:
+def bench_plugin(cgroup_root: str, state_dir: str, observer: Metrics | None = None) -> MixedCpuPlugin:
     layout = CgroupLayout(
         CgroupMode.V1,
         Hierarchy(1, os.path.join(cgroup_root, "cpu")),
@@ -55,6 +60,26 @@ def bench_plugin(cgroup_root: str, state_dir: str) -> MixedCpuPlugin:
         store=StateStore(state_dir),
         trusted=TrustedSources(pod_annotation=True),
     )
+
+
+class ToggledProfile:
+    """cProfile switched on and off by a signal; each stop dumps the stats to `path`."""
+
+    def __init__(self, path: str) -> None:
+        import cProfile
+
+        self.path = path
+        self.profile: cProfile.Profile | None = None
+        self._make = cProfile.Profile
+
+    def toggle(self) -> None:
+        if self.profile is None:
+            self.profile = self._make()
+            self.profile.enable()
+            return
+        self.profile.disable()
+        self.profile.dump_stats(self.path)
+        self.profile = None
 
 
 def write_stats(plugin: MixedCpuPlugin, path: str) -> None:
@@ -78,13 +103,16 @@ def count_saves(store: StateStore) -> None:
 
 
 async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
-    plugin = bench_plugin(cgroup_root, state_dir)
+    # As `daemon.wiring.build_daemon` wires them: one metrics observer for the plugin and the stub.
+    metrics = None if os.environ.get("BENCH_METRICS") == "off" else Metrics()
+    plugin = bench_plugin(cgroup_root, state_dir, metrics)
     stub = Stub(
         plugin,
         name="bench",
         index="10",
         socket_path=socket_path,
         backoff=Backoff(initial=0.01, maximum=0.05),
+        observer=metrics,
     )
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stub.stop)
@@ -93,6 +121,9 @@ async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
         count_saves(plugin.store)
     if stats:
         loop.add_signal_handler(signal.SIGUSR1, write_stats, plugin, stats)
+    profile = os.environ.get("BENCH_PROFILE")
+    if profile:
+        loop.add_signal_handler(signal.SIGUSR2, ToggledProfile(profile).toggle)
     await stub.run()
 
 
