@@ -232,7 +232,8 @@ class _Session:
     """
 
     pods: list[api.PodSandbox] = field(default_factory=list)
-    containers: list[api.Container] = field(default_factory=list)
+    # Containers as parsed, or as their bytes (`gather_bytes`: parsed again by `take`).
+    containers: list[api.Container | bytes] = field(default_factory=list)
     # Bytes of the chunks gathered so far, as received (their ttrpc envelopes included).
     size: int = 0
     # Containers the chunks brought, those not kept included.
@@ -252,8 +253,11 @@ class _Session:
         """Add one chunk from its bytes, one object at a time: each pod, and each container `select`
         needs, parsed on its own (a small message of its own), the others dropped as soon as they
         are looked at, so that the chunk is never parsed whole (a 4 MiB chunk parses into some
-        9 MiB). Whether more chunks are to come; None, with nothing added, when the bytes are not
-        plainly well formed (`wire.fields`)."""
+        9 MiB). A container kept is kept as its bytes until `take`: parsed, it is four times their
+        size, and the containers of the first chunks would be held parsed while the next chunk
+        arrives and is parsed (the peak of a Synchronize's memory). Whether more chunks are to
+        come; None, with nothing added, when the bytes are not plainly well formed
+        (`wire.fields`)."""
         found = wire.fields(data)
         if found is None or any(_SYNC_WIRE.get(field.number, field.wire) != field.wire for field in found):
             return None
@@ -270,7 +274,7 @@ class _Session:
                 elif field.number == _SYNC_CONTAINERS:
                     container = api.Container.FromString(cast(bytes, value))
                     if select(by_sandbox.get(container.pod_sandbox_id), container):
-                        containers.append(container)
+                        containers.append(bytes(value))
                 elif field.number == _SYNC_MORE:
                     more = bool(wire.varint(value, 0)[0])
         except DecodeError:
@@ -283,10 +287,10 @@ class _Session:
 
     def take(self) -> tuple[list[api.PodSandbox], list[api.Container]]:
         """All the chunks so far, joined; the next Synchronize starts afresh."""
-        pods, containers = self.pods, self.containers
+        pods, kept = self.pods, self.containers
         self.pods, self.containers, self.size, self.seen = [], [], 0, 0
         self._by_sandbox = {}
-        return pods, containers
+        return pods, [api.Container.FromString(c) if isinstance(c, bytes) else c for c in kept]
 
 
 class Stub:
