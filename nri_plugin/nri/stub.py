@@ -286,11 +286,15 @@ class _Session:
         return more
 
     def take(self) -> tuple[list[api.PodSandbox], list[api.Container]]:
-        """All the chunks so far, joined; the next Synchronize starts afresh."""
-        pods, kept = self.pods, self.containers
+        """All the chunks so far, joined, the containers kept as bytes parsed; the next Synchronize
+        starts afresh."""
+        pods, containers = self.pods, self.containers
         self.pods, self.containers, self.size, self.seen = [], [], 0, 0
         self._by_sandbox = {}
-        return pods, [api.Container.FromString(c) if isinstance(c, bytes) else c for c in kept]
+        for n, container in enumerate(containers):
+            if isinstance(container, bytes):
+                containers[n] = api.Container.FromString(container)  # in place: its bytes go at once
+        return pods, cast(list[api.Container], containers)
 
 
 class Stub:
