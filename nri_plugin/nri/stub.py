@@ -257,29 +257,29 @@ class _Session:
         size, and the containers of the first chunks would be held parsed while the next chunk
         arrives and is parsed (the peak of a Synchronize's memory). Whether more chunks are to
         come; None, with nothing added, when the bytes are not plainly well formed
-        (`wire.fields`)."""
-        found = wire.fields(data)
-        if found is None or any(_SYNC_WIRE.get(field.number, field.wire) != field.wire for field in found):
-            return None
+        (`wire.each_field`)."""
         view = memoryview(data)
-        more, pods, containers = False, [], []
+        more, seen, pods, containers = False, 0, [], []
         by_sandbox = dict(self._by_sandbox)
         try:
-            for field in found:
+            for field in wire.each_field(view):  # one at a time: no list of the chunk's fields
+                if _SYNC_WIRE.get(field.number, field.wire) != field.wire:
+                    return None
                 value = view[field.begin : field.end]
                 if field.number == _SYNC_PODS:
                     pod = api.PodSandbox.FromString(cast(bytes, value))
                     pods.append(pod)
                     by_sandbox[pod.id] = pod
                 elif field.number == _SYNC_CONTAINERS:
+                    seen += 1
                     container = api.Container.FromString(cast(bytes, value))
                     if select(by_sandbox.get(container.pod_sandbox_id), container):
                         containers.append(bytes(value))
                 elif field.number == _SYNC_MORE:
                     more = bool(wire.varint(value, 0)[0])
-        except DecodeError:
+        except (DecodeError, wire.Malformed):
             return None
-        self.seen += sum(1 for field in found if field.number == _SYNC_CONTAINERS)
+        self.seen += seen
         self.pods.extend(pods)
         self.containers.extend(containers)
         self._by_sandbox = by_sandbox
