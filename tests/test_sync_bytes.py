@@ -35,8 +35,10 @@ def _selected(request: api.SynchronizeRequest) -> api.SynchronizeRequest:
 
 
 def _gathered(session: _Session) -> tuple[list[bytes], list[bytes], int]:
-    pods, containers = session.pods, session.containers
-    return [p.SerializeToString() for p in pods], [c.SerializeToString() for c in containers], session.seen
+    """What the session hands the plugin (`take`, which starts it afresh) and how many it saw."""
+    seen = session.seen
+    pods, containers = session.take()
+    return [p.SerializeToString() for p in pods], [c.SerializeToString() for c in containers], seen
 
 
 @given(st.integers(0, 6), st.lists(st.integers(0, 30), max_size=12), st.booleans())
@@ -47,8 +49,8 @@ def test_taken_apart_or_parsed_whole_the_plugin_gets_the_same(
     apart, whole = _Session(), _Session()
     assert apart.gather_bytes(data, _every_other) == more
     whole.gather(_selected(api.SynchronizeRequest.FromString(data)))
-    assert _gathered(apart)[:2] == _gathered(whole)[:2]
     assert apart.seen == len(containers)
+    assert _gathered(apart)[:2] == _gathered(whole)[:2]
 
 
 @given(st.binary(max_size=120))
@@ -63,5 +65,38 @@ def test_bytes_the_decoder_refuses_are_never_taken_apart(data: bytes) -> None:
     whole.gather(request)
     assert more == request.more
     pods, kept, seen = _gathered(session)
-    assert (pods, seen) == (_gathered(whole)[0], len(request.containers))
-    assert set(kept) <= set(_gathered(whole)[1])
+    whole_pods, whole_kept, _ = _gathered(whole)
+    assert (pods, seen) == (whole_pods, len(request.containers))
+    assert set(kept) <= set(whole_kept)
+
+
+def _field(number: int, message: api.PodSandbox | api.Container) -> bytes:
+    """One SynchronizeRequest field: `message` as pod (1) or container (2)."""
+    if number == 1:
+        return api.SynchronizeRequest(pods=[message]).SerializeToString()  # type: ignore[list-item]
+    return api.SynchronizeRequest(containers=[message]).SerializeToString()  # type: ignore[list-item]
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=20))
+def test_pods_and_containers_in_any_order_a_container_sees_the_pods_before_it(
+    order: list[tuple[bool, int]],
+) -> None:
+    """Pods are parsed a run at a time; whatever the order of the fields, the plugin gets every pod,
+    in order, and a container is selected knowing exactly the pods that came before it."""
+    data, known, expected_pods, expected_kept = b"", set(), [], []
+    for n, (is_pod, which) in enumerate(order):
+        if is_pod:
+            pod = api.PodSandbox(id=f"p{which}", uid=f"u{n}", name=f"pod-{n}")
+            data += _field(1, pod)
+            known.add(pod.id)
+            expected_pods.append(pod.SerializeToString())
+        else:
+            container = api.Container(id=f"c{n}", pod_sandbox_id=f"p{which}", name=f"c{n}")
+            data += _field(2, container)
+            if container.pod_sandbox_id not in known or n % 2 == 0:  # as `_every_other` decides
+                expected_kept.append(container.SerializeToString())
+    session = _Session()
+    assert session.gather_bytes(data, _every_other) is False
+    assert all(isinstance(item, bytearray) for item in session.containers)  # none held parsed
+    pods, kept, seen = _gathered(session)
+    assert (pods, kept, seen) == (expected_pods, expected_kept, sum(1 for is_pod, _ in order if not is_pod))

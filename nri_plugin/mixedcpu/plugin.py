@@ -380,12 +380,13 @@ class MixedCpuPlugin(
         node = await self._node_allocations(containers)
         previous = self.books
         pods = [_without_hostile_pod_resources(pod) for pod in pods]
+        tracing = trace.tracing()  # asked once, not for each of thousands of containers
 
         def check_at_sync(
             pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot]
         ) -> RequestCheck:
             kubelet = None if node is None else devices_of(node, pod.namespace, pod.name, container.name)
-            return self._check(pod, container, holders, event="Synchronize", kubelet=kubelet)
+            return self._check(pod, container, holders, event="Synchronize", kubelet=kubelet, tracing=tracing)
 
         rebuilt = rebuild_books(
             self.shared,
@@ -394,7 +395,7 @@ class MixedCpuPlugin(
             containers,
             check_at_sync,
             numa_nodes=self.pool.numa_nodes,
-            check_all=trace.tracing(),
+            check_all=tracing,
         )
         present = {pod_key(pod): pod for pod in pods}
         self.healer.before_sync(previous, containers)

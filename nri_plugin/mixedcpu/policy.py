@@ -683,15 +683,24 @@ def plan_sync(
     given = choose_shared(shared, exclusive, numa_nodes)
     cpus = exclusive | given.cpus
     quota = len(cpus) * _period(cpu) if _limited(cpu) else None
-    update = api.ContainerUpdate(container_id=container.id)
-    if cpus != current:
-        update.linux.resources.cpu.cpus = format_cpuset(cpus)
-    if quota is not None and quota != cpu.quota.value:
-        update.linux.resources.cpu.quota.value = quota
-    changed = update.linux.resources.cpu.cpus != "" or update.linux.resources.cpu.HasField("quota")
+    new_cpus = format_cpuset(cpus) if cpus != current else ""
+    new_quota = quota if quota is not None and quota != cpu.quota.value else None
+    update = _sync_update(container.id, new_cpus, new_quota) if new_cpus or new_quota is not None else None
     env_stale = shared_env != _format_shared(given.cpus) or isolated_env != format_cpuset(exclusive)
     applied = len(current - exclusive)
-    return SyncPlan(exclusive, cpus, update if changed else None, env_stale, applied, given)
+    return SyncPlan(exclusive, cpus, update, env_stale, applied, given)
+
+
+def _sync_update(container_id: str, cpus: str, quota: int | None) -> api.ContainerUpdate:
+    """The update of an existing container: its `cpus` ("" to keep them), its `quota` (None to keep
+    it). Built only when something changes: most containers of a restart's Synchronize already
+    have what they should, and a message per container is most of what `plan_sync` costs them."""
+    update = api.ContainerUpdate(container_id=container_id)
+    if cpus:
+        update.linux.resources.cpu.cpus = cpus
+    if quota is not None:
+        update.linux.resources.cpu.quota.value = quota
+    return update
 
 
 # -- pod quota -----------------------------------------------------------------------------------------

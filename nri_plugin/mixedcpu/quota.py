@@ -241,9 +241,10 @@ def _rebuilt(pod: api.PodSandbox, record: PodRecord, current: CpuQuota, applied:
 
 
 def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
-    """`record` with the baseline the saved books knew."""
-    return replace(
-        record, baseline=previous.baseline, period=previous.period, baseline_source=previous.baseline_source
+    """`record` with the baseline the saved books knew (built directly: `dataclasses.replace`
+    inspects the fields for every pod of a restart's Synchronize)."""
+    return PodRecord(
+        record.cgroup_parent, previous.baseline, previous.period, previous.baseline_source, record.containers
     )
 
 

@@ -8,9 +8,10 @@ the protobuf decoder, which parses (or refuses) it as it always does.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Final, NamedTuple
 
-__all__ = ["LEN", "VARINT", "Field", "fields", "varint"]
+__all__ = ["LEN", "VARINT", "Field", "Malformed", "each_field", "fields", "varint"]
 
 # Wire types (what follows a field's key).
 VARINT: Final = 0
@@ -49,34 +50,56 @@ def varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
     raise ValueError("varint longer than 10 bytes")
 
 
-def fields(data: bytes | memoryview) -> list[Field] | None:
-    """Every top-level field of the message in `data`, in order; None when it is not plainly well
+class Malformed(Exception):
+    """The bytes are not a plainly well-formed message (see `each_field`)."""
+
+
+def each_field(data: bytes | memoryview) -> Iterator[Field]:
+    """Every top-level field of the message in `data`, in order, one at a time (no list of them all:
+    a 4 MiB Synchronize chunk has thousands); `Malformed` as soon as the bytes are not plainly well
     formed (a field cut short, an overlong varint, a field number out of range, a group or an
-    unknown wire type)."""
-    found: list[Field] = []
+    unknown wire type). A field is only yielded once it is whole: a consumer stopped by `Malformed`
+    has seen only fields that lie within `data`."""
     pos, end = 0, len(data)
+    while pos < end:
+        try:
+            field = _field_at(data, pos, end)
+        except (IndexError, ValueError) as exc:  # a varint cut short, or longer than 10 bytes
+            raise Malformed(f"at byte {pos}: {exc}") from exc
+        yield field
+        pos = field.end
+
+
+def _field_at(data: bytes | memoryview, pos: int, end: int) -> Field:
+    """The whole field whose key is at `pos`; raises as `each_field` and `varint` say."""
+    start = pos
+    key = data[pos]
+    if key < 0x80:  # a one-byte key: fields 1 to 15, every field of the messages split here
+        pos += 1
+    else:
+        key, pos = varint(data, pos)
+    number, wire = key >> 3, key & 7
+    if not 0 < number <= _NUMBER_MAX:
+        raise Malformed(f"field number {number} at byte {start}")
+    begin = pos
+    if wire == VARINT:
+        _, pos = varint(data, pos)
+    elif wire == LEN:
+        length, begin = varint(data, pos)
+        pos = begin + length
+    elif wire in (_FIXED64, _FIXED32):
+        pos += 8 if wire == _FIXED64 else 4
+    else:
+        raise Malformed(f"wire type {wire} at byte {start}")
+    if pos > end:
+        raise Malformed(f"the field at byte {start} is cut short")
+    return Field(number, wire, start, begin, pos)
+
+
+def fields(data: bytes | memoryview) -> list[Field] | None:
+    """Every top-level field of the message in `data`, in order (`each_field`); None when it is not
+    plainly well formed."""
     try:
-        while pos < end:
-            start = pos
-            key = data[pos]
-            if key < 0x80:  # a one-byte key: fields 1 to 15, every field of the messages split here
-                pos += 1
-            else:
-                key, pos = varint(data, pos)
-            number, wire = key >> 3, key & 7
-            if not 0 < number <= _NUMBER_MAX:
-                return None
-            begin = pos
-            if wire == VARINT:
-                _, pos = varint(data, pos)
-            elif wire == LEN:
-                length, begin = varint(data, pos)
-                pos = begin + length
-            elif wire in (_FIXED64, _FIXED32):
-                pos += 8 if wire == _FIXED64 else 4
-            else:
-                return None
-            found.append(Field(number, wire, start, begin, pos))
-    except (IndexError, ValueError):
+        return list(each_field(data))
+    except Malformed:
         return None
-    return found if pos == end else None
