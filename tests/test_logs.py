@@ -127,12 +127,17 @@ def test_json_line_rendered_in_one_step_is_the_processor_chains_line(monkeypatch
         ("info", ("reserved",), {"msg": "x", "level": "y", "logger": "z", "timestamp": 1, "node": "mine"}),
         ("error", ("no event name",), {"event_name": None, "stack_info": True}),
         ("info", ("dict argument %(n)s",), {}),
+        ("warn", ("warn is warning",), {}),
+        ("critical", ("critical",), {}),
+        ("fatal", ("fatal is critical",), {}),
+        ("debug", ("below the level: no line",), {}),
     ]
 
     def log_all(logger: Any) -> None:
         for method, args, kwargs in calls:
             getattr(logger, method)(*args, **kwargs)
         logger.info("dict argument %(n)s", {"n": 5})
+        logger.log(logging.WARNING, "by level number")
         try:
             raise ValueError("bad value")
         except ValueError:
@@ -150,13 +155,14 @@ def test_json_line_rendered_in_one_step_is_the_processor_chains_line(monkeypatch
         patched.setattr(logging.Logger, "handle", no_record)
         log_all(log)
     fast = json_lines(out.getvalue())
-    assert len(fast) == len(reference) == len(calls) + 2
+    assert len(fast) == len(reference) == len(calls) - 1 + 3  # the debug call writes nothing
     for ours, theirs in zip(fast, reference, strict=True):
         ours_stack, theirs_stack = ours.pop("stack", None), theirs.pop("stack", None)
         assert (ours_stack is None) == (theirs_stack is None)
         assert _without_timestamp(ours) == _without_timestamp(theirs)
         assert ours["timestamp"].endswith("Z")
     assert fast[3]["level"] == "error"
+    assert [line["level"] for line in fast[5:8]] == ["warning", "critical", "critical"]
     assert fast[-1]["exception"].endswith("ValueError: bad value")
 
 

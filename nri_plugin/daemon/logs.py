@@ -42,7 +42,6 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any, ClassVar, Final, TextIO
 
 import structlog
-from structlog._log_levels import NAME_TO_LEVEL, map_method_name
 
 __all__ = [
     "EVENT_NAME",
@@ -137,6 +136,17 @@ def _json_fallback(value: object) -> object:
 
 
 _ENCODE: Final = json.JSONEncoder(default=_json_fallback).encode
+# A logging method's level and the name a line shows for it, as structlog's stdlib logger has them
+# (``exception`` logs at error, ``warn`` is ``warning``).
+_METHOD_LEVELS: Final = {
+    "critical": (logging.CRITICAL, "critical"),
+    "exception": (logging.ERROR, "error"),
+    "error": (logging.ERROR, "error"),
+    "warn": (logging.WARNING, "warning"),
+    "warning": (logging.WARNING, "warning"),
+    "info": (logging.INFO, "info"),
+    "debug": (logging.DEBUG, "debug"),
+}
 # The last processor of the chain configure_logging sets: the line goes on to our formatter.
 _TO_FORMATTER: Final = structlog.stdlib.ProcessorFormatter.wrap_for_formatter
 _WITH_ARGUMENTS: Final = structlog.stdlib.PositionalArgumentsFormatter()
@@ -155,7 +165,7 @@ def _json_line(
         fields = _WITH_STACK(None, method_name, fields)
     if "exc_info" in fields:
         fields = structlog.processors.format_exc_info(None, method_name, fields)
-    line: dict[str, Any] = {"timestamp": _iso_utc(time.time_ns()), "level": map_method_name(method_name)}
+    line: dict[str, Any] = {"timestamp": _iso_utc(time.time_ns()), "level": _METHOD_LEVELS[method_name][1]}
     if NODE_KEY in fields:
         line[NODE_KEY] = fields[NODE_KEY]
     elif _Settings.node is not None:
@@ -182,14 +192,19 @@ class _JsonLineLogger(structlog.stdlib.BoundLogger):
         self, method_name: str, event: str | None = None, *event_args: Any, **event_kw: Any
     ) -> Any:
         handler, chain = _Settings.handler, _Settings.chain
-        if handler is None or self._processors is not chain or chain[-1] is not _TO_FORMATTER:
+        if (
+            handler is None
+            or self._processors is not chain
+            or chain[-1] is not _TO_FORMATTER
+            or method_name not in _METHOD_LEVELS
+        ):
             # Not the chain configure_logging set, or changed in place (structlog.testing.capture_logs
             # does): structlog's way.
             return super()._proxy_to_logger(method_name, event, *event_args, **event_kw)
         logger = self._logger
         # The stdlib logger's own test, as its record would have passed: its level (live), the
         # logger disabled, logging.disable.
-        if not logger.isEnabledFor(NAME_TO_LEVEL[method_name]):
+        if not logger.isEnabledFor(_METHOD_LEVELS[method_name][0]):
             return None
         fields = {**self._context, **event_kw} if self._context else event_kw
         if event_args:
