@@ -180,12 +180,18 @@ def test_without_the_bus_systemd_reverts_the_raise_and_the_reconciler_writes_it_
     assert steps["reply"]["pod cpu.max at reply"] == RAISED
     seen = steps["cpu.max seen"]
     at_creation, at_reload = seen[: steps["reload from"]], seen[steps["reload from"] :]
-    assert [value for _, value in at_creation] == [BASELINE, RAISED, BASELINE, RAISED]
+    created = [value for _, value in at_creation]
+    assert created[:2] == [BASELINE, RAISED]
+    # The container's scope starting in the slice has systemd re-apply it, which puts BASELINE back;
+    # the reconciler raises it again. A heal that lands within one sample of the revert (the creation
+    # watch runs a pass as soon as the scope's cgroup shows) leaves no trace here, so the revert at
+    # creation is seen in most runs, not all (CI saw one without).
+    assert created[2:] in ([], [BASELINE, RAISED]), created
     assert [value for _, value in at_reload] == [BASELINE, RAISED]  # put back by systemd, then healed
     (reverted, _), (healed, _) = at_reload
     assert healed - reverted < 6.0
     heals = [line for line in daemon["daemon"]["bus lines"] if "heal=" in line]
-    assert len(heals) == 2
+    assert 1 + len(created[2:]) // 2 <= len(heals) <= 2, heals  # the reload's, and the creation's if any
     assert all("heal=pod_quota" in line and "kubepods-podfile.slice" in line for line in heals)
     assert steps["at the end"] == {"systemd": "1s", "cpu.max": RAISED}  # systemd still knows nothing of it
     assert steps["removed"] == {"systemd": "1s", "cpu.max": BASELINE}
