@@ -67,3 +67,21 @@ def test_quick_benchmark_prints_every_row() -> None:
         assert len(cells) == 4, row
         assert cells[1], row  # a result
         assert cells[3] in {"yes", "**no**", "—"}, row
+
+
+def test_opcode_count_names_the_layers_of_an_asking_creation() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "opcount.py"), "--calls", "2", "--warm", "1", "--top", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("bytecodes per asking CreateContainer: "), done.stdout
+    assert int(first.split(": ")[1].split(" ")[0].replace(",", "")) > 0, first
+    # Each layer of the path shows up by file: the transport, the policy, the books, the cgroup files.
+    for path in ("nri_plugin/ttrpc/protocol.py", "nri_plugin/mixedcpu/policy.py", "cgroups/files.py"):
+        assert f"| {path} | " in done.stdout, done.stdout
