@@ -491,3 +491,23 @@ async def test_daemon_logs_json_and_sigusr1_toggles_debug(
     }
     assert [e["container"] for e in stderr.entries if e["msg"] == "no request for shared CPUs"] == ["app-c2"]
     assert "starting" in stderr.messages("info")  # every line so far parsed as JSON
+
+
+def test_json_line_encoder_writes_what_json_dumps_writes() -> None:
+    """The line's encoder (json's C encoder, made per line) writes what ``json.dumps`` with our
+    fallback writes: escapes, non-finite floats, nesting, values JSON cannot show; and refuses a
+    circular value as it does, line after line (no table of containers left over from a failure)."""
+    values: dict[str, Any] = {
+        "text": 'quote " newline \n tab \t rtl \u202e café',
+        "numbers": [0, -1, 2**70, 1.5, float("nan"), float("inf"), float("-inf")],
+        "nested": {"a": [None, True, False, {"b": ()}]},
+        "shown": _Shown(),
+        "structured": _Structured(),
+    }
+    assert logs_module._encode(values) == json.dumps(values, default=logs_module._json_fallback)
+    circular: list[Any] = []
+    circular.append(circular)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Circular reference"):
+            logs_module._encode({"loop": circular})
+    assert logs_module._encode({"after": [1]}) == '{"after": [1]}'
