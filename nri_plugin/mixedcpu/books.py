@@ -48,15 +48,15 @@ from collections.abc import (
     MutableMapping,
     ValuesView,
 )
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Final, NamedTuple, TypeVar
 
 __all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "WatchedMap"]
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """One container of one pod, across restarts: the pod key and the container's name."""
+class Slot(NamedTuple):
+    """One container of one pod, across restarts: the pod key and the container's name. A named
+    tuple: immutable, made and hashed in C (the books index every slot they hold)."""
 
     pod: str
     name: str
@@ -138,7 +138,10 @@ class Containers(Mapping[str, ContainerRecord]):
         return Containers({key: value for key, value in self._records.items() if key != name})
 
 
-@dataclass(frozen=True, slots=True)
+_NO_CONTAINERS: Final = Containers()
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class PodRecord:
     """One pod's quota bookkeeping; immutable (see the module docstring)."""
 
@@ -146,16 +149,30 @@ class PodRecord:
     baseline: int | None  # microseconds per period; None = unlimited
     period: int
     baseline_source: str = "first-seen"  # pod-resources | first-seen | rebuilt | unknown
-    containers: Containers = field(default_factory=Containers)
+    containers: Containers = _NO_CONTAINERS
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.containers, Containers):  # a plain mapping: frozen here, not shared
-            object.__setattr__(self, "containers", Containers(self.containers))
+    def __init__(
+        self,
+        cgroup_parent: str,
+        baseline: int | None,
+        period: int,
+        baseline_source: str = "first-seen",
+        containers: Mapping[str, ContainerRecord] = _NO_CONTAINERS,
+    ) -> None:
+        # The generated __init__'s work with no __post_init__ to call: a creation makes two records.
+        set_field = object.__setattr__  # (frozen: assigning a field raises)
+        set_field(self, "cgroup_parent", cgroup_parent)
+        set_field(self, "baseline", baseline)
+        set_field(self, "period", period)
+        set_field(self, "baseline_source", baseline_source)
+        if type(containers) is not Containers:  # a plain mapping: frozen here, not shared
+            containers = Containers(containers)
+        set_field(self, "containers", containers)
 
     @property
     def contribution(self) -> int:
         """Microseconds per period added for the live shared containers."""
-        return sum(record.shared_cpus for record in self.containers.values()) * self.period
+        return sum([record.shared_cpus for record in self.containers._records.values()]) * self.period
 
     def target(self) -> int | None:
         """The pod's quota as it should be: baseline + contributions; None when unlimited."""
@@ -256,18 +273,20 @@ class Books:
 
     def _pod_written(self, key: str, old: PodRecord | None, new: PodRecord | None) -> None:
         self._pod_changes.setdefault(key, old)
-        if old is not None and new is not None and old.containers is new.containers:
-            return  # the same slots (a new baseline, period or source): nothing to re-index
         if old is not None:
-            self._slot_count -= len(old.containers)
-            for name, record in old.containers.items():
+            if new is not None and old.containers is new.containers:
+                return  # the same slots (a new baseline, period or source): nothing to re-index
+            slots = old.containers._records  # (the dict itself: Containers' methods cost a call each)
+            self._slot_count -= len(slots)
+            for name, record in slots.items():
                 slot = Slot(key, name)
                 _unindex(self._holding, record.id, slot)
                 if record.device is not None:
                     _unindex(self._presented, record.device, slot)
         if new is not None:
-            self._slot_count += len(new.containers)
-            for name, record in new.containers.items():
+            slots = new.containers._records
+            self._slot_count += len(slots)
+            for name, record in slots.items():
                 slot = Slot(key, name)
                 self._holding.setdefault(record.id, {})[slot] = None
                 if record.device is not None:

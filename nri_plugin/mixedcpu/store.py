@@ -241,14 +241,19 @@ def pod_operations(key: str, old: PodRecord | None, new: PodRecord | None) -> li
     ops: list[Operation] = []
     if old is None or _header(old) != _header(new):
         parent, source = _text_json(new.cgroup_parent), _text_json(new.baseline_source)
-        ops.append(f'["P",{pod},{parent},{_int_json(new.baseline)},{int(new.period)},{source}]')
-    before = old.containers if old is not None else _NO_SLOTS
-    if new.containers is before:
+        baseline = "null" if new.baseline is None else int(new.baseline)
+        ops.append(f'["P",{pod},{parent},{baseline},{int(new.period)},{source}]')
+    slots, before = new.containers, old.containers if old is not None else _NO_SLOTS
+    if slots is before:
         return ops
-    ops.extend(f'["F",{pod},{_text_json(name)}]' for name in before if name not in new.containers)
-    for name, record in new.containers.items():
-        if before.get(name) != record:
-            ops.append(_slot_operation(pod, name, record))
+    ops.extend([f'["F",{pod},{_text_json(name)}]' for name in before if name not in slots])
+    ops.extend(
+        [
+            _slot_operation(pod, name, record)
+            for name, record in slots.items()
+            if (held := before.get(name)) is None or held != record
+        ]
+    )
     return ops
 
 
@@ -261,10 +266,6 @@ def _slot_operation(pod: str, name: str, record: ContainerRecord) -> Operation:
 
 
 _text_json = encode_basestring_ascii  # a str as JSON, as json.dumps writes it (ASCII, escaped)
-
-
-def _int_json(value: int | None) -> str:
-    return "null" if value is None else str(int(value))
 
 
 def _header(pod: PodRecord) -> tuple[str, int | None, int, str]:
@@ -390,8 +391,11 @@ class StateStore:
         self.directory = os.fspath(directory)
         self.path = os.path.join(self.directory, name)
         self.fsync = fsync
+        # Bytes written as snapshots (the worker thread's too: under the lock) and appended (by the
+        # event loop's thread only: no lock on the creation path).
         self._written = 0
-        self._written_lock = threading.Lock()  # the worker thread's snapshots count too
+        self._written_lock = threading.Lock()
+        self._appended = 0
         self._journal_prefix = f"{name}.journal."
         # Pod key -> the record last encoded under it, and its ``"key":{...}`` text.
         self._texts: dict[str, tuple[PodRecord, bytes]] = {}
@@ -402,7 +406,7 @@ class StateStore:
     @property
     def written(self) -> int:
         """Bytes written so far to the state directory (snapshots and journal)."""
-        return self._written
+        return self._written + self._appended
 
     def _count(self, size: int) -> None:
         with self._written_lock:
@@ -575,13 +579,15 @@ class StateStore:
         failure the file may end in part of `data`, so the caller must not append to it again."""
         try:
             fd = self._journal(number)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            done = os.write(fd, data)
+            if done < len(data):  # a short write (a disk filling up): the rest, or the error
+                view = memoryview(data)[done:]
+                while view:
+                    view = view[os.write(fd, view) :]
         except OSError:
             self.close_journal()
             raise
-        self._count(len(data))
+        self._appended += len(data)
 
     def _journal(self, number: int) -> int:
         if self._journal_fd is not None and self._journal_number == number:
@@ -702,8 +708,8 @@ class Bookkeeper:
         when that costs one append)."""
         if not establish and self._journal is None:
             return
-        if self.waiting:
-            self._absorb()
+        self._absorb()
+        if self._pods or self._devices or self._unsaved:
             if self._unrebuildable_changed() or (self._unsaved and self._journal is None and self._pods):
                 self._write()
             elif (self._pods or self._devices or self._unsaved) and self._flush_timer is None:
@@ -780,21 +786,28 @@ class Bookkeeper:
     def _absorb(self) -> None:
         """Take the books' changes; for a key already waiting, the files still hold the older value."""
         pods, devices = self._books.take_changes()
-        for key, old in pods.items():
-            self._pods.setdefault(key, old)
-        for device, slot in devices.items():
-            self._devices.setdefault(device, slot)
+        if not self._pods:
+            self._pods = pods  # (the books start new ones: these are ours)
+        else:
+            for key, old in pods.items():
+                self._pods.setdefault(key, old)
+        if not self._devices:
+            self._devices = devices
+        else:
+            for device, slot in devices.items():
+                self._devices.setdefault(device, slot)
 
     def _unrebuildable_changed(self) -> bool:
         """Whether a waiting change is one Synchronize cannot rebuild: a pod's baseline (or the pod
         itself), a device binding."""
-        pods, devices = self._books.pods, self._books.devices
-        if any(devices.get(device) != slot for device, slot in self._devices.items()):
-            return True
+        pods = self._books.pods
         for key, old in self._pods.items():
             new = pods.get(key)
             if new is not old and (old is None or new is None or _header(old) != _header(new)):
                 return True
+        if self._devices:
+            devices = self._books.devices
+            return any(devices.get(device) != slot for device, slot in self._devices.items())
         return False
 
     def _write(self) -> None:
@@ -819,13 +832,17 @@ class Bookkeeper:
         self._journal_bytes += len(data)
 
     def _operations(self) -> list[Operation]:
-        pods, devices = self._books.pods, self._books.devices
-        ops = [op for key, old in self._pods.items() for op in pod_operations(key, old, pods.get(key))]
-        ops.extend(
-            _device_operation(device, devices.get(device))
-            for device, old in self._devices.items()
-            if devices.get(device) != old
-        )
+        pods = self._books.pods
+        ops: list[Operation] = []
+        for key, old in self._pods.items():
+            ops += pod_operations(key, old, pods.get(key))
+        if self._devices:
+            devices = self._books.devices
+            ops += [
+                _device_operation(device, now)
+                for device, old in self._devices.items()
+                if (now := devices.get(device)) != old
+            ]
         return ops
 
     def _compact_now(self) -> None:
