@@ -38,7 +38,7 @@ import asyncio
 import time
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol, TypeVar
+from typing import Final, NamedTuple, Protocol, TypeVar
 
 import structlog
 
@@ -75,9 +75,9 @@ class HealObserver(Protocol):
         """`kind`: one of `HEAL_KINDS`."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Creation:
-    """A container given a share whose cgroup has not been seen yet."""
+class _Creation(NamedTuple):
+    """A container given a share whose cgroup has not been seen yet (a named tuple: made in C at
+    every asking creation)."""
 
     slot: Slot
     container_id: str

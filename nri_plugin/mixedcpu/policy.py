@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol
+from typing import Final, Literal, NamedTuple, Protocol
 
 from api.nri import api_pb2 as api
 from cgroups.cpuset import CpusetError
@@ -146,9 +146,8 @@ def describe(pod: api.PodSandbox, container: api.Container | None = None) -> str
 # -- proof of request ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Proof:
-    """Why we believe the container asked for shared CPUs."""
+class Proof(NamedTuple):
+    """Why we believe the container asked for shared CPUs (a named tuple: immutable, made in C)."""
 
     source: Literal["device-plugin", "kubelet", "pod-annotation"]
     device: str | None = None
@@ -159,14 +158,17 @@ class Proof:
         return f"device-plugin marker ({self.device})" if self.device else "pod annotation"
 
 
-@dataclass(frozen=True, slots=True)
-class RequestCheck:
+class RequestCheck(NamedTuple):
     """The outcome of `check_request`: a proof, or none. `refusals` say which evidence was refused
-    as forged or replayed (worth a warning); `notes` what else was ignored and why."""
+    as forged or replayed (worth a warning); `notes` what else was ignored and why. (A named tuple:
+    immutable, made in C at every event.)"""
 
     proof: Proof | None
     notes: tuple[str, ...] = ()
     refusals: tuple[str, ...] = ()
+
+
+_BY_ANNOTATION: Final = Proof("pod-annotation")
 
 
 class MarkerKey(Protocol):
@@ -280,7 +282,7 @@ def _annotation_proof(
     if annotation != POD_ANNOTATION_VALUE:
         notes.append(f"pod annotation {annotation_key}={annotation!r} ignored: the value must be 'enable'")
         return None
-    return Proof("pod-annotation")
+    return _BY_ANNOTATION
 
 
 def _env_notes(container: api.Container) -> list[str]:
@@ -406,36 +408,36 @@ def _cpus(text: str, what: str, who: str | _Who) -> frozenset[int]:
 def exclusive_cpus(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> frozenset[int]:
     """The exclusive CPUs of a requesting container; `PolicyError` when it has none or the node
     has no shared CPUs."""
-    who = _check_eligible(shared, pod, container)
+    _check_eligible(shared, pod, container)
     cpus = _cpus(container.linux.resources.cpu.cpus, "cpuset", _Who(pod, container))
-    return _exclusive_of(cpus, shared, who)
+    return _exclusive_of(cpus, shared, _Who(pod, container, _ASKS))
 
 
-def _check_eligible(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> _Who:
-    """`exclusive_cpus`' checks of the node, the pod and the CPU request, before its cpuset's;
-    returns how its messages begin."""
-    who = _Who(pod, container, " asks for shared CPUs")
+_ASKS: Final = " asks for shared CPUs"  # how `_check_eligible`'s and `_exclusive_of`'s messages begin
+
+
+def _check_eligible(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> None:
+    """`exclusive_cpus`' checks of the node, the pod and the CPU request, before its cpuset's."""
     if not shared:
         raise PolicyError(
-            f"{who} but the node's shared CPU pool is empty; set shared_cpuset in the plugin's config, "
-            f"or remove the {REQUEST_RESOURCE} request from the pod spec",
+            f"{_Who(pod, container, _ASKS)} but the node's shared CPU pool is empty; set shared_cpuset in "
+            f"the plugin's config, or remove the {REQUEST_RESOURCE} request from the pod spec",
             kind="node",
         )
     parent = pod.linux.cgroup_parent.lower()
-    for qos in ("burstable", "besteffort"):
-        if qos in parent:
-            raise PolicyError(
-                f"{who} but its pod is not Guaranteed (QoS class {qos.capitalize()}), so it has no exclusive "
-                f"CPUs; {_GUARANTEED_FIX}"
-            )
-    cpu = container.linux.resources.cpu
-    if cpu.HasField("shares") and cpu.shares.value % SHARES_PER_CPU:
+    if "burstable" in parent or "besteffort" in parent:
+        qos = "Burstable" if "burstable" in parent else "Besteffort"
         raise PolicyError(
-            f"{who} but its CPU request is fractional ({cpu.shares.value} CPU shares, about "
-            f"{cpu.shares.value / SHARES_PER_CPU:.2f} CPUs), so it has no exclusive CPUs; request a whole "
+            f"{_Who(pod, container, _ASKS)} but its pod is not Guaranteed (QoS class {qos}), so it has no "
+            f"exclusive CPUs; {_GUARANTEED_FIX}"
+        )
+    shares = container.linux.resources.cpu.shares.value  # (0 when not given)
+    if shares % SHARES_PER_CPU:
+        raise PolicyError(
+            f"{_Who(pod, container, _ASKS)} but its CPU request is fractional ({shares} CPU shares, about "
+            f"{shares / SHARES_PER_CPU:.2f} CPUs), so it has no exclusive CPUs; request a whole "
             'number of CPUs equal to the limit, e.g. cpu: "2"'
         )
-    return who
 
 
 def _exclusive_of(cpus: frozenset[int], shared: frozenset[int], who: _Who) -> frozenset[int]:
@@ -487,8 +489,8 @@ class CreatePlan:
     shared: SharedChoice  # its shared CPUs (the pod quota share is their number)
 
 
-# (shared CPUs, the container's cpuset text, its quota and period as given or None) -> its plan.
-_PlanKey = tuple[frozenset[int], str, int | None, int | None]
+# (shared CPUs, the container's cpuset text, its quota and period, 0 when not given) -> its plan.
+_PlanKey = tuple[frozenset[int], str, int, int]
 _PLANS: dict[_PlanKey, CreatePlan] = {}
 # A node's containers come in a few shapes; more than this many means churn: start afresh.
 _MAX_PLANS: Final = 1024
@@ -507,18 +509,15 @@ def plan_create(
     The plan depends only on the shared CPUs and the container's cpuset, quota and period: once the
     pod and the request have passed `exclusive_cpus`' checks, the plan made for the same values
     before is the answer (without NUMA locality: its node map may change)."""
-    who = _check_eligible(shared, pod, container)
+    _check_eligible(shared, pod, container)
     cpu = container.linux.resources.cpu
-    key = (
-        shared,
-        cpu.cpus,
-        cpu.quota.value if cpu.HasField("quota") else None,
-        cpu.period.value if cpu.HasField("period") else None,
-    )
+    # A quota or period not given reads 0, which the plan takes as not given too.
+    key = (shared, cpu.cpus, cpu.quota.value, cpu.period.value)
     known = _PLANS.get(key) if numa_nodes is None else None
     if known is not None:
         return known
-    exclusive = _exclusive_of(_cpus(cpu.cpus, "cpuset", _Who(pod, container)), shared, who)
+    cpus = _cpus(cpu.cpus, "cpuset", _Who(pod, container))
+    exclusive = _exclusive_of(cpus, shared, _Who(pod, container, _ASKS))
     plan = _new_plan(shared, exclusive, cpu, numa_nodes)
     if numa_nodes is None:
         if len(_PLANS) >= _MAX_PLANS:
@@ -679,7 +678,8 @@ def plan_sync(
     if not exclusive:
         exclusive = current - shared
     # The same checks as at creation, on the exclusive CPUs found.
-    exclusive = _exclusive_of(exclusive, shared, _check_eligible(shared, pod, container))
+    _check_eligible(shared, pod, container)
+    exclusive = _exclusive_of(exclusive, shared, _Who(pod, container, _ASKS))
     given = choose_shared(shared, exclusive, numa_nodes)
     cpus = exclusive | given.cpus
     quota = len(cpus) * _period(cpu) if _limited(cpu) else None
@@ -726,18 +726,22 @@ def check_pod_resources(pod: api.PodSandbox) -> None:
     carries a CFS period or quota outside the kernel's ranges: such values must never reach the pod
     quota's arithmetic (a period of 1 us would multiply the pod's quota by 100,000)."""
     linux = pod.linux
-    for name in ("pod_resources", "pod_overhead"):
-        if not linux.HasField(name):
-            continue
-        cpu = getattr(linux, name).cpu
-        period = cpu.period.value if cpu.HasField("period") else 0
-        if period and not MIN_CFS_PERIOD <= period <= MAX_CFS_PERIOD:
-            raise _out_of_range(pod, name, f"a CFS period of {period} us", "1000 to 1000000 us")
-        quota = cpu.quota.value if cpu.HasField("quota") else 0
-        if quota not in (0, -1) and not MIN_CFS_QUOTA <= quota <= MAX_CFS_QUOTA:
-            raise _out_of_range(
-                pod, name, f"a CFS quota of {quota} us", f"-1 (no limit) or 1000 to {MAX_CFS_QUOTA} us"
-            )
+    if linux.HasField("pod_resources"):
+        _check_cfs_ranges(pod, "pod_resources", linux.pod_resources.cpu)
+    if linux.HasField("pod_overhead"):
+        _check_cfs_ranges(pod, "pod_overhead", linux.pod_overhead.cpu)
+
+
+def _check_cfs_ranges(pod: api.PodSandbox, name: str, cpu: api.LinuxCPU) -> None:
+    # A period or quota not sent reads 0: not given.
+    period = cpu.period.value
+    if period and not MIN_CFS_PERIOD <= period <= MAX_CFS_PERIOD:
+        raise _out_of_range(pod, name, f"a CFS period of {period} us", "1000 to 1000000 us")
+    quota = cpu.quota.value
+    if quota and quota != -1 and not MIN_CFS_QUOTA <= quota <= MAX_CFS_QUOTA:
+        raise _out_of_range(
+            pod, name, f"a CFS quota of {quota} us", f"-1 (no limit) or 1000 to {MAX_CFS_QUOTA} us"
+        )
 
 
 def _out_of_range(pod: api.PodSandbox, name: str, what: str, allowed: str) -> PolicyError:
