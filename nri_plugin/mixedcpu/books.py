@@ -129,6 +129,15 @@ class Containers(Mapping[str, ContainerRecord]):
     def __reduce__(self) -> tuple[type[Containers], tuple[dict[str, ContainerRecord]]]:
         return Containers, (self._records,)
 
+    def changes_since(self, before: Containers) -> tuple[list[str], list[tuple[str, ContainerRecord]]]:
+        """What turns `before` into these slots: the names it held that these do not, and the slots
+        these hold with another record than `before`'s (all of them when `before` is empty)."""
+        old, new = before._records, self._records
+        if not old:
+            return [], list(new.items())
+        freed = [name for name in old if name not in new]
+        return freed, [(name, record) for name, record in new.items() if old.get(name) != record]
+
     def with_holder(self, name: str, record: ContainerRecord) -> Containers:
         """These slots with `name` held by `record` (given or replaced)."""
         return Containers({**self._records, name: record})

@@ -243,17 +243,13 @@ def pod_operations(key: str, old: PodRecord | None, new: PodRecord | None) -> li
         parent, source = _text_json(new.cgroup_parent), _text_json(new.baseline_source)
         baseline = "null" if new.baseline is None else int(new.baseline)
         ops.append(f'["P",{pod},{parent},{baseline},{int(new.period)},{source}]')
-    slots, before = new.containers, old.containers if old is not None else _NO_SLOTS
-    if slots is before:
+    before = old.containers if old is not None else _NO_SLOTS
+    if new.containers is before:
         return ops
-    ops.extend([f'["F",{pod},{_text_json(name)}]' for name in before if name not in slots])
-    ops.extend(
-        [
-            _slot_operation(pod, name, record)
-            for name, record in slots.items()
-            if (held := before.get(name)) is None or held != record
-        ]
-    )
+    freed, held = new.containers.changes_since(before)
+    if freed:
+        ops += [f'["F",{pod},{_text_json(name)}]' for name in freed]
+    ops += [_slot_operation(pod, name, record) for name, record in held]
     return ops
 
 
