@@ -65,7 +65,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final
 
@@ -240,9 +240,7 @@ def pod_operations(key: str, old: PodRecord | None, new: PodRecord | None) -> li
         return [] if old is None else [f'["X",{pod}]']
     ops: list[Operation] = []
     if old is None or _header(old) != _header(new):
-        parent, source = _text_json(new.cgroup_parent), _text_json(new.baseline_source)
-        baseline = "null" if new.baseline is None else int(new.baseline)
-        ops.append(f'["P",{pod},{parent},{baseline},{int(new.period)},{source}]')
+        ops.append(_header_operation(pod, new))
     before = old.containers if old is not None else _NO_SLOTS
     if new.containers is before:
         return ops
@@ -251,6 +249,12 @@ def pod_operations(key: str, old: PodRecord | None, new: PodRecord | None) -> li
         ops += [f'["F",{pod},{_text_json(name)}]' for name in freed]
     ops += [_slot_operation(pod, name, record) for name, record in held]
     return ops
+
+
+def _header_operation(pod: str, record: PodRecord) -> Operation:
+    parent, source = _text_json(record.cgroup_parent), _text_json(record.baseline_source)
+    baseline = "null" if record.baseline is None else int(record.baseline)
+    return f'["P",{pod},{parent},{baseline},{int(record.period)},{source}]'
 
 
 def _slot_operation(pod: str, name: str, record: ContainerRecord) -> Operation:
@@ -758,13 +762,10 @@ class Bookkeeper:
             self._compact_now()
         self._absorb()
         on_disk = self._pods[key] if key in self._pods else self._books.pods.get(key)
-        slots = on_disk.containers if on_disk is not None else Containers()
-        written = replace(record, containers=slots)  # what the files replay to once this is appended
-        if on_disk is None or _header(on_disk) != _header(written):
-            self._append(
-                _encode_operations(pod_operations(key, None, replace(record, containers=Containers())))
-            )
-        self._pods[key] = written
+        if on_disk is None or _header(on_disk) != _header(record):
+            self._append(_encode_operations([_header_operation(_text_json(key), record)]))
+        # What the files replay to once this is appended: its header, the slots they held.
+        self._pods[key] = record.with_slots(on_disk.containers if on_disk is not None else _NO_SLOTS)
 
     def save_quietly(self, *, force: bool = False) -> None:
         """`commit` (or `flush` when `force`), logging a failure instead of raising it: for changes
