@@ -322,6 +322,10 @@ class Books:
         pod = self.pods.get(slot.pod)
         return pod.containers.get(slot.name) if pod is not None else None
 
+    def holds(self, container_id: str) -> bool:
+        """Whether the container id holds a slot (`find` without building its answer)."""
+        return container_id in self._holding
+
     def find(self, container_id: str) -> tuple[Slot, ContainerRecord] | None:
         """The slot the container id holds, if any."""
         slots = self._holding.get(container_id)

@@ -626,7 +626,7 @@ def _cpu_env(container: api.Container) -> tuple[str | None, str | None]:
     env = container.env
     if not env or _ENV_PREFIX not in "\n".join(env):
         return None, None
-    for entry in env:
+    for entry in [entry for entry in env if entry.startswith(_ENV_PREFIX)]:  # (a few of a dozen)
         key, sep, rest = entry.partition("=")
         if sep:
             if key == SHARED_ENV:

@@ -77,7 +77,7 @@ def needed_at_sync(
     others change nothing `rebuild_books` or the healer does with them; `check_all`: every one."""
     if check_all or pod is None or container.state == _GONE:
         return True
-    return shows_evidence(pod, container) or previous.find(container.id) is not None
+    return shows_evidence(pod, container) or previous.holds(container.id)
 
 
 def rebuild_books(
@@ -153,11 +153,11 @@ def _adopt(
         )
         return
     slot = container_slot(pod, container)
-    if slot.pod not in books.pods:
-        books.pods[slot.pod] = PodRecord(pod.linux.cgroup_parent, None, 1)
     given = plan.shared
     books.hold(
-        slot, ContainerRecord(container.id, len(given.cpus), format_cpuset(plan.exclusive), proof.device)
+        slot,
+        ContainerRecord(container.id, len(given.cpus), format_cpuset(plan.exclusive), proof.device),
+        new_pod=None if slot.pod in books.pods else PodRecord(pod.linux.cgroup_parent, None, 1),
     )
     rebuilt.applied[slot.pod] += plan.applied_shared
     _note_plan(rebuilt, plan, pod, container)
