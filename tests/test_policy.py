@@ -24,6 +24,7 @@ from nri_plugin.mixedcpu.policy import (
     MAX_CFS_QUOTA,
     SHARED_ENV,
     PolicyError,
+    _cpu_env,
     baseline_from_pod_resources,
     check_request,
     container_slot,
@@ -761,3 +762,24 @@ def test_create_plan_properties(shared: frozenset[int], exclusive: frozenset[int
     assert parse_cpuset(env[ISOLATED_ENV]) | parse_cpuset(env[SHARED_ENV]) == plan.cpus
     text = plan.adjustment.linux.resources.cpu.cpus
     assert text in ("", format_cpuset(plan.cpus))
+
+
+def test_cpu_env_takes_the_last_value_of_each_variable() -> None:
+    """As a process's environment: the last entry of a name wins; an entry without ``=`` sets
+    nothing; the other names are not taken for ours (looked for from the end, stopping once both
+    are found)."""
+    container = api.Container(
+        env=[
+            "OPENSHIFT_SHARED_CPUS=0",
+            "OPENSHIFT_ISOLATED_CPUS=4",
+            "OPENSHIFT_SHARED_CPUS=0-1",
+            "OPENSHIFT_ISOLATED_CPUS",
+            "OPENSHIFT_MUTUAL_CPUS=9",
+            "XOPENSHIFT_SHARED_CPUS=7",
+        ]
+    )
+    assert _cpu_env(container) == ("0-1", "4")
+    container.env.append("OPENSHIFT_ISOLATED_CPUS=5-6")
+    assert _cpu_env(container) == ("0-1", "5-6")
+    assert _cpu_env(api.Container(env=["PATH=/bin", "OPENSHIFT_SHARED_CPUS=2"])) == ("2", None)
+    assert _cpu_env(api.Container(env=["PATH=/bin"])) == (None, None)

@@ -622,18 +622,20 @@ class SyncPlan:
 def _cpu_env(container: api.Container) -> tuple[str | None, str | None]:
     """The values of ``OPENSHIFT_SHARED_CPUS`` and ``OPENSHIFT_ISOLATED_CPUS`` in the container's env
     (the last of each wins), None for one that is not set."""
-    shared = isolated = None
     env = container.env
     if not env or _ENV_PREFIX not in "\n".join(env):
         return None, None
-    for entry in [entry for entry in env if entry.startswith(_ENV_PREFIX)]:  # (a few of a dozen)
+    found: dict[str, str] = {}
+    for entry in reversed(env):  # the last of each wins: looked for from the end (we append them)
         key, sep, rest = entry.partition("=")
-        if sep:
-            if key == SHARED_ENV:
-                shared = rest
-            elif key == ISOLATED_ENV:
-                isolated = rest
-    return shared, isolated
+        if sep and key in _CPU_ENV_NAMES and key not in found:
+            found[key] = rest
+            if len(found) == len(_CPU_ENV_NAMES):
+                break
+    return found.get(SHARED_ENV), found.get(ISOLATED_ENV)
+
+
+_CPU_ENV_NAMES: Final = frozenset({SHARED_ENV, ISOLATED_ENV})
 
 
 @functools.lru_cache(maxsize=64)
