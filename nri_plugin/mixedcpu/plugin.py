@@ -234,11 +234,12 @@ class MixedCpuPlugin(
             self.healer.free_stale_holder(
                 self.marker_key.verify(container.annotations[MARKER_ANNOTATION]), slot
             )
-        saved = self.books.pods.get(slot.pod)
+        books = self.books
+        saved = books.pods.get(slot.pod)
         if saved is not None and saved.baseline_source == "unknown":
             await self.quotas.resolve_unknown(slot.pod, pod.linux.cgroup_parent)
-            saved = self.books.pods.get(slot.pod)
-        displaced = self.books.displace(slot, container.id)
+            saved = books.pods.get(slot.pod)
+        displaced = books.displace(slot, container.id)
         if displaced is not None:
             self.healer.note_displaced(slot, displaced)
             log.info(
@@ -273,7 +274,7 @@ class MixedCpuPlugin(
         )
         quotas = await self.quotas.raise_for(pod, container, slot, record, saved)
         if tracing:
-            trace.pod_quota_raised(pod, container, quotas, self.books.pods.get(slot.pod), "CreateContainer")
+            trace.pod_quota_raised(pod, container, quotas, books.pods.get(slot.pod), "CreateContainer")
         self.healer.watch_creation(slot, container)
         self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))
         return api.CreateContainerResponse(adjust=plan.adjustment)

@@ -809,7 +809,8 @@ class Bookkeeper:
 
     def _write(self) -> None:
         """Append what waits to the journal, or write a snapshot when the journal cannot take it."""
-        self._cancel_timer()
+        if self._flush_timer is not None:
+            self._cancel_timer()
         if self._journal is None:
             self._compact_now()
             return
@@ -858,7 +859,8 @@ class Bookkeeper:
     def _maybe_compact(self) -> None:
         """Have a compaction started, right after the current event, once the journal holds enough
         to be worth it (without a running loop: now)."""
-        self._finish_compaction(wait=False)
+        if self._compaction is not None:
+            self._finish_compaction(wait=False)
         if (
             self._compaction is not None
             or self._compact_timer is not None
