@@ -258,7 +258,7 @@ def test_records_cannot_change_in_place() -> None:
 
 def test_a_record_made_from_a_dict_does_not_share_it() -> None:
     given = {"fwd": ContainerRecord("c1", 2)}
-    pod = PodRecord("/kubepods/podp", 300_000, PERIOD, containers=given)  # type: ignore[arg-type]
+    pod = PodRecord("/kubepods/podp", 300_000, PERIOD, containers=given)
     assert isinstance(pod.containers, Containers)
     given["log"] = ContainerRecord("c2", 1)
     assert list(pod.containers) == ["fwd"]
