@@ -64,8 +64,6 @@ class LaterLines:
         self._waiting.append(line)
 
     def flush(self) -> None:
-        if not self._waiting:  # (each event flushes first: mostly nothing waits)
-            return
         waiting, self._waiting = self._waiting, []
         for line in waiting:
             line()
