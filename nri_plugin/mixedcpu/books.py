@@ -318,6 +318,10 @@ class Books:
             for name, record in pod.containers.items():
                 yield Slot(key, name), record
 
+    def records(self) -> list[ContainerRecord]:
+        """The record of every slot held (`slots` without naming the slots)."""
+        return [record for pod in self.pods.values() for record in pod.containers._records.values()]
+
     def holder(self, slot: Slot) -> ContainerRecord | None:
         pod = self.pods.get(slot.pod)
         return pod.containers.get(slot.name) if pod is not None else None

@@ -279,7 +279,7 @@ class Healer:
         stopped = [c for c in containers if c.state == api.CONTAINER_STOPPED]
         if not stopped:
             return
-        held = {record.id: record for _, record in previous.slots()}
+        held = {record.id: record for record in previous.records()}
         held.update((r.id, r) for slots in self._displaced.values() for r in slots.values())
         for container in stopped:
             record = held.get(container.id)

@@ -607,9 +607,9 @@ def _update_quota(
     return raised
 
 
-@dataclass(frozen=True, slots=True)
-class SyncPlan:
-    """An existing shared container, as found at Synchronize."""
+class SyncPlan(NamedTuple):
+    """An existing shared container, as found at Synchronize (a named tuple: made in C, one for each
+    shared container of a Synchronize)."""
 
     exclusive: frozenset[int]
     cpus: frozenset[int]

@@ -99,7 +99,7 @@ def rebuild_books(
     decision trace writes a line for each)."""
     by_sandbox = {pod.id: pod for pod in pods}
     present = {pod_key(pod): pod for pod in pods}
-    known = {record.id: record for _, record in previous.slots()}
+    known = {record.id: record for record in previous.records()}
     # Device ids stay bound to their slots while the slot's pod exists, even with its container
     # stopped: a copy of the marker in another pod must not take the device meanwhile.
     bound = {device: slot for device, slot in previous.device_holders().items() if slot.pod in present}
