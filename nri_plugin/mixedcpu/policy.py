@@ -366,17 +366,10 @@ def shared_by_node(shared: frozenset[int], numa_nodes: NumaNodes) -> dict[int, f
 # -- eligibility and container values ---------------------------------------------------------------
 
 
-class _Who:
-    """How a message names a container (``container ns/pod/name`` and `tail`), made into text only
-    when a message is: a refusal is rare, and creation is the hot path."""
-
-    __slots__ = ("_container", "_pod", "_tail")
-
-    def __init__(self, pod: api.PodSandbox, container: api.Container, tail: str = "") -> None:
-        self._pod, self._container, self._tail = pod, container, tail
-
-    def __str__(self) -> str:
-        return f"container {describe(self._pod, self._container)}{self._tail}"
+def _who(pod: api.PodSandbox, container: api.Container, tail: str = "") -> str:
+    """How a message names a container: ``container ns/pod/name`` and `tail`. Made only when a
+    message is (the checks take the pod and container): a refusal is rare, creation the hot path."""
+    return f"container {describe(pod, container)}{tail}"
 
 
 # CPU lists longer than this are parsed afresh each time: the cache holds a node's few short lists,
@@ -398,19 +391,21 @@ def _parse(text: str) -> frozenset[int]:
     return _parse_known(text)
 
 
-def _cpus(text: str, what: str, who: str | _Who) -> frozenset[int]:
+def _cpus(text: str, what: str, pod: api.PodSandbox, container: api.Container) -> frozenset[int]:
     try:
         return _parse(text)
     except CpusetError as exc:
-        raise PolicyError(f"{who}: the runtime sent a malformed {what}: {exc}", kind="node") from None
+        raise PolicyError(
+            f"{_who(pod, container)}: the runtime sent a malformed {what}: {exc}", kind="node"
+        ) from None
 
 
 def exclusive_cpus(shared: frozenset[int], pod: api.PodSandbox, container: api.Container) -> frozenset[int]:
     """The exclusive CPUs of a requesting container; `PolicyError` when it has none or the node
     has no shared CPUs."""
     _check_eligible(shared, pod, container)
-    cpus = _cpus(container.linux.resources.cpu.cpus, "cpuset", _Who(pod, container))
-    return _exclusive_of(cpus, shared, _Who(pod, container, _ASKS))
+    cpus = _cpus(container.linux.resources.cpu.cpus, "cpuset", pod, container)
+    return _exclusive_of(cpus, shared, pod, container)
 
 
 _ASKS: Final = " asks for shared CPUs"  # how `_check_eligible`'s and `_exclusive_of`'s messages begin
@@ -420,7 +415,7 @@ def _check_eligible(shared: frozenset[int], pod: api.PodSandbox, container: api.
     """`exclusive_cpus`' checks of the node, the pod and the CPU request, before its cpuset's."""
     if not shared:
         raise PolicyError(
-            f"{_Who(pod, container, _ASKS)} but the node's shared CPU pool is empty; set shared_cpuset in "
+            f"{_who(pod, container, _ASKS)} but the node's shared CPU pool is empty; set shared_cpuset in "
             f"the plugin's config, or remove the {REQUEST_RESOURCE} request from the pod spec",
             kind="node",
         )
@@ -428,31 +423,33 @@ def _check_eligible(shared: frozenset[int], pod: api.PodSandbox, container: api.
     if "burstable" in parent or "besteffort" in parent:
         qos = "Burstable" if "burstable" in parent else "Besteffort"
         raise PolicyError(
-            f"{_Who(pod, container, _ASKS)} but its pod is not Guaranteed (QoS class {qos}), so it has no "
+            f"{_who(pod, container, _ASKS)} but its pod is not Guaranteed (QoS class {qos}), so it has no "
             f"exclusive CPUs; {_GUARANTEED_FIX}"
         )
     shares = container.linux.resources.cpu.shares.value  # (0 when not given)
     if shares % SHARES_PER_CPU:
         raise PolicyError(
-            f"{_Who(pod, container, _ASKS)} but its CPU request is fractional ({shares} CPU shares, about "
+            f"{_who(pod, container, _ASKS)} but its CPU request is fractional ({shares} CPU shares, about "
             f"{shares / SHARES_PER_CPU:.2f} CPUs), so it has no exclusive CPUs; request a whole "
             'number of CPUs equal to the limit, e.g. cpu: "2"'
         )
 
 
-def _exclusive_of(cpus: frozenset[int], shared: frozenset[int], who: _Who) -> frozenset[int]:
+def _exclusive_of(
+    cpus: frozenset[int], shared: frozenset[int], pod: api.PodSandbox, container: api.Container
+) -> frozenset[int]:
     """The rest of `exclusive_cpus`, on the container's CPUs (`cpus`) once its pod and request passed."""
     if not cpus:
         raise PolicyError(
-            f"{who} but has no exclusive CPUs (its cpuset is empty); exclusive CPUs come from kubelet's "
-            f"static CPU manager policy: {_GUARANTEED_FIX}"
+            f"{_who(pod, container, _ASKS)} but has no exclusive CPUs (its cpuset is empty); exclusive "
+            f"CPUs come from kubelet's static CPU manager policy: {_GUARANTEED_FIX}"
         )
     exclusive = cpus - shared
     if not exclusive:
         raise PolicyError(
-            f"{who} but has no exclusive CPUs: all its CPUs ({format_cpuset(cpus)}) are in the shared pool "
-            f"({format_cpuset(shared)}); {_GUARANTEED_FIX}, on a kubelet whose reservedSystemCPUs include "
-            "the shared pool"
+            f"{_who(pod, container, _ASKS)} but has no exclusive CPUs: all its CPUs ({format_cpuset(cpus)}) "
+            f"are in the shared pool ({format_cpuset(shared)}); {_GUARANTEED_FIX}, on a kubelet whose "
+            "reservedSystemCPUs include the shared pool"
         )
     return exclusive
 
@@ -516,8 +513,7 @@ def plan_create(
     known = _PLANS.get(key) if numa_nodes is None else None
     if known is not None:
         return known
-    cpus = _cpus(cpu.cpus, "cpuset", _Who(pod, container))
-    exclusive = _exclusive_of(cpus, shared, _Who(pod, container, _ASKS))
+    exclusive = _exclusive_of(_cpus(cpu.cpus, "cpuset", pod, container), shared, pod, container)
     plan = _new_plan(shared, exclusive, cpu, numa_nodes)
     if numa_nodes is None:
         if len(_PLANS) >= _MAX_PLANS:
@@ -568,11 +564,10 @@ def plan_update(
     Its shared CPUs follow the requested exclusive ones (with `numa_nodes`, those local to them).
     Only cpus and quota are set: the runtime merges them over the requested resources.
     """
-    who = f"container {describe(pod, container)}"
     current_cpu = container.linux.resources.cpu
-    wanted = _cpus(requested.cpu.cpus, "requested cpuset", who)
+    wanted = _cpus(requested.cpu.cpus, "requested cpuset", pod, container)
     if not wanted:
-        wanted = _cpus(current_cpu.cpus, "cpuset", who) or exclusive
+        wanted = _cpus(current_cpu.cpus, "cpuset", pod, container) or exclusive
     own = wanted - shared
     given = choose_shared(shared, own or exclusive, numa_nodes)
     cpus = own | given.cpus  # (wanted | shared when every container gets the whole pool)
@@ -670,7 +665,7 @@ def plan_sync(
     pool, old (from ``OPENSHIFT_SHARED_CPUS``) and current.
     """
     cpu = container.linux.resources.cpu
-    current = _cpus(cpu.cpus, "cpuset", _Who(pod, container))
+    current = _cpus(cpu.cpus, "cpuset", pod, container)
     shared_env, isolated_env = _cpu_env(container)
     exclusive = recorded_exclusive & current
     if not exclusive:
@@ -681,7 +676,7 @@ def plan_sync(
         exclusive = current - shared
     # The same checks as at creation, on the exclusive CPUs found.
     _check_eligible(shared, pod, container)
-    exclusive = _exclusive_of(exclusive, shared, _Who(pod, container, _ASKS))
+    exclusive = _exclusive_of(exclusive, shared, pod, container)
     given = choose_shared(shared, exclusive, numa_nodes)
     cpus = exclusive | given.cpus
     quota = len(cpus) * _period(cpu) if _limited(cpu) else None
