@@ -146,7 +146,8 @@ def encode(conn_id: int, message: bytes | bytearray | memoryview) -> list[bytes]
 
     :raises LocalMuxError: *conn_id* is 0 or does not fit in 32 bits.
     """
-    _check_conn_id(conn_id)
+    if not _RESERVED_CONN < conn_id <= _MAX_CONN_ID:  # (`_check_conn_id`, without a call per message)
+        raise LocalMuxError(f"mux connection id {conn_id} is reserved or out of range")
     if len(message) <= FIRST_FRAME_MAX:  # most messages: one frame
         return [_HEADER.pack(conn_id, len(message)) + message] if message else []
     view = memoryview(message)
@@ -206,32 +207,35 @@ class MuxDecoder:
         if self._error is not None:
             raise MuxProtocolError(f"mux stream already failed: {self._error}")
         try:
-            return self._next_frame()
+            header = self._buffer.header(_HEADER)
+            if header is None:
+                return self._need_data(None)
+            # The header is checked as soon as it is complete, before any of the payload is kept.
+            conn_id, length = header
+            if conn_id == _RESERVED_CONN:
+                raise MuxProtocolError("frame on reserved mux connection id 0")
+            if length > MAX_PAYLOAD:
+                raise MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
+            # Once all is consumed the buffer lets go of its memory now, not at the next read
+            # (which may be long in coming after a multi-megabyte Synchronize).
+            payload = self._buffer.take(HEADER_SIZE, length)
+            if payload is None:
+                return self._need_data(length)
+            return conn_id, payload
         except MuxProtocolError as exc:
             self._error = exc
             raise
 
-    def _next_frame(self) -> tuple[int, bytes | memoryview] | NeedData:
-        available = len(self._buffer)
-        if available < HEADER_SIZE:
-            if self._eof and available:
-                raise MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
+    def _need_data(self, length: int | None) -> NeedData:
+        """NEED_DATA, or the error for a frame cut short by end of file (`length`: its header's)."""
+        available = len(self._buffer) if self._eof else 0
+        if not available:
             return NEED_DATA
-        # The header is checked as soon as it is complete, before any of the payload is kept.
-        conn_id, length = self._buffer.unpack_header(_HEADER)
-        if conn_id == _RESERVED_CONN:
-            raise MuxProtocolError("frame on reserved mux connection id 0")
-        if length > MAX_PAYLOAD:
-            raise MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
-        if available < HEADER_SIZE + length:
-            if self._eof:
-                raise MuxProtocolError(
-                    f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
-                )
-            return NEED_DATA
-        # Once all is consumed the buffer lets go of its memory now, not at the next read (which may
-        # be long in coming after a multi-megabyte Synchronize).
-        return conn_id, self._buffer.take(HEADER_SIZE, length)
+        if length is None:
+            raise MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
+        raise MuxProtocolError(
+            f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +292,7 @@ class Trunk(asyncio.BufferedProtocol):
         self._unheard_log = LogBudget()  # frames for connections nobody opened: a few lines, then a count
         self._writable = asyncio.Event()  # clear while the peer lets our answers pile up unread
         self._writable.set()
+        self._paused = False  # `_writable` cleared: a plain flag for the loop of every read
         self.closed = asyncio.Event()
         """Set when the trunk is closed for good; do not set it yourself."""
 
@@ -329,14 +334,15 @@ class Trunk(asyncio.BufferedProtocol):
         :raises RuntimeError: the transport is not connected yet (only possible for a
             :class:`Trunk` built by hand, not for one from :func:`open_unix` / :func:`adopt_socket`).
         """
-        _check_conn_id(conn_id)
+        frames = encode(conn_id, message)  # (checks the id)
         if self._shutting_down:
             logger.debug("mux conn %d: trunk closed, dropping a %d-byte message", conn_id, len(message))
             return
         if self._transport is None:
             raise RuntimeError("trunk is not connected yet")
-        frames = encode(conn_id, message)
-        if frames:
+        if len(frames) == 1:  # most messages: the transport's writelines would join a list of one
+            self._transport.write(frames[0])
+        elif frames:
             self._transport.writelines(frames)
 
     def close(self) -> None:
@@ -350,7 +356,7 @@ class Trunk(asyncio.BufferedProtocol):
     @property
     def writing_paused(self) -> bool:
         """True while the write buffer is over `WRITE_HIGH_WATER` (reading is paused meanwhile)."""
-        return not self._writable.is_set()
+        return self._paused
 
     async def drain(self) -> None:
         """Wait until the peer has read our backlog down to `WRITE_LOW_WATER` (at once when it has,
@@ -378,6 +384,7 @@ class Trunk(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         """The peer is not reading what we write: stop reading its requests until it does."""
         self._writable.clear()
+        self._paused = True
         if self._transport is not None and not self._shutting_down:
             logger.warning(
                 "NRI peer is not reading our answers (%d bytes unread): its requests wait until it does",
@@ -387,6 +394,7 @@ class Trunk(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._writable.set()
+        self._paused = False
         if self._transport is not None and not self._shutting_down:
             logger.info("NRI peer reads our answers again: reading its requests again")
             self._transport.resume_reading()
@@ -419,6 +427,7 @@ class Trunk(asyncio.BufferedProtocol):
         self._transport = None
         self._shut_down(exc)
         self._writable.set()  # nothing more to wait for: drain() returns
+        self._paused = False
         if self._release is not None or self._large_bytes:
             # Large messages came (a Synchronize, cut short or not): once the receivers have let go
             # of them, the heap's free memory goes back to the system, trunk or no trunk.
@@ -437,16 +446,17 @@ class Trunk(asyncio.BufferedProtocol):
     def _dispatch(self) -> None:
         # While writing is paused, frames already read wait in the decoder too (`resume_writing`
         # delivers them): a single read of many small requests must not make answers past the mark.
-        while not self._shutting_down and self._writable.is_set():
+        decoder = self._decoder
+        while not self._shutting_down and not self._paused:
             try:
-                found = self._decoder.next_payload()
+                found = decoder.next_payload()
             except MuxProtocolError as exc:
                 logger.warning("NRI mux protocol error, closing the trunk: %s", exc)
                 self._shut_down(exc)
                 return
             if found is NEED_DATA:
                 return
-            self._deliver(*found)
+            self._deliver(found[0], found[1])
 
     def _deliver(self, conn_id: int, payload: bytes | memoryview) -> None:
         receiver = self._receivers.get(conn_id)

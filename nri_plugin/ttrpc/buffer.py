@@ -61,29 +61,37 @@ class ReceiveBuffer:
 
     def append(self, data: bytes | bytearray | memoryview) -> None:
         """Keep a copy of `data` (the caller may reuse it once this returns)."""
-        self._compact()
+        if self._start >= _COMPACT_MIN and 2 * self._start >= len(self._data):
+            del self._data[: self._start]
+            self._start = 0
         self._data += data
 
-    def unpack_header(self, header: struct.Struct) -> tuple[Any, ...]:
-        """`header` read at the front, consuming nothing; the caller checks there are enough bytes."""
+    def header(self, header: struct.Struct) -> tuple[Any, ...] | None:
+        """`header` read at the front, consuming nothing; None while fewer bytes than it are held."""
+        if len(self._data) - self._start < header.size:
+            return None
         return header.unpack_from(self._data, self._start)
 
-    def take(self, skip: int, length: int) -> bytes | memoryview:
-        """Consume `skip` bytes (a header already read) and then `length` bytes, returned.
+    def take(self, skip: int, length: int) -> bytes | memoryview | None:
+        """Consume `skip` bytes (a header already read) and then `length` bytes, returned; None,
+        consuming nothing, while fewer than `skip + length` bytes are held.
 
         A large frame (`HAND_OVER_MIN`) that is all the buffer holds past its header comes as a view
         of the buffer's own memory, which the buffer gives up (it starts afresh): a 4 MiB message
         is not copied at each layer (the mux's frame, then the ttrpc frame in it), so it is held
         once, not two or three times over. Any other frame is copied out as bytes."""
+        data = self._data
         begin = self._start + skip
         end = begin + length
-        if length >= HAND_OVER_MIN and end == len(self._data):
-            data, self._data, self._start = self._data, bytearray(), 0
-            return memoryview(data)[begin:end]
-        with memoryview(self._data) as view:
-            taken = view[begin:end].tobytes()
-        self._consume_to(end)
-        return taken
+        if end > len(data):
+            return None
+        if end < len(data):
+            self._start = end
+        else:  # all consumed: the memory goes now, not at the next read
+            self._data, self._start = bytearray(), 0
+            if length >= HAND_OVER_MIN:
+                return memoryview(data)[begin:end]
+        return memoryview(data)[begin:end].tobytes()
 
     def discard(self, count: int) -> int:
         """Consume up to `count` bytes unread; how many there were."""
@@ -97,8 +105,3 @@ class ReceiveBuffer:
             self._start = 0
         else:
             self._start = offset
-
-    def _compact(self) -> None:
-        if self._start >= _COMPACT_MIN and 2 * self._start >= len(self._data):
-            del self._data[: self._start]
-            self._start = 0

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Final, cast
+from collections.abc import Callable, Iterable
+from typing import Final, NamedTuple, TypeVar, cast
 
 from google.protobuf.message import DecodeError
 
@@ -88,8 +87,11 @@ _MSG_REUSED_ID = "StreamID cannot be re-used and must increment"
 _MSG_DATA_FRAME = "StreamID is no longer active"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Frame:
+# The events and frames are named tuples: made once per message, where a frozen dataclass's
+# generated __init__ costs four times the bytecodes.
+
+
+class Frame(NamedTuple):
     """One whole ttrpc message."""
 
     stream_id: int
@@ -98,8 +100,7 @@ class Frame:
     data: bytes | memoryview  # a large frame: a view of the bytes received (`ReceiveBuffer.take`)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OversizedFrame:
+class OversizedFrame(NamedTuple):
     """A header announced more than the decoder's limit; its data is being discarded unread."""
 
     stream_id: int
@@ -141,7 +142,8 @@ class FrameDecoder:
 
     def receive_data(self, data: bytes | memoryview) -> None:
         # Broken for good: keep nothing more of the stream.
-        self._check_not_broken()
+        if self._error is not None:
+            raise self._broken()
         if self._eof:
             raise LocalProtocolError("receive_data after EOF")
         if not data:
@@ -154,31 +156,29 @@ class FrameDecoder:
         self._buffer.append(data)
 
     def next_event(self) -> Frame | OversizedFrame | NeedData:
-        self._check_not_broken()
+        if self._error is not None:
+            raise self._broken()
         try:
-            return self._next_event()
+            header = None if self._discard else self._buffer.header(_HEADER)
+            if header is None:
+                return self._need_data()
+            length, stream_id, raw_type, flags = header
+            type_ = _TYPE_OF.get(raw_type)
+            if type_ is None:
+                raise RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
+            if length > self._max_data:
+                self._start_discard(length)
+                return OversizedFrame(stream_id, type_, flags, length)
+            data = self._buffer.take(HEADER_SIZE, length)
+            if data is None:
+                return self._need_data()
+            return Frame(stream_id, type_, flags, data)
         except RemoteProtocolError as exc:
             self._error = exc
             raise
 
-    def _check_not_broken(self) -> None:
-        if self._error is not None:
-            raise RemoteProtocolError(f"stream already broken: {self._error}")
-
-    def _next_event(self) -> Frame | OversizedFrame | NeedData:
-        if self._discard or len(self._buffer) < HEADER_SIZE:
-            return self._need_data()
-        length, stream_id, raw_type, flags = self._buffer.unpack_header(_HEADER)
-        type_ = _TYPE_OF.get(raw_type)
-        if type_ is None:
-            raise RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
-        if length > self._max_data:
-            self._start_discard(length)
-            return OversizedFrame(stream_id=stream_id, type=type_, flags=flags, length=length)
-        if len(self._buffer) < HEADER_SIZE + length:
-            return self._need_data()
-        data = self._buffer.take(HEADER_SIZE, length)
-        return Frame(stream_id=stream_id, type=type_, flags=flags, data=data)
+    def _broken(self) -> RemoteProtocolError:
+        return RemoteProtocolError(f"stream already broken: {self._error}")
 
     def _start_discard(self, length: int) -> None:
         self._buffer.discard(HEADER_SIZE)
@@ -193,8 +193,7 @@ class FrameDecoder:
 # --- events --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RequestReceived:
+class RequestReceived(NamedTuple):
     """A well-formed request on a fresh stream; answer it with `ServerSession.send_response`.
     `size`: the bytes of its ttrpc message data (the envelope and the payload in it). `payload`: for a
     large request (`LARGE_REQUEST` bytes or more), its payload, a view of the bytes received, kept out
@@ -211,8 +210,7 @@ class RequestReceived:
         return self.payload if self.payload is not None else self.request.payload
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ResponseReceived:
+class ResponseReceived(NamedTuple):
     """The outcome of a pending call. `code` 0 is OK and then `payload` is the reply message."""
 
     stream_id: int
@@ -221,8 +219,7 @@ class ResponseReceived:
     payload: bytes
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class UnexpectedResponse:
+class UnexpectedResponse(NamedTuple):
     """A response for a stream with no pending call (finished, abandoned, never sent)."""
 
     stream_id: int
@@ -231,17 +228,38 @@ class UnexpectedResponse:
 ClientEvent = ResponseReceived | UnexpectedResponse
 
 
-def _drain(decoder: FrameDecoder) -> Iterable[Frame | OversizedFrame]:
+E = TypeVar("E")
+
+
+def _events(
+    decoder: FrameDecoder, data: bytes | memoryview, handle: Callable[[Frame | OversizedFrame], E | None]
+) -> list[E]:
+    """Feed `data` to `decoder`, then `handle` every whole frame it holds; the events made."""
+    decoder.receive_data(data)
+    events: list[E] = []
     while (item := decoder.next_event()) is not NEED_DATA:
-        yield item
+        event = handle(item)
+        if event is not None:
+            events.append(event)
+    return events
+
+
+# upb parses any buffer, a view in place (the stubs say bytes): the parsers, typed once as they are.
+_parse_request = cast(Callable[[bytes | memoryview], request_pb2.Request], request_pb2.Request.FromString)
+_parse_response = cast(Callable[[bytes | memoryview], request_pb2.Response], request_pb2.Response.FromString)
 
 
 def _response_message(stream_id: int, payload: bytes, code: int, message: str) -> bytes:
-    response = request_pb2.Response(payload=payload)
+    """A response frame to a stream the peer opened (a valid id: it came in a header)."""
     # Like Go, success leaves the status out: an empty OK response is 0 bytes of data.
-    if code != Code.OK:
-        response.status.CopyFrom(status_pb2.Status(code=code, message=message))
-    return encode_frame(stream_id, MessageType.RESPONSE, 0, response.SerializeToString())
+    if code == Code.OK:
+        data = request_pb2.Response(payload=payload).SerializeToString()
+    else:
+        status = status_pb2.Status(code=code, message=message)
+        data = request_pb2.Response(status=status, payload=payload).SerializeToString()
+    if len(data) > MAX_DATA:
+        raise OversizedMessage(len(data), MAX_DATA)
+    return _HEADER.pack(len(data), stream_id, MessageType.RESPONSE, 0) + data
 
 
 # Requests at least this large (only Synchronize chunks are) keep their payload out of the envelope.
@@ -290,13 +308,7 @@ class ServerSession:
         return frozenset(self._active)
 
     def receive_data(self, data: bytes | memoryview) -> list[RequestReceived]:
-        self._decoder.receive_data(data)
-        events: list[RequestReceived] = []
-        for item in _drain(self._decoder):
-            event = self._handle(item)
-            if event is not None:
-                events.append(event)
-        return events
+        return _events(self._decoder, data, self._handle)
 
     def messages_to_send(self) -> list[bytes]:
         """Replies the session made itself, each one whole ttrpc message; clears the queue."""
@@ -339,22 +351,21 @@ class ServerSession:
         return self._handle_request(item)
 
     def _handle_request(self, frame: Frame) -> RequestReceived | None:
-        if frame.stream_id <= self._last_stream_id:
-            self._reply(frame.stream_id, Code.INVALID_ARGUMENT, _MSG_REUSED_ID)
+        stream_id, data = frame.stream_id, frame.data
+        if stream_id <= self._last_stream_id:
+            self._reply(stream_id, Code.INVALID_ARGUMENT, _MSG_REUSED_ID)
             return None
-        self._last_stream_id = frame.stream_id
-        data, payload = frame.data, None
-        if len(data) >= LARGE_REQUEST:
+        self._last_stream_id = stream_id
+        size, payload = len(data), None
+        if size >= LARGE_REQUEST:
             data, payload = _split_payload(data)
         try:
-            request = request_pb2.Request.FromString(cast(bytes, data))  # upb parses a view in place
+            request = _parse_request(data)
         except DecodeError as exc:
-            self._reply(frame.stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
+            self._reply(stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
             return None
-        self._active.add(frame.stream_id)
-        return RequestReceived(
-            stream_id=frame.stream_id, request=request, size=len(frame.data), payload=payload
-        )
+        self._active.add(stream_id)
+        return RequestReceived(stream_id, request, size, payload)
 
 
 # --- client --------------------------------------------------------------------------------------
@@ -407,13 +418,7 @@ class ClientSession:
         self._pending.discard(stream_id)
 
     def receive_data(self, data: bytes | memoryview) -> list[ClientEvent]:
-        self._decoder.receive_data(data)
-        events: list[ClientEvent] = []
-        for item in _drain(self._decoder):
-            event = self._handle(item)
-            if event is not None:
-                events.append(event)
-        return events
+        return _events(self._decoder, data, self._handle)
 
     def _handle(self, item: Frame | OversizedFrame) -> ClientEvent | None:
         # Server-initiated streams do not exist in ttrpc today; like Go, drop what is not a response.
@@ -432,7 +437,7 @@ class ClientSession:
 
 def _decode_response(frame: Frame) -> ResponseReceived:
     try:
-        response = request_pb2.Response.FromString(cast(bytes, frame.data))
+        response = _parse_response(frame.data)
     except DecodeError as exc:
         # Only this call fails: the framing is intact, so the connection can go on.
         return ResponseReceived(
