@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import structlog
 from google.protobuf.message import DecodeError
@@ -259,9 +259,8 @@ class _Session:
         apart = _Apart(view, select, dict(self._by_sandbox))
         try:
             for field in wire.each_field(view):  # one at a time: no list of the chunk's fields
-                if _SYNC_WIRE.get(field.number, field.wire) != field.wire:
+                if not apart.add(field):
                     return None
-                apart.add(field)
             apart.end_of_pods()
         except (DecodeError, wire.Malformed):
             return None
@@ -311,23 +310,31 @@ class _Apart:
         self.more = False
         self._pods_from = self._pods_to = 0  # the run of pod fields not parsed yet
 
-    def add(self, field: wire.Field) -> None:
-        """One field of the chunk (of a known wire type); raises `DecodeError` for an object the
-        decoder refuses."""
-        if field.number == _SYNC_PODS:
-            if self._pods_to != field.start:  # (a run always ends where the next field starts)
-                self._pods_from = field.start
-            self._pods_to = field.end
-            return
-        self.end_of_pods()
-        if field.number == _SYNC_CONTAINERS:
+    def add(self, field: wire.Field) -> bool:
+        """One field of the chunk; False for a field of the request's with another wire type than
+        its own (the chunk is then not plainly well formed); raises `DecodeError` for an object
+        the decoder refuses. Fields the request does not know are skipped, as protobuf does."""
+        number, wire_type, start, begin, end = field
+        if number == _SYNC_PODS:
+            if self._pods_to != start:  # (a run always ends where the next field starts)
+                self._pods_from = start
+            self._pods_to = end
+            return wire_type == wire.LEN
+        if self._pods_to:
+            self.end_of_pods()
+        if number == _SYNC_CONTAINERS:
+            if wire_type != wire.LEN:
+                return False
             self.seen += 1
-            value = self.view[field.begin : field.end]
-            container = api.Container.FromString(cast(bytes, value))
+            view = self.view
+            container = _parse_container(view[begin:end])
             if self.select(self.by_sandbox.get(container.pod_sandbox_id), container):
-                self.kept += self.view[field.start : field.end]
-        elif field.number == _SYNC_MORE:
-            self.more = bool(wire.varint(self.view[field.begin : field.end], 0)[0])
+                self.kept += view[start:end]
+        elif number == _SYNC_MORE:
+            if wire_type != wire.VARINT:
+                return False
+            self.more = bool(wire.varint(self.view, begin)[0])
+        return True
 
     def end_of_pods(self) -> None:
         """Parse the run of pods the last fields were, if any."""
@@ -801,9 +808,11 @@ class Stub:
         return api.Empty()
 
 
-# SynchronizeRequest's fields and their wire types.
+# SynchronizeRequest's fields (pods and containers are LEN fields, more a VARINT).
 _SYNC_PODS, _SYNC_CONTAINERS, _SYNC_MORE = 1, 2, 3
-_SYNC_WIRE: Final = {_SYNC_PODS: wire.LEN, _SYNC_CONTAINERS: wire.LEN, _SYNC_MORE: wire.VARINT}
+
+# upb parses any buffer, a view in place (the stubs say bytes): the parser, typed once as it is.
+_parse_container = cast(Callable[[bytes | memoryview], api.Container], api.Container.FromString)
 
 
 def _release(data: bytes | memoryview) -> None:
