@@ -334,16 +334,19 @@ class Trunk(asyncio.BufferedProtocol):
         :raises RuntimeError: the transport is not connected yet (only possible for a
             :class:`Trunk` built by hand, not for one from :func:`open_unix` / :func:`adopt_socket`).
         """
-        frames = encode(conn_id, message)  # (checks the id)
+        if not _RESERVED_CONN < conn_id <= _MAX_CONN_ID:  # (`_check_conn_id`, without a call per message)
+            raise LocalMuxError(f"mux connection id {conn_id} is reserved or out of range")
         if self._shutting_down:
             logger.debug("mux conn %d: trunk closed, dropping a %d-byte message", conn_id, len(message))
             return
         if self._transport is None:
             raise RuntimeError("trunk is not connected yet")
-        if len(frames) == 1:  # most messages: the transport's writelines would join a list of one
-            self._transport.write(frames[0])
-        elif frames:
-            self._transport.writelines(frames)
+        if 0 < len(message) <= FIRST_FRAME_MAX:
+            # Most messages: one frame, as `encode` makes it, written without a list of one (the
+            # transport's writelines would join it: one more copy and call).
+            self._transport.write(_HEADER.pack(conn_id, len(message)) + message)
+        elif message:
+            self._transport.writelines(encode(conn_id, message))
 
     def close(self) -> None:
         """Close the trunk (idempotent). Receivers get ``connection_lost(None)``."""

@@ -390,9 +390,11 @@ class Stub:
         self.ready = asyncio.Event()
         self._stopped = asyncio.Event()
         # Set while no runtime request is being handled: unsolicited updates wait for it.
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Runtime requests being handled; unsolicited updates wait in `_idle_waiters` until there
+        # are none (`_idle`). Futures, not an asyncio.Event: a request then costs two additions and
+        # one test, not an Event's clear() and set() (see `_handling`).
         self._busy = 0
+        self._idle_waiters: list[asyncio.Future[None]] = []
         self._state_waiters: list[tuple[frozenset[ConnectionState], asyncio.Future[ConnectionState]]] = []
         self._session: _Session | None = None
         self._trunk: mux.Trunk | None = None
@@ -429,7 +431,7 @@ class Stub:
             self.ready.set()
         elif target in (S.DISCONNECTED, S.STOPPED):
             self.ready.clear()
-        self._refresh_idle()
+        self._wake_if_idle()
         waiting, self._state_waiters = self._state_waiters, []
         for states, waiter in waiting:
             if waiter.done():
@@ -582,8 +584,10 @@ class Stub:
         return task
 
     async def _send_updates(self, updates: list[api.ContainerUpdate]) -> list[api.ContainerUpdate]:
-        while not self._idle.is_set():
-            await self._idle.wait()
+        while not self._idle():
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            await waiter
         if self._trunk is not None:
             await self._trunk.drain()  # not one more message onto a backlog the runtime does not read
         client = self._client
@@ -598,16 +602,18 @@ class Stub:
         )
         return list(reply.failed)
 
-    def _add_busy(self, delta: int) -> None:
-        self._busy += delta
-        self._refresh_idle()
+    def _idle(self) -> bool:
+        """No runtime request is being handled. A chunked Synchronize counts as one long request,
+        from its first chunk to the plugin's answer."""
+        return self._busy == 0 and self.state is not S.SYNCHRONIZING
 
-    def _refresh_idle(self) -> None:
-        # A chunked Synchronize counts as one long request, from its first chunk to the plugin's answer.
-        if self._busy == 0 and self.state is not S.SYNCHRONIZING:
-            self._idle.set()
-        else:
-            self._idle.clear()
+    def _wake_if_idle(self) -> None:
+        """Let the unsolicited updates waiting for idleness go, if it has come."""
+        if self._idle_waiters and self._idle():
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     # -- the Plugin service ------------------------------------------------------------------------
 
@@ -637,13 +643,15 @@ class Stub:
     async def _handling(self, work: Awaitable[T]) -> T:
         """Await one plugin handler: the stub is busy meanwhile (unsolicited updates wait for the
         reply), and a refusal becomes the ttrpc status it names."""
-        self._add_busy(1)
+        self._busy += 1
         try:
             return await work
         except PluginRefusal as exc:
             raise TtrpcError(exc.code, str(exc)) from exc
         finally:
-            self._add_busy(-1)
+            self._busy -= 1
+            if self._idle_waiters:
+                self._wake_if_idle()
 
     def _serving(self, call: Call[Any, Any]) -> Handler:
         async def handle(request: Any, _ctx: CallContext) -> Any:

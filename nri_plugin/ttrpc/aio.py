@@ -218,7 +218,13 @@ class Server:
 
     def _decode(self, event: RequestReceived, ctx: CallContext) -> tuple[UnaryMethod[Any, Any], Message]:
         """The method called and its request message; `TtrpcError` for an unknown one or bad bytes."""
-        method = self._lookup(ctx.service, ctx.method)
+        # Code 12 and these exact texts, like Go: NRI runtimes fall back to older RPCs on 12.
+        methods = self._services.get(ctx.service)
+        if methods is None:
+            raise TtrpcError(Code.UNIMPLEMENTED, f"service {ctx.service}")
+        method = methods.get(ctx.method)
+        if method is None:
+            raise TtrpcError(Code.UNIMPLEMENTED, f"method {ctx.method}")
         payload = event.request.payload if event.payload is None else event.payload
         if method.raw:
             return method, payload  # type: ignore[return-value]  # (the handler decodes it)
@@ -285,16 +291,6 @@ class Server:
             )
         # Go sends err.Error(); an exception without text still needs a readable message.
         return Code.UNKNOWN, str(exc) or repr(exc)
-
-    def _lookup(self, service: str, method: str) -> UnaryMethod[Any, Any]:
-        # Code 12 and these exact texts, like Go: NRI runtimes fall back to older RPCs on 12.
-        methods = self._services.get(service)
-        if methods is None:
-            raise TtrpcError(Code.UNIMPLEMENTED, f"service {service}")
-        found = methods.get(method)
-        if found is None:
-            raise TtrpcError(Code.UNIMPLEMENTED, f"method {method}")
-        return found
 
     def _respond(self, stream_id: int, payload: bytes, code: int, message: str) -> None:
         if self._lost:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Callable, Iterable
-from typing import Final, NamedTuple, TypeVar, cast
+from typing import Final, NamedTuple, cast
 
 from google.protobuf.message import DecodeError
 
@@ -228,22 +228,6 @@ class UnexpectedResponse(NamedTuple):
 ClientEvent = ResponseReceived | UnexpectedResponse
 
 
-E = TypeVar("E")
-
-
-def _events(
-    decoder: FrameDecoder, data: bytes | memoryview, handle: Callable[[Frame | OversizedFrame], E | None]
-) -> list[E]:
-    """Feed `data` to `decoder`, then `handle` every whole frame it holds; the events made."""
-    decoder.receive_data(data)
-    events: list[E] = []
-    while (item := decoder.next_event()) is not NEED_DATA:
-        event = handle(item)
-        if event is not None:
-            events.append(event)
-    return events
-
-
 # upb parses any buffer, a view in place (the stubs say bytes): the parsers, typed once as they are.
 _parse_request = cast(Callable[[bytes | memoryview], request_pb2.Request], request_pb2.Request.FromString)
 _parse_response = cast(Callable[[bytes | memoryview], request_pb2.Response], request_pb2.Response.FromString)
@@ -308,7 +292,14 @@ class ServerSession:
         return frozenset(self._active)
 
     def receive_data(self, data: bytes | memoryview) -> list[RequestReceived]:
-        return _events(self._decoder, data, self._handle)
+        decoder = self._decoder
+        decoder.receive_data(data)
+        events: list[RequestReceived] = []
+        while (item := decoder.next_event()) is not NEED_DATA:
+            event = self._handle(item)
+            if event is not None:
+                events.append(event)
+        return events
 
     def messages_to_send(self) -> list[bytes]:
         """Replies the session made itself, each one whole ttrpc message; clears the queue."""
@@ -418,7 +409,14 @@ class ClientSession:
         self._pending.discard(stream_id)
 
     def receive_data(self, data: bytes | memoryview) -> list[ClientEvent]:
-        return _events(self._decoder, data, self._handle)
+        decoder = self._decoder
+        decoder.receive_data(data)
+        events: list[ClientEvent] = []
+        while (item := decoder.next_event()) is not NEED_DATA:
+            event = self._handle(item)
+            if event is not None:
+                events.append(event)
+        return events
 
     def _handle(self, item: Frame | OversizedFrame) -> ClientEvent | None:
         # Server-initiated streams do not exist in ttrpc today; like Go, drop what is not a response.
