@@ -29,12 +29,13 @@ import logging
 import os
 import socket
 import struct
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
 from nri_plugin.common import heap
-from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
+from nri_plugin.ttrpc.buffer import HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
 from nri_plugin.ttrpc.logbudget import LogBudget, suppressed_note
 
@@ -165,12 +166,18 @@ class MuxDecoder:
     :class:`MuxProtocolError`; once one was raised, every later :meth:`next_event` raises
     again. After end of file with every frame consumed, :meth:`next_event` keeps returning
     :data:`NEED_DATA` and :attr:`eof` is true.
+
+    The frames are cut from the bytes as they arrive, in one loop over them (a read of whole
+    frames keeps nothing); :meth:`next_event` hands them out, and an error in the stream only
+    once the frames before it are out.
     """
 
     def __init__(self) -> None:
-        self._buffer = ReceiveBuffer()
+        self._buffer = ReceiveBuffer()  # the start of a frame not whole yet
+        self._ready: deque[tuple[int, bytes | memoryview]] = deque()  # cut, not handed out yet
         self._eof = False
-        self._error: MuxProtocolError | None = None
+        self._failure: MuxProtocolError | None = None  # found in the bytes, not raised yet
+        self._error: MuxProtocolError | None = None  # raised
 
     @property
     def eof(self) -> bool:
@@ -178,7 +185,7 @@ class MuxDecoder:
         return self._eof
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Buffer bytes read from the trunk (copied: `data` may be reused once this returns);
+        """Cut the frames `data` completes (copied: `data` may be reused once this returns);
         ``b""`` marks end of file.
 
         :raises LocalMuxError: non-empty data after end of file.
@@ -188,7 +195,27 @@ class MuxDecoder:
             return
         if self._eof:
             raise LocalMuxError("data received after end of file")
-        self._buffer.append(data)
+        if self._failure is not None or self._error is not None:
+            return  # broken for good: keep nothing more of the stream
+        buffer, ready = self._buffer, self._ready
+        joined = buffer.join(data)
+        pos, end = 0, len(joined)
+        while end - pos >= HEADER_SIZE:
+            # The header is checked as soon as it is complete, before any of the payload is kept.
+            conn_id, length = _HEADER.unpack_from(joined, pos)
+            if conn_id == _RESERVED_CONN or length > MAX_PAYLOAD:
+                self._failure = _header_error(conn_id, length)
+                break
+            begin = pos + HEADER_SIZE
+            if begin + length > end:
+                break
+            pos = begin + length
+            if length < HAND_OVER_MIN:  # (`ReceiveBuffer.cut`, without a call per frame)
+                ready.append((conn_id, bytes(joined[begin:pos])))
+            else:
+                ready.append((conn_id, buffer.cut(joined, begin, pos, data)))
+        if pos < end:
+            buffer.keep(joined, pos, data)
 
     def next_event(self) -> MuxFrame | NeedData:
         """Return the next whole frame, or :data:`NEED_DATA`.
@@ -206,36 +233,30 @@ class MuxDecoder:
         one object fewer per frame)."""
         if self._error is not None:
             raise MuxProtocolError(f"mux stream already failed: {self._error}")
-        try:
-            header = self._buffer.header(_HEADER)
-            if header is None:
-                return self._need_data(None)
-            # The header is checked as soon as it is complete, before any of the payload is kept.
-            conn_id, length = header
-            if conn_id == _RESERVED_CONN:
-                raise MuxProtocolError("frame on reserved mux connection id 0")
-            if length > MAX_PAYLOAD:
-                raise MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
-            # Once all is consumed the buffer lets go of its memory now, not at the next read
-            # (which may be long in coming after a multi-megabyte Synchronize).
-            payload = self._buffer.take(HEADER_SIZE, length)
-            if payload is None:
-                return self._need_data(length)
-            return conn_id, payload
-        except MuxProtocolError as exc:
-            self._error = exc
-            raise
+        if self._ready:
+            return self._ready.popleft()
+        if self._failure is None and self._eof and self._buffer:
+            self._failure = self._cut_short()
+        if self._failure is not None:
+            self._error, self._failure = self._failure, None
+            raise self._error
+        return NEED_DATA
 
-    def _need_data(self, length: int | None) -> NeedData:
-        """NEED_DATA, or the error for a frame cut short by end of file (`length`: its header's)."""
-        available = len(self._buffer) if self._eof else 0
-        if not available:
-            return NEED_DATA
-        if length is None:
-            raise MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
-        raise MuxProtocolError(
+    def _cut_short(self) -> MuxProtocolError:
+        """The error for a frame cut short by end of file."""
+        available = len(self._buffer)
+        if available < HEADER_SIZE:
+            return MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
+        _, length = self._buffer.unpack(_HEADER)
+        return MuxProtocolError(
             f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
         )
+
+
+def _header_error(conn_id: int, length: int) -> MuxProtocolError:
+    if conn_id == _RESERVED_CONN:
+        return MuxProtocolError("frame on reserved mux connection id 0")
+    return MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
 
 
 # --------------------------------------------------------------------------------------------

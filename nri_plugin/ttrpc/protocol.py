@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Final, NamedTuple, cast
 
@@ -23,7 +24,7 @@ from google.protobuf.message import DecodeError
 from api.google.rpc import status_pb2
 from api.ttrpc import request_pb2
 from nri_plugin.ttrpc import wire
-from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
+from nri_plugin.ttrpc.buffer import HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import (
     Code,
     LocalProtocolError,
@@ -124,16 +125,20 @@ class FrameDecoder:
     """Cuts a byte stream into `Frame`s.
 
     `receive_data(b"")` means EOF: a frame cut short by it is a `RemoteProtocolError`. After any
-    `RemoteProtocolError` the decoder stays broken and raises the same error again.
+    `RemoteProtocolError` the decoder stays broken and raises the same error again. The frames are
+    cut as the bytes arrive (`receive_frames`); `next_event` hands them out one at a time, and a
+    break in the stream only once the frames before it are out.
     """
 
     def __init__(self, max_data: int = MAX_DATA) -> None:
         self._max_data = max_data
-        self._buffer = ReceiveBuffer()
+        self._buffer = ReceiveBuffer()  # the start of a frame not whole yet
+        self._ready: deque[Frame | OversizedFrame] = deque()  # cut, not handed out yet
         # Bytes of an oversized frame still to drop as they arrive.
         self._discard = 0
         self._eof = False
-        self._error: RemoteProtocolError | None = None
+        self._failure: RemoteProtocolError | None = None  # found in the bytes, not raised yet
+        self._error: RemoteProtocolError | None = None  # raised
 
     @property
     def buffered(self) -> int:
@@ -141,53 +146,88 @@ class FrameDecoder:
         return len(self._buffer)
 
     def receive_data(self, data: bytes | memoryview) -> None:
-        # Broken for good: keep nothing more of the stream.
+        self._ready.extend(self._cut(data))
+
+    def receive_frames(self, data: bytes | memoryview) -> list[Frame | OversizedFrame]:
+        """`receive_data` and then `next_event` until `NEED_DATA`, in one call: every frame `data`
+        completes, in order. A break in the stream raises at once (the frames before it are of no
+        use: the connection is done for)."""
+        frames = self._cut(data)
+        if self._failure is not None:
+            raise self._raise_failure()
+        return frames
+
+    def next_event(self) -> Frame | OversizedFrame | NeedData:
+        if self._error is not None:
+            raise self._broken()
+        if self._ready:
+            return self._ready.popleft()
+        if self._failure is not None:
+            raise self._raise_failure()
+        if self._eof and (self._buffer or self._discard):
+            self._failure = RemoteProtocolError("connection closed in the middle of a frame")
+            raise self._raise_failure()
+        return NEED_DATA
+
+    def _cut(self, data: bytes | memoryview) -> list[Frame | OversizedFrame]:
+        """The frames `data` completes; a break in the stream is kept in `_failure`, and nothing
+        more is cut once there is one."""
+        data = self._accept(data)
+        frames: list[Frame | OversizedFrame] = []
+        if not data:
+            return frames
+        buffer = self._buffer
+        joined = buffer.join(data)
+        pos, end = 0, len(joined)
+        while end - pos >= HEADER_SIZE:
+            length, stream_id, raw_type, flags = _HEADER.unpack_from(joined, pos)
+            type_ = _TYPE_OF.get(raw_type)
+            if type_ is None:
+                self._failure = RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
+                break
+            begin = pos + HEADER_SIZE
+            pos = begin + length
+            if length > self._max_data:
+                # Answered, and its data dropped unread as it arrives: the connection goes on.
+                frames.append(OversizedFrame(stream_id, type_, flags, length))
+                self._discard = max(0, pos - end)
+                pos = min(pos, end)
+            elif pos > end:
+                pos = begin - HEADER_SIZE
+                break
+            elif length < HAND_OVER_MIN:  # (`ReceiveBuffer.cut`, without a call per frame)
+                frames.append(Frame(stream_id, type_, flags, bytes(joined[begin:pos])))
+            else:
+                frames.append(Frame(stream_id, type_, flags, buffer.cut(joined, begin, pos, data)))
+        if pos < end:
+            buffer.keep(joined, pos, data)
+        return frames
+
+    def _accept(self, data: bytes | memoryview) -> bytes | memoryview:
+        """What of `data` is to be cut: not the rest of an oversized frame, nothing once broken."""
         if self._error is not None:
             raise self._broken()
         if self._eof:
             raise LocalProtocolError("receive_data after EOF")
         if not data:
             self._eof = True
-            return
+        if self._failure is not None:  # broken for good: keep nothing more of the stream
+            return b""
         if self._discard:
             dropped = min(self._discard, len(data))
             self._discard -= dropped
             data = data[dropped:]
-        self._buffer.append(data)
+        return data
 
-    def next_event(self) -> Frame | OversizedFrame | NeedData:
-        if self._error is not None:
-            raise self._broken()
-        try:
-            header = None if self._discard else self._buffer.header(_HEADER)
-            if header is None:
-                return self._need_data()
-            length, stream_id, raw_type, flags = header
-            type_ = _TYPE_OF.get(raw_type)
-            if type_ is None:
-                raise RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
-            if length > self._max_data:
-                self._start_discard(length)
-                return OversizedFrame(stream_id, type_, flags, length)
-            data = self._buffer.take(HEADER_SIZE, length)
-            if data is None:
-                return self._need_data()
-            return Frame(stream_id, type_, flags, data)
-        except RemoteProtocolError as exc:
-            self._error = exc
-            raise
+    def _raise_failure(self) -> RemoteProtocolError:
+        """The break found in the stream, now raised: the decoder is broken from here on."""
+        assert self._failure is not None
+        self._error, self._failure = self._failure, None
+        self._ready.clear()
+        return self._error
 
     def _broken(self) -> RemoteProtocolError:
         return RemoteProtocolError(f"stream already broken: {self._error}")
-
-    def _start_discard(self, length: int) -> None:
-        self._buffer.discard(HEADER_SIZE)
-        self._discard = length - self._buffer.discard(length)
-
-    def _need_data(self) -> NeedData:
-        if self._eof and (self._buffer or self._discard):
-            raise RemoteProtocolError("connection closed in the middle of a frame")
-        return NEED_DATA
 
 
 # --- events --------------------------------------------------------------------------------------
@@ -292,11 +332,9 @@ class ServerSession:
         return frozenset(self._active)
 
     def receive_data(self, data: bytes | memoryview) -> list[RequestReceived]:
-        decoder = self._decoder
-        decoder.receive_data(data)
         events: list[RequestReceived] = []
-        while (item := decoder.next_event()) is not NEED_DATA:
-            event = self._handle(item)
+        for frame in self._decoder.receive_frames(data):
+            event = self._handle(frame)
             if event is not None:
                 events.append(event)
         return events
@@ -409,11 +447,9 @@ class ClientSession:
         self._pending.discard(stream_id)
 
     def receive_data(self, data: bytes | memoryview) -> list[ClientEvent]:
-        decoder = self._decoder
-        decoder.receive_data(data)
         events: list[ClientEvent] = []
-        while (item := decoder.next_event()) is not NEED_DATA:
-            event = self._handle(item)
+        for frame in self._decoder.receive_frames(data):
+            event = self._handle(frame)
             if event is not None:
                 events.append(event)
         return events
