@@ -112,12 +112,18 @@ class OversizedFrame(NamedTuple):
 
 def encode_frame(stream_id: int, type: MessageType | int, flags: int, data: bytes) -> bytes:
     """Header plus data; refuses data above `MAX_DATA`, like Go's sender, writing nothing."""
-    if len(data) > MAX_DATA:
-        raise OversizedMessage(len(data), MAX_DATA)
     if not 0 <= stream_id <= MAX_STREAM_ID:
         raise LocalProtocolError(f"stream id {stream_id} out of range")
     if type not in _TYPES or not 0 <= flags <= 0xFF:
         raise LocalProtocolError(f"bad frame type {type!r} or flags {flags!r}")
+    return _frame(stream_id, type, flags, data)
+
+
+def _frame(stream_id: int, type: MessageType | int, flags: int, data: bytes) -> bytes:
+    """`encode_frame` for values known to fit (a stream id we numbered or received, a type and
+    flags of our own): only the size is checked."""
+    if len(data) > MAX_DATA:
+        raise OversizedMessage(len(data), MAX_DATA)
     return _HEADER.pack(len(data), stream_id, type, flags) + data
 
 
@@ -281,9 +287,7 @@ def _response_message(stream_id: int, payload: bytes, code: int, message: str) -
     else:
         status = status_pb2.Status(code=code, message=message)
         data = request_pb2.Response(status=status, payload=payload).SerializeToString()
-    if len(data) > MAX_DATA:
-        raise OversizedMessage(len(data), MAX_DATA)
-    return _HEADER.pack(len(data), stream_id, MessageType.RESPONSE, 0) + data
+    return _frame(stream_id, MessageType.RESPONSE, 0, data)
 
 
 # Requests at least this large (only Synchronize chunks are) keep their payload out of the envelope.
@@ -435,9 +439,10 @@ class ClientSession:
             method=method,
             payload=payload,
             timeout_nano=timeout_nano,
-            metadata=[request_pb2.KeyValue(key=k, value=v) for k, v in metadata],
         )
-        out = encode_frame(stream_id, MessageType.REQUEST, 0, request.SerializeToString())
+        for key, value in metadata:
+            request.metadata.add(key=key, value=value)
+        out = _frame(stream_id, MessageType.REQUEST, 0, request.SerializeToString())
         self._next_stream_id += 2
         self._pending.add(stream_id)
         return stream_id, out
