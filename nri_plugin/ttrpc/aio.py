@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
+from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
 
@@ -100,6 +101,10 @@ class CallContext(NamedTuple):
         if self.deadline is None:
             return None
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+
+# Made for every request from a tuple in C: a named tuple's generated __new__ is Python code.
+_new_context: Final = functools.partial(tuple.__new__, CallContext)
 
 
 @dataclass(frozen=True)
@@ -323,8 +328,8 @@ def _context(event: RequestReceived) -> CallContext:
     # Like Go, only a positive timeout sets a deadline; 0 (and nonsense below it) means none.
     deadline = asyncio.get_running_loop().time() + timeout_nano / _NANO if timeout_nano > 0 else None
     metadata = tuple((kv.key, kv.value) for kv in request.metadata) if request.metadata else ()
-    return CallContext(
-        request.service, request.method, event.stream_id, metadata, timeout_nano, deadline, event.size
+    return _new_context(
+        (request.service, request.method, event.stream_id, metadata, timeout_nano, deadline, event.size)
     )
 
 

@@ -14,6 +14,7 @@ supported: Data frames (type 3, streaming) are refused.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -202,9 +203,9 @@ class FrameDecoder:
                 pos = begin - HEADER_SIZE
                 break
             elif length < HAND_OVER_MIN:  # (`ReceiveBuffer.cut`, without a call per frame)
-                frames.append(Frame(stream_id, type_, flags, bytes(joined[begin:pos])))
+                frames.append(_new_frame((stream_id, type_, flags, bytes(joined[begin:pos]))))
             else:
-                frames.append(Frame(stream_id, type_, flags, buffer.cut(joined, begin, pos, data)))
+                frames.append(_new_frame((stream_id, type_, flags, buffer.cut(joined, begin, pos, data))))
         if pos < end:
             buffer.keep(joined, pos, data)
         return frames
@@ -272,6 +273,11 @@ class UnexpectedResponse(NamedTuple):
 
 
 ClientEvent = ResponseReceived | UnexpectedResponse
+
+# The named tuples made for every message, made from a tuple in C: a named tuple's generated
+# __new__ is Python code, run once per message otherwise.
+_new_frame: Final = functools.partial(tuple.__new__, Frame)
+_new_request_received: Final = functools.partial(tuple.__new__, RequestReceived)
 
 
 # upb parses any buffer, a view in place (the stubs say bytes): the parsers, typed once as they are.
@@ -398,7 +404,7 @@ class ServerSession:
             self._reply(stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
             return None
         self._active.add(stream_id)
-        return RequestReceived(stream_id, request, size, payload)
+        return _new_request_received((stream_id, request, size, payload))
 
 
 # --- client --------------------------------------------------------------------------------------
