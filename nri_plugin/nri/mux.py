@@ -29,12 +29,13 @@ import logging
 import os
 import socket
 import struct
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
 from nri_plugin.common import heap
-from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
+from nri_plugin.ttrpc.buffer import HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
 from nri_plugin.ttrpc.logbudget import LogBudget, suppressed_note
 
@@ -146,7 +147,8 @@ def encode(conn_id: int, message: bytes | bytearray | memoryview) -> list[bytes]
 
     :raises LocalMuxError: *conn_id* is 0 or does not fit in 32 bits.
     """
-    _check_conn_id(conn_id)
+    if not _RESERVED_CONN < conn_id <= _MAX_CONN_ID:  # (`_check_conn_id`, without a call per message)
+        raise LocalMuxError(f"mux connection id {conn_id} is reserved or out of range")
     if len(message) <= FIRST_FRAME_MAX:  # most messages: one frame
         return [_HEADER.pack(conn_id, len(message)) + message] if message else []
     view = memoryview(message)
@@ -164,12 +166,18 @@ class MuxDecoder:
     :class:`MuxProtocolError`; once one was raised, every later :meth:`next_event` raises
     again. After end of file with every frame consumed, :meth:`next_event` keeps returning
     :data:`NEED_DATA` and :attr:`eof` is true.
+
+    The frames are cut from the bytes as they arrive, in one loop over them (a read of whole
+    frames keeps nothing); :meth:`next_event` hands them out, and an error in the stream only
+    once the frames before it are out.
     """
 
     def __init__(self) -> None:
-        self._buffer = ReceiveBuffer()
+        self._buffer = ReceiveBuffer()  # the start of a frame not whole yet
+        self._ready: deque[tuple[int, bytes | memoryview]] = deque()  # cut, not handed out yet
         self._eof = False
-        self._error: MuxProtocolError | None = None
+        self._failure: MuxProtocolError | None = None  # found in the bytes, not raised yet
+        self._error: MuxProtocolError | None = None  # raised
 
     @property
     def eof(self) -> bool:
@@ -177,7 +185,7 @@ class MuxDecoder:
         return self._eof
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Buffer bytes read from the trunk (copied: `data` may be reused once this returns);
+        """Cut the frames `data` completes (copied: `data` may be reused once this returns);
         ``b""`` marks end of file.
 
         :raises LocalMuxError: non-empty data after end of file.
@@ -187,7 +195,27 @@ class MuxDecoder:
             return
         if self._eof:
             raise LocalMuxError("data received after end of file")
-        self._buffer.append(data)
+        if self._failure is not None or self._error is not None:
+            return  # broken for good: keep nothing more of the stream
+        buffer, ready = self._buffer, self._ready
+        joined = buffer.join(data)
+        pos, end = 0, len(joined)
+        while end - pos >= HEADER_SIZE:
+            # The header is checked as soon as it is complete, before any of the payload is kept.
+            conn_id, length = _HEADER.unpack_from(joined, pos)
+            if conn_id == _RESERVED_CONN or length > MAX_PAYLOAD:
+                self._failure = _header_error(conn_id, length)
+                break
+            begin = pos + HEADER_SIZE
+            if begin + length > end:
+                break
+            pos = begin + length
+            if length < HAND_OVER_MIN:  # (`ReceiveBuffer.cut`, without a call per frame)
+                ready.append((conn_id, bytes(joined[begin:pos])))
+            else:
+                ready.append((conn_id, buffer.cut(joined, begin, pos, data)))
+        if pos < end:
+            buffer.keep(joined, pos, data)
 
     def next_event(self) -> MuxFrame | NeedData:
         """Return the next whole frame, or :data:`NEED_DATA`.
@@ -205,33 +233,30 @@ class MuxDecoder:
         one object fewer per frame)."""
         if self._error is not None:
             raise MuxProtocolError(f"mux stream already failed: {self._error}")
-        try:
-            return self._next_frame()
-        except MuxProtocolError as exc:
-            self._error = exc
-            raise
+        if self._ready:
+            return self._ready.popleft()
+        if self._failure is None and self._eof and self._buffer:
+            self._failure = self._cut_short()
+        if self._failure is not None:
+            self._error, self._failure = self._failure, None
+            raise self._error
+        return NEED_DATA
 
-    def _next_frame(self) -> tuple[int, bytes | memoryview] | NeedData:
+    def _cut_short(self) -> MuxProtocolError:
+        """The error for a frame cut short by end of file."""
         available = len(self._buffer)
         if available < HEADER_SIZE:
-            if self._eof and available:
-                raise MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
-            return NEED_DATA
-        # The header is checked as soon as it is complete, before any of the payload is kept.
-        conn_id, length = self._buffer.unpack_header(_HEADER)
-        if conn_id == _RESERVED_CONN:
-            raise MuxProtocolError("frame on reserved mux connection id 0")
-        if length > MAX_PAYLOAD:
-            raise MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
-        if available < HEADER_SIZE + length:
-            if self._eof:
-                raise MuxProtocolError(
-                    f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
-                )
-            return NEED_DATA
-        # Once all is consumed the buffer lets go of its memory now, not at the next read (which may
-        # be long in coming after a multi-megabyte Synchronize).
-        return conn_id, self._buffer.take(HEADER_SIZE, length)
+            return MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
+        _, length = self._buffer.unpack(_HEADER)
+        return MuxProtocolError(
+            f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
+        )
+
+
+def _header_error(conn_id: int, length: int) -> MuxProtocolError:
+    if conn_id == _RESERVED_CONN:
+        return MuxProtocolError("frame on reserved mux connection id 0")
+    return MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +313,7 @@ class Trunk(asyncio.BufferedProtocol):
         self._unheard_log = LogBudget()  # frames for connections nobody opened: a few lines, then a count
         self._writable = asyncio.Event()  # clear while the peer lets our answers pile up unread
         self._writable.set()
+        self._paused = False  # `_writable` cleared: a plain flag for the loop of every read
         self.closed = asyncio.Event()
         """Set when the trunk is closed for good; do not set it yourself."""
 
@@ -329,15 +355,19 @@ class Trunk(asyncio.BufferedProtocol):
         :raises RuntimeError: the transport is not connected yet (only possible for a
             :class:`Trunk` built by hand, not for one from :func:`open_unix` / :func:`adopt_socket`).
         """
-        _check_conn_id(conn_id)
+        if not _RESERVED_CONN < conn_id <= _MAX_CONN_ID:  # (`_check_conn_id`, without a call per message)
+            raise LocalMuxError(f"mux connection id {conn_id} is reserved or out of range")
         if self._shutting_down:
             logger.debug("mux conn %d: trunk closed, dropping a %d-byte message", conn_id, len(message))
             return
         if self._transport is None:
             raise RuntimeError("trunk is not connected yet")
-        frames = encode(conn_id, message)
-        if frames:
-            self._transport.writelines(frames)
+        if 0 < len(message) <= FIRST_FRAME_MAX:
+            # Most messages: one frame, as `encode` makes it, written without a list of one (the
+            # transport's writelines would join it: one more copy and call).
+            self._transport.write(_HEADER.pack(conn_id, len(message)) + message)
+        elif message:
+            self._transport.writelines(encode(conn_id, message))
 
     def close(self) -> None:
         """Close the trunk (idempotent). Receivers get ``connection_lost(None)``."""
@@ -350,7 +380,7 @@ class Trunk(asyncio.BufferedProtocol):
     @property
     def writing_paused(self) -> bool:
         """True while the write buffer is over `WRITE_HIGH_WATER` (reading is paused meanwhile)."""
-        return not self._writable.is_set()
+        return self._paused
 
     async def drain(self) -> None:
         """Wait until the peer has read our backlog down to `WRITE_LOW_WATER` (at once when it has,
@@ -378,6 +408,7 @@ class Trunk(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         """The peer is not reading what we write: stop reading its requests until it does."""
         self._writable.clear()
+        self._paused = True
         if self._transport is not None and not self._shutting_down:
             logger.warning(
                 "NRI peer is not reading our answers (%d bytes unread): its requests wait until it does",
@@ -387,6 +418,7 @@ class Trunk(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._writable.set()
+        self._paused = False
         if self._transport is not None and not self._shutting_down:
             logger.info("NRI peer reads our answers again: reading its requests again")
             self._transport.resume_reading()
@@ -419,6 +451,7 @@ class Trunk(asyncio.BufferedProtocol):
         self._transport = None
         self._shut_down(exc)
         self._writable.set()  # nothing more to wait for: drain() returns
+        self._paused = False
         if self._release is not None or self._large_bytes:
             # Large messages came (a Synchronize, cut short or not): once the receivers have let go
             # of them, the heap's free memory goes back to the system, trunk or no trunk.
@@ -437,16 +470,17 @@ class Trunk(asyncio.BufferedProtocol):
     def _dispatch(self) -> None:
         # While writing is paused, frames already read wait in the decoder too (`resume_writing`
         # delivers them): a single read of many small requests must not make answers past the mark.
-        while not self._shutting_down and self._writable.is_set():
+        decoder = self._decoder
+        while not self._shutting_down and not self._paused:
             try:
-                found = self._decoder.next_payload()
+                found = decoder.next_payload()
             except MuxProtocolError as exc:
                 logger.warning("NRI mux protocol error, closing the trunk: %s", exc)
                 self._shut_down(exc)
                 return
             if found is NEED_DATA:
                 return
-            self._deliver(*found)
+            self._deliver(found[0], found[1])
 
     def _deliver(self, conn_id: int, payload: bytes | memoryview) -> None:
         receiver = self._receivers.get(conn_id)

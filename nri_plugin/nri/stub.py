@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import structlog
 from google.protobuf.message import DecodeError
@@ -259,9 +259,8 @@ class _Session:
         apart = _Apart(view, select, dict(self._by_sandbox))
         try:
             for field in wire.each_field(view):  # one at a time: no list of the chunk's fields
-                if _SYNC_WIRE.get(field.number, field.wire) != field.wire:
+                if not apart.add(field):
                     return None
-                apart.add(field)
             apart.end_of_pods()
         except (DecodeError, wire.Malformed):
             return None
@@ -311,23 +310,31 @@ class _Apart:
         self.more = False
         self._pods_from = self._pods_to = 0  # the run of pod fields not parsed yet
 
-    def add(self, field: wire.Field) -> None:
-        """One field of the chunk (of a known wire type); raises `DecodeError` for an object the
-        decoder refuses."""
-        if field.number == _SYNC_PODS:
-            if self._pods_to != field.start:  # (a run always ends where the next field starts)
-                self._pods_from = field.start
-            self._pods_to = field.end
-            return
-        self.end_of_pods()
-        if field.number == _SYNC_CONTAINERS:
+    def add(self, field: wire.Field) -> bool:
+        """One field of the chunk; False for a field of the request's with another wire type than
+        its own (the chunk is then not plainly well formed); raises `DecodeError` for an object
+        the decoder refuses. Fields the request does not know are skipped, as protobuf does."""
+        number, wire_type, start, begin, end = field
+        if number == _SYNC_PODS:
+            if self._pods_to != start:  # (a run always ends where the next field starts)
+                self._pods_from = start
+            self._pods_to = end
+            return wire_type == wire.LEN
+        if self._pods_to:
+            self.end_of_pods()
+        if number == _SYNC_CONTAINERS:
+            if wire_type != wire.LEN:
+                return False
             self.seen += 1
-            value = self.view[field.begin : field.end]
-            container = api.Container.FromString(cast(bytes, value))
+            view = self.view
+            container = _parse_container(view[begin:end])
             if self.select(self.by_sandbox.get(container.pod_sandbox_id), container):
-                self.kept += self.view[field.start : field.end]
-        elif field.number == _SYNC_MORE:
-            self.more = bool(wire.varint(self.view[field.begin : field.end], 0)[0])
+                self.kept += view[start:end]
+        elif number == _SYNC_MORE:
+            if wire_type != wire.VARINT:
+                return False
+            self.more = bool(wire.varint(self.view, begin)[0])
+        return True
 
     def end_of_pods(self) -> None:
         """Parse the run of pods the last fields were, if any."""
@@ -383,9 +390,11 @@ class Stub:
         self.ready = asyncio.Event()
         self._stopped = asyncio.Event()
         # Set while no runtime request is being handled: unsolicited updates wait for it.
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Runtime requests being handled; unsolicited updates wait in `_idle_waiters` until there
+        # are none (`_idle`). Futures, not an asyncio.Event: a request then costs two additions and
+        # one test, not an Event's clear() and set() (see `_handling`).
         self._busy = 0
+        self._idle_waiters: list[asyncio.Future[None]] = []
         self._state_waiters: list[tuple[frozenset[ConnectionState], asyncio.Future[ConnectionState]]] = []
         self._session: _Session | None = None
         self._trunk: mux.Trunk | None = None
@@ -422,7 +431,7 @@ class Stub:
             self.ready.set()
         elif target in (S.DISCONNECTED, S.STOPPED):
             self.ready.clear()
-        self._refresh_idle()
+        self._wake_if_idle()
         waiting, self._state_waiters = self._state_waiters, []
         for states, waiter in waiting:
             if waiter.done():
@@ -575,8 +584,10 @@ class Stub:
         return task
 
     async def _send_updates(self, updates: list[api.ContainerUpdate]) -> list[api.ContainerUpdate]:
-        while not self._idle.is_set():
-            await self._idle.wait()
+        while not self._idle():
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            await waiter
         if self._trunk is not None:
             await self._trunk.drain()  # not one more message onto a backlog the runtime does not read
         client = self._client
@@ -591,16 +602,18 @@ class Stub:
         )
         return list(reply.failed)
 
-    def _add_busy(self, delta: int) -> None:
-        self._busy += delta
-        self._refresh_idle()
+    def _idle(self) -> bool:
+        """No runtime request is being handled. A chunked Synchronize counts as one long request,
+        from its first chunk to the plugin's answer."""
+        return self._busy == 0 and self.state is not S.SYNCHRONIZING
 
-    def _refresh_idle(self) -> None:
-        # A chunked Synchronize counts as one long request, from its first chunk to the plugin's answer.
-        if self._busy == 0 and self.state is not S.SYNCHRONIZING:
-            self._idle.set()
-        else:
-            self._idle.clear()
+    def _wake_if_idle(self) -> None:
+        """Let the unsolicited updates waiting for idleness go, if it has come."""
+        if self._idle_waiters and self._idle():
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     # -- the Plugin service ------------------------------------------------------------------------
 
@@ -630,13 +643,15 @@ class Stub:
     async def _handling(self, work: Awaitable[T]) -> T:
         """Await one plugin handler: the stub is busy meanwhile (unsolicited updates wait for the
         reply), and a refusal becomes the ttrpc status it names."""
-        self._add_busy(1)
+        self._busy += 1
         try:
             return await work
         except PluginRefusal as exc:
             raise TtrpcError(exc.code, str(exc)) from exc
         finally:
-            self._add_busy(-1)
+            self._busy -= 1
+            if self._idle_waiters:
+                self._wake_if_idle()
 
     def _serving(self, call: Call[Any, Any]) -> Handler:
         async def handle(request: Any, _ctx: CallContext) -> Any:
@@ -801,9 +816,11 @@ class Stub:
         return api.Empty()
 
 
-# SynchronizeRequest's fields and their wire types.
+# SynchronizeRequest's fields (pods and containers are LEN fields, more a VARINT).
 _SYNC_PODS, _SYNC_CONTAINERS, _SYNC_MORE = 1, 2, 3
-_SYNC_WIRE: Final = {_SYNC_PODS: wire.LEN, _SYNC_CONTAINERS: wire.LEN, _SYNC_MORE: wire.VARINT}
+
+# upb parses any buffer, a view in place (the stubs say bytes): the parser, typed once as it is.
+_parse_container = cast(Callable[[bytes | memoryview], api.Container], api.Container.FromString)
 
 
 def _release(data: bytes | memoryview) -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
 
@@ -78,9 +79,9 @@ class Receiver(Protocol):
     async def wait_closed(self) -> None: ...
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CallContext:
-    """What a handler knows about the call besides the request message."""
+class CallContext(NamedTuple):
+    """What a handler knows about the call besides the request message. (A named tuple: one is
+    made per request, where a frozen dataclass's generated __init__ costs four times the bytecodes.)"""
 
     service: str
     method: str
@@ -100,6 +101,10 @@ class CallContext:
         if self.deadline is None:
             return None
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+
+# Made for every request from a tuple in C: a named tuple's generated __new__ is Python code.
+_new_context: Final = functools.partial(tuple.__new__, CallContext)
 
 
 @dataclass(frozen=True)
@@ -180,12 +185,13 @@ class Server:
             self._close_channel()
 
     def _start(self, event: RequestReceived) -> None:
+        stream_id = event.stream_id
         if not self._accepting:
-            self._respond(event.stream_id, b"", Code.UNAVAILABLE, "ttrpc: server closed")
+            self._respond(stream_id, b"", Code.UNAVAILABLE, "ttrpc: server closed")
             return
         # The budget counts from arrival, not from when the handler first runs.
-        running = _Running()
         ctx = _context(event)
+        running = _Running()
         loop = asyncio.get_running_loop()
         if not _EAGER or event.size >= LARGE_REQUEST:
             # A large request (a Synchronize chunk) is decoded and handled at the next turn of the
@@ -197,9 +203,9 @@ class Server:
             try:
                 method, request = self._decode(event, ctx)
             except TtrpcError as exc:
-                self._respond(event.stream_id, b"", exc.code, exc.message)
+                self._respond(stream_id, b"", exc.code, exc.message)
                 return
-            coro = self._serve(event.stream_id, method, request, ctx, running)
+            coro = self._serve(stream_id, method, request, ctx, running)
             # Run the handler now, inside this callback, up to its first real suspension: a handler
             # that never waits is answered without a task and without extra event-loop iterations
             # (each one costs an epoll call), which is most of the plugin's share of a round trip.
@@ -217,10 +223,17 @@ class Server:
 
     def _decode(self, event: RequestReceived, ctx: CallContext) -> tuple[UnaryMethod[Any, Any], Message]:
         """The method called and its request message; `TtrpcError` for an unknown one or bad bytes."""
-        method = self._lookup(ctx.service, ctx.method)
+        # Code 12 and these exact texts, like Go: NRI runtimes fall back to older RPCs on 12.
+        methods = self._services.get(ctx.service)
+        if methods is None:
+            raise TtrpcError(Code.UNIMPLEMENTED, f"service {ctx.service}")
+        method = methods.get(ctx.method)
+        if method is None:
+            raise TtrpcError(Code.UNIMPLEMENTED, f"method {ctx.method}")
+        payload = event.request.payload if event.payload is None else event.payload
         if method.raw:
-            return method, event.data  # type: ignore[return-value]  # (the handler decodes it)
-        return method, decode_payload(method.request_type, event.data)
+            return method, payload  # type: ignore[return-value]  # (the handler decodes it)
+        return method, decode_payload(method.request_type, payload)
 
     async def _decode_and_serve(self, event: RequestReceived, ctx: CallContext, running: _Running) -> None:
         stream_id = event.stream_id
@@ -241,41 +254,48 @@ class Server:
         ctx: CallContext,
         running: _Running,
     ) -> None:
-        code, message, payload = await self._call(method, request, ctx, running)
+        """Run the handler within the caller's budget and answer with what it gave or raised.
+
+        The budget is a timer that cancels the request's own task (`_Running.arm`, set by `_start`
+        once the task exists), rather than asyncio.wait_for: no extra task per request, and none of
+        a timer's cost for a handler started eagerly that answers without waiting (it has no task
+        to cancel, and the timer could not have fired before it answered anyway).
+        """
+        code: int
+        try:
+            reply = await method.handler(request, ctx)
+            payload = reply.SerializeToString()
+        except asyncio.CancelledError:
+            if not running.expired:
+                raise
+            running.uncancel()
+            code, message, payload = Code.DEADLINE_EXCEEDED, _DEADLINE_TEXT, b""
+        except Exception as exc:
+            code, message = self._failure(exc, ctx)
+            payload = b""
+        else:
+            code, message = Code.OK, ""
+        finally:
+            running.disarm()
         self._respond(stream_id, payload, code, message)
 
-    async def _call(
-        self, method: UnaryMethod[Any, Any], request: Message, ctx: CallContext, running: _Running
-    ) -> tuple[int, str, bytes]:
-        """Run the handler; returns (code, message, payload) of the response."""
-        try:
-            reply = await _with_budget(method.handler(request, ctx), running)
-            return Code.OK, "", reply.SerializeToString()
-        except TtrpcError as exc:
-            return exc.code, exc.message, b""
-        except asyncio.TimeoutError:
-            return Code.DEADLINE_EXCEEDED, _DEADLINE_TEXT, b""
-        except Exception as exc:
-            suppressed = self._failure_log.take()
-            if suppressed is not None:
-                logger.exception(
-                    "ttrpc handler %s/%s failed%s",
-                    ctx.service,
-                    ctx.method,
-                    suppressed_note(suppressed),
-                )
-            # Go sends err.Error(); an exception without text still needs a readable message.
-            return Code.UNKNOWN, str(exc) or repr(exc), b""
-
-    def _lookup(self, service: str, method: str) -> UnaryMethod[Any, Any]:
-        # Code 12 and these exact texts, like Go: NRI runtimes fall back to older RPCs on 12.
-        methods = self._services.get(service)
-        if methods is None:
-            raise TtrpcError(Code.UNIMPLEMENTED, f"service {service}")
-        found = methods.get(method)
-        if found is None:
-            raise TtrpcError(Code.UNIMPLEMENTED, f"method {method}")
-        return found
+    def _failure(self, exc: Exception, ctx: CallContext) -> tuple[int, str]:
+        """The status of a handler's exception: (code, message)."""
+        if isinstance(exc, TtrpcError):
+            return exc.code, exc.message
+        if isinstance(exc, asyncio.TimeoutError):
+            return Code.DEADLINE_EXCEEDED, _DEADLINE_TEXT
+        suppressed = self._failure_log.take()
+        if suppressed is not None:
+            logger.exception(
+                "ttrpc handler %s/%s failed%s",
+                ctx.service,
+                ctx.method,
+                suppressed_note(suppressed),
+                exc_info=exc,
+            )
+        # Go sends err.Error(); an exception without text still needs a readable message.
+        return Code.UNKNOWN, str(exc) or repr(exc)
 
     def _respond(self, stream_id: int, payload: bytes, code: int, message: str) -> None:
         if self._lost:
@@ -304,18 +324,12 @@ def _task_name(event: RequestReceived) -> str:
 
 def _context(event: RequestReceived) -> CallContext:
     request = event.request
+    timeout_nano = request.timeout_nano
     # Like Go, only a positive timeout sets a deadline; 0 (and nonsense below it) means none.
-    deadline = None
-    if request.timeout_nano > 0:
-        deadline = asyncio.get_running_loop().time() + request.timeout_nano / _NANO
-    return CallContext(
-        service=request.service,
-        method=request.method,
-        stream_id=event.stream_id,
-        metadata=tuple((kv.key, kv.value) for kv in request.metadata) if request.metadata else (),
-        timeout_nano=request.timeout_nano,
-        deadline=deadline,
-        request_size=event.size,
+    deadline = asyncio.get_running_loop().time() + timeout_nano / _NANO if timeout_nano > 0 else None
+    metadata = tuple((kv.key, kv.value) for kv in request.metadata) if request.metadata else ()
+    return _new_context(
+        (request.service, request.method, event.stream_id, metadata, timeout_nano, deadline, event.size)
     )
 
 
@@ -330,14 +344,12 @@ def decode_payload(request_type: type[ReqT], payload: bytes | memoryview) -> Req
 
 class _Running:
     """One request being handled: its task (once it has one), the timer that ends its budget (once
-    it has a task) and whether the budget ran out."""
+    it has a task) and whether the budget ran out. (No __init__: the class's values are the start,
+    so making one per request runs no Python code.)"""
 
-    __slots__ = ("expired", "task", "timer")
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task[Any] | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.expired = False
+    task: asyncio.Task[Any] | None = None
+    timer: asyncio.TimerHandle | None = None
+    expired = False
 
     def arm(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
         """Cancel the task at `deadline` (loop time; a past one fires at the next iteration)."""
@@ -353,6 +365,11 @@ class _Running:
         self.expired = True
         if self.task is not None:
             self.task.cancel()
+
+    def uncancel(self) -> None:
+        """Take back the cancellation `expire` asked for: the task goes on to answer."""
+        if sys.version_info >= (3, 11) and self.task is not None:
+            self.task.uncancel()
 
 
 # Eager start needs create_task(context=...), which came in Python 3.11.
@@ -391,26 +408,6 @@ class _Resumption:
                     pending = coro.send(sent)
                 except StopIteration:
                     return
-
-
-async def _with_budget(reply: Awaitable[RespT], running: _Running) -> RespT:
-    """Await the handler within the caller's budget; TimeoutError when it runs out.
-
-    A timer that cancels the request's own task (`_Running.arm`, set by `Server._start` once the
-    task exists), rather than asyncio.wait_for: no extra task per request, and none of a timer's
-    cost for a handler started eagerly that answers without waiting (it has no task to cancel, and
-    the timer could not have fired before it answered anyway).
-    """
-    try:
-        return await reply
-    except asyncio.CancelledError:
-        if not running.expired:
-            raise
-        if sys.version_info >= (3, 11) and running.task is not None:
-            running.task.uncancel()
-        raise asyncio.TimeoutError from None
-    finally:
-        running.disarm()
 
 
 # --- client --------------------------------------------------------------------------------------

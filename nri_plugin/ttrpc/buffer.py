@@ -3,7 +3,9 @@
 Both the ttrpc frame decoder (`nri_plugin.ttrpc.protocol`) and the NRI mux decoder
 (`nri_plugin.nri.mux`, which sits on ttrpc) cut a byte stream into length-prefixed frames the same
 way: bytes go in with ``receive_data``, whole frames come out of ``next_event`` until it returns
-`NEED_DATA`. They keep what they received in a `ReceiveBuffer`.
+`NEED_DATA`. Each cuts the frames out of the bytes as they arrive, in one loop over them (`join`,
+`cut`, `keep`); only a frame not whole yet is kept between reads, in a `ReceiveBuffer`. The common
+case, a read of whole frames, then copies each frame out once and keeps nothing.
 
 Pure Python: nothing here reads, writes or knows about asyncio.
 """
@@ -14,7 +16,7 @@ import enum
 import struct
 from typing import Any, Final
 
-__all__ = ["NEED_DATA", "NeedData", "ReceiveBuffer"]
+__all__ = ["HAND_OVER_MIN", "NEED_DATA", "NeedData", "ReceiveBuffer"]
 
 
 class NeedData(enum.Enum):
@@ -26,79 +28,70 @@ class NeedData(enum.Enum):
 NEED_DATA: Final = NeedData.NEED_DATA
 """What a decoder's ``next_event`` returns when no whole frame is buffered (also after a clean EOF)."""
 
-# Consumed bytes are cut from the front of the buffer only once they are at least this many and at
-# least half of it, so that dropping them costs O(1) amortised per byte and small frames do not each
-# cause a memmove.
-_COMPACT_MIN: Final = 64 * 1024
-
 # A frame at least this large (only Synchronize chunks are) that ends where the bytes received end
-# is handed over, not copied: `ReceiveBuffer.take`.
+# is handed over, not copied: `ReceiveBuffer.cut`.
 HAND_OVER_MIN: Final = 64 * 1024
+
+Bytes = bytes | bytearray | memoryview
 
 
 class ReceiveBuffer:
-    """Bytes received and not yet consumed.
+    """The start of a frame not whole yet, kept from one read to the next.
 
-    Consuming moves an offset instead of cutting the front off at once (see `_COMPACT_MIN`), and the
-    moment everything is consumed the memory is let go: a multi-megabyte message does not stay in the
-    process until the next read, which may be long in coming.
+    A decoder cuts frames from `join(data)` (`data` itself when nothing is kept: no copy), each with
+    `cut`, and gives the rest back with `keep`. The buffer never holds a consumed byte: once a frame
+    is cut, the memory it came in goes with the frame or at once, not at the next read (which may be
+    long in coming after a multi-megabyte Synchronize).
     """
 
-    __slots__ = ("_data", "_start")
+    __slots__ = ("_data",)
 
     def __init__(self) -> None:
         self._data = bytearray()
-        self._start = 0  # offset of the first unconsumed byte
 
     def __len__(self) -> int:
-        """Bytes received and not consumed yet."""
-        return len(self._data) - self._start
+        """Bytes kept."""
+        return len(self._data)
 
     @property
     def held(self) -> int:
-        """Bytes of memory the buffer holds, consumed ones not yet dropped included."""
+        """Bytes of memory the buffer holds."""
         return len(self._data)
 
-    def append(self, data: bytes | bytearray | memoryview) -> None:
-        """Keep a copy of `data` (the caller may reuse it once this returns)."""
-        self._compact()
-        self._data += data
+    def join(self, data: Bytes) -> Bytes:
+        """The bytes to cut frames from: `data` when nothing is kept, else what is kept followed by
+        `data` (in the buffer's own memory, which it then gives up until `keep`)."""
+        if not self._data:
+            return data
+        joined, self._data = self._data, bytearray()
+        joined += data
+        return joined
 
-    def unpack_header(self, header: struct.Struct) -> tuple[Any, ...]:
-        """`header` read at the front, consuming nothing; the caller checks there are enough bytes."""
-        return header.unpack_from(self._data, self._start)
+    def cut(self, joined: Bytes, begin: int, end: int, data: Bytes) -> bytes | memoryview:
+        """One frame's data, ``joined[begin:end]``, as bytes of its own (`joined` and `data` as
+        given to and returned by `join`).
 
-    def take(self, skip: int, length: int) -> bytes | memoryview:
-        """Consume `skip` bytes (a header already read) and then `length` bytes, returned.
+        A large frame (`HAND_OVER_MIN`) that ends where the buffer's own memory ends comes as a
+        view of that memory, which the buffer gave up: a 4 MiB message is not copied at each layer
+        (the mux's frame, then the ttrpc frame in it), so it is held once, not two or three times
+        over. Any other frame is copied out as bytes."""
+        if end - begin >= HAND_OVER_MIN and joined is not data and end == len(joined):
+            return memoryview(joined)[begin:end]
+        return bytes(joined[begin:end])
 
-        A large frame (`HAND_OVER_MIN`) that is all the buffer holds past its header comes as a view
-        of the buffer's own memory, which the buffer gives up (it starts afresh): a 4 MiB message
-        is not copied at each layer (the mux's frame, then the ttrpc frame in it), so it is held
-        once, not two or three times over. Any other frame is copied out as bytes."""
-        begin = self._start + skip
-        end = begin + length
-        if length >= HAND_OVER_MIN and end == len(self._data):
-            data, self._data, self._start = self._data, bytearray(), 0
-            return memoryview(data)[begin:end]
-        with memoryview(self._data) as view:
-            taken = view[begin:end].tobytes()
-        self._consume_to(end)
-        return taken
+    def keep(self, joined: Bytes, pos: int, data: Bytes) -> None:
+        """Keep ``joined[pos:]``, the start of a frame not whole yet, for the next read (a copy,
+        unless `joined` is the buffer's own memory; `data` as given to `join`)."""
+        if pos >= len(joined):
+            return
+        if joined is data:
+            self._data = bytearray(joined[pos:])
+            return
+        assert isinstance(joined, bytearray)
+        if pos:
+            del joined[:pos]
+        self._data = joined
 
-    def discard(self, count: int) -> int:
-        """Consume up to `count` bytes unread; how many there were."""
-        dropped = min(count, len(self))
-        self._consume_to(self._start + dropped)
-        return dropped
-
-    def _consume_to(self, offset: int) -> None:
-        if offset >= len(self._data):
-            self._data.clear()
-            self._start = 0
-        else:
-            self._start = offset
-
-    def _compact(self) -> None:
-        if self._start >= _COMPACT_MIN and 2 * self._start >= len(self._data):
-            del self._data[: self._start]
-            self._start = 0
+    def unpack(self, header: struct.Struct) -> tuple[Any, ...]:
+        """`header` read at the front of what is kept (the caller checks that enough is)."""
+        return header.unpack_from(self._data)

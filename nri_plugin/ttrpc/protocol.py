@@ -14,17 +14,18 @@ supported: Data frames (type 3, streaming) are refused.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Final, cast
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Final, NamedTuple, cast
 
 from google.protobuf.message import DecodeError
 
 from api.google.rpc import status_pb2
 from api.ttrpc import request_pb2
 from nri_plugin.ttrpc import wire
-from nri_plugin.ttrpc.buffer import NEED_DATA, NeedData, ReceiveBuffer
+from nri_plugin.ttrpc.buffer import HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.errors import (
     Code,
     LocalProtocolError,
@@ -88,8 +89,11 @@ _MSG_REUSED_ID = "StreamID cannot be re-used and must increment"
 _MSG_DATA_FRAME = "StreamID is no longer active"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Frame:
+# The events and frames are named tuples: made once per message, where a frozen dataclass's
+# generated __init__ costs four times the bytecodes.
+
+
+class Frame(NamedTuple):
     """One whole ttrpc message."""
 
     stream_id: int
@@ -98,8 +102,7 @@ class Frame:
     data: bytes | memoryview  # a large frame: a view of the bytes received (`ReceiveBuffer.take`)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OversizedFrame:
+class OversizedFrame(NamedTuple):
     """A header announced more than the decoder's limit; its data is being discarded unread."""
 
     stream_id: int
@@ -110,12 +113,18 @@ class OversizedFrame:
 
 def encode_frame(stream_id: int, type: MessageType | int, flags: int, data: bytes) -> bytes:
     """Header plus data; refuses data above `MAX_DATA`, like Go's sender, writing nothing."""
-    if len(data) > MAX_DATA:
-        raise OversizedMessage(len(data), MAX_DATA)
     if not 0 <= stream_id <= MAX_STREAM_ID:
         raise LocalProtocolError(f"stream id {stream_id} out of range")
     if type not in _TYPES or not 0 <= flags <= 0xFF:
         raise LocalProtocolError(f"bad frame type {type!r} or flags {flags!r}")
+    return _frame(stream_id, type, flags, data)
+
+
+def _frame(stream_id: int, type: MessageType | int, flags: int, data: bytes) -> bytes:
+    """`encode_frame` for values known to fit (a stream id we numbered or received, a type and
+    flags of our own): only the size is checked."""
+    if len(data) > MAX_DATA:
+        raise OversizedMessage(len(data), MAX_DATA)
     return _HEADER.pack(len(data), stream_id, type, flags) + data
 
 
@@ -123,16 +132,20 @@ class FrameDecoder:
     """Cuts a byte stream into `Frame`s.
 
     `receive_data(b"")` means EOF: a frame cut short by it is a `RemoteProtocolError`. After any
-    `RemoteProtocolError` the decoder stays broken and raises the same error again.
+    `RemoteProtocolError` the decoder stays broken and raises the same error again. The frames are
+    cut as the bytes arrive (`receive_frames`); `next_event` hands them out one at a time, and a
+    break in the stream only once the frames before it are out.
     """
 
     def __init__(self, max_data: int = MAX_DATA) -> None:
         self._max_data = max_data
-        self._buffer = ReceiveBuffer()
+        self._buffer = ReceiveBuffer()  # the start of a frame not whole yet
+        self._ready: deque[Frame | OversizedFrame] = deque()  # cut, not handed out yet
         # Bytes of an oversized frame still to drop as they arrive.
         self._discard = 0
         self._eof = False
-        self._error: RemoteProtocolError | None = None
+        self._failure: RemoteProtocolError | None = None  # found in the bytes, not raised yet
+        self._error: RemoteProtocolError | None = None  # raised
 
     @property
     def buffered(self) -> int:
@@ -140,61 +153,94 @@ class FrameDecoder:
         return len(self._buffer)
 
     def receive_data(self, data: bytes | memoryview) -> None:
-        # Broken for good: keep nothing more of the stream.
-        self._check_not_broken()
+        self._ready.extend(self._cut(data))
+
+    def receive_frames(self, data: bytes | memoryview) -> list[Frame | OversizedFrame]:
+        """`receive_data` and then `next_event` until `NEED_DATA`, in one call: every frame `data`
+        completes, in order. A break in the stream raises at once (the frames before it are of no
+        use: the connection is done for)."""
+        frames = self._cut(data)
+        if self._failure is not None:
+            raise self._raise_failure()
+        return frames
+
+    def next_event(self) -> Frame | OversizedFrame | NeedData:
+        if self._error is not None:
+            raise self._broken()
+        if self._ready:
+            return self._ready.popleft()
+        if self._failure is not None:
+            raise self._raise_failure()
+        if self._eof and (self._buffer or self._discard):
+            self._failure = RemoteProtocolError("connection closed in the middle of a frame")
+            raise self._raise_failure()
+        return NEED_DATA
+
+    def _cut(self, data: bytes | memoryview) -> list[Frame | OversizedFrame]:
+        """The frames `data` completes; a break in the stream is kept in `_failure`, and nothing
+        more is cut once there is one."""
+        data = self._accept(data)
+        frames: list[Frame | OversizedFrame] = []
+        if not data:
+            return frames
+        buffer = self._buffer
+        joined = buffer.join(data)
+        pos, end = 0, len(joined)
+        while end - pos >= HEADER_SIZE:
+            length, stream_id, raw_type, flags = _HEADER.unpack_from(joined, pos)
+            type_ = _TYPE_OF.get(raw_type)
+            if type_ is None:
+                self._failure = RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
+                break
+            begin = pos + HEADER_SIZE
+            pos = begin + length
+            if length > self._max_data:
+                # Answered, and its data dropped unread as it arrives: the connection goes on.
+                frames.append(OversizedFrame(stream_id, type_, flags, length))
+                self._discard = max(0, pos - end)
+                pos = min(pos, end)
+            elif pos > end:
+                pos = begin - HEADER_SIZE
+                break
+            elif length < HAND_OVER_MIN:  # (`ReceiveBuffer.cut`, without a call per frame)
+                frames.append(_new_frame((stream_id, type_, flags, bytes(joined[begin:pos]))))
+            else:
+                frames.append(_new_frame((stream_id, type_, flags, buffer.cut(joined, begin, pos, data))))
+        if pos < end:
+            buffer.keep(joined, pos, data)
+        return frames
+
+    def _accept(self, data: bytes | memoryview) -> bytes | memoryview:
+        """What of `data` is to be cut: not the rest of an oversized frame, nothing once broken."""
+        if self._error is not None:
+            raise self._broken()
         if self._eof:
             raise LocalProtocolError("receive_data after EOF")
         if not data:
             self._eof = True
-            return
+        if self._failure is not None:  # broken for good: keep nothing more of the stream
+            return b""
         if self._discard:
             dropped = min(self._discard, len(data))
             self._discard -= dropped
             data = data[dropped:]
-        self._buffer.append(data)
+        return data
 
-    def next_event(self) -> Frame | OversizedFrame | NeedData:
-        self._check_not_broken()
-        try:
-            return self._next_event()
-        except RemoteProtocolError as exc:
-            self._error = exc
-            raise
+    def _raise_failure(self) -> RemoteProtocolError:
+        """The break found in the stream, now raised: the decoder is broken from here on."""
+        assert self._failure is not None
+        self._error, self._failure = self._failure, None
+        self._ready.clear()
+        return self._error
 
-    def _check_not_broken(self) -> None:
-        if self._error is not None:
-            raise RemoteProtocolError(f"stream already broken: {self._error}")
-
-    def _next_event(self) -> Frame | OversizedFrame | NeedData:
-        if self._discard or len(self._buffer) < HEADER_SIZE:
-            return self._need_data()
-        length, stream_id, raw_type, flags = self._buffer.unpack_header(_HEADER)
-        type_ = _TYPE_OF.get(raw_type)
-        if type_ is None:
-            raise RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
-        if length > self._max_data:
-            self._start_discard(length)
-            return OversizedFrame(stream_id=stream_id, type=type_, flags=flags, length=length)
-        if len(self._buffer) < HEADER_SIZE + length:
-            return self._need_data()
-        data = self._buffer.take(HEADER_SIZE, length)
-        return Frame(stream_id=stream_id, type=type_, flags=flags, data=data)
-
-    def _start_discard(self, length: int) -> None:
-        self._buffer.discard(HEADER_SIZE)
-        self._discard = length - self._buffer.discard(length)
-
-    def _need_data(self) -> NeedData:
-        if self._eof and (self._buffer or self._discard):
-            raise RemoteProtocolError("connection closed in the middle of a frame")
-        return NEED_DATA
+    def _broken(self) -> RemoteProtocolError:
+        return RemoteProtocolError(f"stream already broken: {self._error}")
 
 
 # --- events --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RequestReceived:
+class RequestReceived(NamedTuple):
     """A well-formed request on a fresh stream; answer it with `ServerSession.send_response`.
     `size`: the bytes of its ttrpc message data (the envelope and the payload in it). `payload`: for a
     large request (`LARGE_REQUEST` bytes or more), its payload, a view of the bytes received, kept out
@@ -211,8 +257,7 @@ class RequestReceived:
         return self.payload if self.payload is not None else self.request.payload
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ResponseReceived:
+class ResponseReceived(NamedTuple):
     """The outcome of a pending call. `code` 0 is OK and then `payload` is the reply message."""
 
     stream_id: int
@@ -221,8 +266,7 @@ class ResponseReceived:
     payload: bytes
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class UnexpectedResponse:
+class UnexpectedResponse(NamedTuple):
     """A response for a stream with no pending call (finished, abandoned, never sent)."""
 
     stream_id: int
@@ -230,18 +274,26 @@ class UnexpectedResponse:
 
 ClientEvent = ResponseReceived | UnexpectedResponse
 
+# The named tuples made for every message, made from a tuple in C: a named tuple's generated
+# __new__ is Python code, run once per message otherwise.
+_new_frame: Final = functools.partial(tuple.__new__, Frame)
+_new_request_received: Final = functools.partial(tuple.__new__, RequestReceived)
 
-def _drain(decoder: FrameDecoder) -> Iterable[Frame | OversizedFrame]:
-    while (item := decoder.next_event()) is not NEED_DATA:
-        yield item
+
+# upb parses any buffer, a view in place (the stubs say bytes): the parsers, typed once as they are.
+_parse_request = cast(Callable[[bytes | memoryview], request_pb2.Request], request_pb2.Request.FromString)
+_parse_response = cast(Callable[[bytes | memoryview], request_pb2.Response], request_pb2.Response.FromString)
 
 
 def _response_message(stream_id: int, payload: bytes, code: int, message: str) -> bytes:
-    response = request_pb2.Response(payload=payload)
+    """A response frame to a stream the peer opened (a valid id: it came in a header)."""
     # Like Go, success leaves the status out: an empty OK response is 0 bytes of data.
-    if code != Code.OK:
-        response.status.CopyFrom(status_pb2.Status(code=code, message=message))
-    return encode_frame(stream_id, MessageType.RESPONSE, 0, response.SerializeToString())
+    if code == Code.OK:
+        data = request_pb2.Response(payload=payload).SerializeToString()
+    else:
+        status = status_pb2.Status(code=code, message=message)
+        data = request_pb2.Response(status=status, payload=payload).SerializeToString()
+    return _frame(stream_id, MessageType.RESPONSE, 0, data)
 
 
 # Requests at least this large (only Synchronize chunks are) keep their payload out of the envelope.
@@ -290,10 +342,9 @@ class ServerSession:
         return frozenset(self._active)
 
     def receive_data(self, data: bytes | memoryview) -> list[RequestReceived]:
-        self._decoder.receive_data(data)
         events: list[RequestReceived] = []
-        for item in _drain(self._decoder):
-            event = self._handle(item)
+        for frame in self._decoder.receive_frames(data):
+            event = self._handle(frame)
             if event is not None:
                 events.append(event)
         return events
@@ -339,22 +390,21 @@ class ServerSession:
         return self._handle_request(item)
 
     def _handle_request(self, frame: Frame) -> RequestReceived | None:
-        if frame.stream_id <= self._last_stream_id:
-            self._reply(frame.stream_id, Code.INVALID_ARGUMENT, _MSG_REUSED_ID)
+        stream_id, data = frame.stream_id, frame.data
+        if stream_id <= self._last_stream_id:
+            self._reply(stream_id, Code.INVALID_ARGUMENT, _MSG_REUSED_ID)
             return None
-        self._last_stream_id = frame.stream_id
-        data, payload = frame.data, None
-        if len(data) >= LARGE_REQUEST:
+        self._last_stream_id = stream_id
+        size, payload = len(data), None
+        if size >= LARGE_REQUEST:
             data, payload = _split_payload(data)
         try:
-            request = request_pb2.Request.FromString(cast(bytes, data))  # upb parses a view in place
+            request = _parse_request(data)
         except DecodeError as exc:
-            self._reply(frame.stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
+            self._reply(stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
             return None
-        self._active.add(frame.stream_id)
-        return RequestReceived(
-            stream_id=frame.stream_id, request=request, size=len(frame.data), payload=payload
-        )
+        self._active.add(stream_id)
+        return _new_request_received((stream_id, request, size, payload))
 
 
 # --- client --------------------------------------------------------------------------------------
@@ -395,9 +445,10 @@ class ClientSession:
             method=method,
             payload=payload,
             timeout_nano=timeout_nano,
-            metadata=[request_pb2.KeyValue(key=k, value=v) for k, v in metadata],
         )
-        out = encode_frame(stream_id, MessageType.REQUEST, 0, request.SerializeToString())
+        for key, value in metadata:
+            request.metadata.add(key=key, value=value)
+        out = _frame(stream_id, MessageType.REQUEST, 0, request.SerializeToString())
         self._next_stream_id += 2
         self._pending.add(stream_id)
         return stream_id, out
@@ -407,10 +458,9 @@ class ClientSession:
         self._pending.discard(stream_id)
 
     def receive_data(self, data: bytes | memoryview) -> list[ClientEvent]:
-        self._decoder.receive_data(data)
         events: list[ClientEvent] = []
-        for item in _drain(self._decoder):
-            event = self._handle(item)
+        for frame in self._decoder.receive_frames(data):
+            event = self._handle(frame)
             if event is not None:
                 events.append(event)
         return events
@@ -432,7 +482,7 @@ class ClientSession:
 
 def _decode_response(frame: Frame) -> ResponseReceived:
     try:
-        response = request_pb2.Response.FromString(cast(bytes, frame.data))
+        response = _parse_response(frame.data)
     except DecodeError as exc:
         # Only this call fails: the framing is intact, so the connection can go on.
         return ResponseReceived(

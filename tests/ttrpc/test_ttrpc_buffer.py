@@ -11,7 +11,7 @@ import pytest
 
 from nri_plugin.nri import mux
 from nri_plugin.ttrpc import protocol
-from nri_plugin.ttrpc.buffer import _COMPACT_MIN, HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
+from nri_plugin.ttrpc.buffer import HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
 from nri_plugin.ttrpc.protocol import FrameDecoder, MessageType, encode_frame
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,33 +25,42 @@ def test_one_sentinel_for_both_decoders() -> None:
     assert mux.MuxDecoder().next_payload() is NEED_DATA
 
 
-def test_buffer_takes_and_discards_from_the_front() -> None:
+def test_buffer_cuts_from_the_bytes_and_keeps_only_the_rest() -> None:
     buffer = ReceiveBuffer()
-    buffer.append(b"hdr-payload-rest")
-    assert buffer.take(4, 7) == b"payload"
-    assert len(buffer) == 5
-    assert buffer.discard(100) == 5
+    data = b"hdr-payload-rest"
+    joined = buffer.join(data)
+    assert joined is data  # nothing kept: the bytes received themselves, no copy
+    assert buffer.cut(joined, 4, 11, data) == b"payload"
+    buffer.keep(joined, 12, data)
+    assert len(buffer) == buffer.held == 4
+    more = b"-and-more"
+    joined = buffer.join(more)
+    assert bytes(joined) == b"rest-and-more"
+    assert len(buffer) == 0  # given up while the frames are cut
+    buffer.keep(joined, len(joined), more)
     assert len(buffer) == 0
 
 
 def test_buffer_lets_go_of_its_memory_once_all_is_consumed() -> None:
     buffer = ReceiveBuffer()
-    buffer.append(bytes(1 << 20))
-    buffer.take(0, (1 << 20) - 1)
-    assert buffer.held == 1 << 20  # one byte left: nothing is moved yet
-    buffer.discard(1)
+    first = bytes(1 << 20)
+    buffer.keep(first, 1, first)  # a frame not whole yet
+    assert buffer.held == (1 << 20) - 1
+    rest = b"x"
+    joined = buffer.join(rest)
+    buffer.cut(joined, 0, len(joined), rest)
+    buffer.keep(joined, len(joined), rest)
     assert buffer.held == 0
 
 
-def test_buffer_drops_consumed_bytes_only_when_they_are_many() -> None:
+def test_buffer_never_holds_consumed_bytes() -> None:
     buffer = ReceiveBuffer()
-    buffer.append(bytes(3 * _COMPACT_MIN))
-    buffer.discard(10)
-    buffer.append(b"x")
-    assert buffer.held == 3 * _COMPACT_MIN + 1  # a few consumed bytes stay: no memmove per frame
-    buffer.discard(2 * _COMPACT_MIN)
-    buffer.append(b"y")
-    assert buffer.held == len(buffer) == _COMPACT_MIN - 10 + 2
+    data = bytes(3 * 65536)
+    buffer.keep(data, 10, data)
+    more = b"x"
+    joined = buffer.join(more)
+    buffer.keep(joined, 2 * 65536, more)  # frames cut up to there
+    assert buffer.held == len(buffer) == 65536 - 10 + 1
 
 
 def test_the_ttrpc_decoder_lets_go_of_a_large_frame_once_delivered() -> None:
@@ -66,14 +75,18 @@ def test_the_ttrpc_decoder_lets_go_of_a_large_frame_once_delivered() -> None:
 def test_a_large_frame_that_ends_the_bytes_received_is_handed_over_not_copied() -> None:
     buffer = ReceiveBuffer()
     body = bytes(range(256)) * (HAND_OVER_MIN // 256)
-    buffer.append(b"hdr-" + body)
-    taken = buffer.take(4, len(body))
+    first = b"hdr-" + body[:-1]
+    buffer.keep(first, 0, first)  # the first read: the frame not whole yet
+    last = body[-1:]
+    joined = buffer.join(last)
+    taken = buffer.cut(joined, 4, len(joined), last)
     assert isinstance(taken, memoryview)  # the buffer's own memory, given up
     assert taken == body
+    buffer.keep(joined, len(joined), last)
     assert buffer.held == len(buffer) == 0
-    buffer.append(b"next")  # the buffer goes on with fresh memory: the view stays as it was
+    next_read = b"next"
+    assert buffer.join(next_read) is next_read  # the buffer goes on afresh: the view stays as it was
     assert taken == body
-    assert buffer.take(0, 4) == b"next"
 
 
 @pytest.mark.parametrize(
@@ -83,11 +96,14 @@ def test_a_large_frame_that_ends_the_bytes_received_is_handed_over_not_copied() 
 )
 def test_other_frames_are_copied_out(length: int, after: bytes) -> None:
     buffer = ReceiveBuffer()
-    buffer.append(bytes(length) + after)
-    taken = buffer.take(0, length)
+    first = bytes(length - 1)
+    buffer.keep(first, 0, first)
+    last = b"\0" + after
+    joined = buffer.join(last)
+    taken = buffer.cut(joined, 0, length, last)
     assert type(taken) is bytes
     assert taken == bytes(length)
-    assert buffer.take(0, len(after)) == after
+    assert buffer.cut(joined, length, len(joined), last) == after
 
 
 def test_a_large_request_through_the_mux_and_ttrpc_is_held_once() -> None:
