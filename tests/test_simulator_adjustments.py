@@ -53,7 +53,9 @@ def make_pod() -> api.PodSandbox:
 
 def make_container() -> api.Container:
     container = api.Container(id="c1", pod_sandbox_id="pod1", name="c1", state=api.CONTAINER_UNKNOWN, pid=42)
-    container.env.extend(["PATH=/bin", "KEEP=1", "SHARED=old", "DROP=x", "SHARED=older"])
+    # Entries whose names only look like SHARED's (a longer name, a value holding "\nSHARED=") stay.
+    container.env.extend(["PATH=/bin", "KEEP=1", "SHARED=old", "MY_SHARED=1", "DROP=x", "SHARED=older"])
+    container.env.append("NOTE=a\nSHARED=b")
     container.annotations.update({"io.kubernetes.container.hash": "1", "stale": "yes"})
     container.labels["io.kubernetes.container.name"] = "c1"
     container.linux.cgroups_path = "/kubepods/poduid-1/c1"
@@ -122,7 +124,7 @@ async def test_each_plugin_is_sent_the_pod_and_the_container_as_adjusted_before_
     assert sent == expected
     [(pod, sent)] = second.seen
     assert pod == make_pod()
-    expected.env[:] = ["PATH=/bin", "KEEP=1", "DROP=x", "SHARED=0-1"]
+    expected.env[:] = ["PATH=/bin", "KEEP=1", "MY_SHARED=1", "DROP=x", "NOTE=a\nSHARED=b", "SHARED=0-1"]
     expected.linux.resources.cpu.cpus = "0-3"
     assert sent == expected
     assert [r for r in sim.records if r.event == "CreateContainer"] == [
@@ -149,7 +151,14 @@ async def test_adjustments_of_two_plugins_are_merged_and_applied(socket_path: Pa
     assert container is result.container
     assert container.state == api.CONTAINER_CREATED
     # Names set or removed lose every old entry; those set go at the end, in the adjustment's order.
-    assert list(container.env) == ["PATH=/bin", "KEEP=1", "SHARED=0-1", "NEW=1"]
+    assert list(container.env) == [
+        "PATH=/bin",
+        "KEEP=1",
+        "MY_SHARED=1",
+        "NOTE=a\nSHARED=b",
+        "SHARED=0-1",
+        "NEW=1",
+    ]
     assert env_of(container)["SHARED"] == "0-1"
     assert dict(container.annotations) == {"io.kubernetes.container.hash": "1", "given": "a"}
     cpu = container.linux.resources.cpu
@@ -221,3 +230,14 @@ async def test_updates_in_a_creation_reply(socket_path: Path) -> None:
     )
     assert "c1" not in refused.containers
     assert refused.applied_updates == []
+
+
+@pytest.mark.asyncio
+async def test_names_the_container_lacks_are_added_after_its_entries(socket_path: Path) -> None:
+    container = make_container()
+    container.env[:] = ["PATH=/bin", "NOTE=a\nSHARED=b"]
+    _, result = await create_with(
+        socket_path, Scripted(reply(env=[("SHARED", "0-1"), ("-GONE", "")])), Scripted(), container
+    )
+    assert isinstance(result, CreateResult)
+    assert list(result.container.env) == ["PATH=/bin", "NOTE=a\nSHARED=b", "SHARED=0-1"]
