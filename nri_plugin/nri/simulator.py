@@ -26,11 +26,12 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, TypeVar, cast
 
 import structlog
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from api.nri import api_pb2 as api
@@ -602,8 +603,9 @@ class RuntimeSimulator:
                 if reply is None:
                     continue
                 if reply.update:
-                    _refuse_own_update(reply.update, current.id, plugin.full_name)
-                    updates.extend(reply.update)
+                    asked = reply.update[:]
+                    _refuse_own_update(asked, current.id, plugin.full_name)
+                    updates += asked
                 _take_adjustment(merged, current, reply.adjust, claims, plugin.full_name)
             if self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT):
                 await self._validate(pod, container, merged, updates)
@@ -768,10 +770,20 @@ def _merge_cpu(
     source: api.LinuxCPU, claims: dict[str, str] | None, owner: str, *targets: api.LinuxCPU
 ) -> None:
     """Copy the CPU fields ``source`` sets into each of ``targets`` (the only resources our plugins
-    touch), each claimed for `owner` first unless `claims` is None. `ListFields` names just the
-    fields set (a wrapper present, even at 0; a string not empty): an adjustment sets two or three of
-    the seven. A wrapper is copied whole (0 is a value), not merged."""
-    for descriptor, value in source.ListFields():
+    touch), each claimed for `owner` first unless `claims` is None."""
+    _set_cpu(source.ListFields(), claims, owner, targets)
+
+
+def _set_cpu(
+    fields: Sequence[tuple[FieldDescriptor, Any]],
+    claims: dict[str, str] | None,
+    owner: str,
+    targets: Sequence[api.LinuxCPU],
+) -> None:
+    """`_merge_cpu` from the source's `ListFields`: just the fields set (a wrapper present, even at
+    0; a string not empty), two or three of the seven in an adjustment. A wrapper is copied whole
+    (0 is a value), not merged."""
+    for descriptor, value in fields:
         name = descriptor.name
         if claims is not None:
             _claim(claims, "cpu." + name, owner)
@@ -792,9 +804,12 @@ def _take_adjustment(
 ) -> None:
     """One plugin's adjustment of a container being created: each field it sets claimed for it
     (`_claim`), added to the adjustment merged over all plugins, and applied to the container as the
-    runtime's OCI spec generator does, so that the next plugin is sent the container adjusted."""
+    runtime's OCI spec generator does, so that the next plugin is sent the container adjusted.
+
+    Repeated fields are read through a slice (``env[:]``, a list): upb's containers have no
+    ``__iter__``, and iterating one ends in an IndexError raised and caught."""
     if adjust.env:
-        _take_env(merged, container, adjust.env, claims, owner)
+        _take_env(merged.env, container.env, adjust.env[:], claims, owner)
     if adjust.annotations:
         for key, value in adjust.annotations.items():
             _claim(claims, "annotation " + key.lstrip("-"), owner)
@@ -803,45 +818,37 @@ def _take_adjustment(
                 container.annotations.pop(key[1:], None)
             else:
                 container.annotations[key] = value
-    _merge_cpu(
-        adjust.linux.resources.cpu, claims, owner, merged.linux.resources.cpu, container.linux.resources.cpu
-    )
+    cpu = adjust.linux.resources.cpu.ListFields()
+    if cpu:
+        _set_cpu(cpu, claims, owner, (merged.linux.resources.cpu, container.linux.resources.cpu))
 
 
 def _take_env(
-    merged: api.ContainerAdjustment,
-    container: api.Container,
-    env: Sequence[api.KeyValue],
+    merged: MutableSequence[api.KeyValue],
+    env: MutableSequence[str],
+    items: list[api.KeyValue],
     claims: dict[str, str],
     owner: str,
 ) -> None:
     """The env part of `_take_adjustment`. Each name comes once in an adjustment (the claim refuses
     it otherwise): a name set or removed ("-NAME") loses its old entries, and one set goes at the
     end, in the adjustment's order."""
-    touched: list[str] = []
+    touched: set[str] = set()
     added: list[str] = []
-    for item in env:
+    for item in items:
         key = item.key
         name = key.lstrip("-")
         _claim(claims, "env " + name, owner)
-        touched.append(name)
+        touched.add(name)
         if not key.startswith("-"):
             added.append(f"{key}={item.value}")
-    merged.env.extend(env)
-    if _may_set(container.env, touched):
-        kept = [entry for entry in container.env if entry.partition("=")[0] not in touched]
-        del container.env[:]
-        container.env.extend(kept)
-    container.env.extend(added)
-
-
-def _may_set(env: Sequence[str], names: Sequence[str]) -> bool:
-    """Whether an entry of `env` may set one of `names`: never False when one does (an entry that
-    does starts the joined text or follows a newline), but True also for a value holding a newline
-    and ``NAME=``. Searched in one string: most adjustments add names the container does not have,
-    and the exact filter need not run for them."""
-    text = "\n" + "\n".join(env)
-    return any(f"\n{name}=" in text for name in names)
+    merged.extend(items)
+    entries = env[:]
+    kept = [entry for entry in entries if entry.partition("=")[0] not in touched]
+    if len(kept) < len(entries):
+        del env[:]
+        env.extend(kept)
+    env.extend(added)
 
 
 def _refuse_own_update(updates: Sequence[api.ContainerUpdate], container_id: str, plugin: str) -> None:
