@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import logging
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import structlog
 from opcount import OpcodeCounter
 from workload import PluginProcess, fake_node, realistic_container, realistic_pod
 
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pods", type=int, default=0, help="pods run first (default: one per creation)")
     parser.add_argument("--top", type=int, default=40, help="functions listed (40)")
     args = parser.parse_args(argv)
+    # The simulator's lines (a plugin configured, disconnected) are not the benchmark's output.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     report(measure(args.calls, args.warm, args.cpu_calls, args.pods), args.calls, args.top)
 
 

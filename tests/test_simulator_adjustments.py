@@ -241,3 +241,23 @@ async def test_names_the_container_lacks_are_added_after_its_entries(socket_path
     )
     assert isinstance(result, CreateResult)
     assert list(result.container.env) == ["PATH=/bin", "NOTE=a\nSHARED=b", "SHARED=0-1"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [0, 100, 20_000, 3_000_000])
+async def test_the_request_carries_the_pod_and_container_whole_at_any_size(
+    socket_path: Path, size: int
+) -> None:
+    """The request is encoded from its parts: lengths of one, two, three and four varint bytes."""
+    first, second = Scripted(), Scripted()
+    container = make_container()
+    if size:
+        container.annotations["big"] = "x" * size
+    pristine = api.Container()
+    pristine.CopyFrom(container)
+    await create_with(socket_path, first, second, container)
+    expected = pristine
+    expected.state = api.CONTAINER_CREATED
+    for plugin in (first, second):
+        [(pod, sent)] = plugin.seen
+        assert (pod, sent) == (make_pod(), expected)

@@ -447,7 +447,7 @@ class RuntimeSimulator:
         self,
         plugin: PluginConnection,
         method: str,
-        request: Message | _Encoded,
+        request: Message,
         response_type: type[Any],
         *,
         container: str = "",
@@ -460,7 +460,7 @@ class RuntimeSimulator:
         """
         try:
             reply = await plugin.client.call(
-                PLUGIN_SERVICE, method, cast(Message, request), response_type, timeout=self.request_timeout
+                PLUGIN_SERVICE, method, request, response_type, timeout=self.request_timeout
             )
         except (ConnectionClosed, OversizedMessage) as exc:
             self._drop(plugin, f"{method}: {exc}")
@@ -590,6 +590,7 @@ class RuntimeSimulator:
             pod = self.pods[container.pod_sandbox_id]
             current = _copy(container)
             current.state = api.CONTAINER_CREATED
+            ident = current.id  # (each read of a message's field makes a new str)
             merged = api.ContainerAdjustment()
             claims: dict[str, str] = {}
             updates: list[api.ContainerUpdate] = []
@@ -598,20 +599,20 @@ class RuntimeSimulator:
             for plugin in plugins:
                 request = _create_request(pod_field, current)
                 reply = await self._call(
-                    plugin, _CREATE.method, request, _CREATE.response_type, container=current.id
+                    plugin, _CREATE.method, request, _CREATE.response_type, container=ident
                 )
                 if reply is None:
                     continue
                 if reply.update:
                     asked = reply.update[:]
-                    _refuse_own_update(asked, current.id, plugin.full_name)
+                    _refuse_own_update(asked, ident, plugin.full_name)
                     updates += asked
                 _take_adjustment(merged, current, reply.adjust, claims, plugin.full_name)
             if self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT):
                 await self._validate(pod, container, merged, updates)
             if self.modes.create_fails_after_adjustment:
-                raise CreationFailed(current.id)
-            self.containers[current.id] = current
+                raise CreationFailed(ident)
+            self.containers[ident] = current
             for update in updates:
                 self._apply_update(update, source=_CREATE.method)
             return CreateResult(merged, current, updates)
@@ -808,10 +809,12 @@ def _take_adjustment(
 
     Repeated fields are read through a slice (``env[:]``, a list): upb's containers have no
     ``__iter__``, and iterating one ends in an IndexError raised and caught."""
-    if adjust.env:
-        _take_env(merged.env, container.env, adjust.env[:], claims, owner)
-    if adjust.annotations:
-        for key, value in adjust.annotations.items():
+    env = adjust.env[:]
+    if env:
+        _take_env(merged.env, container.env, env, claims, owner)
+    annotations = adjust.annotations
+    if annotations:
+        for key, value in annotations.items():
             _claim(claims, "annotation " + key.lstrip("-"), owner)
             merged.annotations[key] = value
             if key.startswith("-"):
@@ -844,11 +847,20 @@ def _take_env(
             added.append(f"{key}={item.value}")
     merged.extend(items)
     entries = env[:]
-    kept = [entry for entry in entries if entry.partition("=")[0] not in touched]
-    if len(kept) < len(entries):
+    if _may_set(entries, touched):
+        kept = [entry for entry in entries if entry.partition("=")[0] not in touched]
         del env[:]
         env.extend(kept)
     env.extend(added)
+
+
+def _may_set(entries: Sequence[str], names: set[str]) -> bool:
+    """Whether one of `entries` may set one of `names`: never False when one does (such an entry
+    starts the joined text or follows a newline), True also for a value holding a newline and
+    ``NAME=``. One search in one string: most adjustments add names the container does not have,
+    and the exact filter then need not run."""
+    text = "\n" + "\n".join(entries)
+    return any(f"\n{name}=" in text for name in names)
 
 
 def _refuse_own_update(updates: Sequence[api.ContainerUpdate], container_id: str, plugin: str) -> None:
@@ -860,7 +872,8 @@ def _refuse_own_update(updates: Sequence[api.ContainerUpdate], container_id: str
 
 class _Encoded:
     """A request already encoded: `Client.call` asks a request for nothing but its bytes
-    (``SerializeToString``), so one put together from parts encoded apart goes out as it is."""
+    (``SerializeToString``), so one put together from parts encoded apart goes out as it is. (Every
+    creation in the tests goes out so: a client that asked for more would fail them at once.)"""
 
     __slots__ = ("_data",)
 
@@ -897,11 +910,13 @@ _POD_TAG = _field_tag(api.CreateContainerRequest, "pod")
 _CONTAINER_TAG = _field_tag(api.CreateContainerRequest, "container")
 
 
-def _create_request(pod_field: bytes, container: api.Container) -> _Encoded:
+def _create_request(pod_field: bytes, container: api.Container) -> Message:
     """CreateContainerRequest{pod, container}, its pod field already encoded: a message's encoding
     is its fields' encodings one after the other, so this is what the message built from both
-    would give, without copying the pod and the container into it first."""
-    return _Encoded(pod_field + _length_delimited(_CONTAINER_TAG, container.SerializeToString()))
+    would give, without copying the pod and the container into it first. (Typed as the message it
+    stands for: the client takes it for one.)"""
+    encoded = _Encoded(pod_field + _length_delimited(_CONTAINER_TAG, container.SerializeToString()))
+    return cast(Message, encoded)
 
 
 def env_of(container: api.Container) -> dict[str, str]:
