@@ -26,11 +26,12 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import structlog
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from api.nri import api_pb2 as api
@@ -93,9 +94,9 @@ class AdjustmentConflict(Exception):
     """Two plugins (or one plugin twice) claimed the same field of one container."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Record:
-    """One exchange with one plugin, as the runtime saw it."""
+class Record(NamedTuple):
+    """One exchange with one plugin, as the runtime saw it. (A named tuple: one is made per call,
+    and a tuple is the cheapest immutable record to make.)"""
 
     event: str
     plugin: str
@@ -127,20 +128,23 @@ class PluginConnection:
     events: int = 0
     uses_state_change: bool = False
     synchronized: bool = False
+    # "index-name", as runtimes name a plugin in their logs and errors; made once, named per call.
+    full_name: str = field(init=False)
 
-    @property
-    def full_name(self) -> str:
-        return f"{self.index}-{self.name}"
+    def __post_init__(self) -> None:
+        self.full_name = f"{self.index}-{self.name}"
 
     def subscribed(self, event: Event) -> bool:
         return bool(self.events & event.bit)
 
 
-@dataclass
-class CreateResult:
+class CreateResult(NamedTuple):
+    """What a creation gave: the adjustment merged over all plugins, the container as created, and
+    the updates of other containers the plugins' replies carried (applied after the creation)."""
+
     adjustment: api.ContainerAdjustment
     container: api.Container
-    updates: list[api.ContainerUpdate] = field(default_factory=list)
+    updates: list[api.ContainerUpdate]
 
 
 class RuntimeSimulator:
@@ -194,7 +198,7 @@ class RuntimeSimulator:
         # `plugins`, and each event's subscribers among them, kept until a plugin joins or leaves
         # (`_plugins_changed`): an event reads them instead of sorting and filtering every time.
         self._ready: tuple[PluginConnection, ...] = ()
-        self._subscribed: dict[Event, tuple[PluginConnection, ...]] = {}
+        self._subscribed: dict[Event, tuple[PluginConnection, ...]] = dict.fromkeys(Event, ())
         self._changed = asyncio.Condition()
         # Runtimes hold one lock for a whole event across all plugins, and take it again to apply a
         # plugin's unsolicited updates (so a plugin that waits for those inside a handler stalls).
@@ -247,7 +251,7 @@ class RuntimeSimulator:
     def _plugins_changed(self) -> None:
         """A plugin was synchronized or left: which plugins events go to, and in what order."""
         self._ready = tuple(sorted((p for p in self._plugins if p.synchronized), key=lambda p: p.index))
-        self._subscribed = {}
+        self._subscribed = {event: tuple(p for p in self._ready if p.subscribed(event)) for event in Event}
 
     async def wait_for_plugins(self, count: int = 1, timeout: float = 5.0) -> list[PluginConnection]:
         async with self._changed:
@@ -472,7 +476,7 @@ class RuntimeSimulator:
             outcome = "unimplemented" if exc.code == Code.UNIMPLEMENTED else "error"
             self._record(method, plugin.full_name, container=container, outcome=outcome, detail=exc.message)
             raise PluginFailed(plugin.full_name, method, exc.code, exc.message) from exc
-        self._record(method, plugin.full_name, container=container)
+        self.records.append(Record(method, plugin.full_name, container))
         return reply
 
     def _drop(self, plugin: PluginConnection, reason: str) -> None:
@@ -492,10 +496,7 @@ class RuntimeSimulator:
     def _subscribers(self, event: Event) -> tuple[PluginConnection, ...]:
         """The plugins `event` goes to, in index order (a tuple: a plugin dropped during the event
         makes a new one, and the event goes on over the one it started with)."""
-        found = self._subscribed.get(event)
-        if found is None:
-            found = self._subscribed[event] = tuple(p for p in self._ready if p.subscribed(event))
-        return found
+        return self._subscribed[event]
 
     async def _state_event(self, event: Event, pod: api.PodSandbox, container: api.Container | None) -> None:
         """Deliver a StateChange-class event, on the dedicated v0.12 method where the plugin has it."""
@@ -580,40 +581,41 @@ class RuntimeSimulator:
             self.forgotten_pods.discard(pod_id)
 
     async def create_container(self, container: api.Container) -> CreateResult:
-        """CreateContainer through every subscribed plugin; the adjusted container is stored."""
+        """CreateContainer through every subscribed plugin; the adjusted container is stored.
+
+        Each plugin is sent the pod and the container as the plugins before it adjusted it; its
+        adjustment is claimed, merged and applied at once (`_take_adjustment`). The request goes
+        out encoded from its two parts (`_create_request`), the pod's encoded once per creation."""
         async with self._lock:
             pod = self.pods[container.pod_sandbox_id]
             current = _copy(container)
             current.state = api.CONTAINER_CREATED
+            ident = current.id  # (each read of a message's field makes a new str)
             merged = api.ContainerAdjustment()
             claims: dict[str, str] = {}
             updates: list[api.ContainerUpdate] = []
-            route = EVENT_ROUTES[Event.CREATE_CONTAINER]
-            for plugin in self._subscribers(Event.CREATE_CONTAINER):
-                request = api.CreateContainerRequest(pod=pod, container=current)
+            plugins = self._subscribers(Event.CREATE_CONTAINER)
+            pod_field = _length_delimited(_POD_TAG, pod.SerializeToString()) if plugins else b""
+            for plugin in plugins:
+                request = _create_request(pod_field, current)
                 reply = await self._call(
-                    plugin, route.method, request, route.response_type, container=current.id
+                    plugin, _CREATE.method, request, _CREATE.response_type, container=ident
                 )
                 if reply is None:
                     continue
-                for update in reply.update:
-                    if update.container_id == current.id:
-                        raise PluginFailed(
-                            plugin.full_name,
-                            route.method,
-                            2,
-                            f"asked update of {current.id} during creation",
-                        )
-                _merge_adjustment(merged, reply.adjust, claims, plugin.full_name)
-                _apply_adjustment(current, reply.adjust)
-                updates.extend(reply.update)
-            await self._validate(pod, container, merged, updates)
+                if reply.update:
+                    asked = reply.update[:]
+                    _refuse_own_update(asked, ident, plugin.full_name)
+                    updates += asked
+                _take_adjustment(merged, current, reply.adjust, claims, plugin.full_name)
+            if self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT):
+                await self._validate(pod, container, merged, updates)
             if self.modes.create_fails_after_adjustment:
-                raise CreationFailed(current.id)
-            self.containers[current.id] = current
+                raise CreationFailed(ident)
+            self.containers[ident] = current
             for update in updates:
-                self._apply_update(update, source=route.method)
-            return CreateResult(adjustment=merged, container=current, updates=updates)
+                self._apply_update(update, source=_CREATE.method)
+            return CreateResult(merged, current, updates)
 
     async def _validate(
         self,
@@ -623,8 +625,6 @@ class RuntimeSimulator:
         updates: list[api.ContainerUpdate],
     ) -> None:
         validators = self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT)
-        if not validators:
-            return
         route = EVENT_ROUTES[Event.VALIDATE_CONTAINER_ADJUSTMENT]
         consulted = [api.PluginInstance(name=p.name, index=p.index) for p in self._ready]
         for plugin in validators:
@@ -664,12 +664,12 @@ class RuntimeSimulator:
                 )
                 for update in reply.update if reply is not None else ():
                     if update.container_id == container_id:
-                        _merge_resources(applied, update.linux.resources, claims, plugin.full_name)
+                        _merge_cpu(update.linux.resources.cpu, claims, plugin.full_name, applied.cpu)
                     else:
                         others.append(update)
             # Runtimes change only what the update carries: kubelet's CPU manager sends a cpuset
             # alone, and the container keeps its quota and period.
-            _merge_resources(container.linux.resources, applied, {}, "")
+            _merge_cpu(applied.cpu, None, "", container.linux.resources.cpu)
             for update in others:
                 self._apply_update(update, source=route.method)
             return applied
@@ -727,7 +727,7 @@ class RuntimeSimulator:
                 detail="no such container",
             )
             return False
-        _merge_resources(container.linux.resources, update.linux.resources, {}, source)
+        _merge_cpu(update.linux.resources.cpu, None, source, container.linux.resources.cpu)
         self.applied_updates.append(update)
         return True
 
@@ -767,49 +767,156 @@ def _claim(claims: dict[str, str], key: str, owner: str) -> None:
     claims[key] = owner
 
 
-def _merge_resources(
-    target: api.LinuxResources, source: api.LinuxResources, claims: dict[str, str], owner: str
+def _merge_cpu(
+    source: api.LinuxCPU, claims: dict[str, str] | None, owner: str, *targets: api.LinuxCPU
 ) -> None:
-    """Copy the CPU fields ``source`` sets into ``target`` (the only ones our plugins touch).
-    `ListFields` names just the fields set (a wrapper present, a string not empty): an adjustment
-    sets two or three of the seven."""
-    for descriptor, value in source.cpu.ListFields():
+    """Copy the CPU fields ``source`` sets into each of ``targets`` (the only resources our plugins
+    touch), each claimed for `owner` first unless `claims` is None."""
+    _set_cpu(source.ListFields(), claims, owner, targets)
+
+
+def _set_cpu(
+    fields: Sequence[tuple[FieldDescriptor, Any]],
+    claims: dict[str, str] | None,
+    owner: str,
+    targets: Sequence[api.LinuxCPU],
+) -> None:
+    """`_merge_cpu` from the source's `ListFields`: just the fields set (a wrapper present, even at
+    0; a string not empty), two or three of the seven in an adjustment. A wrapper is copied whole
+    (0 is a value), not merged."""
+    for descriptor, value in fields:
         name = descriptor.name
-        _claim(claims, f"cpu.{name}", owner)
+        if claims is not None:
+            _claim(claims, "cpu." + name, owner)
         if name in _CPU_STRINGS:
-            setattr(target.cpu, name, value)
+            for target in targets:
+                setattr(target, name, value)
         else:
-            getattr(target.cpu, name).CopyFrom(value)
+            for target in targets:
+                getattr(target, name).CopyFrom(value)
 
 
-def _merge_adjustment(
-    target: api.ContainerAdjustment, source: api.ContainerAdjustment, claims: dict[str, str], owner: str
+def _take_adjustment(
+    merged: api.ContainerAdjustment,
+    container: api.Container,
+    adjust: api.ContainerAdjustment,
+    claims: dict[str, str],
+    owner: str,
 ) -> None:
-    for env in source.env:
-        _claim(claims, f"env {env.key.lstrip('-')}", owner)
-        target.env.append(env)
-    for key, value in source.annotations.items():
-        _claim(claims, f"annotation {key.lstrip('-')}", owner)
-        target.annotations[key] = value
-    _merge_resources(target.linux.resources, source.linux.resources, claims, owner)
+    """One plugin's adjustment of a container being created: each field it sets claimed for it
+    (`_claim`), added to the adjustment merged over all plugins, and applied to the container as the
+    runtime's OCI spec generator does, so that the next plugin is sent the container adjusted.
+
+    Repeated fields are read through a slice (``env[:]``, a list): upb's containers have no
+    ``__iter__``, and iterating one ends in an IndexError raised and caught."""
+    env = adjust.env[:]
+    if env:
+        _take_env(merged.env, container.env, env, claims, owner)
+    annotations = adjust.annotations
+    if annotations:
+        for key, value in annotations.items():
+            _claim(claims, "annotation " + key.lstrip("-"), owner)
+            merged.annotations[key] = value
+            if key.startswith("-"):
+                container.annotations.pop(key[1:], None)
+            else:
+                container.annotations[key] = value
+    cpu = adjust.linux.resources.cpu.ListFields()
+    if cpu:
+        _set_cpu(cpu, claims, owner, (merged.linux.resources.cpu, container.linux.resources.cpu))
 
 
-def _apply_adjustment(container: api.Container, adjust: api.ContainerAdjustment) -> None:
-    """What the runtime's OCI spec generator does with env and CPU adjustments. Each env name comes
-    once in `adjust` (`_merge_adjustment` refused it otherwise): a name set or removed ("-NAME")
-    loses its old entries, and one set goes at the end, in the adjustment's order."""
-    if adjust.env:
-        touched = {item.key.lstrip("-") for item in adjust.env}
-        env = [e for e in container.env if e.partition("=")[0] not in touched]
-        env += [f"{item.key}={item.value}" for item in adjust.env if not item.key.startswith("-")]
-        del container.env[:]
-        container.env.extend(env)
-    for key, value in adjust.annotations.items():
-        if key.startswith("-"):
-            container.annotations.pop(key[1:], None)
-        else:
-            container.annotations[key] = value
-    _merge_resources(container.linux.resources, adjust.linux.resources, {}, "")
+def _take_env(
+    merged: MutableSequence[api.KeyValue],
+    env: MutableSequence[str],
+    items: list[api.KeyValue],
+    claims: dict[str, str],
+    owner: str,
+) -> None:
+    """The env part of `_take_adjustment`. Each name comes once in an adjustment (the claim refuses
+    it otherwise): a name set or removed ("-NAME") loses its old entries, and one set goes at the
+    end, in the adjustment's order."""
+    touched: set[str] = set()
+    added: list[str] = []
+    for item in items:
+        key = item.key
+        name = key.lstrip("-")
+        _claim(claims, "env " + name, owner)
+        touched.add(name)
+        if not key.startswith("-"):
+            added.append(f"{key}={item.value}")
+    merged.extend(items)
+    entries = env[:]
+    if _may_set(entries, touched):
+        kept = [entry for entry in entries if entry.partition("=")[0] not in touched]
+        del env[:]
+        env.extend(kept)
+    env.extend(added)
+
+
+def _may_set(entries: Sequence[str], names: set[str]) -> bool:
+    """Whether one of `entries` may set one of `names`: never False when one does (such an entry
+    starts the joined text or follows a newline), True also for a value holding a newline and
+    ``NAME=``. One search in one string: most adjustments add names the container does not have,
+    and the exact filter then need not run."""
+    text = "\n" + "\n".join(entries)
+    return any(f"\n{name}=" in text for name in names)
+
+
+def _refuse_own_update(updates: Sequence[api.ContainerUpdate], container_id: str, plugin: str) -> None:
+    """A CreateContainer reply may update other containers, never the one being created."""
+    for update in updates:
+        if update.container_id == container_id:
+            raise PluginFailed(plugin, _CREATE.method, 2, f"asked update of {container_id} during creation")
+
+
+class _Encoded:
+    """A request already encoded: `Client.call` asks a request for nothing but its bytes
+    (``SerializeToString``), so one put together from parts encoded apart goes out as it is. (Every
+    creation in the tests goes out so: a client that asked for more would fail them at once.)"""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def SerializeToString(self) -> bytes:  # protobuf's name: what the client calls
+        return self._data
+
+
+def _field_tag(message: type[Message], name: str) -> bytes:
+    """The encoded tag of a length-delimited (message) field of `message`."""
+    number = message.DESCRIPTOR.fields_by_name[name].number
+    return _varint(number << 3 | 2)
+
+
+def _varint(value: int) -> bytes:
+    """`value` (not negative) as a protobuf varint: 7 bits a byte, low first, the high bit set on
+    every byte but the last."""
+    if value < 0x80:
+        return bytes((value,))
+    if value < 0x4000:  # most messages here: one call instead of two
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    return bytes((value & 0x7F | 0x80,)) + _varint(value >> 7)
+
+
+def _length_delimited(tag: bytes, data: bytes) -> bytes:
+    """One length-delimited field: its tag, the data's length as a varint, the data."""
+    return tag + _varint(len(data)) + data
+
+
+_CREATE = EVENT_ROUTES[Event.CREATE_CONTAINER]
+_POD_TAG = _field_tag(api.CreateContainerRequest, "pod")
+_CONTAINER_TAG = _field_tag(api.CreateContainerRequest, "container")
+
+
+def _create_request(pod_field: bytes, container: api.Container) -> Message:
+    """CreateContainerRequest{pod, container}, its pod field already encoded: a message's encoding
+    is its fields' encodings one after the other, so this is what the message built from both
+    would give, without copying the pod and the container into it first. (Typed as the message it
+    stands for: the client takes it for one.)"""
+    encoded = _Encoded(pod_field + _length_delimited(_CONTAINER_TAG, container.SerializeToString()))
+    return cast(Message, encoded)
 
 
 def env_of(container: api.Container) -> dict[str, str]:
