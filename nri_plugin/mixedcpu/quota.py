@@ -176,7 +176,7 @@ class PodCheck:
 def new_pod_record(pod: api.PodSandbox, current: CpuQuota) -> PodRecord:
     """The record of a pod first seen with `current` in its cgroup: its baseline from the runtime's
     ``pod_resources`` when sent, else the quota it has now."""
-    if current.unlimited:
+    if current.quota is None:
         return PodRecord(pod.linux.cgroup_parent, None, current.period)
     baseline = baseline_from_pod_resources(pod, current.period)
     if baseline is not None:
@@ -193,6 +193,8 @@ def rebase(record: PodRecord, current: CpuQuota) -> PodRecord:
     Synchronize). Another period: the baseline scaled to it, rounded up.
     """
     quota = current.quota
+    if current.period == record.period and (quota is None) == (record.baseline is None):
+        return record  # the same period, and limited as the books say (the common case)
     if quota is None:
         baseline, source = None, record.baseline_source
     elif record.baseline is None:
@@ -303,7 +305,7 @@ class PodQuotas:
         once per parent and layout: the reconciler asks again for every pod at every pass."""
         hierarchy = self.layout.cpu
         found = self._dirs.get(cgroup_parent)
-        if found is None or found.hierarchy != hierarchy:
+        if found is None or (found.hierarchy is not hierarchy and found.hierarchy != hierarchy):
             if len(self._dirs) >= _MAX_CACHED_DIRS:
                 self._dirs.clear()
             found = self._dirs[cgroup_parent] = hierarchy.dir(pod_cgroup_path(cgroup_parent))
@@ -664,13 +666,11 @@ class PodQuotas:
         if current.quota is None or target is None or target == current.quota:
             self._written[key] = current.quota
             return current
-        kind = "pod_quota_raise" if target > current.quota else "pod_quota_lower"
+        limit = current.with_quota(target)
         try:
-            await self.writer.write_pod_quota(
-                pod_dir, record.cgroup_parent, current.with_quota(target), current=current
-            )
+            await self.writer.write_pod_quota(pod_dir, record.cgroup_parent, limit, current=current)
         except CgroupError as exc:
-            self._write_failed(kind)
+            self._write_failed("pod_quota_raise" if target > current.quota else "pod_quota_lower")
             if target > current.quota or not isinstance(exc, CgroupWriteRejected):
                 raise
             if attempt is None:
@@ -688,11 +688,14 @@ class PodQuotas:
         # Not read back: a write(2) the kernel accepted set the value (a writer through systemd reads
         # it back itself); a value someone changes later is the reconciler's to see.
         self._written[key] = target
-        return current.with_quota(target)
+        return limit
 
     def _adopted(self, record: PodRecord, current: CpuQuota, key: str, pod_dir: Cgroup) -> PodRecord:
         """`adopt_resize`, logged when it finds a resize."""
-        resized = adopt_resize(record, current, self._written.get(key))
+        written = self._written.get(key)
+        if written is None:
+            return record  # nothing written here yet: no telling whose a value is
+        resized = adopt_resize(record, current, written)
         if resized is not record:
             log.info(
                 "the pod's own quota changed (an in-place resize): its target follows",
