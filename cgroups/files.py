@@ -407,8 +407,10 @@ def _open_file(cgroup: Cgroup, name: str, flags: int) -> tuple[int, int]:
     """The file opened with `flags`, and its size (see `_check_regular`)."""
     if name not in _KNOWN_NAMES:
         check_name(name, "cgroup file name")
-    walked = not isinstance(cgroup, OpenCgroup)  # a directory walked to for this file only
-    dir_fd = _open_dir(cgroup) if walked else cgroup.fileno()
+    if isinstance(cgroup, OpenCgroup):
+        dir_fd, walked = cgroup.fileno(), False
+    else:
+        dir_fd, walked = _open_dir(cgroup), True  # walked to for this file only
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeGuard
 
@@ -101,8 +102,8 @@ class CpuQuota:
 
 # A checked limit built without the dataclass's frozen __init__: the slots' own setters.
 _new_quota = object.__new__
-_set_quota = CpuQuota.quota.__set__  # type: ignore[attr-defined]
-_set_period = CpuQuota.period.__set__  # type: ignore[attr-defined]
+_set_quota: Callable[[CpuQuota, int | None], None] = CpuQuota.__dict__["quota"].__set__
+_set_period: Callable[[CpuQuota, int], None] = CpuQuota.__dict__["period"].__set__
 
 
 def _number(text: str, what: str, expected: str) -> int:
