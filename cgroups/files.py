@@ -452,7 +452,7 @@ def _read_all(fd: int, *, from_start: bool = False) -> bytes | None:
 
 def read_value(cgroup: Cgroup, name: str) -> str:
     """The text of the cgroup file `name` in `cgroup`, as the kernel gives it (newline included)."""
-    held = cgroup._held(name) if isinstance(cgroup, OpenCgroup) else None
+    held = cgroup._held(name) if name in _LIMIT_NAMES and isinstance(cgroup, OpenCgroup) else None
     try:
         if held is not None:
             data = _read_all(held.fd, from_start=True)
@@ -505,7 +505,7 @@ def write_value(cgroup: Cgroup, name: str, value: str) -> None:
         path = _file_path(cgroup, name)
         raise CgroupValueError(f"refusing to write {quote(value)} to {path}: not printable ASCII", path=path)
     data = (value + "\n").encode("ascii")
-    held = cgroup._held(name) if isinstance(cgroup, OpenCgroup) else None
+    held = cgroup._held(name) if name in _LIMIT_NAMES and isinstance(cgroup, OpenCgroup) else None
     if held is not None:
         written = _write_held(held, data, cgroup)
     else:

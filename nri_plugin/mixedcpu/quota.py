@@ -570,7 +570,8 @@ class PodQuotas:
         self._forget_if_done(key, now)
         if target is not None and now.quota is not None and now.quota != target:
             return PodCheck(PodState.PENDING, current, now)
-        return PodCheck(PodState.AT_TARGET if now == current else PodState.BROUGHT, current, now)
+        at_target = now is current or now == current  # (`_reconcile` returns `current` when at target)
+        return PodCheck(PodState.AT_TARGET if at_target else PodState.BROUGHT, current, now)
 
     # -- Synchronize ---------------------------------------------------------------------------------------
 
@@ -612,7 +613,7 @@ class PodQuotas:
                 # the next start would take the raised quota for the pod's own.
                 ahead = functools.partial(self._write_ahead, pods, key) if established else None
                 now = await self._reconcile(pod_dir, pods, key, current, ahead=ahead)
-            if now != current:
+            if now is not current and now != current:  # (`_reconcile` returns `current` when at target)
                 log.info(
                     "pod quota brought to its target",
                     pod_quota=f"{show_quota(current)} -> {show_quota(now)}",
