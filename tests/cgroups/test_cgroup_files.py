@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import errno
 import os
 import socket
@@ -141,6 +143,28 @@ def test_cpu_quota_helpers() -> None:
     assert quota.unlimited
     assert quota.with_quota(200000) == CpuQuota(200000, 50000)
     assert not quota.with_quota(200000).unlimited
+
+
+class _Micros(enum.IntEnum):
+    PERIOD = 100_000
+    QUOTA = 250_000
+
+
+def test_cpu_quota_takes_int_subclasses_and_refuses_bools_past_the_inline_checks() -> None:
+    """`CpuQuota` and `with_quota` test a plain int inline; anything else takes the full check,
+    which accepts an int subclass (not bool) and refuses the rest."""
+    quota = CpuQuota(_Micros.QUOTA, _Micros.PERIOD)
+    assert quota == CpuQuota(250_000, 100_000)
+    assert quota.with_quota(_Micros.QUOTA) == quota
+    for bad in (True, 1000.0, "2000", 999):
+        with pytest.raises(CgroupValueError, match="invalid CFS quota"):
+            quota.with_quota(bad)  # type: ignore[arg-type]
+    with pytest.raises(CgroupValueError, match="invalid CFS period"):
+        CpuQuota(None, False)  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        quota.quota = 5000  # type: ignore[misc]
+    assert repr(CpuQuota(None, 100_000)) == "CpuQuota(quota=None, period=100000)"
+    assert hash(quota.with_quota(250_000)) == hash(CpuQuota(250_000, 100_000))
 
 
 # --- quota files ------------------------------------------------------------------------------
