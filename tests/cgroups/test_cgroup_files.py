@@ -160,7 +160,7 @@ def test_cpu_quota_takes_int_subclasses_and_refuses_bools_past_the_inline_checks
         with pytest.raises(CgroupValueError, match="invalid CFS quota"):
             quota.with_quota(bad)  # type: ignore[arg-type]
     with pytest.raises(CgroupValueError, match="invalid CFS period"):
-        CpuQuota(None, False)  # type: ignore[arg-type]
+        CpuQuota(None, False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         quota.quota = 5000  # type: ignore[misc]
     assert repr(CpuQuota(None, 100_000)) == "CpuQuota(quota=None, period=100000)"
