@@ -271,8 +271,8 @@ def _pod_parts(text: str) -> tuple[str, ...]:
         raise _Reject(_TOO_LONG)
     if not text:
         raise _Reject("empty")
-    is_slice = text.rsplit("/", 1)[-1].endswith(_SLICE)
-    parts = _slice_parts(text) if is_slice else _cgroupfs_parts(text)
+    # (the last component ends in ".slice" when the text does: the suffix holds no "/")
+    parts = _slice_parts(text) if text.endswith(_SLICE) else _cgroupfs_parts(text)
     if not parts:
         raise _Reject("names the root cgroup, which is never a pod's")
     return parts
