@@ -67,6 +67,7 @@ __all__ = [
     "read_effective_cpuset",
     "read_value",
     "restore_cpu_quota",
+    "write_cpu_limit",
     "write_cpu_quota",
     "write_cpuset",
     "write_parent_child_quota",
@@ -591,9 +592,10 @@ def read_cpu_quota(cgroup: Cgroup, *, period: int | None = None) -> CpuQuota:
         raise CgroupValueError(f"{cgroup.fs_path}: {exc}", path=cgroup.fs_path) from exc
 
 
-def _write_quota(cgroup: Cgroup, limit: CpuQuota) -> None:
-    """Write `limit`, a `CpuQuota` (checked when made: not again), to a cgroup whose period it
-    already has: v1 ``cpu.cfs_quota_us`` only, v2 ``"QUOTA PERIOD"`` to ``cpu.max``."""
+def write_cpu_limit(cgroup: Cgroup, limit: CpuQuota) -> None:
+    """Write `limit` (a `CpuQuota`: checked when made, not again) to a cgroup whose period it
+    already has, as just read: v1 writes ``cpu.cfs_quota_us`` only, v2 ``"QUOTA PERIOD"`` to
+    ``cpu.max``. A limit with another period is `restore_cpu_quota`'s."""
     if cgroup.version == 2:
         write_value(cgroup, CPU_MAX, format_cpu_max(limit))
     else:
@@ -612,7 +614,7 @@ def write_cpu_quota(cgroup: Cgroup, quota: int | None, *, current: CpuQuota | No
         with OpenCgroup(cgroup) as opened:  # one walk to read and write
             return write_cpu_quota(opened, quota)
     new = (current if current is not None else read_cpu_quota(cgroup)).with_quota(quota)
-    _write_quota(cgroup, new)
+    write_cpu_limit(cgroup, new)
     return new
 
 
@@ -651,11 +653,11 @@ def write_parent_child_quota(
         new_parent = current.with_quota(parent_quota)
         new_child = read_cpu_quota(held_child).with_quota(child_quota)
         if _as_limit(new_parent.quota) >= _as_limit(current.quota):
-            _write_quota(held_parent, new_parent)
-            _write_quota(held_child, new_child)
+            write_cpu_limit(held_parent, new_parent)
+            write_cpu_limit(held_child, new_child)
         else:
-            _write_quota(held_child, new_child)
-            _write_quota(held_parent, new_parent)
+            write_cpu_limit(held_child, new_child)
+            write_cpu_limit(held_parent, new_parent)
 
 
 @contextlib.contextmanager

@@ -77,6 +77,7 @@ from cgroups import (
     pod_cgroup_path,
     read_cpu_quota,
     restore_cpu_quota,
+    write_cpu_limit,
     write_cpu_quota,
 )
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
@@ -141,7 +142,7 @@ class FileQuotaWriter:
         self, pod_dir: Cgroup, cgroup_parent: str, limit: CpuQuota, *, current: CpuQuota | None
     ) -> None:
         if current is not None and current.period == limit.period:
-            write_cpu_quota(pod_dir, limit.quota, current=current)
+            write_cpu_limit(pod_dir, limit)  # the period is as just read: the quota alone
         else:
             restore_cpu_quota(pod_dir, limit)  # the whole limit, period included
 
