@@ -17,6 +17,7 @@ from cgroups import (
     CgroupDir,
     CgroupError,
     CgroupNotFound,
+    CgroupOpener,
     CgroupPath,
     CgroupPathError,
     CgroupPermissionError,
@@ -36,6 +37,7 @@ from cgroups import (
     read_effective_cpuset,
     read_value,
     restore_cpu_quota,
+    write_cpu_limit,
     write_cpu_quota,
     write_cpuset,
     write_parent_child_quota,
@@ -190,6 +192,26 @@ def test_v2_quota_write_keeps_the_period(tmp_path: Path) -> None:
     assert _text(ctr, "cpu.max") == "200000 50000\n"
     assert write_cpu_quota(ctr, None) == CpuQuota(None, 50000)
     assert _text(ctr, "cpu.max") == "max 50000\n"
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["dir", "open"])
+def test_write_cpu_limit_writes_the_limit_as_it_is(tmp_path: Path, held: bool) -> None:
+    """v1: the quota file alone (the period is the caller's, as just read); v2: quota and period.
+    A longer value left in a fake tree's file is cut, through a held file too."""
+    v1 = _fake_tree(tmp_path / "v1", 1, quota="1234567\n").dir(POD)
+    v2 = _fake_tree(tmp_path / "v2", 2, quota="max 50000\n").dir(POD)
+    opener = CgroupOpener()  # its cgroups hold their limit file from the first use on
+    with opener.open(v1) as opened_v1, opener.open(v2) as opened_v2:
+        write_cpu_limit(opened_v1 if held else v1, CpuQuota(200000, 100000))
+        assert _text(v1, "cpu.cfs_quota_us") == "200000\n"
+        assert _text(v1, "cpu.cfs_period_us") == "100000\n"
+        write_cpu_limit(opened_v1 if held else v1, CpuQuota(None, 100000))
+        assert _text(v1, "cpu.cfs_quota_us") == "-1\n"
+        write_cpu_limit(opened_v2 if held else v2, CpuQuota(200000, 50000))
+        assert _text(v2, "cpu.max") == "200000 50000\n"
+        write_cpu_limit(opened_v2 if held else v2, CpuQuota(None, 50000))
+        assert _text(v2, "cpu.max") == "max 50000\n"
+    opener.close()
 
 
 def test_v2_restore_writes_quota_and_period_without_reading(tmp_path: Path) -> None:
