@@ -28,7 +28,6 @@ import os
 import stat
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, TypeAlias, TypeVar
 
@@ -68,6 +67,7 @@ __all__ = [
     "read_effective_cpuset",
     "read_value",
     "restore_cpu_quota",
+    "write_cpu_limit",
     "write_cpu_quota",
     "write_cpuset",
     "write_parent_child_quota",
@@ -136,6 +136,7 @@ _REJECT_ERRNOS: Final = frozenset(
 )
 
 _T = TypeVar("_T")
+_S_ISREG: Final = stat.S_ISREG
 
 
 def _errno_name(code: int) -> str:
@@ -177,26 +178,24 @@ def _is_symlink(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _open_at(dir_fd: int, name: str, flags: int, path: Callable[[], str]) -> int:
-    try:
-        return os.open(name, flags, dir_fd=dir_fd)
-    except OSError as exc:
-        raise _open_error(exc, path(), dir_fd, name) from exc
+def _file_path(cgroup: Cgroup, name: str) -> str:
+    """The file's filesystem path, for messages only: built when one is written."""
+    return os.path.join(cgroup.fs_path, name)
 
 
-def _check_regular(fd: int, path: Callable[[], str]) -> int:
+def _check_regular(fd: int, cgroup: Cgroup, name: str) -> int:
     """Refuse (closing `fd`) anything but a regular file: a cgroup file always is one. Returns its
     size: 0 for a cgroup filesystem's file, whatever it holds (a fake tree's file has its own)."""
     try:
         status = os.fstat(fd)
     except OSError as exc:
         os.close(fd)
-        raise _io_error(exc, path(), "inspect") from exc
-    mode = status.st_mode
-    if stat.S_ISREG(mode):
+        raise _io_error(exc, _file_path(cgroup, name), "inspect") from exc
+    if _S_ISREG(status.st_mode):
         return status.st_size
     os.close(fd)
-    where = path()
+    mode = status.st_mode
+    where = _file_path(cgroup, name)
     if stat.S_ISDIR(mode):
         error = OSError(errno.EISDIR, os.strerror(errno.EISDIR))
         raise _io_error(error, where, "use")
@@ -240,13 +239,14 @@ class OpenCgroup:
     after the read needs no second open. `fd`: the directory already opened (by `CgroupOpener`).
     """
 
-    __slots__ = ("_fd", "_hold_limit", "_limit", "cgroup")
+    __slots__ = ("_fd", "_hold_limit", "_limit", "cgroup", "version")
 
     def __init__(self, cgroup: CgroupDir, *, hold_limit: bool = False, fd: int | None = None) -> None:
         self._fd = -1
         self._limit: _HeldFile | None = None
         self._hold_limit = hold_limit
         self.cgroup = cgroup
+        self.version: CgroupVersion = cgroup.hierarchy.version
         self._fd = _open_dir(cgroup) if fd is None else fd
 
     @property
@@ -256,10 +256,6 @@ class OpenCgroup:
     @property
     def path(self) -> CgroupPath:
         return self.cgroup.path
-
-    @property
-    def version(self) -> CgroupVersion:
-        return self.cgroup.hierarchy.version
 
     @property
     def fs_path(self) -> str:
@@ -277,33 +273,38 @@ class OpenCgroup:
 
     def close(self) -> None:
         """Close the descriptor, and the limit file's if held (idempotent)."""
-        limit, self._limit = self._limit, None
+        limit = self._limit
         if limit is not None:
+            self._limit = None
             os.close(limit.fd)
-        fd, self._fd = self._fd, -1
+        fd = self._fd
         if fd >= 0:
+            self._fd = -1
             os.close(fd)
 
     def _held(self, name: str) -> _HeldFile | None:
         """The file `name` held open read-write, if it is the limit file this cgroup holds (opened
         now at its first use); None for any other file, or when it cannot be opened for writing (a
         read-only file or mount: opened as each access needs, to fail as that access would)."""
+        limit = self._limit
+        if limit is not None and limit.name == name:
+            return limit
         if not self._hold_limit or name not in _LIMIT_NAMES:
             return None
-        if self._limit is not None and self._limit.name == name:
-            return self._limit
-        dir_fd = self.fileno()
+        dir_fd = self._fd
+        if dir_fd < 0:
+            dir_fd = self.fileno()  # raises: closed
         try:
             fd = os.open(name, _READ_WRITE_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno in _PERMISSION_ERRNOS:
                 return None
-            raise _open_error(exc, os.path.join(self.fs_path, name), dir_fd, name) from exc
-        size = _check_regular(fd, lambda: os.path.join(self.fs_path, name))
-        if self._limit is not None:
-            os.close(self._limit.fd)
-        self._limit = _HeldFile(name, fd, size)
-        return self._limit
+            raise _open_error(exc, _file_path(self, name), dir_fd, name) from exc
+        size = _check_regular(fd, self, name)
+        if limit is not None:
+            os.close(limit.fd)
+        self._limit = limit = _HeldFile(name, fd, size)
+        return limit
 
     def __enter__(self) -> OpenCgroup:
         return self
@@ -314,7 +315,8 @@ class OpenCgroup:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        if self._fd >= 0 or self._limit is not None:  # not closed yet
+            self.close()
 
     def __str__(self) -> str:
         return self.cgroup.fs_path
@@ -323,14 +325,16 @@ class OpenCgroup:
         return f"OpenCgroup({self.cgroup!r}, fd={self._fd})"
 
 
-@dataclass(slots=True)
 class _HeldFile:
     """A cgroup file an `OpenCgroup` holds open read-write: its name, its descriptor, and the
     largest size it has had for us (0 on a cgroup filesystem, whose files always show 0)."""
 
-    name: str
-    fd: int
-    size: int
+    __slots__ = ("fd", "name", "size")
+
+    def __init__(self, name: str, fd: int, size: int) -> None:
+        self.name = name
+        self.fd = fd
+        self.size = size
 
 
 Cgroup: TypeAlias = "CgroupDir | OpenCgroup"
@@ -356,7 +360,9 @@ class CgroupOpener:
 
     def __init__(self, limit: int = 64) -> None:
         self._limit = limit
-        self._parents: dict[tuple[Hierarchy, tuple[str, ...]], int] = {}
+        # (mount point, parent's parts) -> the parent's descriptor. Keyed by the mount point, not the
+        # `Hierarchy` (whose hash is computed at each call): one mount point is one hierarchy.
+        self._parents: dict[tuple[str, tuple[str, ...]], int] = {}
         self._finalizer = weakref.finalize(self, _close_all, self._parents)
 
     def open(self, cgroup: CgroupDir) -> OpenCgroup:
@@ -364,7 +370,7 @@ class CgroupOpener:
         parts = cgroup.path.parts
         if not parts:
             return OpenCgroup(cgroup, hold_limit=True)
-        key = (cgroup.hierarchy, parts[:-1])
+        key = (cgroup.hierarchy.mount_point, parts[:-1])
         name = parts[-1]
         held = self._parents.get(key)
         if held is not None:
@@ -392,7 +398,7 @@ class CgroupOpener:
         _close_all(self._parents)
 
 
-def _close_all(parents: dict[tuple[Hierarchy, tuple[str, ...]], int]) -> None:
+def _close_all(parents: dict[tuple[str, tuple[str, ...]], int]) -> None:
     for fd in parents.values():
         os.close(fd)
     parents.clear()
@@ -402,23 +408,18 @@ def _open_file(cgroup: Cgroup, name: str, flags: int) -> tuple[int, int]:
     """The file opened with `flags`, and its size (see `_check_regular`)."""
     if name not in _KNOWN_NAMES:
         check_name(name, "cgroup file name")
-
-    def path() -> str:
-        return os.path.join(cgroup.fs_path, name)
-
     if isinstance(cgroup, OpenCgroup):
-        fd = _open_at(cgroup.fileno(), name, flags, path)
+        dir_fd, walked = cgroup.fileno(), False
     else:
-        dir_fd = _open_dir(cgroup)
-        try:
-            fd = _open_at(dir_fd, name, flags, path)
-        finally:
+        dir_fd, walked = _open_dir(cgroup), True  # walked to for this file only
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _open_error(exc, _file_path(cgroup, name), dir_fd, name) from exc
+    finally:
+        if walked:
             os.close(dir_fd)
-    return fd, _check_regular(fd, path)
-
-
-def _held_file(cgroup: Cgroup, name: str) -> _HeldFile | None:
-    return cgroup._held(name) if isinstance(cgroup, OpenCgroup) else None
+    return fd, _check_regular(fd, cgroup, name)
 
 
 def _io_error(exc: OSError, path: str, action: str) -> CgroupError:
@@ -434,9 +435,12 @@ def _read_all(fd: int, *, from_start: bool = False) -> bytes | None:
     held file); None when it holds more than `MAX_READ`. A read that returns less than asked is the
     end: a regular file's reads are short only there, and the kernel fills a cgroup file's read
     with the whole value."""
-    chunks: list[bytes] = []
-    size = 0
-    want = _FIRST_READ
+    first = os.pread(fd, _FIRST_READ, 0) if from_start else os.read(fd, _FIRST_READ)
+    if len(first) < _FIRST_READ:  # the whole value, as nearly always
+        return first
+    chunks = [first]
+    size = _FIRST_READ
+    want = MAX_READ + 1 - size
     while True:
         chunk = os.pread(fd, want, size) if from_start else os.read(fd, want)
         chunks.append(chunk)
@@ -444,14 +448,12 @@ def _read_all(fd: int, *, from_start: bool = False) -> bytes | None:
         if len(chunk) < want or size > MAX_READ:
             break
         want = MAX_READ + 1 - size
-    if size > MAX_READ:
-        return None
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return None if size > MAX_READ else b"".join(chunks)
 
 
 def read_value(cgroup: Cgroup, name: str) -> str:
     """The text of the cgroup file `name` in `cgroup`, as the kernel gives it (newline included)."""
-    held = _held_file(cgroup, name)
+    held = cgroup._held(name) if name in _LIMIT_NAMES and isinstance(cgroup, OpenCgroup) else None
     try:
         if held is not None:
             data = _read_all(held.fd, from_start=True)
@@ -462,20 +464,21 @@ def read_value(cgroup: Cgroup, name: str) -> str:
             finally:
                 os.close(fd)
     except OSError as exc:
-        raise _io_error(exc, os.path.join(cgroup.fs_path, name), "read") from exc
+        raise _io_error(exc, _file_path(cgroup, name), "read") from exc
     if data is None:
-        path = os.path.join(cgroup.fs_path, name)
+        path = _file_path(cgroup, name)
         raise CgroupError(f"{path} holds more than {MAX_READ} bytes; not a cgroup value file", path=path)
     try:
         return data.decode("ascii")
     except UnicodeDecodeError:
-        path = os.path.join(cgroup.fs_path, name)
+        path = _file_path(cgroup, name)
         raise CgroupValueError(f"{path} holds non-ASCII bytes: {quote(repr(data))}", path=path) from None
 
 
-def _reject_error(exc: OSError, path: str, name: str, value: str) -> CgroupError:
+def _reject_error(exc: OSError, path: str, name: str, data: bytes) -> CgroupError:
     code = exc.errno or 0
     reason = f"{os.strerror(code)} ({_errno_name(code)})"
+    value = data.decode("ascii").removesuffix("\n")
     if code in _REJECT_ERRNOS:
         hint = _REJECT_HINTS.get((name, code), "the kernel refused the value")
         return CgroupWriteRejected(
@@ -500,44 +503,45 @@ def write_value(cgroup: Cgroup, name: str, value: str) -> None:
     real write (a zero-byte write never reaches the kernel's handler).
     """
     if not value.isascii() or not value.isprintable():
-        path = os.path.join(cgroup.fs_path, name)
+        path = _file_path(cgroup, name)
         raise CgroupValueError(f"refusing to write {quote(value)} to {path}: not printable ASCII", path=path)
     data = (value + "\n").encode("ascii")
-    held = _held_file(cgroup, name)
+    held = cgroup._held(name) if name in _LIMIT_NAMES and isinstance(cgroup, OpenCgroup) else None
     if held is not None:
-        written = _write_held(held, data, cgroup, value)
+        written = _write_held(held, data, cgroup)
     else:
         fd, size = _open_file(cgroup, name, _WRITE_FLAGS)
         try:
-            written = _write(fd, data, cgroup, name, value)
+            written = _write(fd, data, cgroup, name)
             if size:
                 _cut(fd, written, cgroup, name)
         finally:
             os.close(fd)
     if written != len(data):
-        path = os.path.join(cgroup.fs_path, name)
+        path = _file_path(cgroup, name)
         raise CgroupError(
             f"short write of {quote(value)} to {path}: {written} of {len(data)} bytes", path=path
         )
 
 
-def _write(fd: int, data: bytes, cgroup: Cgroup, name: str, value: str) -> int:
+def _write(fd: int, data: bytes, cgroup: Cgroup, name: str) -> int:
     try:
         return os.write(fd, data)
     except OSError as exc:
-        raise _reject_error(exc, os.path.join(cgroup.fs_path, name), name, value) from exc
+        raise _reject_error(exc, _file_path(cgroup, name), name, data) from exc
 
 
-def _write_held(held: _HeldFile, data: bytes, cgroup: Cgroup, value: str) -> int:
+def _write_held(held: _HeldFile, data: bytes, cgroup: Cgroup) -> int:
     """Write through a held file, whose offset is 0 (it is read with ``pread``) and put back to 0."""
-    written = _write(held.fd, data, cgroup, held.name, value)
+    written = _write(held.fd, data, cgroup, held.name)
     if held.size:
         _cut(held.fd, written, cgroup, held.name)
         try:
             os.lseek(held.fd, 0, os.SEEK_SET)
         except OSError as exc:
-            raise _io_error(exc, os.path.join(cgroup.fs_path, held.name), "rewind") from exc
-    held.size = max(held.size, written)
+            raise _io_error(exc, _file_path(cgroup, held.name), "rewind") from exc
+    if written > held.size:  # (an empty fake file written twice is cut at the second write)
+        held.size = written
     return written
 
 
@@ -548,7 +552,7 @@ def _cut(fd: int, written: int, cgroup: Cgroup, name: str) -> None:
         if os.fstat(fd).st_size > written:
             os.ftruncate(fd, written)
     except OSError as exc:
-        raise _io_error(exc, os.path.join(cgroup.fs_path, name), "truncate") from exc
+        raise _io_error(exc, _file_path(cgroup, name), "truncate") from exc
 
 
 def _parsed(cgroup: Cgroup, name: str, parse: Callable[[str], _T]) -> _T:
@@ -556,7 +560,7 @@ def _parsed(cgroup: Cgroup, name: str, parse: Callable[[str], _T]) -> _T:
     try:
         return parse(text)
     except (CgroupValueError, cpuset.CpusetError) as exc:
-        path = os.path.join(cgroup.fs_path, name)
+        path = _file_path(cgroup, name)
         raise CgroupValueError(f"{path}: {exc}", path=path) from exc
 
 
@@ -588,11 +592,15 @@ def read_cpu_quota(cgroup: Cgroup, *, period: int | None = None) -> CpuQuota:
         raise CgroupValueError(f"{cgroup.fs_path}: {exc}", path=cgroup.fs_path) from exc
 
 
-def _write_quota(cgroup: Cgroup, quota: CpuQuota) -> None:
+def write_cpu_limit(cgroup: Cgroup, limit: CpuQuota) -> None:
+    """Write `limit` (a `CpuQuota`: checked when made, not again) to a cgroup whose period it
+    already has, as just read: v1 writes ``cpu.cfs_quota_us`` only, v2 ``"QUOTA PERIOD"`` to
+    ``cpu.max``. A limit with another period is `restore_cpu_quota`'s."""
     if cgroup.version == 2:
-        write_value(cgroup, CPU_MAX, format_cpu_max(quota))
+        write_value(cgroup, CPU_MAX, format_cpu_max(limit))
     else:
-        write_value(cgroup, CFS_QUOTA_US, format_cfs_quota_us(quota.quota))
+        quota = limit.quota
+        write_value(cgroup, CFS_QUOTA_US, "-1" if quota is None else str(quota))
 
 
 def write_cpu_quota(cgroup: Cgroup, quota: int | None, *, current: CpuQuota | None = None) -> CpuQuota:
@@ -606,7 +614,7 @@ def write_cpu_quota(cgroup: Cgroup, quota: int | None, *, current: CpuQuota | No
         with OpenCgroup(cgroup) as opened:  # one walk to read and write
             return write_cpu_quota(opened, quota)
     new = (current if current is not None else read_cpu_quota(cgroup)).with_quota(quota)
-    _write_quota(cgroup, new)
+    write_cpu_limit(cgroup, new)
     return new
 
 
@@ -645,11 +653,11 @@ def write_parent_child_quota(
         new_parent = current.with_quota(parent_quota)
         new_child = read_cpu_quota(held_child).with_quota(child_quota)
         if _as_limit(new_parent.quota) >= _as_limit(current.quota):
-            _write_quota(held_parent, new_parent)
-            _write_quota(held_child, new_child)
+            write_cpu_limit(held_parent, new_parent)
+            write_cpu_limit(held_child, new_child)
         else:
-            _write_quota(held_child, new_child)
-            _write_quota(held_parent, new_parent)
+            write_cpu_limit(held_child, new_child)
+            write_cpu_limit(held_parent, new_parent)
 
 
 @contextlib.contextmanager

@@ -128,9 +128,12 @@ def check_name(name: str, what: str) -> None:
         raise _refused(what, name, str(exc)) from None
 
 
+_TOO_LONG: Final = f"longer than {PATH_MAX} characters"
+
+
 def _check_length(text: str) -> None:
     if len(text) > PATH_MAX:
-        raise _Reject(f"longer than {PATH_MAX} characters")
+        raise _Reject(_TOO_LONG)
 
 
 def _refused(what: str, text: str, reason: str) -> CgroupPathError:
@@ -161,9 +164,10 @@ class CgroupPath:
     def _of_checked(cls, parts: tuple[str, ...]) -> CgroupPath:
         """The path of `parts` each already checked with `_check_component` (by the parsers below):
         only the whole length is left to check. Raises `_Reject`."""
+        if len("/".join(parts)) >= PATH_MAX:  # the path is "/" and that
+            raise _Reject(_TOO_LONG)
         path = object.__new__(cls)
         object.__setattr__(path, "parts", parts)
-        _check_length(str(path))
         return path
 
     def __str__(self) -> str:
@@ -183,7 +187,8 @@ class CgroupPath:
 
 
 def _cgroupfs_parts(text: str) -> tuple[str, ...]:
-    _check_length(text)
+    if len(text) > PATH_MAX:
+        raise _Reject(_TOO_LONG)
     if _CGROUPFS_PATH.fullmatch(text) is not None:  # valid, as nearly every path is: one match decides
         return tuple(text[1:].split("/"))
     if not text.startswith("/"):
@@ -262,11 +267,12 @@ def _slice_parts(text: str) -> tuple[str, ...]:
 
 
 def _pod_parts(text: str) -> tuple[str, ...]:
-    _check_length(text)
+    if len(text) > PATH_MAX:
+        raise _Reject(_TOO_LONG)
     if not text:
         raise _Reject("empty")
-    is_slice = text.rsplit("/", 1)[-1].endswith(_SLICE)
-    parts = _slice_parts(text) if is_slice else _cgroupfs_parts(text)
+    # (the last component ends in ".slice" when the text does: the suffix holds no "/")
+    parts = _slice_parts(text) if text.endswith(_SLICE) else _cgroupfs_parts(text)
     if not parts:
         raise _Reject("names the root cgroup, which is never a pod's")
     return parts
@@ -309,7 +315,8 @@ def _scope_parts(text: str) -> tuple[str, ...]:
 
 
 def _container_parts(text: str) -> tuple[str, ...]:
-    _check_length(text)
+    if len(text) > PATH_MAX:
+        raise _Reject(_TOO_LONG)
     if text.startswith("/"):
         parts = _cgroupfs_parts(text)
     elif text.count(":") == 2:

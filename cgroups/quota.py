@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeGuard
 
@@ -43,10 +44,12 @@ _DECIMAL: Final = re.compile(r"[0-9]{1,19}")
 
 
 def _is_int(value: object) -> TypeGuard[int]:
-    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_period(period: object) -> None:
+    """Raise unless `period` is an int (not a bool) within the kernel's bounds. The common case, a
+    plain int in range, is decided by the caller's inline test (`_valid_period`)."""
     if not _is_int(period) or not MIN_CFS_PERIOD_US <= period <= MAX_CFS_PERIOD_US:
         raise CgroupValueError(
             f"invalid CFS period {period!r}: expected microseconds from "
@@ -55,6 +58,7 @@ def _check_period(period: object) -> None:
 
 
 def _check_quota(quota: object) -> None:
+    """Raise unless `quota` is None or an int (not a bool) of at least `MIN_CFS_QUOTA_US`."""
     if quota is not None and (not _is_int(quota) or quota < MIN_CFS_QUOTA_US):
         raise CgroupValueError(
             f"invalid CFS quota {quota!r}: expected None (unlimited) or at least "
@@ -62,19 +66,28 @@ def _check_quota(quota: object) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class CpuQuota:
     """A CFS bandwidth limit: `quota` microseconds of CPU time per `period` microseconds.
 
     `quota` is None when unlimited (v1 `-1`, v2 `max`). `quota / period` is the limit in CPUs.
+    Frozen: equality, hash and repr are the dataclass's; `__init__` is ours, to check and set both
+    fields in one step (the generated one sets each through ``object.__setattr__``, then calls
+    ``__post_init__``: twice the work, on every pod quota read).
     """
 
     quota: int | None
     period: int
 
-    def __post_init__(self) -> None:
-        _check_period(self.period)
-        _check_quota(self.quota)
+    def __init__(self, quota: int | None, period: int) -> None:
+        # A plain int in range passes on the inline test; anything else goes to the full check,
+        # which raises (or accepts an int subclass other than bool).
+        if type(period) is not int or not MIN_CFS_PERIOD_US <= period <= MAX_CFS_PERIOD_US:
+            _check_period(period)
+        if quota is not None and (type(quota) is not int or quota < MIN_CFS_QUOTA_US):
+            _check_quota(quota)
+        _set_quota(self, quota)
+        _set_period(self, period)
 
     @property
     def unlimited(self) -> bool:
@@ -82,14 +95,22 @@ class CpuQuota:
 
     def with_quota(self, quota: int | None) -> CpuQuota:
         """The same period with another quota: only the quota is checked (the period was)."""
-        _check_quota(quota)
-        limit = object.__new__(CpuQuota)
-        object.__setattr__(limit, "quota", quota)
-        object.__setattr__(limit, "period", self.period)
+        if quota is not None and (type(quota) is not int or quota < MIN_CFS_QUOTA_US):
+            _check_quota(quota)
+        limit = _new_quota(CpuQuota)
+        _set_quota(limit, quota)
+        _set_period(limit, self.period)
         return limit
 
 
+# The slots' own setters: a frozen class's fields set once, when checked.
+_new_quota = object.__new__
+_set_quota: Callable[[CpuQuota, int | None], None] = CpuQuota.__dict__["quota"].__set__
+_set_period: Callable[[CpuQuota, int], None] = CpuQuota.__dict__["period"].__set__
+
+
 def _number(text: str, what: str, expected: str) -> int:
+    """`text` (stripped) as the kernel prints a number: 1 to 19 ASCII digits, no sign."""
     if _DECIMAL.fullmatch(text) is None:
         raise CgroupValueError(f"invalid {what} {quote(text)}: expected {expected}")
     return int(text)
@@ -98,9 +119,11 @@ def _number(text: str, what: str, expected: str) -> int:
 def parse_cfs_quota_us(text: str) -> int | None:
     """v1 `cpu.cfs_quota_us` content -> microseconds, or None for `-1` (unlimited)."""
     value = text.strip()
+    if _DECIMAL.fullmatch(value) is not None:
+        return int(value)
     if value == _V1_UNLIMITED:
         return None
-    return _number(value, "cpu.cfs_quota_us value", 'microseconds or "-1"')
+    raise CgroupValueError(f'invalid cpu.cfs_quota_us value {quote(value)}: expected microseconds or "-1"')
 
 
 def format_cfs_quota_us(quota: int | None) -> str:
@@ -113,7 +136,10 @@ def format_cfs_quota_us(quota: int | None) -> str:
 
 def parse_cfs_period_us(text: str) -> int:
     """v1 `cpu.cfs_period_us` content -> microseconds."""
-    return _number(text.strip(), "cpu.cfs_period_us value", "microseconds")
+    value = text.strip()
+    if _DECIMAL.fullmatch(value) is None:
+        raise CgroupValueError(f"invalid cpu.cfs_period_us value {quote(value)}: expected microseconds")
+    return int(value)
 
 
 def parse_cpu_max(text: str) -> CpuQuota:

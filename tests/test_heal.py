@@ -28,7 +28,7 @@ from mixedcpu_support import (
 )
 
 from api.nri import api_pb2 as api
-from cgroups import Cgroup, CpuQuota, read_cpu_quota, write_cpu_quota
+from cgroups import Cgroup, CpuQuota, read_cpu_quota, write_cpu_limit, write_cpu_quota
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.daemon import config as config_module
 from nri_plugin.daemon.wiring import build_plugin
@@ -309,10 +309,15 @@ async def test_a_pass_over_an_unchanged_node_writes_saves_and_says_nothing(
         writes.append(cgroup)
         return write_cpu_quota(cgroup, value, current=current)
 
+    def write_limit(cgroup: Cgroup, limit: CpuQuota) -> None:
+        writes.append(cgroup)
+        write_cpu_limit(cgroup, limit)
+
     def save(_store: StateStore, books: Books) -> None:
         saves.append(books)
 
     monkeypatch.setattr(quota, "write_cpu_quota", write)
+    monkeypatch.setattr(quota, "write_cpu_limit", write_limit)
     monkeypatch.setattr(StateStore, "save", save)
     with structlog.testing.capture_logs() as logs:
         report = await plugin.healer.reconcile()

@@ -77,6 +77,7 @@ from cgroups import (
     pod_cgroup_path,
     read_cpu_quota,
     restore_cpu_quota,
+    write_cpu_limit,
     write_cpu_quota,
 )
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
@@ -141,7 +142,7 @@ class FileQuotaWriter:
         self, pod_dir: Cgroup, cgroup_parent: str, limit: CpuQuota, *, current: CpuQuota | None
     ) -> None:
         if current is not None and current.period == limit.period:
-            write_cpu_quota(pod_dir, limit.quota, current=current)
+            write_cpu_limit(pod_dir, limit)  # the period is as just read: the quota alone
         else:
             restore_cpu_quota(pod_dir, limit)  # the whole limit, period included
 
@@ -176,7 +177,7 @@ class PodCheck:
 def new_pod_record(pod: api.PodSandbox, current: CpuQuota) -> PodRecord:
     """The record of a pod first seen with `current` in its cgroup: its baseline from the runtime's
     ``pod_resources`` when sent, else the quota it has now."""
-    if current.unlimited:
+    if current.quota is None:
         return PodRecord(pod.linux.cgroup_parent, None, current.period)
     baseline = baseline_from_pod_resources(pod, current.period)
     if baseline is not None:
@@ -193,6 +194,8 @@ def rebase(record: PodRecord, current: CpuQuota) -> PodRecord:
     Synchronize). Another period: the baseline scaled to it, rounded up.
     """
     quota = current.quota
+    if current.period == record.period and (quota is None) == (record.baseline is None):
+        return record  # the same period, and limited as the books say (the common case)
     if quota is None:
         baseline, source = None, record.baseline_source
     elif record.baseline is None:
@@ -303,7 +306,7 @@ class PodQuotas:
         once per parent and layout: the reconciler asks again for every pod at every pass."""
         hierarchy = self.layout.cpu
         found = self._dirs.get(cgroup_parent)
-        if found is None or found.hierarchy != hierarchy:
+        if found is None or (found.hierarchy is not hierarchy and found.hierarchy != hierarchy):
             if len(self._dirs) >= _MAX_CACHED_DIRS:
                 self._dirs.clear()
             found = self._dirs[cgroup_parent] = hierarchy.dir(pod_cgroup_path(cgroup_parent))
@@ -568,7 +571,8 @@ class PodQuotas:
         self._forget_if_done(key, now)
         if target is not None and now.quota is not None and now.quota != target:
             return PodCheck(PodState.PENDING, current, now)
-        return PodCheck(PodState.AT_TARGET if now == current else PodState.BROUGHT, current, now)
+        at_target = now is current or now == current  # (`_reconcile` returns `current` when at target)
+        return PodCheck(PodState.AT_TARGET if at_target else PodState.BROUGHT, current, now)
 
     # -- Synchronize ---------------------------------------------------------------------------------------
 
@@ -610,7 +614,7 @@ class PodQuotas:
                 # the next start would take the raised quota for the pod's own.
                 ahead = functools.partial(self._write_ahead, pods, key) if established else None
                 now = await self._reconcile(pod_dir, pods, key, current, ahead=ahead)
-            if now != current:
+            if now is not current and now != current:  # (`_reconcile` returns `current` when at target)
                 log.info(
                     "pod quota brought to its target",
                     pod_quota=f"{show_quota(current)} -> {show_quota(now)}",
@@ -664,13 +668,11 @@ class PodQuotas:
         if current.quota is None or target is None or target == current.quota:
             self._written[key] = current.quota
             return current
-        kind = "pod_quota_raise" if target > current.quota else "pod_quota_lower"
+        limit = current.with_quota(target)
         try:
-            await self.writer.write_pod_quota(
-                pod_dir, record.cgroup_parent, current.with_quota(target), current=current
-            )
+            await self.writer.write_pod_quota(pod_dir, record.cgroup_parent, limit, current=current)
         except CgroupError as exc:
-            self._write_failed(kind)
+            self._write_failed("pod_quota_raise" if target > current.quota else "pod_quota_lower")
             if target > current.quota or not isinstance(exc, CgroupWriteRejected):
                 raise
             if attempt is None:
@@ -688,11 +690,14 @@ class PodQuotas:
         # Not read back: a write(2) the kernel accepted set the value (a writer through systemd reads
         # it back itself); a value someone changes later is the reconciler's to see.
         self._written[key] = target
-        return current.with_quota(target)
+        return limit
 
     def _adopted(self, record: PodRecord, current: CpuQuota, key: str, pod_dir: Cgroup) -> PodRecord:
         """`adopt_resize`, logged when it finds a resize."""
-        resized = adopt_resize(record, current, self._written.get(key))
+        written = self._written.get(key)
+        if written is None:
+            return record  # nothing written here yet: no telling whose a value is
+        resized = adopt_resize(record, current, written)
         if resized is not record:
             log.info(
                 "the pod's own quota changed (an in-place resize): its target follows",

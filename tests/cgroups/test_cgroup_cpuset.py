@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import enum
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -109,8 +112,19 @@ def test_format(cpus: set[int], text: str) -> None:
 
 @pytest.mark.parametrize("bad", [-1, MAX_CPUS, True, 1.0, "1", None])
 def test_format_rejects(bad: object) -> None:
-    with pytest.raises(CpusetError, match="cannot format cpu"):
+    with pytest.raises(CpusetError, match=re.escape(f"cannot format cpu {bad!r}:")):
         cpuset.format([0, bad])  # type: ignore[list-item]
+
+
+class _Cpu(enum.IntEnum):
+    THREE = 3
+    FOUR = 4
+
+
+def test_format_takes_int_subclasses_one_by_one() -> None:
+    """Plain ints are checked together; an int subclass (not bool) is checked one by one, and taken."""
+    assert cpuset.format({_Cpu.THREE, _Cpu.FOUR}) == "3-4"
+    assert cpuset.format({_Cpu.THREE, 7, 8}) == "3,7-8"
 
 
 cpu_ids = st.integers(min_value=0, max_value=MAX_CPU)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import errno
 import os
 import socket
@@ -15,6 +17,7 @@ from cgroups import (
     CgroupDir,
     CgroupError,
     CgroupNotFound,
+    CgroupOpener,
     CgroupPath,
     CgroupPathError,
     CgroupPermissionError,
@@ -34,6 +37,7 @@ from cgroups import (
     read_effective_cpuset,
     read_value,
     restore_cpu_quota,
+    write_cpu_limit,
     write_cpu_quota,
     write_cpuset,
     write_parent_child_quota,
@@ -143,6 +147,28 @@ def test_cpu_quota_helpers() -> None:
     assert not quota.with_quota(200000).unlimited
 
 
+class _Micros(enum.IntEnum):
+    PERIOD = 100_000
+    QUOTA = 250_000
+
+
+def test_cpu_quota_takes_int_subclasses_and_refuses_bools_past_the_inline_checks() -> None:
+    """`CpuQuota` and `with_quota` test a plain int inline; anything else takes the full check,
+    which accepts an int subclass (not bool) and refuses the rest."""
+    quota = CpuQuota(_Micros.QUOTA, _Micros.PERIOD)
+    assert quota == CpuQuota(250_000, 100_000)
+    assert quota.with_quota(_Micros.QUOTA) == quota
+    for bad in (True, 1000.0, "2000", 999):
+        with pytest.raises(CgroupValueError, match="invalid CFS quota"):
+            quota.with_quota(bad)  # type: ignore[arg-type]
+    with pytest.raises(CgroupValueError, match="invalid CFS period"):
+        CpuQuota(None, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        quota.quota = 5000  # type: ignore[misc]
+    assert repr(CpuQuota(None, 100_000)) == "CpuQuota(quota=None, period=100000)"
+    assert hash(quota.with_quota(250_000)) == hash(CpuQuota(250_000, 100_000))
+
+
 # --- quota files ------------------------------------------------------------------------------
 
 
@@ -166,6 +192,26 @@ def test_v2_quota_write_keeps_the_period(tmp_path: Path) -> None:
     assert _text(ctr, "cpu.max") == "200000 50000\n"
     assert write_cpu_quota(ctr, None) == CpuQuota(None, 50000)
     assert _text(ctr, "cpu.max") == "max 50000\n"
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["dir", "open"])
+def test_write_cpu_limit_writes_the_limit_as_it_is(tmp_path: Path, held: bool) -> None:
+    """v1: the quota file alone (the period is the caller's, as just read); v2: quota and period.
+    A longer value left in a fake tree's file is cut, through a held file too."""
+    v1 = _fake_tree(tmp_path / "v1", 1, quota="1234567\n").dir(POD)
+    v2 = _fake_tree(tmp_path / "v2", 2, quota="max 50000\n").dir(POD)
+    opener = CgroupOpener()  # its cgroups hold their limit file from the first use on
+    with opener.open(v1) as opened_v1, opener.open(v2) as opened_v2:
+        write_cpu_limit(opened_v1 if held else v1, CpuQuota(200000, 100000))
+        assert _text(v1, "cpu.cfs_quota_us") == "200000\n"
+        assert _text(v1, "cpu.cfs_period_us") == "100000\n"
+        write_cpu_limit(opened_v1 if held else v1, CpuQuota(None, 100000))
+        assert _text(v1, "cpu.cfs_quota_us") == "-1\n"
+        write_cpu_limit(opened_v2 if held else v2, CpuQuota(200000, 50000))
+        assert _text(v2, "cpu.max") == "200000 50000\n"
+        write_cpu_limit(opened_v2 if held else v2, CpuQuota(None, 50000))
+        assert _text(v2, "cpu.max") == "max 50000\n"
+    opener.close()
 
 
 def test_v2_restore_writes_quota_and_period_without_reading(tmp_path: Path) -> None:
