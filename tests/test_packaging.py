@@ -280,8 +280,10 @@ def check_openshift_scc(docs: list[Doc], ds: Doc) -> None:
     assert scc["runAsUser"]["type"] == "RunAsAny"  # uid 0
     assert scc["seLinuxContext"]["type"] == "RunAsAny"  # spc_t
     assert container["securityContext"]["seLinuxOptions"] == {"type": "spc_t"}
-    kinds = {"hostPath" if "hostPath" in v else "configMap" if "configMap" in v else "emptyDir"
-             for v in spec["volumes"]}
+    kinds = {
+        "hostPath" if "hostPath" in v else "configMap" if "configMap" in v else "emptyDir"
+        for v in spec["volumes"]
+    }
     assert kinds <= set(scc["volumes"])
     role = one(docs, "ClusterRole")
     [rule] = role["rules"]
@@ -441,9 +443,7 @@ def helm_binary() -> str:
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [helm_binary(), *args], capture_output=True, text=True, timeout=GUARD, check=False
-    )
+    return subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=GUARD, check=False)
 
 
 def helm_template(*sets: str) -> list[Doc]:
@@ -863,8 +863,18 @@ def test_the_copied_sources_build_a_wheel_with_the_console_script(tmp_path: Path
         else:
             shutil.copy(origin, src / source)
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-         str(tmp_path / "dist"), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -916,8 +926,10 @@ def uncommented(path: Path) -> dict[str, Any]:
     """The drop-in with its commented-out optional block switched on: that block must parse too."""
     lines = []
     for line in path.read_text().splitlines():
-        if line.startswith("# [") or (line.startswith("#   ") and "=" in line and "'" not in line) or (
-            line.startswith("# nri_")
+        if (
+            line.startswith("# [")
+            or (line.startswith("#   ") and "=" in line and "'" not in line)
+            or (line.startswith("# nri_"))
         ):
             line = line[2:]
         lines.append(line)

@@ -14,4 +14,3 @@ def test_every_expected_vector_is_in_the_repository() -> None:
 
 def test_the_vectors_readme_travels_with_them() -> None:
     assert "captured" in (VECTOR_DIR / "README.md").read_text(encoding="utf-8")
-

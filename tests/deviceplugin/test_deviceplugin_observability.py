@@ -75,9 +75,12 @@ async def daemon_in_process(
     try:
         async with plugin_running(plugin, socket_path, reconnect=True, observer=metrics) as stub:
             bind_gauges(metrics, stub, plugin, device_plugin)
-            async with ProbeServer(
-                f"{HOST}:0", metrics=metrics.render, readiness=readiness(stub, device_plugin)
-            ) as probes, device_plugin:
+            async with (
+                ProbeServer(
+                    f"{HOST}:0", metrics=metrics.render, readiness=readiness(stub, device_plugin)
+                ) as probes,
+                device_plugin,
+            ):
                 [address] = probes.bound
                 yield sim, device_plugin, int(address.rpartition(":")[2])
     finally:

@@ -123,9 +123,7 @@ def test_hostile_combinations_with_a_replayed_marker_get_nothing(tmp_path: Path)
             thieves.grants += granted("CreateContainer", reply)
 
         check()
-        print(
-            f"\nhypothesis replays, kubelet asked: {thieves.attempts} attempts, {thieves.grants} grants"
-        )
+        print(f"\nhypothesis replays, kubelet asked: {thieves.attempts} attempts, {thieves.grants} grants")
         assert thieves.attempts >= 80
         assert thieves.grants == 0
 
