@@ -54,6 +54,9 @@ class OpcodeCounter:
     def __exit__(self, *exc: object) -> None:
         sys.settrace(None)
 
+    def total(self) -> int:
+        return sum(self.counts.values())
+
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
         frame.f_trace_opcodes = True
         frame.f_trace_lines = False
@@ -109,15 +112,20 @@ async def _count(root: Path, calls: int, warm: int) -> OpcodeCounter:
 
 
 def report(counter: OpcodeCounter, calls: int, top: int) -> None:
-    total = sum(counter.counts.values())
+    print(f"bytecodes per asking CreateContainer: {counter.total() / calls:,.0f} ({calls} traced)\n")
+    print_tables(counter, calls, top, per="creation")
+
+
+def print_tables(counter: OpcodeCounter, calls: int, top: int, *, per: str) -> None:
+    """The counts per call (`per` names one) by file, with each file's share, then the `top` functions."""
+    total = max(counter.total(), 1)
     by_file: collections.Counter[str] = collections.Counter()
     for (path, _, _), n in counter.counts.items():
         by_file[path] += n
-    print(f"bytecodes per asking CreateContainer: {total / calls:,.0f} ({calls} traced)\n")
-    print("| file | bytecodes per creation | share |\n|---|---|---|")
+    print(f"| file | bytecodes per {per} | share |\n|---|---|---|")
     for path, n in by_file.most_common():
         print(f"| {path} | {n / calls:,.0f} | {n / total:.0%} |")
-    print(f"\n| function (top {top}) | bytecodes per creation |\n|---|---|")
+    print(f"\n| function (top {top}) | bytecodes per {per} |\n|---|---|")
     for (path, line, name), n in counter.counts.most_common(top):
         print(f"| `{path}:{line} {name}` | {n / calls:,.0f} |")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import logging
 import statistics
 import tempfile
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 
 import structlog
-from opcount import OpcodeCounter
+from opcount import OpcodeCounter, print_tables
 from workload import PluginProcess, fake_node, realistic_container, realistic_pod
 
 from api.nri import api_pb2 as api
@@ -88,23 +87,14 @@ async def _measure(node: Path, calls: int, warm: int, cpu_calls: int, pods: int)
 
 
 def report(reading: Reading, calls: int, top: int) -> None:
-    counts = reading.counter.counts
-    total = sum(counts.values())
     calls = max(calls, 1)
-    by_file: collections.Counter[str] = collections.Counter()
-    for (path, _, _), n in counts.items():
-        by_file[path] += n
+    total = reading.counter.total()
     print(f"simulator-side bytecodes per asking CreateContainer round trip: {total / calls:,.0f}")
     print(
         f"CPU per round trip: simulator {reading.own_us:.0f} µs, plugin {reading.plugin_us:.0f} µs; "
         f"wall p50 {reading.wall_us:.0f} µs\n"
     )
-    print("| file | bytecodes per round trip | share |\n|---|---|---|")
-    for path, n in by_file.most_common():
-        print(f"| {path} | {n / calls:,.0f} | {n / total:.0%} |")
-    print(f"\n| function (top {top}) | bytecodes per round trip |\n|---|---|")
-    for (path, line, name), n in counts.most_common(top):
-        print(f"| `{path}:{line} {name}` | {n / calls:,.0f} |")
+    print_tables(reading.counter, calls, top, per="round trip")
 
 
 def main(argv: list[str] | None = None) -> None:

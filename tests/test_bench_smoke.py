@@ -69,9 +69,10 @@ def test_quick_benchmark_prints_every_row() -> None:
         assert cells[3] in {"yes", "**no**", "—"}, row
 
 
-def test_opcode_count_names_the_layers_of_an_asking_creation() -> None:
+def _bench(script: str, *options: str) -> str:
+    """What `bench/<script>` prints with `options`; fails the test when it does not exit 0."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "opcount.py"), "--calls", "2", "--warm", "1", "--top", "5"],
+        [sys.executable, str(ROOT / "bench" / script), *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -79,9 +80,27 @@ def test_opcode_count_names_the_layers_of_an_asking_creation() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    first = done.stdout.splitlines()[0]
-    assert first.startswith("bytecodes per asking CreateContainer: "), done.stdout
-    assert int(first.split(": ")[1].split(" ")[0].replace(",", "")) > 0, first
+    return done.stdout
+
+
+def _count_in(line: str, label: str) -> int:
+    assert line.startswith(label + ": "), line
+    return int(line.removeprefix(label + ": ").split(" ")[0].replace(",", ""))
+
+
+def test_opcode_count_names_the_layers_of_an_asking_creation() -> None:
+    out = _bench("opcount.py", "--calls", "2", "--warm", "1", "--top", "5")
+    assert _count_in(out.splitlines()[0], "bytecodes per asking CreateContainer") > 0, out
     # Each layer of the path shows up by file: the transport, the policy, the books, the cgroup files.
     for path in ("nri_plugin/ttrpc/protocol.py", "nri_plugin/mixedcpu/policy.py", "cgroups/files.py"):
-        assert f"| {path} | " in done.stdout, done.stdout
+        assert f"| {path} | " in out, out
+
+
+def test_simulator_opcode_count_names_the_layers_of_a_round_trip() -> None:
+    out = _bench("sim_opcount.py", "--calls", "2", "--warm", "1", "--cpu-calls", "2", "--top", "5")
+    first, second = out.splitlines()[:2]
+    assert _count_in(first, "simulator-side bytecodes per asking CreateContainer round trip") > 0, out
+    assert second.startswith("CPU per round trip: simulator "), out
+    # The runtime's own code and the transport under it show up by file.
+    for path in ("nri_plugin/nri/simulator.py", "nri_plugin/ttrpc/protocol.py", "nri_plugin/nri/mux.py"):
+        assert f"| {path} | " in out, out
