@@ -67,6 +67,18 @@ class _CountingTransport(asyncio.Transport):
         return False
 
 
+def plugin_behind_trunk(plugin: MixedCpuPlugin) -> tuple[mux.Trunk, _CountingTransport]:
+    """The plugin behind its stub, a ttrpc server and the multiplexer, as the daemon wires it, with
+    no socket: feed the trunk a request's bytes, and the transport counts the replies."""
+    stub = Stub(plugin, name="bench", index="10", socket_path="/nonexistent")
+    trunk = mux.Trunk()
+    transport = _CountingTransport()
+    trunk.connection_made(transport)
+    server = Server({PLUGIN_SERVICE: stub._methods()}, functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
+    trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
+    return trunk, transport
+
+
 def fake_layout(cgroup_root: str) -> CgroupLayout:
     return CgroupLayout(
         CgroupMode.V1,
@@ -133,12 +145,7 @@ async def per_create(
         await plugin.synchronize(pods, containers)
         plugin.flush()
     plugin.later.flush()
-    stub = Stub(plugin, name="bench", index="10", socket_path="/nonexistent")
-    trunk = mux.Trunk()
-    transport = _CountingTransport()
-    trunk.connection_made(transport)
-    server = Server({PLUGIN_SERVICE: stub._methods()}, functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
-    trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
+    trunk, transport = plugin_behind_trunk(plugin)
     frames = _frames(parents, books)
     clock = time.process_time
     before = after = 0.0

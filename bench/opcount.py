@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import functools
 import os
 import sys
 import tempfile
@@ -26,15 +25,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from asking_create import SHARED_CPUS, _CountingTransport, _frames, fake_layout
+from asking_create import SHARED_CPUS, _frames, fake_layout, plugin_behind_trunk
 from workload import fake_node, realistic_pod
 
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
-from nri_plugin.nri import mux
-from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub
-from nri_plugin.ttrpc.aio import Server
 
 Where = tuple[str, int, str]
 _ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
@@ -92,12 +88,7 @@ async def _count(root: Path, calls: int, warm: int) -> OpcodeCounter:
         store=StateStore(state_dir),
         trusted=TrustedSources(pod_annotation=True),
     )
-    stub = Stub(plugin, name="bench", index="10", socket_path="/nonexistent")
-    trunk = mux.Trunk()
-    transport = _CountingTransport()
-    trunk.connection_made(transport)
-    server = Server({PLUGIN_SERVICE: stub._methods()}, functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
-    trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
+    trunk, transport = plugin_behind_trunk(plugin)
     frames = _frames(parents, 0)
     for frame in frames[:warm]:
         trunk.data_received(frame)

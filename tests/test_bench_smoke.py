@@ -46,22 +46,14 @@ EXPECTED_ROWS = (
 
 
 def test_quick_benchmark_prints_every_row() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "run_all.py"), "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    out = _bench("run_all.py", "--quick")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     header, body = rows[0], rows[1:]
     assert header == "| measure | result | target | met? |"
     labels = [row.split(" | ")[0].removeprefix("| ").strip() for row in body]
     for expected in EXPECTED_ROWS:
-        assert any(label.startswith(expected) for label in labels), f"no row {expected!r} in:\n{done.stdout}"
-    assert len(body) == len(EXPECTED_ROWS), done.stdout
+        assert any(label.startswith(expected) for label in labels), f"no row {expected!r} in:\n{out}"
+    assert len(body) == len(EXPECTED_ROWS), out
     for row in body:
         cells = [cell.strip() for cell in row.strip("|").split(" | ")]
         assert len(cells) == 4, row
