@@ -53,3 +53,30 @@ def test_malformed_bytes_stop_the_walk_with_nothing_beyond_them(data: bytes) -> 
     seen, malformed = _walk(b"\x08\x01" + data)
     assert malformed
     assert seen == [wire.Field(1, wire.VARINT, 0, 1, 2)]
+
+
+@pytest.mark.parametrize("size", [0, 1, 126, 127, 128, 129, 1500, 16382, 16383, 16384, 16385, 2_097_152])
+def test_each_length_is_read_as_protobuf_wrote_it(size: int) -> None:
+    """A LEN field's length takes one, two, three or four bytes by its size: each is read as
+    protobuf wrote it, so that every field is cut where protobuf parses it back."""
+    container = api.Container(id="c", name="x" * size)
+    request = api.SynchronizeRequest(containers=[container, container], more=True)
+    data = request.SerializeToString()
+    seen = list(wire.each_field(data))
+    assert [(field.number, field.wire) for field in seen] == [(2, wire.LEN), (2, wire.LEN), (3, wire.VARINT)]
+    assert [field.start for field in seen[1:]] == [field.end for field in seen[:2]]
+    assert seen[2].end == len(data)
+    for field in seen[:2]:
+        assert api.Container.FromString(data[field.begin : field.end]) == container
+
+
+@pytest.mark.parametrize("length", [b"\x80\x00", b"\xff\x00", b"\x80\x80\x00"])
+def test_a_length_written_longer_than_it_needs_is_still_its_value(length: bytes) -> None:
+    """Varints padded with high zero groups (`\\x80\\x00` is 0) are valid: the length is their value."""
+    data = b"\x12" + length + b"\x18\x01"
+    value = 0x7F if length.startswith(b"\xff") else 0
+    if value:
+        data += b"y" * (value - 2)
+    seen, malformed = _walk(data)
+    assert not malformed
+    assert seen[0].end - seen[0].begin == value

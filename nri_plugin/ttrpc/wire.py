@@ -85,6 +85,9 @@ def each_field(data: bytes | memoryview) -> Iterator[Field]:
                 length = data[pos]
                 if length < 0x80:
                     begin = pos + 1
+                elif data[pos + 1] < 0x80:  # 128 B to 16 KiB: most pods and containers
+                    length = (length & 0x7F) | (data[pos + 1] << 7)
+                    begin = pos + 2
                 else:
                     length, begin = varint(data, pos)
                 pos = begin + length
