@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from asking_create import SHARED_CPUS, fake_layout, plugin_behind_trunk
 from opcount import OpcodeCounter, print_tables
@@ -38,7 +39,14 @@ READ_SIZE = 256 * 1024  # what asyncio's selector transport asks recv() for
 MESSAGE_LIMIT = 4 << 20
 
 
-def sync_reads(pods: int, shared: bool) -> list[bytes]:
+class Reads(NamedTuple):
+    """A Synchronize as the plugin's socket gives it: its reads, and how many messages they hold."""
+
+    data: list[bytes]
+    messages: int
+
+
+def sync_reads(pods: int, shared: bool) -> Reads:
     """The runtime's Synchronize messages for `pods` realistic pods, as the bytes the plugin's
     socket would give it, cut in reads of READ_SIZE."""
     sim = RuntimeSimulator("/nonexistent", max_message_size=MESSAGE_LIMIT)
@@ -51,30 +59,40 @@ def sync_reads(pods: int, shared: bool) -> list[bytes]:
     session = ClientSession()
     stream = bytearray()
     # The simulator's own split (Go's rule: a share of the objects, cut until each fits).
-    for request in sim._sync_requests(list(sim.pods.values()), list(sim.containers.values())):
+    requests = sim._sync_requests(list(sim.pods.values()), list(sim.containers.values()))
+    for request in requests:
         _, message = session.send_request(
             PLUGIN_SERVICE, "Synchronize", request.SerializeToString(), timeout_nano=10_000_000_000
         )
         for part in mux.encode(mux.PLUGIN_SERVICE_CONN, message):
             stream += part
-    return [bytes(stream[at : at + READ_SIZE]) for at in range(0, len(stream), READ_SIZE)]
+    data = [bytes(stream[at : at + READ_SIZE]) for at in range(0, len(stream), READ_SIZE)]
+    return Reads(data, len(requests))
 
 
-async def synchronize(plugin: MixedCpuPlugin, reads: list[bytes], counter: OpcodeCounter | None) -> float:
-    """CPU seconds from the first read to the last reply written."""
+async def synchronize(
+    plugin: MixedCpuPlugin, reads: Reads, pods: int, counter: OpcodeCounter | None
+) -> float:
+    """CPU seconds from the first read to the last reply written; the plugin must then share the
+    asking container of each of the `pods`."""
     trunk, transport = plugin_behind_trunk(plugin)
-    messages = 2
     started = time.process_time()
     if counter is not None:
         counter.__enter__()
-    for data in reads:
+    for data in reads.data:
         trunk.data_received(data)
     # A few turns: the handler waits on nothing outside this loop; the counting transport has no event.
-    while transport.written < messages:  # noqa: ASYNC110
+    for _ in range(100_000):
+        if transport.written >= reads.messages:
+            break
         await asyncio.sleep(0)
+    else:
+        raise AssertionError(f"{transport.written} replies to {reads.messages} Synchronize messages")
     if counter is not None:
         counter.__exit__()
     cpu = time.process_time() - started
+    shared = plugin.books.shared_containers
+    assert shared == pods, f"{shared} containers shared after the Synchronize, not one per pod ({pods})"
     plugin.later.flush()
     plugin.flush()
     return cpu
@@ -105,7 +123,7 @@ def run(pods: int, runs: int, count: bool) -> tuple[list[float], list[float], di
             kinds = (("first start", first_reads, first), ("restart", restart_reads, restart))
             for name, reads, into in kinds:
                 counter = OpcodeCounter() if counting else None
-                cpu = asyncio.run(synchronize(_plugin(cgroup_root, state_dir), reads, counter))
+                cpu = asyncio.run(synchronize(_plugin(cgroup_root, state_dir), reads, pods, counter))
                 if counter is not None:
                     counters[name] = counter
                 else:
@@ -127,8 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  restart:     {_show(restart)}")
     for name, counter in counters.items():
         print(f"  {name}: {counter.total():,} bytecodes")
-        if args.top:
-            print_tables(counter, 1, args.top, per=f"Synchronize ({name})")
+    for name, counter in counters.items() if args.top else ():
+        print_tables(counter, 1, args.top, per=f"Synchronize ({name})")
 
 
 if __name__ == "__main__":

@@ -96,3 +96,15 @@ def test_simulator_opcode_count_names_the_layers_of_a_round_trip() -> None:
     # The runtime's own code and the transport under it show up by file.
     for path in ("nri_plugin/nri/simulator.py", "nri_plugin/ttrpc/protocol.py", "nri_plugin/nri/mux.py"):
         assert f"| {path} | " in out, out
+
+
+def test_in_process_synchronize_counts_both_kinds() -> None:
+    """The bench checks each Synchronize shared every asking container; a first start does more than a
+    restart over what it left (updates to answer, every pod quota raised)."""
+    out = _bench("sync_inprocess.py", "--pods", "20", "--runs", "1", "--count", "--top", "5")
+    lines = out.splitlines()
+    first = _count_in(lines[3].strip(), "first start")
+    restart = _count_in(lines[4].strip(), "restart")
+    assert first > restart > 0, out
+    for path in ("nri_plugin/nri/stub.py", "nri_plugin/mixedcpu/quota.py", "cgroups/files.py"):
+        assert f"| {path} | " in out, out
