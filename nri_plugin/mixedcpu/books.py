@@ -200,6 +200,12 @@ class PodRecord:
         of the fields, some 230 bytecodes: a creation makes one of these, a first Synchronize two a pod.)"""
         return PodRecord(self.cgroup_parent, self.baseline, self.period, self.baseline_source, containers)
 
+    def with_baseline(self, baseline: int | None, source: str, period: int | None = None) -> PodRecord:
+        """This pod with `baseline` from `source` (and `period`, when given) for its own quota; built
+        directly, as `with_slots`."""
+        period = self.period if period is None else period
+        return PodRecord(self.cgroup_parent, baseline, period, source, self.containers)
+
 
 class Books:
     """Every pod the plugin has raised (or may have to lower), and the device ids bound to slots

@@ -612,6 +612,7 @@ class SyncPlan(NamedTuple):
     env_stale: bool  # its environment does not show the current sets (a restart would fix it)
     applied_shared: int  # how many of its CPUs are beyond its exclusive ones (already given shared)
     shared: SharedChoice  # the shared CPUs it is to have (the pod quota share is their number)
+    exclusive_text: str  # `exclusive` as a cpu list (for the books, its env and its lines)
 
 
 def _cpu_env(container: api.Container) -> tuple[str | None, str | None]:
@@ -683,9 +684,10 @@ def plan_sync(
     new_cpus = format_cpuset(cpus) if cpus != current else ""
     new_quota = quota if quota is not None and quota != cpu.quota.value else None
     update = _sync_update(container.id, new_cpus, new_quota) if new_cpus or new_quota is not None else None
-    env_stale = shared_env != _format_shared(given.cpus) or isolated_env != format_cpuset(exclusive)
+    exclusive_text = format_cpuset(exclusive)
+    env_stale = shared_env != _format_shared(given.cpus) or isolated_env != exclusive_text
     applied = len(current - exclusive)
-    return SyncPlan(exclusive, cpus, update, env_stale, applied, given)
+    return SyncPlan(exclusive, cpus, update, env_stale, applied, given, exclusive_text)
 
 
 def _sync_update(container_id: str, cpus: str, quota: int | None) -> api.ContainerUpdate:

@@ -54,7 +54,7 @@ import contextlib
 import enum
 import functools
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from api.nri import api_pb2 as api
@@ -203,7 +203,7 @@ def rebase(record: PodRecord, current: CpuQuota) -> PodRecord:
         source = record.baseline_source
     if (baseline, current.period, source) == (record.baseline, record.period, record.baseline_source):
         return record
-    return replace(record, baseline=baseline, period=current.period, baseline_source=source)
+    return record.with_baseline(baseline, source, current.period)
 
 
 def adopt_resize(record: PodRecord, current: CpuQuota, written: int | None) -> PodRecord:
@@ -216,7 +216,7 @@ def adopt_resize(record: PodRecord, current: CpuQuota, written: int | None) -> P
         return record
     if quota in (written, record.target(), record.baseline):  # ours, or the pod's own (re-applied)
         return record
-    return replace(record, baseline=quota, baseline_source="resized")
+    return record.with_baseline(quota, "resized")
 
 
 def _first_baseline(record: PodRecord, quota: int, period: int) -> int:
@@ -238,7 +238,7 @@ def _rebuilt(pod: api.PodSandbox, record: PodRecord, current: CpuQuota, applied:
         own = baseline - applied * current.period
         if own >= MIN_CFS_QUOTA_US:
             baseline, source = own, "rebuilt"
-    return replace(record, baseline=baseline, period=fresh.period, baseline_source=source)
+    return record.with_baseline(baseline, source, fresh.period)
 
 
 def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
@@ -531,9 +531,7 @@ class PodQuotas:
                 if resources is not None:
                     baseline = baseline_from_resources(resources, overhead, current.period)
                 if baseline is not None and current.quota is not None:
-                    record = replace(
-                        rebase(record, current), baseline=baseline, baseline_source="pod-resources"
-                    )
+                    record = rebase(record, current).with_baseline(baseline, "pod-resources")
                     self.books.pods[key] = record
                 now = await self._reconcile(pod_dir, self.books.pods, key, current)
         except CgroupError as exc:
@@ -737,4 +735,4 @@ def _sync_failed(
     elif not record.containers:
         del pods[key]
     elif not established:
-        pods[key] = replace(record, baseline=None, baseline_source="unknown")
+        pods[key] = record.with_baseline(None, "unknown")

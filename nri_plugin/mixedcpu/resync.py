@@ -154,7 +154,7 @@ def _adopt(
     given = plan.shared
     books.hold(
         slot,
-        ContainerRecord(container.id, len(given.cpus), format_cpuset(plan.exclusive), proof.device),
+        ContainerRecord(container.id, len(given.cpus), plan.exclusive_text, proof.device),
         new_pod=None if slot.pod in books.pods else PodRecord(pod.linux.cgroup_parent, None, 1),
     )
     rebuilt.applied[slot.pod] += plan.applied_shared
@@ -180,7 +180,7 @@ def _note_plan(rebuilt: Rebuilt, plan: SyncPlan, pod: api.PodSandbox, container:
         log.warning(
             "container must restart to see the current CPU sets in its environment",
             OPENSHIFT_SHARED_CPUS=format_cpuset(plan.shared.cpus),
-            OPENSHIFT_ISOLATED_CPUS=format_cpuset(plan.exclusive),
+            OPENSHIFT_ISOLATED_CPUS=plan.exclusive_text,
             **pod_fields(pod, container, event="Synchronize"),
         )
 
