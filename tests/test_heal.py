@@ -8,7 +8,6 @@ runtime's and kubelet's part on it: container cgroups made after creation, pod c
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from collections import Counter
 from collections.abc import MutableMapping
@@ -398,7 +397,6 @@ async def test_synchronize_says_what_the_runtime_no_longer_runs(node: Node) -> N
     halted.state = api.CONTAINER_STOPPED  # stopped while the plugin was away: no event
     with structlog.testing.capture_logs() as logs:
         await plugin.synchronize([kept, stopped], [first, halted])
-        await asyncio.sleep(0)  # its lines are written at the loop's next turn, after the reply
     assert sorted(e["container_id"] for e in heals(logs, "container_gone")) == ["g1", "s1"]
     [why_stopped] = [e["why"] for e in heals(logs, "container_gone") if e["container_id"] == "s1"]
     assert why_stopped.startswith("the runtime lists it stopped")

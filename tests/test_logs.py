@@ -34,7 +34,6 @@ from mixedcpu_support import (
 from api.nri import api_pb2 as api
 from nri_plugin.daemon import logs as logs_module
 from nri_plugin.daemon.logs import configure_logging, debug_toggle_on_sigusr1, resolve_format, toggle_debug
-from nri_plugin.mixedcpu.logfields import LaterLines, domain_logger
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 GUARD = 20.0
@@ -373,7 +372,6 @@ async def test_container_lines_carry_namespace_pod_container_and_event(tmp_path:
     await plugin.stop_container(pod, fwd)
     running = make_container(naming, pod, "c3", "fwd", annotations=marker(key), state=api.CONTAINER_RUNNING)
     await plugin.synchronize([pod], [running])
-    await asyncio.sleep(0)  # its lines are written at the loop's next turn, after the reply
 
     entries = json_lines(out.getvalue())
     # The decision trace's lines (each with a "step"; tests/test_decision_trace.py) aside:
@@ -393,47 +391,6 @@ async def test_container_lines_carry_namespace_pod_container_and_event(tmp_path:
             "nri_plugin.mixedcpu.plugin",
         )
         assert "pod_namespace" not in entry
-
-
-@pytest.mark.asyncio
-async def test_synchronize_lines_are_written_after_its_reply_in_their_order(tmp_path: Path) -> None:
-    """The runtime waits for Synchronize's reply, not for its lines (one or more per pod and container
-    it changes): they wait for the loop's next turn, all levels, in the order they were made."""
-    out = io.StringIO()
-    configure_logging("info", "json", stream=out)
-    naming = Naming("containerd", "cgroupfs")
-    tree = FakeCgroups(tmp_path / "cgroup")
-    plugin, key = make_plugin(tmp_path / "state", tree.layout)
-    pod = make_pod(naming, "1111-2222", name="packet-fwd")
-    tree.add_pod(pod, 2 * PERIOD)
-    running = make_container(naming, pod, "c3", "fwd", annotations=marker(key), state=api.CONTAINER_RUNNING)
-    updates = await plugin.synchronize([pod], [running])
-    assert [update.container_id for update in updates] == ["c3"]
-    assert out.getvalue() == "", "nothing is written before the reply can go out"
-    await asyncio.sleep(0)
-    assert [(e["level"], e["msg"]) for e in json_lines(out.getvalue())] == [
-        ("info", "bringing an existing container to the shared CPUs"),
-        ("warning", "container must restart to see the current CPU sets in its environment"),
-        ("info", "pod quota brought to its target"),
-    ]
-
-
-@pytest.mark.asyncio
-async def test_a_domain_line_waits_only_while_deferred_and_an_exception_never_does() -> None:
-    later = LaterLines()
-    log = domain_logger()
-    with structlog.testing.capture_logs() as logs:
-        log.info("before")
-        with later.deferring():
-            log.warning("deferred")
-            try:
-                raise ValueError("boom")
-            except ValueError:
-                log.exception("handled now")
-        log.info("after")
-        assert [e["event"] for e in logs] == ["before", "handled now", "after"]
-        later.flush()
-    assert [e["event"] for e in logs] == ["before", "handled now", "after", "deferred"]
 
 
 # -- the daemon -------------------------------------------------------------------------------------------

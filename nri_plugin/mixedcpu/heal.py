@@ -40,17 +40,19 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple, Protocol, TypeVar
 
+import structlog
+
 from api.nri import api_pb2 as api
 from cgroups import CgroupDir, CgroupError, cgroup_exists, container_cgroup_path
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
-from nri_plugin.mixedcpu.logfields import EVENT_NAME, domain_logger, show_quota
+from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota
 from nri_plugin.mixedcpu.policy import pod_key
 from nri_plugin.mixedcpu.quota import PodQuotas, PodState
 
 __all__ = ["CREATION_GRACE", "HEAL_KINDS", "MIN_CREATION_GRACE", "HealObserver", "Healer", "PassReport"]
 
-log = domain_logger()
+log = structlog.get_logger(LOGGER_NAME)
 
 # How long after its CreateContainer a container's cgroup may take to appear: far longer than a
 # creation takes (containerd makes it at StartContainer, milliseconds later; CRI-O in runc create,

@@ -10,26 +10,13 @@ against the daemon's by a test.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
-import functools
-from collections.abc import Callable, Iterator
-from typing import Any, Final
-
-import structlog
+from collections.abc import Callable
+from typing import Final
 
 from api.nri import api_pb2 as api
 from cgroups import CpuQuota
 
-__all__ = [
-    "EVENT_NAME",
-    "LOGGER_NAME",
-    "DomainLogger",
-    "LaterLines",
-    "domain_logger",
-    "pod_fields",
-    "show_quota",
-]
+__all__ = ["EVENT_NAME", "LOGGER_NAME", "LaterLines", "pod_fields", "show_quota"]
 
 LOGGER_NAME: Final = "nri_plugin.mixedcpu.plugin"
 EVENT_NAME: Final = "event_name"
@@ -80,61 +67,3 @@ class LaterLines:
         waiting, self._waiting = self._waiting, []
         for line in waiting:
             line()
-
-    @contextlib.contextmanager
-    def deferring(self) -> Iterator[None]:
-        """Every line of the domain's loggers (`DomainLogger`) written meanwhile, whatever its level,
-        waits here in its order: for a handler whose many lines the runtime's reply need not wait
-        for (Synchronize's, one or more per pod and container it changes)."""
-        token = _DEFERRING.set(self)
-        try:
-            yield
-        finally:
-            _DEFERRING.reset(token)
-
-
-# The LaterLines that the domain's lines wait in now (`LaterLines.deferring`), if any.
-_DEFERRING: Final[contextvars.ContextVar[LaterLines | None]] = contextvars.ContextVar(
-    "mixedcpu_deferring", default=None
-)
-
-
-class DomainLogger:
-    """A structlog logger of the domain's (`domain_logger`) whose lines wait, in their order, in the
-    `LaterLines` deferring them, if any (`LaterLines.deferring`), and are written at once otherwise.
-    ``exception`` is always written at once: its traceback is the exception being handled now."""
-
-    __slots__ = ("_log",)
-
-    def __init__(self, log: Any) -> None:
-        self._log = log
-
-    def debug(self, event: str, **fields: Any) -> None:
-        self._line("debug", event, fields)
-
-    def info(self, event: str, **fields: Any) -> None:
-        self._line("info", event, fields)
-
-    def warning(self, event: str, **fields: Any) -> None:
-        self._line("warning", event, fields)
-
-    def error(self, event: str, **fields: Any) -> None:
-        self._line("error", event, fields)
-
-    def exception(self, event: str, **fields: Any) -> None:
-        self._log.exception(event, **fields)
-
-    def is_enabled_for(self, level: int) -> bool:
-        return bool(self._log.is_enabled_for(level))
-
-    def _line(self, method: str, event: str, fields: dict[str, Any]) -> None:
-        later = _DEFERRING.get()
-        if later is None:
-            getattr(self._log, method)(event, **fields)
-        else:
-            later.add(functools.partial(getattr(self._log, method), event, **fields))
-
-
-def domain_logger(name: str = LOGGER_NAME) -> DomainLogger:
-    """The logger a domain module writes its lines with (under `LOGGER_NAME` unless told)."""
-    return DomainLogger(structlog.get_logger(name))

@@ -43,6 +43,8 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
+import structlog
+
 from api.nri import api_pb2 as api
 from cgroups import CgroupLayout, CpuQuota
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
@@ -50,7 +52,7 @@ from nri_plugin.mixedcpu import trace
 from nri_plugin.mixedcpu.allocations import AllocationRecord, ContainerDevices, PodRef, devices_of
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.heal import Healer, HealObserver
-from nri_plugin.mixedcpu.logfields import LaterLines, domain_logger, pod_fields, show_quota
+from nri_plugin.mixedcpu.logfields import LOGGER_NAME, LaterLines, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import (
     MARKER_ANNOTATION,
     CreatePlan,
@@ -78,7 +80,7 @@ from nri_plugin.nri.errors import InvalidRequest, PluginRefusal, PreconditionFai
 
 __all__ = ["AllocationRecord", "CgroupObserver", "MixedCpuPlugin", "PluginObserver", "TrustedSources"]
 
-log = domain_logger()
+log = structlog.get_logger(LOGGER_NAME)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -374,12 +376,6 @@ class MixedCpuPlugin(
 
     @_holding_the_books
     async def synchronize(
-        self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
-    ) -> Sequence[api.ContainerUpdate]:
-        with self.later.deferring():  # its lines, one or more per pod it changes, after the reply
-            return await self._synchronize(pods, containers)
-
-    async def _synchronize(
         self, pods: Sequence[api.PodSandbox], containers: Sequence[api.Container]
     ) -> Sequence[api.ContainerUpdate]:
         node = await self._node_allocations(containers)

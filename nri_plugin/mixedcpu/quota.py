@@ -57,6 +57,8 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
+
 from api.nri import api_pb2 as api
 from cgroups import (
     MIN_CFS_QUOTA_US,
@@ -80,7 +82,7 @@ from cgroups import (
 )
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
-from nri_plugin.mixedcpu.logfields import domain_logger, pod_fields, show_quota
+from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import (
     baseline_from_pod_resources,
     baseline_from_resources,
@@ -105,7 +107,7 @@ __all__ = [
     "rebase",
 ]
 
-log = domain_logger()
+log = structlog.get_logger(LOGGER_NAME)
 
 # After a container cgroup is deleted, the v1 kernel still counts its quota for some 20-30 ms (the
 # cgroup is released after an RCU grace period): a lower pod quota refused then is retried.

@@ -16,10 +16,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import structlog
+
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
-from nri_plugin.mixedcpu.logfields import domain_logger, pod_fields
+from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields
 from nri_plugin.mixedcpu.policy import (
     NumaNodes,
     PolicyError,
@@ -35,7 +37,7 @@ from nri_plugin.mixedcpu.policy import (
 
 __all__ = ["CheckRequest", "PendingUpdate", "Rebuilt", "needed_at_sync", "rebuild_books", "updates_to_send"]
 
-log = domain_logger()
+log = structlog.get_logger(LOGGER_NAME)
 
 # Every container but a stopped one keeps (or gets) its share: one in an unknown state may well be
 # running, and a pod quota left too high throttles nobody.

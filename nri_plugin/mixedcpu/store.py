@@ -69,11 +69,13 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final
 
+import structlog
+
 from nri_plugin.common.atomicfile import write_atomically
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.common.smallfile import NotRegularFile, SymbolicLink, TooLarge, read_small_file
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
-from nri_plugin.mixedcpu.logfields import domain_logger
+from nri_plugin.mixedcpu.logfields import LOGGER_NAME
 
 __all__ = [
     "COMPACT_MIN_BYTES",
@@ -92,9 +94,9 @@ __all__ = [
     "pod_to_json",
 ]
 
-log = domain_logger("nri_plugin.mixedcpu.store")
+log = structlog.get_logger("nri_plugin.mixedcpu.store")
 # A failed save is about the plugin's work: logged with the rest of it.
-plugin_log = domain_logger()
+plugin_log = structlog.get_logger(LOGGER_NAME)
 
 STATE_FILE_NAME: Final = "pod-quotas.json"
 STATE_VERSION: Final = 1

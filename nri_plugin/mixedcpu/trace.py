@@ -27,10 +27,12 @@ from __future__ import annotations
 import logging
 from typing import Final
 
+import structlog
+
 from api.nri import api_pb2 as api
 from cgroups import CpuQuota, format_cpuset
 from nri_plugin.mixedcpu.books import ContainerRecord, PodRecord, Slot
-from nri_plugin.mixedcpu.logfields import domain_logger, pod_fields, show_quota
+from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import CreatePlan, RequestCheck, UpdatePlan
 
 __all__ = [
@@ -46,7 +48,7 @@ __all__ = [
     "update_planned",
 ]
 
-log = domain_logger()
+log = structlog.get_logger(LOGGER_NAME)
 
 # How each trusted source proved a request (the policy's `Proof.source`).
 _PROVEN_BY: Final = {
