@@ -255,13 +255,10 @@ class _Session:
         parses into some 9 MiB): its pods, and the containers `select` needs; the others are
         dropped as soon as they are looked at. Whether more chunks are to come; None, with nothing
         added, when the bytes are not plainly well formed (`wire.each_field`)."""
-        view = memoryview(data)
-        apart = _Apart(view, select, dict(self._by_sandbox))
+        apart = _Apart(memoryview(data), select, dict(self._by_sandbox))
         try:
-            for field in wire.each_field(view):  # one at a time: no list of the chunk's fields
-                if not apart.add(field):
-                    return None
-            apart.end_of_pods()
+            if not apart.take_apart():
+                return None
         except (DecodeError, wire.Malformed):
             return None
         self.seen += apart.seen
@@ -289,7 +286,7 @@ class _Session:
 
 
 class _Apart:
-    """One Synchronize chunk taken apart, field by field (`add`), from its bytes `view`.
+    """One Synchronize chunk taken apart, field by field (`take_apart`), from its bytes `view`.
 
     Pods are parsed a run at a time: consecutive pod fields are consecutive bytes, a
     ``SynchronizeRequest`` of those pods alone, parsed in one go into one arena, which takes some
@@ -310,11 +307,28 @@ class _Apart:
         self.more = False
         self._pods_from = self._pods_to = 0  # the run of pod fields not parsed yet
 
-    def add(self, field: wire.Field) -> bool:
-        """One field of the chunk; False for a field of the request's with another wire type than
-        its own (the chunk is then not plainly well formed); raises `DecodeError` for an object
-        the decoder refuses. Fields the request does not know are skipped, as protobuf does."""
-        number, wire_type, start, begin, end = field
+    def take_apart(self) -> bool:
+        """Every field of the chunk, one at a time (no list of a chunk's thousands); False for a
+        field of the request's with another wire type than its own (the chunk is then not plainly
+        well formed); raises `DecodeError` for an object the decoder refuses and `wire.Malformed`.
+        A container, most of the fields, is handled here, with no call but its parse and `select`."""
+        view, select, by_sandbox, kept = self.view, self.select, self.by_sandbox, self.kept
+        for number, wire_type, start, begin, end in wire.each_field(view):
+            if number == _SYNC_CONTAINERS and wire_type == wire.LEN:
+                if self._pods_to:
+                    self.end_of_pods()
+                self.seen += 1
+                container = _parse_container(view[begin:end])
+                if select(by_sandbox.get(container.pod_sandbox_id), container):
+                    kept += view[start:end]
+            elif not self._other(number, wire_type, start, begin, end):
+                return False
+        self.end_of_pods()
+        return True
+
+    def _other(self, number: int, wire_type: int, start: int, begin: int, end: int) -> bool:
+        """A field that is not a container: a pod (added to the run of pods), the request's `more`,
+        or one it does not know (skipped, as protobuf does); False for a wire type not its own."""
         if number == _SYNC_PODS:
             if self._pods_to != start:  # (a run always ends where the next field starts)
                 self._pods_from = start
@@ -323,14 +337,8 @@ class _Apart:
         if self._pods_to:
             self.end_of_pods()
         if number == _SYNC_CONTAINERS:
-            if wire_type != wire.LEN:
-                return False
-            self.seen += 1
-            view = self.view
-            container = _parse_container(view[begin:end])
-            if self.select(self.by_sandbox.get(container.pod_sandbox_id), container):
-                self.kept += view[start:end]
-        elif number == _SYNC_MORE:
+            return False  # (a LEN one is a container)
+        if number == _SYNC_MORE:
             if wire_type != wire.VARINT:
                 return False
             self.more = bool(wire.varint(self.view, begin)[0])

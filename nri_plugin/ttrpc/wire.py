@@ -78,9 +78,11 @@ def each_field(data: bytes | memoryview) -> Iterator[Field]:
             pos += 1
             if key >= 0x80:
                 key, pos = varint(data, start)
+                if key >> 3 > _NUMBER_MAX:
+                    raise Malformed(f"field number {key >> 3} at byte {start}")
+            if key < 8:
+                raise Malformed(f"field number 0 at byte {start}")
             number, wire = key >> 3, key & 7
-            if not 0 < number <= _NUMBER_MAX:
-                raise Malformed(f"field number {number} at byte {start}")
             if wire == LEN:
                 length = data[pos]
                 if length < 0x80:
