@@ -175,14 +175,20 @@ class PodCheck:
 
 
 def new_pod_record(pod: api.PodSandbox, current: CpuQuota) -> PodRecord:
-    """The record of a pod first seen with `current` in its cgroup: its baseline from the runtime's
-    ``pod_resources`` when sent, else the quota it has now."""
+    """The record of a pod first seen with `current` in its cgroup (`_first_seen_baseline`)."""
+    baseline, source = _first_seen_baseline(pod, current)
+    return PodRecord(pod.linux.cgroup_parent, baseline, current.period, source)
+
+
+def _first_seen_baseline(pod: api.PodSandbox, current: CpuQuota) -> tuple[int | None, str]:
+    """The own quota of a pod first seen with `current` in its cgroup, and where it comes from: the
+    runtime's ``pod_resources`` when sent, else the quota it has now (None: unlimited)."""
     if current.quota is None:
-        return PodRecord(pod.linux.cgroup_parent, None, current.period)
+        return None, "first-seen"
     baseline = baseline_from_pod_resources(pod, current.period)
     if baseline is not None:
-        return PodRecord(pod.linux.cgroup_parent, baseline, current.period, "pod-resources")
-    return PodRecord(pod.linux.cgroup_parent, current.quota, current.period, "first-seen")
+        return baseline, "pod-resources"
+    return current.quota, "first-seen"
 
 
 def rebase(record: PodRecord, current: CpuQuota) -> PodRecord:
@@ -233,14 +239,13 @@ def _first_baseline(record: PodRecord, quota: int, period: int) -> int:
 def _rebuilt(pod: api.PodSandbox, record: PodRecord, current: CpuQuota, applied: int) -> PodRecord:
     """`record` with the baseline of a pod the saved books did not know, from its cgroup now.
     `applied`: how many CPUs its shared containers already have beyond their exclusive ones."""
-    fresh = new_pod_record(pod, current)
-    baseline, source = fresh.baseline, fresh.baseline_source
+    baseline, source = _first_seen_baseline(pod, current)
     if baseline is not None and source == "first-seen" and applied:
         # Shared CPUs were given before we (re)started: their share is in the pod quota.
         own = baseline - applied * current.period
         if own >= MIN_CFS_QUOTA_US:
             baseline, source = own, "rebuilt"
-    return record.with_baseline(baseline, source, fresh.period)
+    return record.with_baseline(baseline, source, current.period)
 
 
 def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
