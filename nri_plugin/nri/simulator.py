@@ -204,6 +204,7 @@ class RuntimeSimulator:
         # plugin's unsolicited updates (so a plugin that waits for those inside a handler stalls).
         self._lock = asyncio.Lock()
         self._server: asyncio.AbstractServer | None = None
+        self._trunks: set[mux.Trunk] = set()  # every connection accepted, registered or not
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -222,15 +223,18 @@ class RuntimeSimulator:
 
     async def close(self) -> None:
         """Stop listening and close every plugin connection (a runtime shutdown)."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        for plugin in list(self._plugins):
-            plugin.trunk.close()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        # Every connection is closed before the server is waited for: from Python 3.12 on,
+        # `wait_closed` returns only once each connection it accepted has gone.
+        for trunk in list(self._trunks):
+            trunk.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if server is not None:
+            await server.wait_closed()
         self._plugins.clear()
         self._plugins_changed()
         with contextlib.suppress(FileNotFoundError):
@@ -302,6 +306,8 @@ class RuntimeSimulator:
         task = asyncio.ensure_future(self._accept(link, client, server))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._trunks.add(trunk)
+        task.add_done_callback(lambda _task: self._trunks.discard(trunk))
         return trunk
 
     async def _accept(self, link: _Link, client: Client, server: Server) -> None:
