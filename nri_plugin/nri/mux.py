@@ -367,7 +367,11 @@ class Trunk(asyncio.BufferedProtocol):
             # transport's writelines would join it: one more copy and call).
             self._transport.write(_HEADER.pack(conn_id, len(message)) + message)
         elif message:
-            self._transport.writelines(encode(conn_id, message))
+            # A write per frame, not writelines: on Python 3.12.0 to 3.13.0 a socket transport's
+            # writelines never pauses its protocol past the high-water mark, and a peer that stopped
+            # reading would make our write buffer grow without bound.
+            for frame in encode(conn_id, message):
+                self._transport.write(frame)
 
     def close(self) -> None:
         """Close the trunk (idempotent). Receivers get ``connection_lost(None)``."""
