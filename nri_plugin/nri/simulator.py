@@ -262,6 +262,13 @@ class RuntimeSimulator:
             await asyncio.wait_for(self._changed.wait_for(lambda: len(self.plugins) >= count), timeout)
         return self.plugins
 
+    async def wait_for_synchronizations(self, count: int, timeout: float = 5.0) -> None:
+        """Wait until plugins have synchronized `count` times in all since this runtime was made.
+        Unlike `wait_for_plugins`, a plugin that left but whose leaving the runtime has not read yet
+        does not count: this is the wait for a plugin restarted under a running runtime."""
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: len(self.sync_seconds) >= count), timeout)
+
     # -- accepting plugins -------------------------------------------------------------------------
 
     def _new_trunk(self) -> mux.Trunk:
