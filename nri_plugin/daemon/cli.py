@@ -300,6 +300,7 @@ def _run(args: argparse.Namespace) -> int:
         plugin_index=args.nri_plugin_index,
         reconnect=not args.no_reconnect,
         log_level=args.log_level,
+        node_lock=True,
     )
     try:
         return build_daemon(options).run()
