@@ -8,15 +8,19 @@ runtime's and kubelet's part on it: container cgroups made after creation, pod c
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shutil
+import tempfile
 from collections import Counter
-from collections.abc import MutableMapping
+from collections.abc import AsyncIterator, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 from mixedcpu_support import (
+    GUARD,
     PERIOD,
     FakeCgroups,
     Naming,
@@ -25,6 +29,7 @@ from mixedcpu_support import (
     make_plugin,
     make_pod,
     marker,
+    plugin_running,
 )
 
 from api.nri import api_pb2 as api
@@ -36,6 +41,7 @@ from nri_plugin.mixedcpu import quota
 from nri_plugin.mixedcpu.books import Books, Slot
 from nri_plugin.mixedcpu.heal import CREATION_GRACE, MIN_CREATION_GRACE, Healer, PassReport
 from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 SHARED = frozenset({0, 1})
 BASELINE = 2 * PERIOD  # the pod's own quota: its container's 2 exclusive CPUs
@@ -84,14 +90,24 @@ class Node:
     async def create(
         self, pod: api.PodSandbox, cid: str, name: str = "fwd", *, device: str = "dev-1", run: bool = True
     ) -> api.Container:
-        """kubelet's CreateContainer; with `run`, the runtime then makes its cgroup (adjusted)."""
+        """kubelet's CreateContainer; with `run`, the runtime then makes its cgroup (adjusted) and
+        kubelet's StartContainer follows."""
         container = make_container(self.naming, pod, cid, name, annotations=marker(self.key, device))
         response = await self.plugin.create_container(pod, container)
         apply_adjustment(container, response.adjust if response is not None else None)
         if run:
-            self.tree.run_container(container)
-            container.state = api.CONTAINER_RUNNING
+            await self.start(pod, container)
         return container
+
+    async def start(self, pod: api.PodSandbox, container: api.Container) -> None:
+        """The runtime makes the container's cgroup, then tells StartContainer (containerd's order)."""
+        self.tree.run_container(container)
+        container.state = api.CONTAINER_RUNNING
+        await self.plugin.start_container(pod, container)
+
+    async def runtime_is(self, name: str) -> None:
+        """The runtime's Configure: "cri-o" makes a container's cgroup in CreateContainer."""
+        await self.plugin.configure(api.ConfigureRequest(runtime_name=name))
 
     def container_quota(self, container: api.Container) -> int | None:
         return read_cpu_quota(self.tree.container_dir(container)).quota
@@ -183,6 +199,7 @@ async def test_a_marker_bound_to_a_vanished_pod_is_accepted_at_once(tmp_path: Pa
 async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node: Node) -> None:
     """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it."""
     plugin = node.plugin
+    await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await plugin.synchronize([pod], [])
     await node.create(pod, "c1", run=False)
@@ -212,6 +229,7 @@ async def test_a_tiny_reconcile_interval_does_not_shorten_the_grace_below_its_fl
     node = Node(tmp_path, interval=1.0)
     plugin = node.plugin
     assert plugin.healer.grace == MIN_CREATION_GRACE == 2.0
+    await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await plugin.synchronize([pod], [])
     container = await node.create(pod, "c1", run=False)
@@ -219,7 +237,7 @@ async def test_a_tiny_reconcile_interval_does_not_shorten_the_grace_below_its_fl
     assert node.tree.pod_quota(pod) == RAISED, "within the floor of the grace"
     assert plugin.healer.watched == {"c1"}
     assert node.seen.heals == {}
-    node.tree.run_container(container)  # a slow start: the cgroup at last
+    node.tree.run_container(container)  # a slow runc create: the cgroup at last
     await node.clock.advance(INTERVAL)
     assert node.tree.pod_quota(pod) == RAISED
     assert plugin.healer.watched == frozenset()
@@ -262,6 +280,7 @@ async def test_a_container_whose_cgroup_appears_is_left_alone(node: Node) -> Non
 @pytest.mark.asyncio
 async def test_without_a_timer_an_overdue_creation_is_looked_at_the_pods_next_event(tmp_path: Path) -> None:
     node = Node(tmp_path, interval=None)
+    await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await node.plugin.synchronize([pod], [])
     await node.create(pod, "c1", run=False)
@@ -272,6 +291,147 @@ async def test_without_a_timer_an_overdue_creation_is_looked_at_the_pods_next_ev
     assert node.tree.pod_quota(pod) == RAISED  # c2's share only: c1's is back
     assert [record.id for record in node.plugin.books.pods[pod.uid].containers.values()] == ["c2"]
     assert node.seen.heals == {"container_never_created": 1}
+
+
+# -- containerd: the cgroup is made at StartContainer, any time after the creation ---------------------
+
+
+class StartFailed(Exception):
+    """runc's task creation failed (containerd's StartContainer fails; no plugin hears of it)."""
+
+
+class Containerd(RuntimeSimulator):
+    """containerd's order on a fake v1 tree: a container's cgroup is made at StartContainer, before
+    plugins hear of the start; and, as runc on cgroup v1, its quota is refused above its pod's."""
+
+    def __init__(self, socket: Path, tree: FakeCgroups) -> None:
+        super().__init__(socket, runtime_name="containerd")
+        self.tree = tree
+        self.modes.cgroup_made_at_start = True
+
+    def make_resources(self, container: api.Container) -> None:
+        pod = self.pods[container.pod_sandbox_id]
+        quota, pod_quota = container.linux.resources.cpu.quota.value, self.tree.pod_quota(pod)
+        if pod_quota is not None and quota > pod_quota:
+            raise StartFailed(f'failed to write "{quota}": cpu.cfs_quota_us: invalid argument')
+        self.tree.run_container(container)
+
+    def release_resources(self, container: api.Container) -> None:
+        self.tree.remove_container(container)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="mcpu-h-", dir="/tmp"))  # a unix socket's path is short
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def containerd_node(root: Path, interval: float) -> AsyncIterator[tuple[Node, Containerd]]:
+    """The plugin (its timers on the node's manual clock) served on a socket, and containerd."""
+    node = Node(root, interval=interval)
+    runtime = Containerd(root / "nri.sock", node.tree)
+    async with runtime, plugin_running(node.plugin, root / "nri.sock"):
+        await runtime.wait_for_plugins(1, GUARD)
+        try:
+            yield node, runtime
+        finally:
+            node.plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("interval", "gap"),
+    [(30, 15), (30, 60), (30, 300), (5, 8), (5, 60), (1, 8)],
+    ids=["default-15s", "default-60s", "default-5min", "5-8s", "5-60s", "1-8s"],
+)
+async def test_a_slow_start_on_containerd_keeps_its_share(
+    short_dir: Path, interval: float, gap: float
+) -> None:
+    """containerd makes the cgroup only at StartContainer: however late kubelet starts the container,
+    the pod keeps its share meanwhile, and runc's write of the raised quota is accepted (v1 refuses it
+    above the pod's: issue 25, break 2)."""
+    async with containerd_node(short_dir, interval) as (node, runtime):
+        pod = make_pod(node.naming, "1-1", name="slow")
+        node.tree.add_pod(pod, BASELINE)
+        await runtime.run_pod_sandbox(pod)
+        container = make_container(node.naming, pod, "c1", "fwd", annotations=marker(node.key, "dev-1"))
+        started = asyncio.ensure_future(runtime.create_and_start(container, gap=gap, clock=node.clock))
+        try:
+            while "c1" not in runtime.containers:  # created: kubelet waits `gap` on the clock
+                await asyncio.wait_for(asyncio.shield(asyncio.sleep(0.01)), GUARD)
+            assert not started.done()
+            await node.clock.advance(gap - 0.5)  # every pass and grace deadline of the gap
+            assert node.tree.pod_quota(pod) == RAISED
+            assert node.plugin.healer.watched == {"c1"}
+            await node.clock.advance(0.5)
+            result = await asyncio.wait_for(started, GUARD)
+        finally:
+            started.cancel()
+        assert result.container.linux.resources.cpu.quota.value == RAISED
+        assert node.container_quota(runtime.containers["c1"]) == RAISED  # runc's write went through
+        assert node.plugin.healer.watched == frozenset()
+        await node.clock.advance(3 * interval + CREATION_GRACE)
+        assert node.tree.pod_quota(pod) == RAISED
+        assert node.seen.heals == {}
+        assert node.plugin.shared_containers == 1
+
+
+@pytest.mark.asyncio
+async def test_a_container_never_started_keeps_its_share_until_the_runtime_says_otherwise(node: Node) -> None:
+    """containerd: no StartContainer yet is no failure; its removal ends the share."""
+    plugin = node.plugin
+    await node.runtime_is("containerd")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1", run=False)
+    await node.clock.advance(20 * INTERVAL)
+    assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.healer.watched == {"c1"}
+    assert node.seen.heals == {}
+    await plugin.remove_container(pod, container)
+    assert node.tree.pod_quota(pod) == BASELINE
+    assert plugin.healer.watched == frozenset()
+    # Another that starts with no cgroup: its grace counts from StartContainer.
+    late = await node.create(pod, "c2", device="dev-2", run=False)
+    await node.clock.advance(5 * INTERVAL)
+    await plugin.start_container(pod, late)  # the runtime said it started; its cgroup is not there
+    await node.clock.advance(CREATION_GRACE - 0.01)
+    assert node.tree.pod_quota(pod) == RAISED
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(0.01)
+    [phantom] = heals(logs, "container_never_created")
+    assert f"within {CREATION_GRACE:g} s of StartContainer" in phantom["why"]
+    assert node.tree.pod_quota(pod) == BASELINE
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_container_started_after_its_share_was_given_back_gets_it_again(tmp_path: Path) -> None:
+    """CRI-O with a runc create slower than the grace (v2 takes a child quota above its pod's): the
+    share is given back, and the StartContainer that follows raises the pod again before it runs."""
+    node = Node(tmp_path, version=2)
+    plugin = node.plugin
+    await node.runtime_is("cri-o")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1", run=False)
+    await node.clock.advance(CREATION_GRACE)
+    assert node.seen.heals == {"container_never_created": 1}
+    assert node.tree.pod_quota(pod) == BASELINE
+    with structlog.testing.capture_logs() as logs:
+        await node.start(pod, container)  # the cgroup at last, then StartContainer
+    [again] = [e for e in logs if e["event"].startswith("container started after its share was given back")]
+    assert again["pod_quota"] == f"{BASELINE} -> {RAISED}"
+    assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.shared_containers == 1
+    assert node.saved().load().pods[pod.uid].containers["fwd"].id == "c1"
+    await node.clock.advance(3 * INTERVAL)
+    assert node.tree.pod_quota(pod) == RAISED
+    await plugin.stop_container(pod, container)
+    assert node.tree.pod_quota(pod) == BASELINE
+    plugin.healer.stop()
 
 
 # -- pod quotas off their target ----------------------------------------------------------------------
@@ -442,6 +602,7 @@ async def test_the_timer_starts_once_runs_every_interval_and_stops(node: Node) -
 @pytest.mark.asyncio
 async def test_the_pass_drops_a_vanished_pod_that_still_held_shared_containers(node: Node) -> None:
     plugin = node.plugin
+    await node.runtime_is("cri-o")
     pod, other = node.pod("1-1", "vanished"), node.pod("2-2", "stays")
     await plugin.synchronize([pod, other], [])
     await node.create(pod, "c1")
@@ -458,7 +619,7 @@ async def test_the_pass_drops_a_vanished_pod_that_still_held_shared_containers(n
     assert node.tree.pod_quota(other) == RAISED
     # A pod gone before its new container's deadline: the pod is gone, not a failed creation.
     brief = node.pod("3-3", "brief")
-    await node.create(brief, "c3", device="dev-3")
+    await node.create(brief, "c3", device="dev-3", run=False)
     node.delete_pod(brief)
     with structlog.testing.capture_logs() as logs:
         await node.clock.advance(CREATION_GRACE)

@@ -10,6 +10,9 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   reply (`logfields.LaterLines`), before anything of the next event. A request that cannot be
   honoured, or a pod cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors`
   refusal (the stub answers the runtime with its status code): nothing is left half-configured.
+* **StartContainer**: told to the healer (`heal.Healer.container_started`): on containerd the
+  container's cgroup is made only now, so a watched creation's grace counts from here; a container
+  whose share was given back gets it again, its pod raised before it runs.
 * **StopContainer / RemoveContainer**: the container's slot is released, its own cgroup quota put
   back to its own value (stop means stop: its cgroup may linger until removal), and the pod quota
   written down to its new target (retried when the kernel refuses it yet).
@@ -130,6 +133,7 @@ class MixedCpuPlugin(
     handlers.Synchronize,
     handlers.Shutdown,
     handlers.CreateContainer,
+    handlers.StartContainer,
     handlers.UpdateContainer,
     handlers.StopContainer,
     handlers.RemoveContainer,
@@ -211,6 +215,9 @@ class MixedCpuPlugin(
 
     async def configure(self, request: api.ConfigureRequest) -> None:
         self.runtime = request.runtime_name
+        # CRI-O makes a container's cgroup right after NRI CreateContainer; containerd only at
+        # StartContainer (runtime-observations.md): where the healer's grace counts from.
+        self.healer.cgroup_at_creation = request.runtime_name == "cri-o"
         if request.runtime_name == "cri-o" and self.trust_pod_annotation:
             # CRI-O (1.30 and later) runs its own shared-CPU hook, after NRI, for a pod that names a
             # runtime handler and carries cpu-shared.crio.io: it would add the CPUs a second time, or
@@ -278,6 +285,10 @@ class MixedCpuPlugin(
         self.healer.watch_creation(slot, container)
         self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))
         return api.CreateContainerResponse(adjust=plan.adjustment)
+
+    @_holding_the_books
+    async def start_container(self, pod: api.PodSandbox, container: api.Container) -> None:
+        await self.healer.container_started(container_slot(pod, container), pod, container)
 
     @_holding_the_books
     async def update_container(
