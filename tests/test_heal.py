@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import tempfile
 from collections import Counter
@@ -23,6 +24,7 @@ from mixedcpu_support import (
     GUARD,
     PERIOD,
     FakeCgroups,
+    FakeKubeletRecord,
     Naming,
     apply_adjustment,
     make_container,
@@ -68,7 +70,14 @@ class Seen:
 class Node:
     """A plugin on a fake tree and a manual clock; the test plays the runtime and kubelet."""
 
-    def __init__(self, tmp_path: Path, *, version: int = 1, interval: float | None = INTERVAL) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        version: int = 1,
+        interval: float | None = INTERVAL,
+        allocations: FakeKubeletRecord | None = None,
+    ) -> None:
         self.clock = ManualClock()
         self.naming = NAMING[version]
         self.tree = FakeCgroups(tmp_path / "cgroup", version)
@@ -80,6 +89,7 @@ class Node:
             observer=self.seen,
             clock=self.clock,
             reconcile_interval=interval,
+            allocations=allocations,
         )
 
     def pod(self, uid: str, name: str = "app") -> api.PodSandbox:
@@ -133,10 +143,16 @@ def node(tmp_path: Path) -> Node:
 
 
 @pytest.mark.asyncio
-async def test_the_timer_drops_a_pod_whose_cgroup_is_gone_with_its_bindings(node: Node) -> None:
-    """containerd after its restart: the pod's end is never reported; its cgroup is gone all the same."""
+async def test_with_kubelets_record_a_pod_gone_at_two_looks_is_dropped_with_its_bindings(
+    tmp_path: Path,
+) -> None:
+    """containerd after its restart: the pod's end is never reported; its cgroup is gone all the same.
+    kubelet's record proves requests, so the binding ends with the pod, at the second look."""
+    kubelet = FakeKubeletRecord()
+    node = Node(tmp_path, allocations=kubelet)
     plugin = node.plugin
     forgotten = node.pod("1-1", "forgotten")
+    kubelet.allocate(forgotten, "fwd", "dev-1")
     await plugin.synchronize([forgotten], [])  # synchronized: the timer runs
     container = await node.create(forgotten, "c1")
     await plugin.stop_container(forgotten, container)
@@ -145,19 +161,23 @@ async def test_the_timer_drops_a_pod_whose_cgroup_is_gone_with_its_bindings(node
     assert plugin.books.pods == {}  # back at its own quota: forgotten by the books, but still bound
     assert plugin.books.devices == {"dev-1": Slot(forgotten.uid, "fwd")}
     node.delete_pod(forgotten)  # no StopPodSandbox, no RemovePodSandbox
+    await node.clock.advance(INTERVAL)
+    assert plugin.books.devices != {}, "not at the first look"
     await node.clock.advance(INTERVAL - 1)
-    assert plugin.books.devices != {}, "not before the pass"
+    assert plugin.books.devices != {}, "not before the second"
     with structlog.testing.capture_logs() as logs:
         await node.clock.advance(1)
     [gone] = heals(logs, "pod_gone")
+    assert gone["event"] == "pod gone: its books and device bindings are dropped"
     assert gone["pod_key"] == forgotten.uid
     assert gone["devices"] == ["dev-1"]
     assert "never reported the pod stopped or removed" in gone["why"]
     assert plugin.books.devices == {}
     assert node.saved().load().devices == {}
     assert node.seen.heals == {"pod_gone": 1}
-    # ... so kubelet's next holder of that device id gets the shared CPUs.
+    # ... and kubelet's next holder of that device id gets the shared CPUs.
     successor = node.pod("2-2", "successor")
+    kubelet.allocate(successor, "fwd", "dev-1")
     taken = await node.create(successor, "c2")
     assert taken.linux.resources.cpu.cpus == "0-1,4-5"
     assert plugin.books.devices == {"dev-1": Slot(successor.uid, "fwd")}
@@ -165,8 +185,78 @@ async def test_the_timer_drops_a_pod_whose_cgroup_is_gone_with_its_bindings(node
 
 
 @pytest.mark.asyncio
-async def test_a_marker_bound_to_a_vanished_pod_is_accepted_at_once(tmp_path: Path) -> None:
-    """No timer at all: the replay check first looks for the holder's pod, and finds it gone."""
+async def test_a_pod_cgroup_missing_for_a_look_costs_no_binding_in_the_marker_fallback(node: Node) -> None:
+    """Issue 25, break 3: the holder's pod cgroup is missing at a pass (moved away a moment); another
+    pod presenting the holder's marker is refused, and the holder's own restart is granted."""
+    plugin = node.plugin
+    holder = node.pod("1-1", "holder")
+    await plugin.synchronize([holder], [])
+    first = await node.create(holder, "c1")
+    pod_dir = node.tree.pod_dir(holder).fs_path
+    aside = os.path.join(os.path.dirname(pod_dir), "aside")
+    os.rename(pod_dir, aside)  # missing for one look
+    await node.clock.advance(INTERVAL)
+    assert plugin.books.devices == {"dev-1": Slot(holder.uid, "fwd")}
+    thief = node.pod("2-2", "thief")
+    with structlog.testing.capture_logs() as logs:
+        assert (
+            await plugin.create_container(
+                thief, make_container(node.naming, thief, "c9", "fwd", annotations=marker(node.key, "dev-1"))
+            )
+            is None
+        )
+    [refused] = [e for e in logs if e["event"] == "request refused"]
+    assert "a replayed marker" in refused["reason"]
+    os.rename(aside, pod_dir)  # back
+    await node.clock.advance(INTERVAL)
+    await plugin.stop_container(holder, first)
+    node.tree.remove_container(first)
+    again = await node.create(holder, "c2")  # the holder's restart
+    assert again.linux.resources.cpu.cpus == "0-1,4-5"
+    assert plugin.books.devices == {"dev-1": Slot(holder.uid, "fwd")}
+    assert node.tree.pod_quota(holder) == RAISED
+    assert node.seen.heals == {}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_in_the_marker_fallback_a_binding_lasts_until_the_runtime_says_the_pod_is_removed(
+    tmp_path: Path,
+) -> None:
+    """No kubelet record: a binding is the only proof against a replay, so a pod whose cgroup is gone
+    for good keeps its bindings (its books go) until Synchronize no longer lists it."""
+    node = Node(tmp_path)
+    plugin = node.plugin
+    vanished = node.pod("1-1", "vanished")
+    await plugin.synchronize([vanished], [])
+    await node.create(vanished, "c1")
+    node.delete_pod(vanished)  # and its running container, with no event of either
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(2 * INTERVAL)
+    [gone] = heals(logs, "pod_gone")
+    assert gone["event"].endswith("its device bindings last until the runtime reports it removed")
+    assert (gone["containers"], gone["devices"]) == (["fwd"], [])
+    assert plugin.books.pods == {}
+    await node.clock.advance(10 * INTERVAL)
+    assert plugin.books.devices == {"dev-1": Slot(vanished.uid, "fwd")}
+    successor = node.pod("2-2", "successor")
+    assert (
+        await plugin.create_container(
+            successor,
+            make_container(node.naming, successor, "c2", "fwd", annotations=marker(node.key, "dev-1")),
+        )
+        is None
+    ), "a valid marker or a replay: no telling while the binding lasts"
+    await plugin.synchronize([successor], [])  # the runtime's word: the pod is no more
+    assert plugin.books.devices == {}
+    taken = await node.create(successor, "c3")  # kubelet's retry
+    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_without_a_timer_a_vanished_holder_keeps_its_device(tmp_path: Path) -> None:
+    """A creation presenting a bound device never decides that the holder's pod is gone."""
     node = Node(tmp_path, interval=None)
     plugin = node.plugin
     holder = node.pod("1-1", "holder")
@@ -174,22 +264,18 @@ async def test_a_marker_bound_to_a_vanished_pod_is_accepted_at_once(tmp_path: Pa
     node.delete_pod(holder)  # and its running container, with no event of either
     successor = node.pod("2-2", "successor")
     with structlog.testing.capture_logs() as logs:
-        taken = await node.create(successor, "c2")
-    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
-    [gone] = heals(logs, "pod_gone")
-    assert gone["containers"] == ["fwd"]
-    assert "presented again" in gone["why"]
-    assert not [e for e in logs if e["event"] == "request refused"]
-    assert list(plugin.books.pods) == [successor.uid]
-    assert plugin.shared_containers == 1
-    # A holder whose pod is still there keeps its device: a copy is a replay, as before.
-    thief = node.pod("3-3", "thief")
-    assert (
-        await plugin.create_container(
-            thief, make_container(node.naming, thief, "c3", "x", annotations=marker(node.key, "dev-1"))
+        assert (
+            await plugin.create_container(
+                successor,
+                make_container(node.naming, successor, "c2", "fwd", annotations=marker(node.key, "dev-1")),
+            )
+            is None
         )
-        is None
-    )
+    assert heals(logs, "pod_gone") == []
+    assert list(plugin.books.pods) == [holder.uid]
+    await plugin.remove_pod_sandbox(holder)  # the runtime's word
+    taken = await node.create(successor, "c3")
+    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
 
 
 # -- creations that failed after our adjustment ------------------------------------------------------
@@ -600,31 +686,40 @@ async def test_the_timer_starts_once_runs_every_interval_and_stops(node: Node) -
 
 
 @pytest.mark.asyncio
-async def test_the_pass_drops_a_vanished_pod_that_still_held_shared_containers(node: Node) -> None:
+async def test_the_pass_drops_a_pod_missing_at_two_looks_never_in_its_events(node: Node) -> None:
     plugin = node.plugin
     await node.runtime_is("cri-o")
     pod, other = node.pod("1-1", "vanished"), node.pod("2-2", "stays")
     await plugin.synchronize([pod, other], [])
     await node.create(pod, "c1")
     await node.create(other, "c2", device="dev-2")
-    await node.clock.advance(CREATION_GRACE)  # both containers' cgroups seen
     node.delete_pod(pod)  # with its running container, and no event at all
+    await node.clock.advance(INTERVAL)  # the first look
+    assert set(plugin.books.pods) == {pod.uid, other.uid}
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(INTERVAL - CREATION_GRACE)
+        await node.clock.advance(INTERVAL)  # the second, an interval later
     [gone] = heals(logs, "pod_gone")
-    assert (gone["pod_key"], gone["containers"], gone["devices"]) == (pod.uid, ["fwd"], ["dev-1"])
+    # The marker fallback: its books go, its binding stays until the runtime says it is removed.
+    assert (gone["pod_key"], gone["containers"], gone["devices"]) == (pod.uid, ["fwd"], [])
     assert list(plugin.books.pods) == [other.uid]
+    assert plugin.books.devices["dev-1"] == Slot(pod.uid, "fwd")
     assert plugin.shared_containers == 1
     assert node.saved().load().pods.keys() == {other.uid}
     assert node.tree.pod_quota(other) == RAISED
-    # A pod gone before its new container's deadline: the pod is gone, not a failed creation.
+    # A pod gone before its new container's deadline: not a failed creation, and the pod's own event
+    # between two looks starts the count again.
     brief = node.pod("3-3", "brief")
-    await node.create(brief, "c3", device="dev-3", run=False)
+    await node.create(brief, "c3", device="dev-3", run=False)  # at 60 s: its deadline at 70 s
     node.delete_pod(brief)
+    await node.clock.advance(INTERVAL)  # its deadline (put off), then the first look at 90 s
+    assert node.seen.heals == {"pod_gone": 1}, "neither a failed creation nor gone yet"
+    await node.clock.advance(INTERVAL / 2)
+    await plugin.create_container(brief, make_container(node.naming, brief, "c4", "plain"))  # an event
+    await node.clock.advance(INTERVAL / 2)  # 120 s: a first look again
+    assert brief.uid in plugin.books.pods
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(CREATION_GRACE)
+        await node.clock.advance(INTERVAL)
     assert [e["pod_key"] for e in heals(logs, "pod_gone")] == [brief.uid]
-    assert heals(logs, "container_never_created") == []
     assert node.seen.heals == {"pod_gone": 2}
     plugin.healer.stop()
 

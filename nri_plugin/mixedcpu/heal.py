@@ -13,10 +13,16 @@ they cause (``runtime-observations.md``, "The project's plugin on real runtimes"
 * a stopped container's cgroup lingers until removal with its raised quota, so cgroup v1 refuses
   the lower pod quota (put right at the stop itself: `quota.PodQuotas.restore_container`).
 
-So the `Healer` trusts the node:
+So the `Healer` trusts the node, but only what it has seen twice:
 
-* a pod whose cgroup directory is gone is dropped from the books with its device bindings
-  (``pod_gone``);
+* a pod whose cgroup directory is missing at two passes a reconcile interval apart (an event of the
+  pod in between starts the count again; nothing is decided in the middle of a pod's events) is
+  dropped from the books (``pod_gone``), and its device bindings end with it when kubelet's record
+  proves requests (`keep_bindings` False). In the marker fallback mode (no kubelet record) a binding
+  is the only thing that tells a replayed marker from its rightful holder's restart: it outlives a
+  missing cgroup until the runtime says the pod is removed (StopPodSandbox, RemovePodSandbox, or a
+  Synchronize without it). A cgroup that cannot be checked (a path refused, a symlink, a permission)
+  is never taken for a missing one;
 * a container whose cgroup has not appeared `grace` seconds after the runtime could have made it
   (longer than any normal creation) gives its share back (``container_never_created``). When that is
   depends on the runtime (``runtime-observations.md``): CRI-O makes the cgroup in its ``runc create``
@@ -30,11 +36,11 @@ So the `Healer` trusts the node:
   (``pod_gone``);
 * every pod quota is brought to its target, whoever moved it (``pod_quota``).
 
-When: at the events of a pod (its overdue creations are looked at; a marker whose device is bound
-to another pod first has that pod looked for), at Synchronize, and every `interval` seconds on the
-clock once the runtime has synchronized us (a whole pass). A pass costs one cgroup directory walk
-and one quota read per pod in the books (the pods holding shared containers) and one existence check
-per pod holding only a device binding; it writes, saves and logs nothing when nothing changed. Each
+When: at the events of a pod (its overdue creations are looked at), at Synchronize, and every
+`interval` seconds on the clock once the runtime has synchronized us (a whole pass). A pass costs
+one cgroup directory walk and one quota read per pod in the books (the pods holding shared
+containers) and, with kubelet's record, one existence check per pod holding only a device binding;
+it writes, saves and logs nothing when nothing changed. Each
 heal is logged (what, and why) and counted (`HealObserver.healed`).
 """
 
@@ -72,6 +78,7 @@ HEAL_KINDS: Final = ("pod_gone", "container_never_created", "container_gone", "p
 _T = TypeVar("_T")
 
 _WHY_FORGOTTEN = "its cgroup directory is gone, and the runtime never reported the pod stopped or removed"
+_KEPT = "pod gone: its books are dropped; its device bindings last until the runtime reports it removed"
 
 
 class HealObserver(Protocol):
@@ -143,6 +150,11 @@ class Healer:
         # Whether the runtime makes a container's cgroup inside CreateContainer (CRI-O), so that its
         # grace counts from there; otherwise (containerd, or a runtime not named) from StartContainer.
         self.cgroup_at_creation = False
+        # Whether device bindings outlive a missing pod cgroup (until the runtime reports the pod
+        # removed): they must where they are the only proof against a replayed marker.
+        self.keep_bindings = True
+        # Pod key -> when a pass first found its cgroup missing (it is gone at a second look).
+        self._missing: dict[str, float] = {}
         self._tick: Timer | None = None
         self._grace_timer: Timer | None = None
         self._running: set[asyncio.Task[None]] = set()  # timer work in flight
@@ -311,21 +323,14 @@ class Healer:
         self._creations.pop(key, None)
         self._displaced.pop(key, None)
         self._given_back.pop(key, None)
+        self._missing.pop(key, None)
 
     async def at_pod_event(self, key: str) -> None:
-        """An event of the pod: its creations past their grace are looked at now."""
+        """An event of the pod: the runtime still knows it (a look that found its cgroup missing is
+        forgotten); its creations past their grace are looked at now."""
+        self._missing.pop(key, None)
         if key in self._creations:
             await self._check_creations(key)
-
-    def free_stale_holder(self, device: str | None, slot: Slot) -> None:
-        """`slot` presents a valid marker for `device`: if another pod holds that device and its cgroup
-        is gone, that pod ended unreported, and its bindings end now (before the replay check)."""
-        holder = self.books.devices.get(device) if device is not None else None
-        if holder is None or holder.pod == slot.pod:
-            return
-        if self._pod_gone(holder.pod):
-            self._drop_pod(holder.pod, f"{_WHY_FORGOTTEN}; device {device} is presented again by {slot}")
-            self.quotas.keeper.save_quietly()
 
     # -- Synchronize --------------------------------------------------------------------------------------
 
@@ -373,6 +378,7 @@ class Healer:
         self._creations.clear()
         self._displaced.clear()
         self._given_back.clear()
+        self._missing.clear()
         self.start()
 
     # -- the whole pass -----------------------------------------------------------------------------------
@@ -388,9 +394,11 @@ class Healer:
                 healed += await self._check_pod(key)
         bound_only = books.bound_pods() - set(books.pods)
         for key in sorted(bound_only):
-            if self._pod_gone(key):
+            if not self.keep_bindings and self._seen_gone(key):
                 self._drop_pod(key, _WHY_FORGOTTEN)
                 healed += 1
+        for key in set(self._missing) - set(books.pods) - (set() if self.keep_bindings else bound_only):
+            del self._missing[key]  # dropped, or no longer looked at
         for key in set(books.pod_cgroups) - bound_only - set(books.pods):
             del books.pod_cgroups[key]  # an index entry nothing refers to any more
         if healed or _changed(records, books):
@@ -404,8 +412,11 @@ class Healer:
         cgroup_parent = self.books.pods[key].cgroup_parent
         check = await self.quotas.check_pod(key)
         if check.state is PodState.GONE:
+            if not self._second_look(key):
+                return 0
             self._drop_pod(key, _WHY_FORGOTTEN, cgroup_parent)
             return 1
+        self._missing.pop(key, None)
         if check.state is PodState.BROUGHT:
             self._healed(
                 "pod_quota",
@@ -442,11 +453,13 @@ class Healer:
                     continue
             except CgroupError:  # a path we refuse, or cannot tell: its events still can end it
                 continue
-            if self._pod_gone(creation.slot.pod):  # not a failed creation: the whole pod went
-                self._drop_pod(creation.slot.pod, _WHY_FORGOTTEN)
-                self.quotas.keeper.save_quietly()
-            else:
-                await self._give_back(creation, cgroup)
+            if self._pod_gone(creation.slot.pod):
+                # Not a failed creation: its pod's cgroup is missing too. Whether the pod is gone is
+                # the passes' to say (two looks); the container is looked at again after a grace.
+                later = creation._replace(due=now + self.grace)
+                self._creations.setdefault(creation.slot.pod, {})[creation.slot.name] = later
+                continue
+            await self._give_back(creation, cgroup)
             healed += 1
         return healed
 
@@ -481,16 +494,30 @@ class Healer:
         except CgroupError:
             return False
 
+    def _seen_gone(self, key: str) -> bool:
+        """The pod's cgroup is missing at this look and was at one a reconcile interval earlier."""
+        if self._pod_gone(key):
+            return self._second_look(key)
+        self._missing.pop(key, None)
+        return False
+
+    def _second_look(self, key: str) -> bool:
+        """The pod's cgroup was found missing now: True if it was already at a look at least one
+        reconcile interval ago (no interval: at an earlier look); else this look is remembered."""
+        now = self._clock.monotonic()
+        first = self._missing.setdefault(key, now)
+        return first != now and now - first >= (self.interval or 0.0)
+
     def _drop_pod(self, key: str, why: str, cgroup_parent: str | None = None) -> None:
         books = self.books
         cgroup_parent = cgroup_parent or books.cgroup_parent(key) or "?"
         record = books.pods.pop(key, None)
-        freed = books.unbind_pod(key)
+        freed = [] if self.keep_bindings else books.unbind_pod(key)
         self.quotas.cancel_retry(key)
         self.forget_pod(key)
         self._healed(
             "pod_gone",
-            "pod gone: its books and device bindings are dropped",
+            _KEPT if self.keep_bindings else "pod gone: its books and device bindings are dropped",
             why=why,
             pod_key=key,
             pod_cgroup=cgroup_parent,

@@ -171,6 +171,8 @@ class MixedCpuPlugin(
         self.keeper = Bookkeeper(store, clock=clock)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
         self.healer = Healer(self.quotas, interval=reconcile_interval, observer=observer, clock=clock)
+        # Without kubelet's record, a device binding is the only proof against a replayed marker.
+        self.healer.keep_bindings = trusted.allocations is None
         self.later = LaterLines()  # the info line of each creation, written after its reply
 
     @property
@@ -237,10 +239,6 @@ class MixedCpuPlugin(
         kubelet = await self._kubelet_devices(pod, container)  # first: no await once the books change
         slot = container_slot(pod, container)
         await self.healer.at_pod_event(slot.pod)
-        if self.marker_key is not None and MARKER_ANNOTATION in container.annotations:
-            self.healer.free_stale_holder(
-                self.marker_key.verify(container.annotations[MARKER_ANNOTATION]), slot
-            )
         books = self.books
         saved = books.pods.get(slot.pod)
         if saved is not None and saved.baseline_source == "unknown":
