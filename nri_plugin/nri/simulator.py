@@ -35,6 +35,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from api.nri import api_pb2 as api
+from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.nri import mux
 from nri_plugin.nri.events import Event, events_in, parse_version, valid_events
 from nri_plugin.nri.routes import EVENT_ROUTES, STATE_CHANGE, STATE_CHANGE_EVENTS
@@ -88,6 +89,10 @@ class RuntimeModes:
     # CRI-O always, containerd for exited containers: a stopped container's cgroup (with its quota)
     # is deleted only at its removal; off, it goes at the stop, before plugins hear of it.
     stopped_cgroup_lingers: bool = False
+    # containerd: a container's cgroup is made at StartContainer (its task's creation, just before
+    # plugins hear of the start), however long after CreateContainer kubelet starts it; off, as CRI-O,
+    # in CreateContainer right after the plugins' adjustment (its runc create). See `make_resources`.
+    cgroup_made_at_start: bool = False
 
 
 class AdjustmentConflict(Exception):
@@ -555,6 +560,12 @@ class RuntimeSimulator:
         if self.modes.forgets_pods_on_restart:
             self.forgotten_pods |= set(self.pods)
 
+    def make_resources(self, container: api.Container) -> None:
+        """Where the runtime makes a container's cgroup from its adjusted resources: in CreateContainer
+        after the plugins, or with `RuntimeModes.cgroup_made_at_start` in StartContainer before them.
+        Nothing here: a subclass that plays the cgroups makes it, and may raise (as runc fails when the
+        kernel refuses a value): the creation, or the start, then fails with no event sent."""
+
     def release_resources(self, container: api.Container) -> None:
         """Where the runtime deletes a container's cgroup: at its stop, or with
         `RuntimeModes.stopped_cgroup_lingers` only at its removal; before plugins hear of either.
@@ -625,6 +636,8 @@ class RuntimeSimulator:
                 await self._validate(pod, container, merged, updates)
             if self.modes.create_fails_after_adjustment:
                 raise CreationFailed(ident)
+            if not self.modes.cgroup_made_at_start:
+                self.make_resources(current)
             self.containers[ident] = current
             for update in updates:
                 self._apply_update(update, source=_CREATE.method)
@@ -658,8 +671,21 @@ class RuntimeSimulator:
     async def start_container(self, container_id: str) -> None:
         async with self._lock:
             container = self.containers[container_id]
+            if self.modes.cgroup_made_at_start:
+                self.make_resources(container)
             container.state = api.CONTAINER_RUNNING
             await self._state_event(Event.START_CONTAINER, self.pods[container.pod_sandbox_id], container)
+
+    async def create_and_start(
+        self, container: api.Container, *, gap: float = 0.0, clock: Clock = LOOP_CLOCK
+    ) -> CreateResult:
+        """kubelet's CreateContainer, then its StartContainer `gap` seconds later on `clock` (a loaded
+        node, an image pull or a volume between the two make long gaps ordinary)."""
+        result = await self.create_container(container)
+        if gap > 0:
+            await clock.sleep(gap)
+        await self.start_container(container.id)
+        return result
 
     async def update_container(self, container_id: str, resources: api.LinuxResources) -> api.LinuxResources:
         """UpdateContainerResources as kubelet's CPU manager issues it; gives what gets applied."""

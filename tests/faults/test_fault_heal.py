@@ -3,8 +3,10 @@ CRI-O that leaves the node or the books wrong, reproduced with the simulator's m
 daemon process; each ends with the invariant check.
 
 * 7a containerd forgets its pods across its own restart: the forgotten pod is deleted with no
-  StopPodSandbox or RemovePodSandbox, and kubelet gives its device to a new pod. The reconciler finds
-  the pod's cgroup gone within one period, and the new pod's valid marker is accepted.
+  StopPodSandbox or RemovePodSandbox, and kubelet gives its device to a new pod. The daemon has a
+  kubelet record to ask (here: configured, not answering): the reconciler finds the pod's cgroup gone
+  at two looks, one period apart, and the new pod's valid marker is accepted. (Without a kubelet
+  record the binding outlives the cgroup until the runtime says the pod is removed: test_heal.py.)
 * 7b CRI-O's creation fails after our adjustment (``runc create``), and nothing more is ever said of
   the container: within one period its share is given back and it leaves the books and the
   ``mixed_cpu_shared_containers`` gauge.
@@ -51,7 +53,7 @@ def elapsed_since(started: float) -> float:
 
 
 @pytest.mark.asyncio
-async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_one_period(short_dir: Path) -> None:
+async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_two_periods(short_dir: Path) -> None:
     node = make_node(short_dir, 1)  # containerd's naming, cgroupfs driver, v1
     population, first = node.population, node.runtime
     first.modes.forgets_pods_on_restart = True
@@ -76,7 +78,7 @@ async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_one_period
             node.tree.delete_pod(old)
             started = asyncio.get_running_loop().time()
             line = await daemon.wait_log("pod gone", f"pod_key={old.uid}")
-            assert elapsed_since(started) <= INTERVAL + SLACK, line
+            assert elapsed_since(started) <= 2 * INTERVAL + SLACK, line
             assert "heal=pod_gone" in line, line
             assert "shared-cpus-7" in line, line
             assert "never reported the pod stopped or removed" in line, line
