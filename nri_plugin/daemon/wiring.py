@@ -281,14 +281,18 @@ def build_plugin(
 ) -> MixedCpuPlugin:
     """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir, asking
     `allocations` (kubelet's record) about the markers it is shown, its pod quotas written by
-    `writer` (default: the cgroup files).
-    Raises `ConfigError` when state_dir (or, with numa_local_shared_cpus, sysfs_root) cannot be used."""
+    `writer` (default: the cgroup files); the saved books' numbers checked against the online CPUs.
+    Raises `ConfigError` when state_dir or sysfs_root cannot be used."""
     pool = shared_pool(config)
+    try:
+        online = len(online_cpus(config.sysfs_root))
+    except ConfigError as exc:
+        raise ConfigError(f"{config.source}: {exc}") from None
     try:
         plugin = MixedCpuPlugin(
             shared=pool,
             layout=layout,
-            store=StateStore(config.state_dir),
+            store=StateStore(config.state_dir, online=online),
             trusted=TrustedSources(key, config.trust_pod_annotation, allocations),
             observer=observer,
             reconcile_interval=config.reconcile_interval,
