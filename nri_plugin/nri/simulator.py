@@ -262,7 +262,9 @@ class RuntimeSimulator:
         self._ready = tuple(sorted((p for p in self._plugins if p.synchronized), key=lambda p: p.index))
         self._subscribed = {event: tuple(p for p in self._ready if p.subscribed(event)) for event in Event}
 
-    async def wait_for_plugins(self, count: int = 1, timeout: float = 5.0) -> list[PluginConnection]:
+    async def wait_for_plugins(self, count: int = 1, timeout: float | None = 5.0) -> list[PluginConnection]:
+        """The ready plugins, once there are at least `count` of them; `timeout` None: no limit of its
+        own, for a caller whose own guard bounds the whole wait."""
         async with self._changed:
             await asyncio.wait_for(self._changed.wait_for(lambda: len(self.plugins) >= count), timeout)
         return self.plugins

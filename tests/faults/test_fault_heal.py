@@ -61,14 +61,14 @@ async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_two_period
     device = {ANNOTATION_KEY: population.key.sign("shared-cpus-7")}  # what the device plugin gave it
     async with daemon_running(config, node.socket) as daemon:
         async with first:
-            await within(first.wait_for_plugins(1))
+            await within(first.wait_for_plugins(1, timeout=None))
             old = population.pod("old", 2 * PERIOD)
             await population.create(old, "old-a", "fwd", "2-3", asks=True, annotations=dict(device))
             assert inconsistencies(population) == []
         # containerd restarts: it restores its containers for NRI, not its pods.
         second = population.runtime = first.restarted()
         async with second:
-            await within(second.wait_for_plugins(1))
+            await within(second.wait_for_plugins(1, timeout=None))
             # kubelet deletes the pod: its container's stop and removal are reported, not the pod's.
             await second.stop_container("old-a")
             await second.remove_container("old-a")
@@ -96,7 +96,7 @@ async def test_a_failed_creation_leaves_no_phantom_within_one_period(short_dir: 
     population, runtime, tree = node.population, node.runtime, node.tree
     config = write_config(short_dir, tree, metrics=True, extra=f"reconcile_interval = {INTERVAL}")
     async with runtime, daemon_running(config, node.socket) as daemon:
-        await within(runtime.wait_for_plugins(1))
+        await within(runtime.wait_for_plugins(1, timeout=None))
         match = re.search(r"127\.0\.0\.1:(\d+)", await daemon.wait_log("serving metrics and probes"))
         assert match is not None
         port = int(match.group(1))
@@ -150,7 +150,7 @@ async def test_the_pod_quota_comes_down_at_the_stop_of_a_lingering_container(
         own = len(parse_cpuset(exclusive)) * PERIOD  # its own quota, and its pod's
         share = len(population.shared) * PERIOD
         async with runtime, daemon_running(config, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             pod = population.pod("job", own)
             await population.create(pod, "job-a", "job", exclusive, asks=True)
             job = runtime.containers["job-a"]
