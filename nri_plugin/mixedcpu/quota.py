@@ -177,7 +177,12 @@ class PodCheck:
 def new_pod_record(pod: api.PodSandbox, current: CpuQuota) -> PodRecord:
     """The record of a pod first seen with `current` in its cgroup (`_first_seen_baseline`)."""
     baseline, source = _first_seen_baseline(pod, current)
-    return PodRecord(pod.linux.cgroup_parent, baseline, current.period, source)
+    return PodRecord(
+        cgroup_parent=pod.linux.cgroup_parent,
+        baseline=baseline,
+        period=current.period,
+        baseline_source=source,
+    )
 
 
 def _first_seen_baseline(pod: api.PodSandbox, current: CpuQuota) -> tuple[int | None, str]:
@@ -249,11 +254,8 @@ def _rebuilt(pod: api.PodSandbox, record: PodRecord, current: CpuQuota, applied:
 
 
 def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
-    """`record` with the baseline the saved books knew (built directly: `dataclasses.replace`
-    inspects the fields for every pod of a restart's Synchronize)."""
-    return PodRecord(
-        record.cgroup_parent, previous.baseline, previous.period, previous.baseline_source, record.containers
-    )
+    """`record` with the baseline the saved books knew."""
+    return record.with_baseline(previous.baseline, previous.baseline_source, previous.period)
 
 
 def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota) -> None:
@@ -590,7 +592,7 @@ class PodQuotas:
         for key in sorted(set(books.pods) | (set(previous.pods) & set(present))):
             pod = present[key]
             if key not in books.pods:
-                books.pods[key] = PodRecord(pod.linux.cgroup_parent, None, 1)
+                books.pods[key] = PodRecord(cgroup_parent=pod.linux.cgroup_parent, baseline=None, period=1)
             if not await self._sync_pod(pod, books.pods, previous.pods.get(key), applied.get(key, 0)):
                 failed.add(key)
         return failed
