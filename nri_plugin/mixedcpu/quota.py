@@ -313,7 +313,7 @@ class PodQuotas:
         once per parent and layout: the reconciler asks again for every pod at every pass."""
         hierarchy = self.layout.cpu
         found = self._dirs.get(cgroup_parent)
-        if found is None or (found.hierarchy is not hierarchy and found.hierarchy != hierarchy):
+        if found is None or found.hierarchy != hierarchy:
             if len(self._dirs) >= _MAX_CACHED_DIRS:
                 self._dirs.clear()
             found = self._dirs[cgroup_parent] = hierarchy.dir(pod_cgroup_path(cgroup_parent))
@@ -576,8 +576,7 @@ class PodQuotas:
         self._forget_if_done(key, now)
         if target is not None and now.quota is not None and now.quota != target:
             return PodCheck(PodState.PENDING, current, now)
-        at_target = now is current or now == current  # (`_reconcile` returns `current` when at target)
-        return PodCheck(PodState.AT_TARGET if at_target else PodState.BROUGHT, current, now)
+        return PodCheck(PodState.AT_TARGET if now == current else PodState.BROUGHT, current, now)
 
     # -- Synchronize ---------------------------------------------------------------------------------------
 
