@@ -107,8 +107,7 @@ class _Structured:
 def _reference_logger(name: str) -> Any:
     """A logger through structlog's configured processor chain and a stdlib record: the long way a
     JSON line went before it was rendered in one step, and the way a console line still goes."""
-    config = structlog.get_config()
-    return structlog.stdlib.BoundLogger(logging.getLogger(name), config["processors"], {})
+    return structlog.stdlib.BoundLogger(logging.getLogger(name), logs_module._through_stdlib_records(), {})
 
 
 def _without_timestamp(line: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -494,9 +493,9 @@ async def test_daemon_logs_json_and_sigusr1_toggles_debug(
 
 
 def test_json_line_encoder_writes_what_json_dumps_writes() -> None:
-    """The line's encoder (json's C encoder, made per line) writes what ``json.dumps`` with our
-    fallback writes: escapes, non-finite floats, nesting, values JSON cannot show; and refuses a
-    circular value as it does, line after line (no table of containers left over from a failure)."""
+    """The line's encoder writes what ``json.dumps`` with our fallback writes: escapes, non-finite
+    floats, nesting, values JSON cannot show; and refuses a circular value as it does, line after
+    line (no table of containers left over from a failure)."""
     values: dict[str, Any] = {
         "text": 'quote " newline \n tab \t rtl \u202e café',
         "numbers": [0, -1, 2**70, 1.5, float("nan"), float("inf"), float("-inf")],

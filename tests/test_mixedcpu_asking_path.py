@@ -165,7 +165,11 @@ def test_a_journal_line_reads_as_its_operations() -> None:
         }
         baseline = rnd.choice([None, rnd.randrange(1, 10**12)])
         return PodRecord(
-            rnd.choice(["/kubepods/p", text()]), baseline, rnd.randrange(1, 10**6), text(), Containers(slots)
+            cgroup_parent=rnd.choice(["/kubepods/p", text()]),
+            baseline=baseline,
+            period=rnd.randrange(1, 10**6),
+            baseline_source=text(),
+            containers=Containers(slots),
         )
 
     for _ in range(2000):

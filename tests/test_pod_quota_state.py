@@ -38,7 +38,7 @@ CGROUPFS = Naming("containerd", "cgroupfs")
 
 
 def _books() -> Books:
-    books = Books({"pod-a": PodRecord("/kubepods/poda", 300_000, PERIOD)})
+    books = Books({"pod-a": PodRecord(cgroup_parent="/kubepods/poda", baseline=300_000, period=PERIOD)})
     books.hold(Slot("pod-a", "fwd"), ContainerRecord("fwd-1", 2, "4-5", "shared-cpus-0"))
     books.hold(Slot("pod-a", "log"), ContainerRecord("log-1", 2, "6", None))
     return books
@@ -86,7 +86,11 @@ def test_a_new_pod_is_put_in_the_books_with_its_slot_held_in_one_write() -> None
     books.pods._written = counted
     record = ContainerRecord("fwd-1", 2, "4-5", "shared-cpus-0")
     assert (
-        books.hold(Slot("pod-n", "fwd"), record, new_pod=PodRecord("/kubepods/pod-n", 300_000, 100_000))
+        books.hold(
+            Slot("pod-n", "fwd"),
+            record,
+            new_pod=PodRecord(cgroup_parent="/kubepods/pod-n", baseline=300_000, period=100_000),
+        )
         is None
     )
     assert writes == ["pod-n"]
@@ -195,7 +199,12 @@ def test_files_without_devices_load_compact_or_indented(tmp_path: Path) -> None:
 
 def test_a_save_encodes_only_the_pods_that_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = StateStore(tmp_path, fsync=False)
-    books = Books({f"pod-{i}": PodRecord(f"/kubepods/pod{i}", 100_000, PERIOD) for i in range(50)})
+    books = Books(
+        {
+            f"pod-{i}": PodRecord(cgroup_parent=f"/kubepods/pod{i}", baseline=100_000, period=PERIOD)
+            for i in range(50)
+        }
+    )
     store.save(books)
     encoded: list[str] = []
     to_json = state_file.pod_to_json
@@ -209,7 +218,7 @@ def test_a_save_encodes_only_the_pods_that_changed(tmp_path: Path, monkeypatch: 
     assert encoded == []  # nothing changed: every pod's text reused
     books.hold(Slot("pod-7", "app"), ContainerRecord("c-1", 1))
     books.pods["pod-9"] = replace(books.pods["pod-9"], baseline=200_000)
-    books.pods["new"] = PodRecord("/kubepods/podnew", None, PERIOD)
+    books.pods["new"] = PodRecord(cgroup_parent="/kubepods/podnew", baseline=None, period=PERIOD)
     store.save(books)
     assert sorted(encoded) == ["/kubepods/pod7", "/kubepods/pod9", "/kubepods/podnew"]
     monkeypatch.setattr(state_file, "pod_to_json", to_json)
@@ -218,11 +227,11 @@ def test_a_save_encodes_only_the_pods_that_changed(tmp_path: Path, monkeypatch: 
 
 def _full_record() -> PodRecord:
     return PodRecord(
-        "/kubepods/podp",
-        300_000,
-        PERIOD,
-        "pod-resources",
-        Containers({"fwd": ContainerRecord("c1", 2, "4-5", "shared-cpus-0")}),
+        cgroup_parent="/kubepods/podp",
+        baseline=300_000,
+        period=PERIOD,
+        baseline_source="pod-resources",
+        containers=Containers({"fwd": ContainerRecord("c1", 2, "4-5", "shared-cpus-0")}),
     )
 
 
@@ -258,8 +267,9 @@ def test_records_cannot_change_in_place() -> None:
 
 def test_a_record_made_from_a_dict_does_not_share_it() -> None:
     given = {"fwd": ContainerRecord("c1", 2)}
-    pod = PodRecord("/kubepods/podp", 300_000, PERIOD, containers=given)
-    assert isinstance(pod.containers, Containers)
+    pod = PodRecord(
+        cgroup_parent="/kubepods/podp", baseline=300_000, period=PERIOD, containers=Containers(given)
+    )
     given["log"] = ContainerRecord("c2", 1)
     assert list(pod.containers) == ["fwd"]
     assert pod.containers == {"fwd": ContainerRecord("c1", 2)}
@@ -365,7 +375,9 @@ def _mutate(books: Books, rng: random.Random, step: int) -> None:
     )
     kind = rng.randrange(24)
     if kind == 0 or pod is None:
-        books.pods[key] = PodRecord(f"/kubepods/{key}", rng.choice([None, 100_000, 250_000]), PERIOD)
+        books.pods[key] = PodRecord(
+            cgroup_parent=f"/kubepods/{key}", baseline=rng.choice([None, 100_000, 250_000]), period=PERIOD
+        )
     elif kind == 1:
         books.hold(Slot(key, name), record)
     elif kind == 2:
@@ -406,8 +418,8 @@ def _mutate(books: Books, rng: random.Random, step: int) -> None:
         current = CpuQuota(rng.choice([None, 300_000, 1_000]), rng.choice([50_000, 100_000]))
         books.pods[key] = rebase(pod, current)
     elif kind == 19:
-        containers = rng.choice([{name: record}, Containers({name: record}), Containers()])
-        books.pods[key] = replace(pod, containers=containers)  # type: ignore[arg-type]
+        containers = rng.choice([Containers({name: record}), Containers()])
+        books.pods[key] = replace(pod, containers=containers)
     elif kind == 20 and other in books.pods:
         books.pods[other] = replace(books.pods[other], containers=pod.containers)  # one mapping, two pods
     elif kind == 21 and other in books.pods:

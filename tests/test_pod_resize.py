@@ -164,7 +164,7 @@ async def test_the_reconciler_notices_a_pod_shrunk_behind_it(root: Path) -> None
 
 
 def test_adopt_resize_takes_only_a_value_nobody_here_wrote() -> None:
-    record = PodRecord("/kubepods/pod1", BASELINE, PERIOD)
+    record = PodRecord(cgroup_parent="/kubepods/pod1", baseline=BASELINE, period=PERIOD)
     target = record.target()
     assert target == BASELINE
     now = CpuQuota(GROWN, PERIOD)

@@ -93,14 +93,14 @@ def test_a_hostile_state_file_is_set_aside_at_once(tmp_path: Path, kind: str) ->
     if kind.startswith("link"):
         assert aside.is_symlink(), "the link itself is moved, its target left alone"
     # The next save works: not a daemon that is ready and cannot keep its books.
-    saved = Books({"p": PodRecord("/kubepods/podp", 100_000, 100_000)})
+    saved = Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)})
     store.save(saved)
     assert store.load() == saved
 
 
 def test_the_size_limit_and_a_plain_file_under_it(tmp_path: Path) -> None:
     store = StateStore(tmp_path, fsync=False)
-    books = Books({"p": PodRecord("/kubepods/podp", 100_000, 100_000)})
+    books = Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)})
     store.save(books)
     assert store.load() == books
     assert MAX_STATE_SIZE == 8 << 20

@@ -32,7 +32,12 @@ from nri_plugin.mixedcpu.store import (
 
 
 def _pods(count: int) -> Books:
-    books = Books({f"pod-{i}": PodRecord(f"/kubepods/pod{i}", 100_000, PERIOD) for i in range(count)})
+    books = Books(
+        {
+            f"pod-{i}": PodRecord(cgroup_parent=f"/kubepods/pod{i}", baseline=100_000, period=PERIOD)
+            for i in range(count)
+        }
+    )
     for i in range(count):
         books.hold(Slot(f"pod-{i}", "app"), ContainerRecord(f"c-{i}", 2, "4-5", f"dev-{i}"))
     return books
@@ -40,7 +45,7 @@ def _pods(count: int) -> Books:
 
 def _new_pod(books: Books, i: int) -> None:
     """What CreateContainer does for the first shared container of a new pod."""
-    books.pods[f"new-{i}"] = PodRecord(f"/kubepods/podnew{i}", 300_000, PERIOD)
+    books.pods[f"new-{i}"] = PodRecord(cgroup_parent=f"/kubepods/podnew{i}", baseline=300_000, period=PERIOD)
     books.hold(Slot(f"new-{i}", "app"), ContainerRecord(f"n-{i}" * 8, 2, "6-7", f"newdev-{i}"))
 
 

@@ -21,10 +21,12 @@ Given a node name (the daemon takes NODE_NAME from its environment; the manifest
 pod's ``spec.nodeName``), every line carries it as ``node``: ``kubectl logs`` of a DaemonSet's pods
 says which node a line is from.
 
-In the JSON format a structlog line (all of ours) does not go through structlog's processors and a
-stdlib record: `_JsonLineLogger` renders it in one step, one JSON encoder call over the line's
-fields in order, and hands the text to the handler to write. The same line, some 5 times cheaper
-(about 45 us a line the long way): the plugin writes one per container given shared CPUs.
+In the JSON format a structlog line does not go through a stdlib record: the last processor of its
+chain (`_json_fields`) orders the line's fields, and the logger structlog hands them to
+(`_LineWriter`) renders them with one JSON encoder and writes the text through our handler. The
+same line some 5 times cheaper than a stdlib record and `ProcessorFormatter` (about 45 us a line):
+the plugin writes one per container given shared CPUs. Only structlog's public interface is used
+(a processor chain, a logger factory, `structlog.stdlib.BoundLogger`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, MutableMapping
-from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
-from typing import Any, ClassVar, Final, TextIO
+from typing import Any, Final, TextIO
 
 import structlog
 
@@ -79,33 +80,28 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
         self.stream = self.target if self.target is not None else sys.stderr
         super().emit(record)
 
-    def write_json(
-        self, logger_name: str, method_name: str, event: str | None, fields: dict[str, Any]
-    ) -> None:
-        """Render a structlog call's line (`_json_line`) and write it as `emit` writes a record's:
-        under the handler's lock (grpc's threads log through it too), flushed, a failure (a value
-        JSON cannot show, a closed stream) reported the stdlib's way, not raised at the caller."""
-        with self.lock:  # type: ignore[union-attr]  # (what acquire and release take, straight)
+    def write_json(self, logger_name: str, line: dict[str, Any]) -> None:
+        """Write a structlog call's line (`_json_fields`) as one JSON object, as `emit` writes a
+        record's: under the handler's lock (grpc's threads log through it too), flushed, a failure
+        (a value JSON cannot show, a closed stream) reported the stdlib's way, not raised at the
+        caller."""
+        with self.lock:  # type: ignore[union-attr]  # (what acquire and release take)
             try:
-                line = _json_line(logger_name, method_name, event, fields)
-                stream = self.stream = self.target if self.target is not None else sys.stderr
-                stream.write(line + self.terminator)
-                stream.flush()
+                text = _encode(line)
+                self.stream = self.target if self.target is not None else sys.stderr
+                self.stream.write(text + self.terminator)
+                self.stream.flush()
             except RecursionError:
                 raise
             except Exception:  # as logging.StreamHandler.emit
-                self.handleError(logging.makeLogRecord({"msg": event, "name": logger_name}))
+                self.handleError(logging.makeLogRecord({"msg": line.get(MESSAGE_KEY), "name": logger_name}))
 
 
 class _Settings:
-    """What `configure_logging` set last: the level `toggle_debug` returns to, our handler and the
-    node every line names."""
+    """What `configure_logging` set last: the level `toggle_debug` returns to and our handler."""
 
     base_level: int = logging.INFO
     handler: _Handler | None = None
-    node: str | None = None
-    # The structlog processors it configured (a list structlog keeps and bound loggers share).
-    chain: ClassVar[list[structlog.types.Processor]] = []
 
 
 class _Stamp:
@@ -134,94 +130,103 @@ def _json_fallback(value: object) -> object:
     return shown() if callable(shown) else repr(value)
 
 
-def _c_encode(line: dict[str, Any]) -> str:
-    """`line` as ``json.dumps(line, default=_json_fallback)`` writes it, by json's C encoder made
-    here (with a fresh table of the containers under way, for its check of circular values), not
-    through `json.JSONEncoder.encode`'s Python layers (some 90 bytecodes a line)."""
-    # markers, default, encoder, indent, key and item separators, sort_keys, skipkeys, allow_nan
-    encoder = c_make_encoder(
-        {}, _json_fallback, encode_basestring_ascii, None, ": ", ", ", False, False, True
-    )
-    return "".join(encoder(line, 0))
-
-
-# Without json's C accelerator (not CPython), the encoder's own way.
-_encode: Final = _c_encode if c_make_encoder is not None else json.JSONEncoder(default=_json_fallback).encode
+# A line as ``json.dumps(line, default=_json_fallback)`` writes it (one encoder for every line: it
+# keeps no state between calls).
+_encode: Final = json.JSONEncoder(default=_json_fallback).encode
 # A logging method's level and the name a line shows for it, as structlog's stdlib logger has them
-# (``exception`` logs at error, ``warn`` is ``warning``).
+# (``exception`` logs at error; ``warn``, ``fatal`` and ``log`` come as the method they stand for).
 _METHOD_LEVELS: Final = {
     "critical": (logging.CRITICAL, "critical"),
     "exception": (logging.ERROR, "error"),
     "error": (logging.ERROR, "error"),
-    "warn": (logging.WARNING, "warning"),
     "warning": (logging.WARNING, "warning"),
     "info": (logging.INFO, "info"),
     "debug": (logging.DEBUG, "debug"),
 }
-# The last processor of the chain configure_logging sets: the line goes on to our formatter.
-_TO_FORMATTER: Final = structlog.stdlib.ProcessorFormatter.wrap_for_formatter
 _WITH_ARGUMENTS: Final = structlog.stdlib.PositionalArgumentsFormatter()
-# The caller's frame, not this module's, is where a line's stack starts.
-_WITH_STACK: Final = structlog.processors.StackInfoRenderer(additional_ignores=[__name__])
+_WITH_STACK: Final = structlog.processors.StackInfoRenderer()
 
 
-def _json_line(
-    logger_name: str, method_name: str, event: str | None, fields: MutableMapping[str, Any]
-) -> str:
-    """The JSON line the processor chain would render for a structlog call: the leading keys in
-    their order (`_LEADING_KEYS`; the caller's own ``timestamp``, ``level``, ``logger`` or ``msg``
-    give way, its ``node`` does not), then the caller's fields, then a stack or exception asked
-    for with ``stack_info`` or ``exc_info``."""
-    if "stack_info" in fields:
-        fields = _WITH_STACK(None, method_name, fields)
-    if "exc_info" in fields:
-        fields = structlog.processors.format_exc_info(None, method_name, fields)
-    line: dict[str, Any] = {"timestamp": _iso_utc(time.time_ns()), "level": _METHOD_LEVELS[method_name][1]}
-    if NODE_KEY in fields:
-        line[NODE_KEY] = fields[NODE_KEY]
-    elif _Settings.node is not None:
-        line[NODE_KEY] = _Settings.node
-    line["logger"] = logger_name
-    line[MESSAGE_KEY] = event
-    named = fields.pop(EVENT_NAME, None)
-    if named is not None:
-        line["event"] = named
-    # The leading keys first, in their order, then the caller's others in theirs; a leading key's
-    # value is ours (merged last): one merge in C, not a loop over the fields.
-    return _encode({**line, **fields, **line})
+class _LineWriter:
+    """The logger a structlog logger wraps in the JSON format: the stdlib logger of the same name
+    says which levels are on (its level, live; the logger disabled; ``logging.disable``), and each
+    logging method writes the fields `_json_fields` made as a JSON line through our handler, with
+    no stdlib record."""
+
+    def __init__(self, logger: logging.Logger, handler: _Handler) -> None:
+        self.logger = logger
+        self.name = logger.name
+        self._handler = handler
+
+    def isEnabledFor(self, level: int) -> bool:
+        return self.logger.isEnabledFor(level)
+
+    def getEffectiveLevel(self) -> int:
+        return self.logger.getEffectiveLevel()
+
+    def write(self, line: dict[str, Any]) -> None:
+        self._handler.write_json(self.name, line)
+
+    debug = info = warning = error = critical = exception = write
 
 
-class _JsonLineLogger(structlog.stdlib.BoundLogger):
-    """structlog's stdlib logger whose lines, in the JSON format, skip its processor chain and the
-    stdlib record: filtered as the record would have been (the logger's level, live), rendered by
-    `_json_line` and written by our handler (`_Handler.write_json`). Everything else (bind,
-    is_enabled_for ...) is structlog's, and so is a line while another chain is configured in
-    place of ours (a test's ``structlog.testing.capture_logs``)."""
+class _LineWriterFactory:
+    """structlog's logger factory for the JSON format: a `_LineWriter` over the stdlib logger that
+    structlog's own factory would give."""
 
-    def _proxy_to_logger(
-        self, method_name: str, event: str | None = None, *event_args: Any, **event_kw: Any
-    ) -> Any:
-        handler, chain = _Settings.handler, _Settings.chain
-        if (
-            handler is None
-            or self._processors is not chain
-            or chain[-1] is not _TO_FORMATTER
-            or method_name not in _METHOD_LEVELS
-        ):
-            # Not the chain configure_logging set, or changed in place (structlog.testing.capture_logs
-            # does): structlog's way.
-            return super()._proxy_to_logger(method_name, event, *event_args, **event_kw)
-        logger = self._logger
-        # The stdlib logger's own test, as its record would have passed: its level (live), the
-        # logger disabled, logging.disable.
-        if not logger.isEnabledFor(_METHOD_LEVELS[method_name][0]):
-            return None
-        fields = {**self._context, **event_kw} if self._context else event_kw
-        if event_args:
-            formatted = {"event": event, "positional_args": event_args}
-            event = _WITH_ARGUMENTS(None, method_name, formatted)["event"]
-        handler.write_json(logger.name, method_name, event, fields)
-        return None
+    def __init__(self, handler: _Handler) -> None:
+        self._handler = handler
+        self._loggers = structlog.stdlib.LoggerFactory(ignore_frame_names=[__name__])
+
+    def __call__(self, *args: Any) -> _LineWriter:
+        return _LineWriter(self._loggers(*args), self._handler)
+
+
+def _at_enabled_level(
+    logger: _LineWriter, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Drop a line its stdlib logger would not take (structlog's ``filter_by_level`` does not see
+    ``logging.disable``)."""
+    if logger.isEnabledFor(_METHOD_LEVELS[method_name][0]):
+        return event_dict
+    raise structlog.DropEvent
+
+
+def _json_fields(node: str | None) -> structlog.types.Processor:
+    """The last processor of the JSON chain: a line's fields as the stdlib chain and formatter would
+    render them, handed to `_LineWriter` as one dict: the leading keys in their order
+    (`_LEADING_KEYS`; the caller's own ``timestamp``, ``level``, ``logger`` or ``msg`` give way, its
+    ``node`` does not), then the caller's fields, then a stack or exception asked for with
+    ``stack_info`` or ``exc_info``."""
+
+    def json_fields(
+        logger: _LineWriter, method_name: str, fields: MutableMapping[str, Any]
+    ) -> tuple[tuple[dict[str, Any]], dict[str, Any]]:
+        if "positional_args" in fields:
+            fields = _WITH_ARGUMENTS(logger, method_name, fields)
+        if "stack_info" in fields:
+            fields = _WITH_STACK(logger, method_name, fields)
+        if "exc_info" in fields:
+            fields = structlog.processors.format_exc_info(logger, method_name, fields)
+        event = fields.pop("event", None)
+        line: dict[str, Any] = {
+            "timestamp": _iso_utc(time.time_ns()),
+            "level": _METHOD_LEVELS[method_name][1],
+        }
+        if NODE_KEY in fields:
+            line[NODE_KEY] = fields[NODE_KEY]
+        elif node is not None:
+            line[NODE_KEY] = node
+        line["logger"] = logger.name
+        line[MESSAGE_KEY] = event
+        named = fields.pop(EVENT_NAME, None)
+        if named is not None:
+            line["event"] = named
+        # The leading keys first, in their order, then the caller's others in theirs; a leading
+        # key's value is ours (merged last).
+        return ({**line, **fields, **line},), {}
+
+    return json_fields
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -304,6 +309,21 @@ def _escape_unprintable(
     return event_dict
 
 
+def _through_stdlib_records() -> list[structlog.types.Processor]:
+    """structlog's processor chain onto stdlib records, which our handler's `ProcessorFormatter`
+    renders: the console format's, and the long way of a JSON line."""
+    return [
+        # The root logger's level decides, read at each call: toggle_debug takes effect at once.
+        structlog.stdlib.filter_by_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.PositionalArgumentsFormatter(),
+        structlog.processors.TimeStamper(fmt="iso"),
+        structlog.processors.StackInfoRenderer(),
+        structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+    ]
+
+
 def configure_logging(
     level: str,
     log_format: str = "auto",
@@ -329,7 +349,6 @@ def configure_logging(
         and _is_terminal(stream if stream is not None else sys.stderr)
         and "NO_COLOR" not in os.environ
     )
-    timestamper = structlog.processors.TimeStamper(fmt="iso")
     handler = _Handler(stream)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
@@ -338,7 +357,7 @@ def configure_logging(
             foreign_pre_chain=[
                 structlog.stdlib.add_logger_name,
                 structlog.stdlib.add_log_level,
-                timestamper,
+                structlog.processors.TimeStamper(fmt="iso"),
             ],
         )
     )
@@ -349,21 +368,15 @@ def configure_logging(
     root.setLevel(threshold)
     _Settings.handler = handler
     _Settings.base_level = threshold
-    _Settings.node = node
-    _Settings.chain = [
-        # The root logger's level decides, read at each call: toggle_debug takes effect at once.
-        structlog.stdlib.filter_by_level,
-        structlog.stdlib.add_logger_name,
-        structlog.stdlib.add_log_level,
-        structlog.stdlib.PositionalArgumentsFormatter(),
-        timestamper,
-        structlog.processors.StackInfoRenderer(),
-        _TO_FORMATTER,
-    ]
+    if rendered == "json":
+        processors: list[structlog.types.Processor] = [_at_enabled_level, _json_fields(node)]
+        loggers: Any = _LineWriterFactory(handler)
+    else:
+        processors, loggers = _through_stdlib_records(), structlog.stdlib.LoggerFactory()
     structlog.configure(
-        processors=_Settings.chain,
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=_JsonLineLogger if rendered == "json" else structlog.stdlib.BoundLogger,
+        processors=processors,
+        logger_factory=loggers,
+        wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=cache_loggers,
     )
     return rendered

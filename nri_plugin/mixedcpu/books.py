@@ -98,37 +98,12 @@ class Containers(Mapping[str, ContainerRecord]):
     def __len__(self) -> int:
         return len(self._records)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._records
-
-    def get(self, name: str, default: ContainerRecord | None = None) -> ContainerRecord | None:  # type: ignore[override]
-        return self._records.get(name, default)  # (Mapping's own raises and catches a KeyError)
-
-    # The dict's own views (read-only) are several times faster to walk than Mapping's generic ones.
-    def keys(self) -> KeysView[str]:
-        return self._records.keys()
-
-    def values(self) -> ValuesView[ContainerRecord]:
-        return self._records.values()
-
-    def items(self) -> ItemsView[str, ContainerRecord]:
-        return self._records.items()
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Containers):
-            return self._records == other._records
-        if isinstance(other, Mapping):
-            return self._records == dict(other.items())
-        return NotImplemented
-
+    # A record holding these is hashable, as a frozen dataclass is (`Mapping` defines none).
     def __hash__(self) -> int:
         return hash(frozenset(self._records.items()))
 
     def __repr__(self) -> str:
         return f"Containers({self._records!r})"
-
-    def __reduce__(self) -> tuple[type[Containers], tuple[dict[str, ContainerRecord]]]:
-        return Containers, (self._records,)
 
     def changes_since(self, before: Containers) -> tuple[list[str], list[tuple[str, ContainerRecord]]]:
         """What turns `before` into these slots: the names it held that these do not, and the slots
@@ -151,33 +126,16 @@ class Containers(Mapping[str, ContainerRecord]):
 _NO_CONTAINERS: Final = Containers()
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PodRecord:
-    """One pod's quota bookkeeping; immutable (see the module docstring)."""
+    """One pod's quota bookkeeping; immutable (see the module docstring). Built with keywords only:
+    three of its fields are ints."""
 
     cgroup_parent: str
     baseline: int | None  # microseconds per period; None = unlimited
     period: int
     baseline_source: str = "first-seen"  # pod-resources | first-seen | rebuilt | unknown
     containers: Containers = _NO_CONTAINERS
-
-    def __init__(
-        self,
-        cgroup_parent: str,
-        baseline: int | None,
-        period: int,
-        baseline_source: str = "first-seen",
-        containers: Mapping[str, ContainerRecord] = _NO_CONTAINERS,
-    ) -> None:
-        # The generated __init__'s work with no __post_init__ to call: a creation makes two records.
-        set_field = object.__setattr__  # (frozen: assigning a field raises)
-        set_field(self, "cgroup_parent", cgroup_parent)
-        set_field(self, "baseline", baseline)
-        set_field(self, "period", period)
-        set_field(self, "baseline_source", baseline_source)
-        if type(containers) is not Containers:  # a plain mapping: frozen here, not shared
-            containers = Containers(containers)
-        set_field(self, "containers", containers)
 
     @property
     def contribution(self) -> int:
@@ -197,15 +155,24 @@ class PodRecord:
         return self.with_slots(self.containers.without(name))
 
     def with_slots(self, containers: Containers) -> PodRecord:
-        """This pod with `containers` for its slots. (`dataclasses.replace` without its introspection
-        of the fields, some 230 bytecodes: a creation makes one of these, a first Synchronize two a pod.)"""
-        return PodRecord(self.cgroup_parent, self.baseline, self.period, self.baseline_source, containers)
+        """This pod with `containers` for its slots."""
+        return PodRecord(
+            cgroup_parent=self.cgroup_parent,
+            baseline=self.baseline,
+            period=self.period,
+            baseline_source=self.baseline_source,
+            containers=containers,
+        )
 
     def with_baseline(self, baseline: int | None, source: str, period: int | None = None) -> PodRecord:
-        """This pod with `baseline` from `source` (and `period`, when given) for its own quota; built
-        directly, as `with_slots`."""
-        period = self.period if period is None else period
-        return PodRecord(self.cgroup_parent, baseline, period, source, self.containers)
+        """This pod with `baseline` from `source` (and `period`, when given) for its own quota."""
+        return PodRecord(
+            cgroup_parent=self.cgroup_parent,
+            baseline=baseline,
+            period=self.period if period is None else period,
+            baseline_source=source,
+            containers=self.containers,
+        )
 
 
 class Books:

@@ -178,7 +178,12 @@ class PodCheck:
 def new_pod_record(pod: api.PodSandbox, current: CpuQuota) -> PodRecord:
     """The record of a pod first seen with `current` in its cgroup (`_first_seen_baseline`)."""
     baseline, source = _first_seen_baseline(pod, current)
-    return PodRecord(pod.linux.cgroup_parent, baseline, current.period, source)
+    return PodRecord(
+        cgroup_parent=pod.linux.cgroup_parent,
+        baseline=baseline,
+        period=current.period,
+        baseline_source=source,
+    )
 
 
 def _first_seen_baseline(pod: api.PodSandbox, current: CpuQuota) -> tuple[int | None, str]:
@@ -250,11 +255,8 @@ def _rebuilt(pod: api.PodSandbox, record: PodRecord, current: CpuQuota, applied:
 
 
 def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
-    """`record` with the baseline the saved books knew (built directly: `dataclasses.replace`
-    inspects the fields for every pod of a restart's Synchronize)."""
-    return PodRecord(
-        record.cgroup_parent, previous.baseline, previous.period, previous.baseline_source, record.containers
-    )
+    """`record` with the baseline the saved books knew."""
+    return record.with_baseline(previous.baseline, previous.baseline_source, previous.period)
 
 
 def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota) -> None:
@@ -312,7 +314,7 @@ class PodQuotas:
         once per parent and layout: the reconciler asks again for every pod at every pass."""
         hierarchy = self.layout.cpu
         found = self._dirs.get(cgroup_parent)
-        if found is None or (found.hierarchy is not hierarchy and found.hierarchy != hierarchy):
+        if found is None or found.hierarchy != hierarchy:
             if len(self._dirs) >= _MAX_CACHED_DIRS:
                 self._dirs.clear()
             found = self._dirs[cgroup_parent] = hierarchy.dir(pod_cgroup_path(cgroup_parent))
@@ -575,8 +577,7 @@ class PodQuotas:
         self._forget_if_done(key, now)
         if target is not None and now.quota is not None and now.quota != target:
             return PodCheck(PodState.PENDING, current, now)
-        at_target = now is current or now == current  # (`_reconcile` returns `current` when at target)
-        return PodCheck(PodState.AT_TARGET if at_target else PodState.BROUGHT, current, now)
+        return PodCheck(PodState.AT_TARGET if now == current else PodState.BROUGHT, current, now)
 
     # -- Synchronize ---------------------------------------------------------------------------------------
 
@@ -591,7 +592,7 @@ class PodQuotas:
         for key in sorted(set(books.pods) | (set(previous.pods) & set(present))):
             pod = present[key]
             if key not in books.pods:
-                books.pods[key] = PodRecord(pod.linux.cgroup_parent, None, 1)
+                books.pods[key] = PodRecord(cgroup_parent=pod.linux.cgroup_parent, baseline=None, period=1)
             if not await self._sync_pod(pod, books.pods, previous.pods.get(key), applied.get(key, 0)):
                 failed.add(key)
         return failed

@@ -157,7 +157,11 @@ def _adopt(
     books.hold(
         slot,
         ContainerRecord(container.id, len(given.cpus), plan.exclusive_text, proof.device),
-        new_pod=None if slot.pod in books.pods else PodRecord(pod.linux.cgroup_parent, None, 1),
+        new_pod=(
+            None
+            if slot.pod in books.pods
+            else PodRecord(cgroup_parent=pod.linux.cgroup_parent, baseline=None, period=1)
+        ),
     )
     rebuilt.applied[slot.pod] += plan.applied_shared
     _note_plan(rebuilt, plan, pod, container)

@@ -126,20 +126,21 @@ def adjustment_chosen(pod: api.PodSandbox, container: api.Container, plan: Creat
     already right)."""
     if not tracing():
         return
-    cpu = plan.adjustment.linux.resources.cpu
+    adjustment = plan.adjustment
+    cpu = adjustment.linux.resources.cpu
     log.debug(
         "adjustment chosen",
         step="adjustment",
         cpus=_cpus(plan.cpus),
         quota=show_quota(plan.quota) if plan.quota is not None else "unlimited, left alone",
         period=plan.period,
-        env={entry.key: entry.value for entry in plan.adjustment.env},
+        env={entry.key: entry.value for entry in adjustment.env},
         sets=[
             name
             for name, changed in (
                 ("cpus", bool(cpu.cpus)),
                 ("quota", cpu.HasField("quota")),
-                ("env", bool(plan.adjustment.env)),
+                ("env", bool(adjustment.env)),
             )
             if changed
         ],

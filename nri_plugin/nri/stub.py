@@ -305,53 +305,57 @@ class _Apart:
         self.kept = bytearray()
         self.seen = 0
         self.more = False
-        self._pods_from = self._pods_to = 0  # the run of pod fields not parsed yet
+        # The run of pod fields not parsed yet: where it starts (None: no run) and ends.
+        self._run_start: int | None = None
+        self._run_end = 0
 
     def take_apart(self) -> bool:
         """Every field of the chunk, one at a time (no list of a chunk's thousands); False for a
         field of the request's with another wire type than its own (the chunk is then not plainly
         well formed); raises `DecodeError` for an object the decoder refuses and `wire.Malformed`.
-        A container, most of the fields, is handled here, with no call but its parse and `select`."""
-        view, select, by_sandbox, kept = self.view, self.select, self.by_sandbox, self.kept
-        for number, wire_type, start, begin, end in wire.each_field(view):
-            if number == _SYNC_CONTAINERS and wire_type == wire.LEN:
-                if self._pods_to:
-                    self.end_of_pods()
-                self.seen += 1
-                container = _parse_container(view[begin:end])
-                if select(by_sandbox.get(container.pod_sandbox_id), container):
-                    kept += view[start:end]
-            elif not self._other(number, wire_type, start, begin, end):
-                return False
+        A field the request does not know is skipped, as protobuf does."""
+        for number, wire_type, start, begin, end in wire.each_field(self.view):
+            if number == _SYNC_PODS:
+                if wire_type != wire.LEN:
+                    return False
+                self._add_pod(start, end)
+                continue
+            self.end_of_pods()
+            if number == _SYNC_CONTAINERS:
+                if wire_type != wire.LEN:
+                    return False
+                self._add_container(start, begin, end)
+            elif number == _SYNC_MORE:
+                if wire_type != wire.VARINT:
+                    return False
+                self.more = bool(wire.varint(self.view, begin)[0])
         self.end_of_pods()
         return True
 
-    def _other(self, number: int, wire_type: int, start: int, begin: int, end: int) -> bool:
-        """A field that is not a container: a pod (added to the run of pods), the request's `more`,
-        or one it does not know (skipped, as protobuf does); False for a wire type not its own."""
-        if number == _SYNC_PODS:
-            if self._pods_to != start:  # (a run always ends where the next field starts)
-                self._pods_from = start
-            self._pods_to = end
-            return wire_type == wire.LEN
-        if self._pods_to:
-            self.end_of_pods()
-        if number == _SYNC_CONTAINERS:
-            return False  # (a LEN one is a container)
-        if number == _SYNC_MORE:
-            if wire_type != wire.VARINT:
-                return False
-            self.more = bool(wire.varint(self.view, begin)[0])
-        return True
+    def _add_pod(self, start: int, end: int) -> None:
+        """A pod field, the bytes ``view[start:end]``: it starts a run of pods or extends the run
+        (the field before it was a pod too, so the run ends where this one starts)."""
+        if self._run_start is None:
+            self._run_start = start
+        self._run_end = end
+
+    def _add_container(self, start: int, begin: int, end: int) -> None:
+        """A container field (its value at ``view[begin:end]``): parsed, counted, and kept as its
+        field's bytes if `select` wants it."""
+        self.seen += 1
+        container = _parse_container(self.view[begin:end])
+        if self.select(self.by_sandbox.get(container.pod_sandbox_id), container):
+            self.kept += self.view[start:end]
 
     def end_of_pods(self) -> None:
         """Parse the run of pods the last fields were, if any."""
-        if self._pods_to > self._pods_from:
-            run = self.view[self._pods_from : self._pods_to]
-            for pod in api.SynchronizeRequest.FromString(cast(bytes, run)).pods:
-                self.pods.append(pod)
-                self.by_sandbox[pod.id] = pod
-        self._pods_from = self._pods_to = 0
+        if self._run_start is None:
+            return
+        run = self.view[self._run_start : self._run_end]
+        self._run_start = None
+        for pod in api.SynchronizeRequest.FromString(cast(bytes, run)).pods:
+            self.pods.append(pod)
+            self.by_sandbox[pod.id] = pod
 
 
 class Stub:

@@ -33,7 +33,7 @@ def _setup(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_books_bind_until_the_pod_is_unbound() -> None:
-    books = Books({"p": PodRecord("/kubepods/podp", 100_000, 100_000)})
+    books = Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)})
     books.hold(Slot("p", "a"), ContainerRecord("c1", 2, "4", "dev-1"))
     assert books.devices == {"dev-1": Slot("p", "a")}
     assert books.release("c1") == Slot("p", "a")
@@ -49,7 +49,7 @@ def test_books_bind_until_the_pod_is_unbound() -> None:
 
 def test_state_file_keeps_the_bindings_and_old_files_still_load(tmp_path: Path) -> None:
     store = StateStore(tmp_path, fsync=False)
-    books = Books({"p": PodRecord("/kubepods/podp", 100_000, 100_000)})
+    books = Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)})
     books.hold(Slot("p", "a"), ContainerRecord("c1", 2, "4", "dev-1"))
     books.release("c1")
     books.devices["dev-9"] = Slot("gone", "x\n\0")
