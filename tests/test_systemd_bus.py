@@ -116,6 +116,6 @@ async def test_a_call_not_answered_in_time_is_a_timeout_not_a_lost_bus(
     path, fake = systemd
     fake.delay = GUARD  # a systemd busy with a long daemon-reload
     call = connect_and_call(path, set_quota(4_000_000), 0.2)
-    with pytest.raises(dbus.BusTimeout, match="SetUnitProperties: no reply within 0.2 s"):
+    with pytest.raises(dbus.BusTimeout, match=r"SetUnitProperties: no reply within 0\.2 s"):
         await asyncio.wait_for(call if inside_a_task else run_outside_any_task(call), GUARD)
     assert len(fake.calls) == 1
