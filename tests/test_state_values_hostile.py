@@ -31,7 +31,7 @@ from mixedcpu_support import (
 from redteam_support import GUARD, NAMING, daemon_node, is_shared, short_directory
 
 from api.nri import api_pb2 as api
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
 from nri_plugin.mixedcpu.bounds import out_of_range
 from nri_plugin.mixedcpu.policy import MAX_CFS_QUOTA
 from nri_plugin.mixedcpu.store import STATE_FILE_NAME, Bookkeeper, StateStore
@@ -42,8 +42,8 @@ SET_ASIDE = "saved pod record out of range: set aside, the pod is rebuilt from t
 def _books(baseline: int, *, period: int = PERIOD, shared: int = 2, exclusive: str = "2-3") -> Books:
     books = Books(
         {
-            "sane": PodRecord("/kubepods/podsane", 2 * PERIOD, PERIOD),
-            "bad": PodRecord("/kubepods/podbad", baseline, period),
+            "sane": PodRecord(cgroup_parent="/kubepods/podsane", baseline=2 * PERIOD, period=PERIOD),
+            "bad": PodRecord(cgroup_parent="/kubepods/podbad", baseline=baseline, period=period),
         }
     )
     books.hold(Slot("sane", "app"), ContainerRecord("c-sane", 2, "2-3", "dev-0"))
@@ -54,30 +54,78 @@ def _books(baseline: int, *, period: int = PERIOD, shared: int = 2, exclusive: s
 @pytest.mark.parametrize(
     ("record", "field", "allowed"),
     [
-        (PodRecord("/p", 10**30, PERIOD), "baseline", "1000 to 400000 us (4 online CPUs"),
-        (PodRecord("/p", 999, PERIOD), "baseline", "1000 to 400000 us (4 online CPUs"),
-        (PodRecord("/p", -5, PERIOD), "baseline", "1000 to 400000 us (4 online CPUs"),
-        (PodRecord("/p", 6_400_000, PERIOD), "baseline", "1000 to 400000 us (4 online CPUs x the period"),
-        (PodRecord("/p", PERIOD, 999), "period", "1000 to 1000000 us (the kernel's range)"),
-        (PodRecord("/p", PERIOD, 1_000_001), "period", "1000 to 1000000 us (the kernel's range)"),
-        (PodRecord("/p", PERIOD, 0), "period", "1000 to 1000000 us (the kernel's range)"),
         (
-            PodRecord("/p", PERIOD, PERIOD, containers={"a": ContainerRecord("c", -1)}),
+            PodRecord(cgroup_parent="/p", baseline=10**30, period=PERIOD),
+            "baseline",
+            "1000 to 400000 us (4 online CPUs",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=999, period=PERIOD),
+            "baseline",
+            "1000 to 400000 us (4 online CPUs",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=-5, period=PERIOD),
+            "baseline",
+            "1000 to 400000 us (4 online CPUs",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=6_400_000, period=PERIOD),
+            "baseline",
+            "1000 to 400000 us (4 online CPUs x the period",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=PERIOD, period=999),
+            "period",
+            "1000 to 1000000 us (the kernel's range)",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=PERIOD, period=1_000_001),
+            "period",
+            "1000 to 1000000 us (the kernel's range)",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=PERIOD, period=0),
+            "period",
+            "1000 to 1000000 us (the kernel's range)",
+        ),
+        (
+            PodRecord(
+                cgroup_parent="/p",
+                baseline=PERIOD,
+                period=PERIOD,
+                containers=Containers({"a": ContainerRecord("c", -1)}),
+            ),
             "container a: shared_cpus",
             "0 to 4 CPUs (the online CPUs)",
         ),
         (
-            PodRecord("/p", PERIOD, PERIOD, containers={"a": ContainerRecord("c", 5)}),
+            PodRecord(
+                cgroup_parent="/p",
+                baseline=PERIOD,
+                period=PERIOD,
+                containers=Containers({"a": ContainerRecord("c", 5)}),
+            ),
             "container a: shared_cpus",
             "0 to 4 CPUs (the online CPUs)",
         ),
         (
-            PodRecord("/p", PERIOD, PERIOD, containers={"a": ContainerRecord("c", 2, "0-63")}),
+            PodRecord(
+                cgroup_parent="/p",
+                baseline=PERIOD,
+                period=PERIOD,
+                containers=Containers({"a": ContainerRecord("c", 2, "0-63")}),
+            ),
             "container a: exclusive",
             "0 to 4 CPUs (the online CPUs)",
         ),
         (
-            PodRecord("/p", PERIOD, PERIOD, containers={"a": ContainerRecord("c", 2, "zero")}),
+            PodRecord(
+                cgroup_parent="/p",
+                baseline=PERIOD,
+                period=PERIOD,
+                containers=Containers({"a": ContainerRecord("c", 2, "zero")}),
+            ),
             "container a: exclusive",
             "a list of CPUs",
         ),
@@ -94,20 +142,32 @@ def test_each_number_is_checked_against_the_kernel_and_the_node(
 
 def test_the_edges_of_the_ranges_are_kept() -> None:
     for record in (
-        PodRecord("/p", 1_000, 1_000),
-        PodRecord("/p", 4 * PERIOD, PERIOD, containers={"a": ContainerRecord("c", 4, "0-3")}),
-        PodRecord("/p", None, 1_000_000),
-        PodRecord("/p", MAX_CFS_QUOTA, 1_000_000),  # the kernel's largest, on a node too large to check
+        PodRecord(cgroup_parent="/p", baseline=1_000, period=1_000),
+        PodRecord(
+            cgroup_parent="/p",
+            baseline=4 * PERIOD,
+            period=PERIOD,
+            containers=Containers({"a": ContainerRecord("c", 4, "0-3")}),
+        ),
+        PodRecord(cgroup_parent="/p", baseline=None, period=1_000_000),
+        PodRecord(
+            cgroup_parent="/p", baseline=MAX_CFS_QUOTA, period=1_000_000
+        ),  # the kernel's largest, on a node too large to check
     ):
         online = None if record.baseline == MAX_CFS_QUOTA else 4
         assert out_of_range(record, online) is None, record
     # The target counts too: the kernel's largest quota plus a share is over it.
-    shared = PodRecord("/p", MAX_CFS_QUOTA, PERIOD, containers={"a": ContainerRecord("c", 1)})
+    shared = PodRecord(
+        cgroup_parent="/p",
+        baseline=MAX_CFS_QUOTA,
+        period=PERIOD,
+        containers=Containers({"a": ContainerRecord("c", 1)}),
+    )
     problem = out_of_range(shared)
     assert problem is not None
     assert problem.field == "target"
     # Without the online CPUs (a store built without them), the kernel's range alone.
-    problem = out_of_range(PodRecord("/p", 10**30, PERIOD))
+    problem = out_of_range(PodRecord(cgroup_parent="/p", baseline=10**30, period=PERIOD))
     assert problem is not None
     assert problem.allowed == f"1000 to {MAX_CFS_QUOTA} us (the kernel's range)"
 
@@ -126,7 +186,7 @@ def test_a_hostile_baseline_in_the_state_file_is_set_aside(tmp_path: Path, basel
     assert warning["cgroup_parent"] == "/kubepods/podbad"
     assert warning["path"] == store.path
     # The next write is a whole snapshot: the files no longer hold the value.
-    keeper.books.pods["new"] = PodRecord("/kubepods/podnew", PERIOD, PERIOD)
+    keeper.books.pods["new"] = PodRecord(cgroup_parent="/kubepods/podnew", baseline=PERIOD, period=PERIOD)
     keeper.commit()
     assert "bad" not in json.loads(Path(store.path).read_text())["pods"]
 
@@ -152,7 +212,16 @@ async def test_synchronize_sets_aside_a_baseline_above_the_runtimes_limit(tmp_pa
     pod.linux.pod_resources.cpu.quota.value = 2 * PERIOD
     pod.linux.pod_resources.cpu.period.value = PERIOD
     tree.add_pod(pod, 4 * PERIOD)  # its own 2 CPUs and the 2 shared ones of the container below
-    saved = Books({"1111-aaaa": PodRecord(pod.linux.cgroup_parent, 3 * PERIOD, PERIOD, "pod-resources")})
+    saved = Books(
+        {
+            "1111-aaaa": PodRecord(
+                cgroup_parent=pod.linux.cgroup_parent,
+                baseline=3 * PERIOD,
+                period=PERIOD,
+                baseline_source="pod-resources",
+            )
+        }
+    )
     StateStore(tmp_path / "state", fsync=False).save(saved)
     plugin, key = make_plugin(tmp_path / "state", tree.layout)
     container = make_container(
