@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mixedcpu_support import Daemon, run_cli, start_daemon, write_daemon_config
+from mixedcpu_support import ROOT, Daemon, run_cli, start_daemon, write_daemon_config
 from structlog.testing import capture_logs
 
 from nri_plugin.daemon.instance import (
@@ -250,3 +253,70 @@ def test_a_node_lock_whose_directory_comes_later_is_taken_then(tmp_path: Path) -
     assert watch.pending is None
     assert lock.path == str(tmp_path / "nri" / NODE_LOCK_NAME)
     assert Path(lock.path).read_text() == f"{os.getpid()}\n/etc/x.toml\n"
+
+
+# -- issue #25, break 9: errors that name the real cause -------------------------------------------
+
+# Mount argv[1] read-only over itself (in the new mount namespace unshare made), then exec argv[2:].
+READ_ONLY_THEN_EXEC = (
+    "import os, subprocess, sys; "
+    "subprocess.run(['mount', '--bind', '-o', 'ro', sys.argv[1], sys.argv[1]], check=True); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def run_daemon_under(prefix: list[str], config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "nri_plugin.daemon.cli", "run", "--config", str(config)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        check=False,
+    )
+
+
+def test_a_read_only_state_dir_is_reported_read_only_not_missing(short_dir: Path) -> None:
+    """The attack: the state dir mounted read-only; the lock file was retried read-only, and the
+    daemon said 'No such file or directory'."""
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("no mount namespace here (unshare --mount): a read-only mount needs one")
+    config = write_daemon_config(short_dir, short_dir / "dp")
+    state = short_dir / "state"
+    state.mkdir(mode=0o700)
+    prefix = ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", READ_ONLY_THEN_EXEC]
+    result = run_daemon_under([*prefix, str(state)], config)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line == (
+        f"error: {state / LOCK_FILE_NAME}: cannot open the daemon's lock file: Read-only file system; "
+        f"{state} is on a read-only file system: mount it read-write"
+    )
+    assert not list(state.iterdir())
+
+
+def test_a_daemon_run_by_another_user_is_told_it_is_not_root(short_dir: Path) -> None:
+    """The attack: a user that is not root ran the daemon; nothing said so. It may read (the
+    capability to read any file, so that it gets as far as it can), nothing more."""
+    config = write_daemon_config(short_dir, short_dir / "dp")
+    nobody = [
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+        "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",
+    ]  # fmt: skip
+    result = run_daemon_under(nobody, config)
+    assert result.returncode == 2, result.stderr
+    warning, error = result.stderr.splitlines()
+    assert json.loads(warning) | {"timestamp": None} == {
+        "timestamp": None,
+        "level": "warning",
+        "logger": "nri_plugin.daemon.cli",
+        "msg": "you are not root",
+        "uid": 65534,
+        "why": "the daemon writes cgroup files, kubelet's device-plugin directory and its state dir",
+        "fix": f"run it as root; see what uid 65534 lacks with: mixed-cpu-nri-plugin check --config {config}",
+    }
+    assert error == (
+        f"error: {short_dir / NODE_LOCK_NAME}: cannot open the daemon's lock file: Permission denied; you "
+        "are not root (uid 65534): run the daemon as root"
+    )

@@ -302,6 +302,14 @@ def _run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         node_lock=True,
     )
+    if os.geteuid() != 0:
+        structlog.get_logger("nri_plugin.daemon.cli").warning(
+            "you are not root",
+            uid=os.geteuid(),
+            why="the daemon writes cgroup files, kubelet's device-plugin directory and its state dir",
+            fix=f"run it as root; see what uid {os.geteuid()} lacks with: mixed-cpu-nri-plugin check "
+            f"--config {args.config}",
+        )
     try:
         return build_daemon(options).run()
     except DaemonError as exc:

@@ -135,9 +135,9 @@ def lock_node(nri_socket: str, config_path: str = "") -> InstanceLock:
     """Take the node's daemon lock beside `nri_socket` and write our pid and `config_path` in it.
 
     Raises `InstanceLockError` when another process holds it (the message names its pid and config)
-    or when the lock file is not a plain file; `NoNodeLock` when there is nothing to lock on: the
-    socket's directory is missing (the runtime makes it; this daemon does not), or read-only with no
-    lock file in it yet.
+    or when the lock file is not a plain file or cannot be made (not root); `NoNodeLock` when there
+    is nothing to lock on: the socket's directory is missing (the runtime makes it; this daemon does
+    not), or read-only with no lock file in it yet.
     """
     directory = os.path.dirname(nri_socket) or "."
     path = os.path.join(directory, NODE_LOCK_NAME)
@@ -160,7 +160,7 @@ def lock_node(nri_socket: str, config_path: str = "") -> InstanceLock:
         return take()
     except InstanceLockError as exc:
         cause = exc.__cause__
-        if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES):
+        if isinstance(cause, OSError) and cause.errno == errno.EROFS:
             raise NoNodeLock(f"{path} cannot be made: {cause.strerror}") from None
         raise
 
@@ -218,6 +218,10 @@ def _open_lock_file(directory: str, path: str, fix: str) -> tuple[int, os.stat_r
             "(the daemon creates it)"
         ) from None
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            fix = f"{directory} is on a read-only file system: mount it read-write"
+        elif exc.errno in (errno.EACCES, errno.EPERM) and os.geteuid() != 0:
+            fix = f"you are not root (uid {os.geteuid()}): run the daemon as root"
         raise InstanceLockError(
             f"{path}: cannot open the daemon's lock file: {exc.strerror or exc}; {fix}"
         ) from exc
