@@ -589,3 +589,77 @@ async def test_slow_systemd_and_pods_put_back_by_daemon_reload_do_not_make_the_r
         assert not daemon.logged("plugin", "closed")
         assert daemon.logged("pod quota was off its target"), "the passes met the put-back pods"
         assert daemon.logged("systemd answers slowly")
+
+
+# -- a late answer cannot leave a value behind (issue 25, break 11) -------------------------------------
+
+LATE = 1.5  # seconds systemd takes to answer the raise: three times the call timeout
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2"])
+async def test_a_raise_answered_late_after_the_release_is_undone_and_the_pod_kept_until_then(
+    root: Path, version: int
+) -> None:
+    """systemd answers the raise late, after the container was removed and the pod lowered through
+    the file: the pod's record is kept while the raise is unanswered; when the raise lands (systemd
+    writes it), the file is written back at once and systemd told the pod's own quota; only then
+    does a reconcile pass drop the record."""
+    clock = ManualClock()
+    node = Node(root, SYSTEMD, version, clock)
+    async with fake_systemd(node.tree.layout) as (path, systemd), node.sim:
+        writer = SystemdPodQuotaWriter(path, rest=Backoff(0.1, 0.1, jitter=(1, 1)))
+        await writer.start()
+        plugin = node.plugin(writer)
+        async with plugin_running(plugin, node.socket):
+            await node.sim.wait_for_plugins(1, GUARD)
+            pod = node.pod(systemd)
+            await node.sim.run_pod_sandbox(pod)
+            systemd.delay = LATE
+            with structlog.testing.capture_logs() as logs:
+                await node.create(pod, "fwd0")
+                assert node.pod_quota(pod) == RAISED
+                await until(lambda: len(systemd.calls) == 1, "systemd has the raise")
+                systemd.delay = 0.0
+                await node.sim.stop_container("fwd0")
+                await node.sim.remove_container("fwd0")
+                assert node.pod_quota(pod) == BASELINE, "lowered through the file at once"
+                assert UID in plugin.books.pods, "kept while systemd's answer to the raise is outstanding"
+                await clock.advance(30.0)  # a pass meanwhile keeps it too
+                assert UID in plugin.books.pods
+                await until(lambda: systemd.answered >= 1, "the late raise landed")
+                await settled(writer)
+            assert node.pod_quota(pod) == BASELINE
+            assert systemd.limit(UNIT) == CpuQuota(BASELINE, PERIOD), "systemd re-applies the right value"
+            assert [call[2][PER_SEC] for call in systemd.calls] == [RAISED * 10, BASELINE * 10]
+            assert any(entry["event"].startswith("systemd answered late") for entry in logs)
+            await clock.advance(30.0)
+            assert UID not in plugin.books.pods, "dropped once systemd and the file agree"
+            systemd.daemon_reload()
+            assert node.pod_quota(pod) == BASELINE
+            plugin.healer.stop()
+        await writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_raise_answered_late_after_the_release_leaves_no_value_behind_in_the_daemon(
+    root: Path,
+) -> None:
+    """Break 11 through the real daemon: the raise answered late (three call timeouts), the share
+    released and lowered meanwhile; systemd's view and the file end at the pod's own quota."""
+    async with systemd_daemon(root) as (node, systemd, daemon):
+        pod = node.pod(systemd)
+        await node.sim.run_pod_sandbox(pod)
+        systemd.delay = LATE
+        _, shared = await timed_create(node, pod, "fwd0")
+        assert shared
+        await until(lambda: len(systemd.calls) == 1, "systemd has the raise")
+        systemd.delay = 0.0
+        await node.sim.stop_container("fwd0")
+        await node.sim.remove_container("fwd0")
+        await until(lambda: systemd.answered == len(systemd.calls) == 2, "the late raise and the lowering")
+        await until(lambda: node.pod_quota(pod) == BASELINE, "the file back at the pod's own quota")
+        assert systemd.limit(UNIT) == CpuQuota(BASELINE, PERIOD)
+        systemd.daemon_reload()
+        assert node.pod_quota(pod) == BASELINE
+        await daemon.wait_log("systemd answered late")

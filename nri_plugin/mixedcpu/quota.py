@@ -265,10 +265,12 @@ def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
     )
 
 
-def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota) -> None:
-    """Drop a pod with no shared container left once its quota is back to its own."""
+def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota, settled: bool) -> None:
+    """Drop a pod with no shared container left once its quota is back to its own, and `settled`
+    (the writer has nothing pending for it: `PodQuotaWriter.settled`). Kept until then, so that the
+    reconciler reads it back: a late answer of systemd's may yet put an older value there."""
     record = pods[key]
-    if not record.containers and (now.unlimited or now.quota == record.baseline):
+    if settled and not record.containers and (now.unlimited or now.quota == record.baseline):
         del pods[key]
 
 
@@ -632,7 +634,7 @@ class PodQuotas:
                     pod_quota=f"{show_quota(current)} -> {show_quota(now)}",
                     **pod_fields(pod, event="Synchronize"),
                 )
-            _forget_if_done(pods, key, now)
+            _forget_if_done(pods, key, now, self.writer.settled(pod.linux.cgroup_parent))
         except CgroupError as exc:
             log.error(
                 "cannot bring the pod quota to its target",
@@ -646,7 +648,10 @@ class PodQuotas:
     # -- the write -----------------------------------------------------------------------------------------
 
     def _forget_if_done(self, key: str, now: CpuQuota) -> None:
-        _forget_if_done(self.books.pods, key, now)
+        record = self.books.pods.get(key)
+        if record is None:
+            return
+        _forget_if_done(self.books.pods, key, now, self.writer.settled(record.cgroup_parent))
         if key not in self.books.pods:
             self._written.pop(key, None)
 
@@ -715,6 +720,8 @@ class PodQuotas:
         written = self._written.get(key)
         if written is None:
             return record  # nothing written here yet: no telling whose a value is
+        if not self.writer.settled(record.cgroup_parent):
+            return record  # an older value of ours may be landing late (systemd's answer): not a resize
         resized = adopt_resize(record, current, written)
         if resized is not record:
             log.info(
