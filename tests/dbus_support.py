@@ -113,8 +113,9 @@ class FakeSystemd:
     `units`: unit -> property -> value as recorded; `calls`: (unit, runtime, properties) received.
     `delay`: seconds each call takes (a stalled systemd; ``math.inf``: never answered), each call on
     its own (systemd's answers then come in the order of their delays); `refusal`: a D-Bus error
-    name to answer; `answered`: the calls answered so far. A call still waiting when the fake stops
-    is never answered.
+    name to answer; `stale`: answer OK and record the value, but write the unit's previous value to
+    its cgroup (a systemd whose write does not take); `answered`: the calls answered so far. A call
+    still waiting when the fake stops is never answered.
     """
 
     def __init__(self, layout: CgroupLayout) -> None:
@@ -123,6 +124,7 @@ class FakeSystemd:
         self.calls: list[tuple[str, bool, dict[str, int]]] = []
         self.delay = 0.0
         self.refusal = ""
+        self.stale = False
         self.answered = 0
         self._bus: MessageBus | None = None
         self._waiting: set[asyncio.Task[Any]] = set()
@@ -163,7 +165,12 @@ class FakeSystemd:
     def _set(self, unit: str, values: dict[str, int]) -> None:
         if unit not in self.units:
             raise DBusError("org.freedesktop.systemd1.NoSuchUnit", f"Unit {unit} not loaded.")
+        previous = self.limit(unit)
         self.units[unit].update(values)
+        if self.stale:
+            with contextlib.suppress(CgroupError):
+                restore_cpu_quota(self.layout.cpu.dir(expand_slice(unit)), previous)
+            return
         self._apply(unit)
 
     def record(self, unit: str, quota: int | None, period: int = 100_000) -> None:

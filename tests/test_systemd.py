@@ -663,3 +663,49 @@ async def test_a_raise_answered_late_after_the_release_leaves_no_value_behind_in
         systemd.daemon_reload()
         assert node.pod_quota(pod) == BASELINE
         await daemon.wait_log("systemd answered late")
+
+
+# -- systemd accepting a value the file does not show (issue 25, break 12) -----------------------------
+
+
+@pytest.mark.asyncio
+async def test_systemd_accepting_a_value_the_file_does_not_show_is_warned_of_once_a_minute(
+    tree: FakeCgroups, bus: tuple[str, FakeSystemd]
+) -> None:
+    path, systemd = bus
+    clock = ManualClock()
+    writer = SystemdPodQuotaWriter(path, clock=clock)
+    await writer.start()
+    pod = Pod(tree)
+    systemd.record(UNIT, BASELINE)
+    systemd.stale = True  # answers OK, and leaves the cgroup at the unit's previous value
+    with structlog.testing.capture_logs() as logs:
+        for quota in (RAISED, BASELINE, RAISED):
+            await writer.write_pod_quota(pod.dir, pod.parent, CpuQuota(quota, PERIOD), current=pod.quota())
+            await settled(writer)
+            assert pod.quota() == CpuQuota(quota, PERIOD), "the file written again"
+        await clock.advance(60.0)
+        await writer.write_pod_quota(pod.dir, pod.parent, CpuQuota(BASELINE, PERIOD), current=pod.quota())
+        await settled(writer)
+    warned = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert [entry["event"].split(":")[0] for entry in warned] == [
+        "systemd accepted a pod quota and the cgroup file does not show it"
+    ] * 2, "once a minute per unit"
+    assert (warned[0]["accepted"], warned[0]["holds"]) == (f"{RAISED} {PERIOD}", f"{BASELINE} {PERIOD}")
+    assert [entry["times_since_last_said"] for entry in warned] == [0, 2]
+    await writer.close()
+
+
+@pytest.mark.asyncio
+async def test_systemd_answering_ok_and_leaving_cpu_max_alone_is_a_warning_in_the_daemon(root: Path) -> None:
+    """Break 12 through the real daemon: systemd accepts the raise and its write does not take;
+    the daemon warns (not at debug), and the pod is raised through the file all the same."""
+    async with systemd_daemon(root) as (node, systemd, daemon):
+        pod = node.pod(systemd)
+        await node.sim.run_pod_sandbox(pod)
+        systemd.stale = True
+        _, shared = await timed_create(node, pod, "fwd0")
+        assert shared
+        line = await daemon.wait_log("systemd accepted a pod quota and the cgroup file does not show it")
+        assert '"level": "warning"' in line
+        await until(lambda: node.pod_quota(pod) == RAISED, "the file written again")

@@ -22,7 +22,9 @@ A call is still followed after the sender stopped waiting: its answer, however l
 **Nothing is settled until verified.** A unit is *pending* from a write until systemd has
 acknowledged the latest value written for it and the file, read back, shows that value
 (`settled`). A late answer carrying an older value (systemd then wrote that older value) is
-undone at once: the file is written again and systemd told the latest value. The plugin keeps a
+undone at once: the file is written again and systemd told the latest value. An answer accepting
+the latest value that the file, read back, does not show is warned of (at most once per
+`WARN_EVERY` per unit, with a count) and the file written again. The plugin keeps a
 pod's record while its unit is pending, so that the reconciler's passes keep reading it back.
 
 The cgroup file alone is for pods that are not units (the cgroupfs driver), and for a unit systemd
@@ -65,6 +67,7 @@ __all__ = [
     "CALL_TIMEOUT",
     "REPLY_LIMIT",
     "SLOW_CALL",
+    "WARN_EVERY",
     "SystemdPodQuotaWriter",
     "write_quota_file",
 ]
@@ -80,6 +83,9 @@ REPLY_LIMIT: Final = 120.0
 # Rest after a slow call: soon tried again, then at most every minute while calls stay slow.
 REST_INITIAL: Final = 1.0
 REST_MAX: Final = 60.0
+# A unit whose file does not show what systemd accepted is warned of at most once per this.
+WARN_EVERY: Final = 60.0
+_MAX_WARNED: Final = 4096  # units remembered for the warnings' pace: more than a node's pods
 # Reconnection attempts: soon after a loss (systemd or dbus restarting), then every minute at most.
 RECONNECT_INITIAL: Final = 1.0
 RECONNECT_MAX: Final = 60.0
@@ -156,6 +162,7 @@ class SystemdPodQuotaWriter:
         self._resting_until = 0.0  # on the clock
         self._wake: Timer | None = None
         self._calls: set[asyncio.Future[Any]] = set()
+        self._warned: dict[str, tuple[float, int]] = {}  # unit -> (when warned, mismatches not said since)
 
     @property
     def connected(self) -> bool:
@@ -372,7 +379,7 @@ class SystemdPodQuotaWriter:
             now = read_cpu_quota(entry.dir)
             if now != entry.desired:
                 if entry.acknowledged and entry.told == entry.desired:
-                    log.debug("systemd's write did not take: writing the file", unit=name, holds=str(now))
+                    self._not_shown(name, entry.desired, now)
                 else:
                     log.info(
                         "systemd answered late and wrote an older pod quota: the latest is written again",
@@ -390,6 +397,26 @@ class SystemdPodQuotaWriter:
             return
         if entry.acknowledged:
             del self._units[name]
+
+    def _not_shown(self, unit: str, value: CpuQuota, now: CpuQuota) -> None:
+        """systemd accepted `value` for `unit` and the file shows `now`: warned of once per
+        `WARN_EVERY` per unit, with how many times it happened since."""
+        clock = self._clock.monotonic()
+        said, unsaid = self._warned.get(unit, (None, 0))
+        if said is not None and clock - said < WARN_EVERY:
+            self._warned[unit] = (said, unsaid + 1)
+            return
+        if len(self._warned) >= _MAX_WARNED:
+            self._warned = {u: w for u, w in self._warned.items() if clock - w[0] < WARN_EVERY}
+        self._warned[unit] = (clock, 0)
+        log.warning(
+            "systemd accepted a pod quota and the cgroup file does not show it: written to the file "
+            "(said at most once a minute per unit)",
+            unit=unit,
+            accepted=f"{value.quota} {value.period}",
+            holds=f"{now.quota} {now.period}",
+            times_since_last_said=unsaid,
+        )
 
     def _refused(self, unit: str, exc: dbus.BusError) -> None:
         kind = exc.name or str(exc)
