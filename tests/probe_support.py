@@ -142,6 +142,7 @@ async def daemon_with_probes(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        print("daemon stderr:", *lines, sep="\n")  # shown if the test fails
 
 
 # -- strangers holding the probe port (issue 13) ------------------------------------------------------

@@ -609,7 +609,13 @@ async def test_plugin_launched_by_the_runtime_uses_the_inherited_socket(tmp_path
     finally:
         await sim.close()
         # A launched plugin cannot reconnect: the runtime closing fd 3 ends it.
-        _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+        try:
+            _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        print(f"launched plugin's stderr:\n{stderr.decode(errors='replace')}")  # shown if the test fails
     assert proc.returncode == 0, stderr.decode()
 
 
