@@ -19,6 +19,7 @@ from pathlib import Path
 from mixedcpu_support import ROOT, start_daemon
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
+from wait_support import wait_until
 
 GUARD = 10.0  # a guard against hangs, never a measure
 # kubelet gives up on a probe after timeoutSeconds, 2 in the chart and the manifests: the bound
@@ -147,6 +148,7 @@ async def daemon_with_probes(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        print("daemon stderr:", *lines, sep="\n")  # shown if the test fails
 
 
 # -- strangers holding the probe port (issue 13) ------------------------------------------------------
@@ -256,7 +258,11 @@ async def under_attack(
     if not same_peer:  # one address flooding the prober's own is what the NetworkPolicy is for
         attackers.append(asyncio.ensure_future(flood(host, port, stranger_address(peers + 1), strangers)))
     try:
-        await asyncio.sleep(0.2)  # the slow client is mid-head, the flood under way
+        # The slow client is mid-head, the flood under way.
+        await wait_until(
+            lambda: strangers.loris_connections >= 1 and (same_peer or strangers.flood_connections >= 20),
+            what="the slow client and the flood started",
+        )
         yield strangers
     finally:
         strangers.stopped = True

@@ -585,10 +585,14 @@ async def test_daemon_serves_probes_and_metrics(tmp_path: Path, device_plugins: 
         assert "not registered with the runtime" in unready.text
         async with RuntimeSimulator(socket_path) as sim:
             await sim.wait_for_plugins(1, GUARD)
+
             # The daemon answers Synchronize a moment before it counts itself ready: ask until it does.
-            while (ready := await get(host, port, "/readyz")).status != 200:
-                assert ready.status == 503, reply_text(ready)
-                await asyncio.sleep(0.01)
+            async def until_ready() -> None:
+                while (ready := await get(host, port, "/readyz")).status != 200:
+                    assert ready.status == 503, reply_text(ready)
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(until_ready(), GUARD)
             found = await scrape(host, port)
             assert value(found, "mixed_cpu_nri_requests_total", event="configure", outcome="ok") == 1
             assert value(found, "mixed_cpu_nri_requests_total", event="synchronize", outcome="ok") == 1

@@ -39,6 +39,7 @@ from mixedcpu_support import (
     start_daemon,
     write_daemon_config,
 )
+from wait_support import wait_until
 
 import cgroups.files
 from api.nri import api_pb2 as api
@@ -231,11 +232,7 @@ async def test_without_a_bus_the_file_is_written_said_once_and_the_bus_is_tried_
     writer.bus_path = path
     with structlog.testing.capture_logs() as logs:
         await clock.advance(1.0)
-        for _ in range(200):
-            if writer.connected:
-                break
-            await asyncio.sleep(0.01)
-    assert writer.connected
+        await wait_until(lambda: writer.connected, what="the writer connected to the bus")
     assert [entry["event"].split(":")[0] for entry in logs] == ["connected to the system bus"]
     await settled(writer)  # what was written meanwhile is told once the bus is back
     await writer.write_pod_quota(pod.dir, pod.parent, CpuQuota(RAISED + PERIOD, PERIOD), current=pod.quota())
