@@ -67,6 +67,7 @@ __all__ = [
     "read_effective_cpuset",
     "read_value",
     "restore_cpu_quota",
+    "set_cpu_limit",
     "write_cpu_limit",
     "write_cpu_quota",
     "write_cpuset",
@@ -633,6 +634,16 @@ def restore_cpu_quota(cgroup: Cgroup, quota: CpuQuota) -> None:
         if _parsed(held, CFS_PERIOD_US, parse_cfs_period_us) != quota.period:
             write_value(held, CFS_PERIOD_US, str(quota.period))
         write_value(held, CFS_QUOTA_US, format_cfs_quota_us(quota.quota))
+
+
+def set_cpu_limit(cgroup: Cgroup, limit: CpuQuota, *, current: CpuQuota | None) -> None:
+    """Make `limit` the cgroup's CFS limit: the quota alone (`write_cpu_limit`) when `current`, just
+    read, has the same period; else the whole limit, period included (`restore_cpu_quota`;
+    `current` None: unknown, e.g. a write cut short)."""
+    if current is not None and current.period == limit.period:
+        write_cpu_limit(cgroup, limit)
+    else:
+        restore_cpu_quota(cgroup, limit)
 
 
 def write_parent_child_quota(

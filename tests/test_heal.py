@@ -34,6 +34,7 @@ from mixedcpu_support import (
     plugin_running,
 )
 
+import cgroups.files
 from api.nri import api_pb2 as api
 from cgroups import Cgroup, CpuQuota, read_cpu_quota, write_cpu_limit, write_cpu_quota
 from nri_plugin.common.clock import ManualClock
@@ -563,7 +564,7 @@ async def test_a_pass_over_an_unchanged_node_writes_saves_and_says_nothing(
         saves.append(books)
 
     monkeypatch.setattr(quota, "write_cpu_quota", write)
-    monkeypatch.setattr(quota, "write_cpu_limit", write_limit)
+    monkeypatch.setattr(cgroups.files, "write_cpu_limit", write_limit)
     monkeypatch.setattr(StateStore, "save", save)
     with structlog.testing.capture_logs() as logs:
         report = await plugin.healer.reconcile()

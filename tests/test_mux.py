@@ -520,7 +520,7 @@ def test_the_decoder_lets_go_of_a_large_frame_once_delivered() -> None:
     for start in range(0, len(wire), 65536):
         decoder.receive_data(memoryview(wire)[start : start + 65536])
     assert drain(decoder) == [MuxFrame(conn_id=1, payload=payload)]
-    assert decoder._buffer.held == 0  # released now, not at the next read
+    assert decoder.buffered == 0  # released now, not at the next read
 
 
 @pytest.mark.asyncio

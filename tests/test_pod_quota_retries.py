@@ -46,7 +46,7 @@ class Refusals:
 @pytest.fixture
 def refusing(monkeypatch: pytest.MonkeyPatch) -> Refusals:
     refusals = Refusals()
-    write, write_limit = cgroups.write_cpu_quota, cgroups.write_cpu_limit
+    write_limit = cgroups.write_cpu_limit
 
     def refuse_a_lowering(cgroup: Cgroup, value: int | None, now: CpuQuota) -> None:
         lowering = value is not None and (now.quota is None or value < now.quota)
@@ -60,16 +60,12 @@ def refusing(monkeypatch: pytest.MonkeyPatch) -> Refusals:
                 errno=errno.EINVAL,
             )
 
-    def write_cpu_quota(cgroup: Cgroup, value: int | None, *, current: CpuQuota | None = None) -> CpuQuota:
-        refuse_a_lowering(cgroup, value, current if current is not None else read_cpu_quota(cgroup))
-        return write(cgroup, value, current=current)
-
     def write_cpu_limit(cgroup: Cgroup, limit: CpuQuota) -> None:
         refuse_a_lowering(cgroup, limit.quota, read_cpu_quota(cgroup))
         write_limit(cgroup, limit)
 
-    monkeypatch.setattr(quota, "write_cpu_quota", write_cpu_quota)
-    monkeypatch.setattr(quota, "write_cpu_limit", write_cpu_limit)
+    # Every quota write of the cgroups library (write_cpu_quota, set_cpu_limit) ends in this one.
+    monkeypatch.setattr(cgroups.files, "write_cpu_limit", write_cpu_limit)
     return refusals
 
 

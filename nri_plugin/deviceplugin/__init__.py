@@ -21,12 +21,15 @@ that resource and proves each real request to the NRI side:
   stands (:class:`RegistrationState`, ``registration``: the states and the moves allowed between
   them). Its waits run on the `Clock` it is given, its retries on a `Backoff`.
 
-What the NRI side must do with a container's annotations (the policy's part): take
-``key.verify_annotations(container.annotations)`` as the only proof that the container requested the
-resource; refuse it when it returns None (absent, unsigned or forged) or when the device id is bound
-to another container (a replayed marker), and free the id when the holder's pod sandbox stops.
-Kubelet gives one device to one container of one pod at a time, so a device id presented by two
-containers is never legitimate.
+What the NRI side does with a container's marker (the policy's part, `nri_plugin.mixedcpu.policy.
+check_request`): a marker is a bearer token, so where kubelet's PodResources API can be asked
+(``podresources``: :class:`PodResourcesClient`) the marker only triggers the question, and the
+device ids kubelet's record gives that pod's container are the proof; a marker on a container
+kubelet gave none is refused. Only when kubelet cannot be asked is
+``key.verify_annotations(container.annotations)`` the proof: refused when it returns None (absent,
+unsigned or forged) or when the device id is bound to another container (a replayed marker). A
+device id is freed when the holder's pod sandbox stops. Kubelet gives one device to one container
+of one pod at a time, so a device id presented by two containers is never legitimate.
 
 This ``__init__`` imports nothing: ``marker`` and ``config`` are light and pure enough for the policy
 to use without loading grpc or touching a file; import what you need from the submodule that defines

@@ -77,8 +77,7 @@ from cgroups import (
     open_cgroup,
     pod_cgroup_path,
     read_cpu_quota,
-    restore_cpu_quota,
-    write_cpu_limit,
+    set_cpu_limit,
     write_cpu_quota,
 )
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
@@ -148,10 +147,7 @@ class FileQuotaWriter:
     async def write_pod_quota(
         self, pod_dir: Cgroup, cgroup_parent: str, limit: CpuQuota, *, current: CpuQuota | None
     ) -> None:
-        if current is not None and current.period == limit.period:
-            write_cpu_limit(pod_dir, limit)  # the period is as just read: the quota alone
-        else:
-            restore_cpu_quota(pod_dir, limit)  # the whole limit, period included
+        set_cpu_limit(pod_dir, limit, current=current)
 
     def settled(self, cgroup_parent: str) -> bool:
         return True  # the write was the whole of it

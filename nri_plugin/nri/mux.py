@@ -1,24 +1,9 @@
-"""NRI connection multiplexer: several byte streams over one unix socket.
+"""NRI connection multiplexer, the asyncio edge: the `Trunk` over the runtime's unix socket.
 
-NRI runs two ttrpc connections over one socket (the "trunk"). Every piece of a
-connection's byte stream travels in a mux frame::
-
-    conn_id  u32 big-endian   1 = Plugin service, 2 = Runtime service, 0 reserved
-    length   u32 big-endian   payload size
-    payload  length bytes     a slice of that connection's stream (no message boundaries)
-
-There is no open or close signalling: each side just uses ids 1 and 2, frames for
-an id nobody uses are dropped, and closing the socket closes everything.
-
-The module has two halves:
-
-* a sans-I/O core (:func:`encode`, :class:`MuxDecoder`) that touches neither
-  sockets nor asyncio: bytes in, frames out, in the style of h11
-  (``receive_data`` / ``next_event`` / ``NEED_DATA``), with the buffer and the
-  sentinel of the ttrpc decoder it sits under (`nri_plugin.ttrpc.buffer`);
-* a thin asyncio edge (:class:`Trunk`, :func:`open_unix`, :func:`adopt_socket`)
-  that feeds the socket's bytes to the decoder and hands each frame's payload to
-  the receiver registered for its connection id.
+The trunk feeds the socket's bytes to the sans-I/O decoder (`nri_plugin.nri.muxcodec`, which
+describes the mux frames) and hands each frame's payload to the receiver registered for its
+connection id (:class:`Trunk`, :func:`open_unix`, :func:`adopt_socket`). The codec's names a user
+of the trunk needs (the connection ids, the errors, :func:`encode`) are re-exported here.
 """
 
 from __future__ import annotations
@@ -28,15 +13,25 @@ import contextlib
 import logging
 import os
 import socket
-import struct
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
 from nri_plugin.common import heap
-from nri_plugin.ttrpc.buffer import HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
-from nri_plugin.ttrpc.errors import LocalProtocolError, RemoteProtocolError
+from nri_plugin.nri.muxcodec import (
+    FIRST_FRAME_MAX,
+    HEADER_SIZE,
+    MAX_PAYLOAD,
+    NEED_DATA,
+    PLUGIN_SERVICE_CONN,
+    RUNTIME_SERVICE_CONN,
+    LocalMuxError,
+    MuxDecoder,
+    MuxFrame,
+    MuxProtocolError,
+    NeedData,
+    check_conn_id,
+    encode,
+)
 from nri_plugin.ttrpc.logbudget import LogBudget, suppressed_note
 
 __all__ = [
@@ -63,30 +58,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-HEADER_SIZE: Final = 8
-PLUGIN_SERVICE_CONN: Final = 1
-RUNTIME_SERVICE_CONN: Final = 2
-
-# Connection id 0 is reserved by the Go mux (Open(0) fails); it never appears on the wire.
-_RESERVED_CONN: Final = 0
-_MAX_CONN_ID: Final = 0xFFFF_FFFF
-
-# The Go writer (NRI >= v0.7.0) splits any write longer than this into several frames. It is one
-# whole ttrpc message: 10-byte ttrpc header + 4 MiB data. Go peers never send a longer frame, and
-# since a frame is buffered whole before it is delivered, this is also our bound on the memory one
-# incomplete frame may hold: a header announcing more is a protocol error, refused before any of
-# its payload is buffered.
-MAX_PAYLOAD: Final = 10 + (4 << 20)
-
-# A Go peer reads each frame either into its 4096-byte bufio buffer or into the rest of the
-# message it is assembling, and fails (ENOMEM, connection dropped) on a frame longer than the
-# space it offers. Go's own writer goes through a 4096-byte bufio.Writer, so every message leaves
-# as its first min(4096, len) bytes, then all the rest in one more frame. We copy that split
-# exactly, which is always acceptable to a Go reader.
-FIRST_FRAME_MAX: Final = 4096
-
-_HEADER: Final = struct.Struct(">II")
-
 # The trunk reads the socket into one buffer of this size, the same for every read (asyncio's own
 # reads allocate a fresh 256 KiB each time: above glibc's mmap threshold, so an mmap, mremap and
 # munmap per small message). A 4 MiB Synchronize message takes 64 reads.
@@ -105,162 +76,6 @@ _RELEASE_DELAY: Final = 0.1
 # below which it reads again. The high mark is above a Synchronize answer of a thousand updates.
 WRITE_HIGH_WATER: Final = 1 << 20
 WRITE_LOW_WATER: Final = 256 * 1024
-
-
-# Both errors join the ttrpc package's two-sided taxonomy, so one `except ProtocolError` covers
-# the whole stack.
-class MuxProtocolError(RemoteProtocolError):
-    """The peer broke the mux framing (reserved connection id, frame over the size cap,
-    connection closed in the middle of a frame). The trunk cannot be used any more."""
-
-
-class LocalMuxError(LocalProtocolError):
-    """We asked for something the mux cannot do (connection id 0 or out of range, a channel
-    registered twice, data fed to a decoder after end of file). A bug in the caller."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MuxFrame:
-    """One mux frame, as received."""
-
-    conn_id: int
-    """Logical connection the payload belongs to (never 0)."""
-    payload: bytes
-    """A slice of that connection's byte stream; may be empty."""
-
-
-def _check_conn_id(conn_id: int) -> None:
-    if not _RESERVED_CONN < conn_id <= _MAX_CONN_ID:
-        raise LocalMuxError(f"mux connection id {conn_id} is reserved or out of range")
-
-
-def encode(conn_id: int, message: bytes | bytearray | memoryview) -> list[bytes]:
-    """Frame one whole message (normally one ttrpc message) for *conn_id*, as Go sends it.
-
-    The first ``min(FIRST_FRAME_MAX, len(message))`` bytes go in one frame and the whole
-    rest, if any, in a second one; the rest is split again only where it exceeds
-    :data:`MAX_PAYLOAD`. Write the returned frames in order and without bytes of any other
-    message in between.
-
-    An empty message gives no frames (Go's bufio.Writer writes nothing for it either). ttrpc
-    messages always have a 10-byte header, so this never happens in practice.
-
-    :raises LocalMuxError: *conn_id* is 0 or does not fit in 32 bits.
-    """
-    if not _RESERVED_CONN < conn_id <= _MAX_CONN_ID:  # (`_check_conn_id`, without a call per message)
-        raise LocalMuxError(f"mux connection id {conn_id} is reserved or out of range")
-    if len(message) <= FIRST_FRAME_MAX:  # most messages: one frame
-        return [_HEADER.pack(conn_id, len(message)) + message] if message else []
-    view = memoryview(message)
-    chunks = [view[:FIRST_FRAME_MAX]] if len(view) else []
-    for start in range(FIRST_FRAME_MAX, len(view), MAX_PAYLOAD):
-        chunks.append(view[start : start + MAX_PAYLOAD])
-    return [_HEADER.pack(conn_id, len(chunk)) + chunk for chunk in chunks]
-
-
-class MuxDecoder:
-    """Sans-I/O mux frame reader.
-
-    Feed bytes with :meth:`receive_data` (``b""`` means end of file), then call
-    :meth:`next_event` until it returns :data:`NEED_DATA`. Any error is a
-    :class:`MuxProtocolError`; once one was raised, every later :meth:`next_event` raises
-    again. After end of file with every frame consumed, :meth:`next_event` keeps returning
-    :data:`NEED_DATA` and :attr:`eof` is true.
-
-    The frames are cut from the bytes as they arrive, in one loop over them (a read of whole
-    frames keeps nothing); :meth:`next_event` hands them out, and an error in the stream only
-    once the frames before it are out.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = ReceiveBuffer()  # the start of a frame not whole yet
-        self._ready: deque[tuple[int, bytes | memoryview]] = deque()  # cut, not handed out yet
-        self._eof = False
-        self._failure: MuxProtocolError | None = None  # found in the bytes, not raised yet
-        self._error: MuxProtocolError | None = None  # raised
-
-    @property
-    def eof(self) -> bool:
-        """True once end of file was fed."""
-        return self._eof
-
-    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Cut the frames `data` completes (copied: `data` may be reused once this returns);
-        ``b""`` marks end of file.
-
-        :raises LocalMuxError: non-empty data after end of file.
-        """
-        if not data:
-            self._eof = True
-            return
-        if self._eof:
-            raise LocalMuxError("data received after end of file")
-        if self._failure is not None or self._error is not None:
-            return  # broken for good: keep nothing more of the stream
-        buffer, ready = self._buffer, self._ready
-        joined = buffer.join(data)
-        pos, end = 0, len(joined)
-        while end - pos >= HEADER_SIZE:
-            # The header is checked as soon as it is complete, before any of the payload is kept.
-            conn_id, length = _HEADER.unpack_from(joined, pos)
-            if conn_id == _RESERVED_CONN or length > MAX_PAYLOAD:
-                self._failure = _header_error(conn_id, length)
-                break
-            begin = pos + HEADER_SIZE
-            if begin + length > end:
-                break
-            pos = begin + length
-            if length < HAND_OVER_MIN:  # (`ReceiveBuffer.cut`, without a call per frame)
-                ready.append((conn_id, bytes(joined[begin:pos])))
-            else:
-                ready.append((conn_id, buffer.cut(joined, begin, pos, data)))
-        if pos < end:
-            buffer.keep(joined, pos, data)
-
-    def next_event(self) -> MuxFrame | NeedData:
-        """Return the next whole frame, or :data:`NEED_DATA`.
-
-        :raises MuxProtocolError: the peer sent a frame on connection 0 or longer than
-            :data:`MAX_PAYLOAD`, or closed the trunk in the middle of a frame.
-        """
-        found = self.next_payload()
-        if found is NEED_DATA:
-            return NEED_DATA
-        return MuxFrame(conn_id=found[0], payload=bytes(found[1]))
-
-    def next_payload(self) -> tuple[int, bytes | memoryview] | NeedData:
-        """:meth:`next_event` as a plain ``(conn_id, payload)`` pair (what :class:`Trunk` uses:
-        one object fewer per frame)."""
-        if self._error is not None:
-            raise MuxProtocolError(f"mux stream already failed: {self._error}")
-        if self._ready:
-            return self._ready.popleft()
-        if self._failure is None and self._eof and self._buffer:
-            self._failure = self._cut_short()
-        if self._failure is not None:
-            self._error, self._failure = self._failure, None
-            raise self._error
-        return NEED_DATA
-
-    def _cut_short(self) -> MuxProtocolError:
-        """The error for a frame cut short by end of file."""
-        available = len(self._buffer)
-        if available < HEADER_SIZE:
-            return MuxProtocolError(f"trunk closed inside a frame header ({available} of 8 bytes)")
-        _, length = self._buffer.unpack(_HEADER)
-        return MuxProtocolError(
-            f"trunk closed inside a frame ({available - HEADER_SIZE} of {length} payload bytes)"
-        )
-
-
-def _header_error(conn_id: int, length: int) -> MuxProtocolError:
-    if conn_id == _RESERVED_CONN:
-        return MuxProtocolError("frame on reserved mux connection id 0")
-    return MuxProtocolError(f"mux frame of {length} bytes is over the {MAX_PAYLOAD}-byte cap")
-
-
-# --------------------------------------------------------------------------------------------
-# asyncio edge
 
 
 class ChannelReceiver(Protocol):
@@ -333,7 +148,7 @@ class Trunk(asyncio.BufferedProtocol):
 
         :raises LocalMuxError: *conn_id* is 0, out of range, or already registered.
         """
-        _check_conn_id(conn_id)
+        check_conn_id(conn_id)
         if conn_id in self._receivers:
             raise LocalMuxError(f"mux connection {conn_id} already has a receiver")
         if self._shutting_down:
@@ -347,7 +162,7 @@ class Trunk(asyncio.BufferedProtocol):
         return send
 
     def send(self, conn_id: int, message: bytes) -> None:
-        """Send one whole message on *conn_id*: all of :func:`encode`'s frames in one write.
+        """Send one whole message on *conn_id*: :func:`encode`'s frames, one write each.
 
         Dropped silently once the trunk is closed.
 
@@ -355,23 +170,17 @@ class Trunk(asyncio.BufferedProtocol):
         :raises RuntimeError: the transport is not connected yet (only possible for a
             :class:`Trunk` built by hand, not for one from :func:`open_unix` / :func:`adopt_socket`).
         """
-        if not _RESERVED_CONN < conn_id <= _MAX_CONN_ID:  # (`_check_conn_id`, without a call per message)
-            raise LocalMuxError(f"mux connection id {conn_id} is reserved or out of range")
+        frames = encode(conn_id, message)
         if self._shutting_down:
             logger.debug("mux conn %d: trunk closed, dropping a %d-byte message", conn_id, len(message))
             return
         if self._transport is None:
             raise RuntimeError("trunk is not connected yet")
-        if 0 < len(message) <= FIRST_FRAME_MAX:
-            # Most messages: one frame, as `encode` makes it, written without a list of one (the
-            # transport's writelines would join it: one more copy and call).
-            self._transport.write(_HEADER.pack(conn_id, len(message)) + message)
-        elif message:
-            # A write per frame, not writelines: on Python 3.12.0 to 3.13.0 a socket transport's
-            # writelines never pauses its protocol past the high-water mark, and a peer that stopped
-            # reading would make our write buffer grow without bound.
-            for frame in encode(conn_id, message):
-                self._transport.write(frame)
+        # A write per frame, never writelines: on Python 3.12.0 to 3.13.0 a socket transport's
+        # writelines never pauses its protocol past the high-water mark, and a peer that stopped
+        # reading would make our write buffer grow without bound.
+        for frame in frames:
+            self._transport.write(frame)
 
     def close(self) -> None:
         """Close the trunk (idempotent). Receivers get ``connection_lost(None)``."""

@@ -55,8 +55,7 @@ from cgroups import (
     CpuQuota,
     OpenCgroup,
     read_cpu_quota,
-    restore_cpu_quota,
-    write_cpu_quota,
+    set_cpu_limit,
 )
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
@@ -96,13 +95,9 @@ _FALLBACK_WHY: Final = (
 
 
 def write_quota_file(pod_dir: Cgroup, limit: CpuQuota, current: CpuQuota | None) -> None:
-    """Write `limit` to the pod cgroup's files: the quota alone when `current` (just read) has the
-    same period, else the whole limit, period included (`current` None: unknown, e.g. a write cut
-    short). Raises `CgroupError`."""
-    if current is not None and current.period == limit.period:
-        write_cpu_quota(pod_dir, limit.quota, current=current)
-    else:
-        restore_cpu_quota(pod_dir, limit)
+    """Write `limit` to the pod cgroup's files, as the domain's file writer does (`current`: just
+    read, None when unknown; `cgroups.set_cpu_limit`). Raises `CgroupError`."""
+    set_cpu_limit(pod_dir, limit, current=current)
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from api.google.rpc import status_pb2
 from api.ttrpc import request_pb2
 from nri_plugin.ttrpc import wire
-from nri_plugin.ttrpc.buffer import HAND_OVER_MIN, NEED_DATA, NeedData, ReceiveBuffer
+from nri_plugin.ttrpc.buffer import NEED_DATA, FrameCutter, Header, NeedData
 from nri_plugin.ttrpc.errors import (
     Code,
     LocalProtocolError,
@@ -99,7 +99,7 @@ class Frame(NamedTuple):
     stream_id: int
     type: MessageType
     flags: int
-    data: bytes | memoryview  # a large frame: a view of the bytes received (`ReceiveBuffer.take`)
+    data: bytes | memoryview  # a large frame: a view of the bytes received (`ReceiveBuffer.cut`)
 
 
 class OversizedFrame(NamedTuple):
@@ -138,11 +138,8 @@ class FrameDecoder:
     """
 
     def __init__(self, max_data: int = MAX_DATA) -> None:
-        self._max_data = max_data
-        self._buffer = ReceiveBuffer()  # the start of a frame not whole yet
+        self._cutter = FrameCutter(_HEADER, length_field=0, check=_check_header, max_length=max_data)
         self._ready: deque[Frame | OversizedFrame] = deque()  # cut, not handed out yet
-        # Bytes of an oversized frame still to drop as they arrive.
-        self._discard = 0
         self._eof = False
         self._failure: RemoteProtocolError | None = None  # found in the bytes, not raised yet
         self._error: RemoteProtocolError | None = None  # raised
@@ -150,7 +147,7 @@ class FrameDecoder:
     @property
     def buffered(self) -> int:
         """Bytes held while waiting for the rest of a frame."""
-        return len(self._buffer)
+        return self._cutter.buffered
 
     def receive_data(self, data: bytes | memoryview) -> None:
         self._ready.extend(self._cut(data))
@@ -171,60 +168,34 @@ class FrameDecoder:
             return self._ready.popleft()
         if self._failure is not None:
             raise self._raise_failure()
-        if self._eof and (self._buffer or self._discard):
+        if self._eof and self._cutter.inside_frame:
             self._failure = RemoteProtocolError("connection closed in the middle of a frame")
             raise self._raise_failure()
         return NEED_DATA
 
     def _cut(self, data: bytes | memoryview) -> list[Frame | OversizedFrame]:
         """The frames `data` completes; a break in the stream is kept in `_failure`, and nothing
-        more is cut once there is one."""
-        data = self._accept(data)
-        frames: list[Frame | OversizedFrame] = []
-        if not data:
-            return frames
-        buffer = self._buffer
-        joined = buffer.join(data)
-        pos, end = 0, len(joined)
-        while end - pos >= HEADER_SIZE:
-            length, stream_id, raw_type, flags = _HEADER.unpack_from(joined, pos)
-            type_ = _TYPE_OF.get(raw_type)
-            if type_ is None:
-                self._failure = RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
-                break
-            begin = pos + HEADER_SIZE
-            pos = begin + length
-            if length > self._max_data:
-                # Answered, and its data dropped unread as it arrives: the connection goes on.
-                frames.append(OversizedFrame(stream_id, type_, flags, length))
-                self._discard = max(0, pos - end)
-                pos = min(pos, end)
-            elif pos > end:
-                pos = begin - HEADER_SIZE
-                break
-            elif length < HAND_OVER_MIN:  # (`ReceiveBuffer.cut`, without a call per frame)
-                frames.append(_new_frame((stream_id, type_, flags, bytes(joined[begin:pos]))))
-            else:
-                frames.append(_new_frame((stream_id, type_, flags, buffer.cut(joined, begin, pos, data))))
-        if pos < end:
-            buffer.keep(joined, pos, data)
-        return frames
-
-    def _accept(self, data: bytes | memoryview) -> bytes | memoryview:
-        """What of `data` is to be cut: not the rest of an oversized frame, nothing once broken."""
+        more is cut once there is one. An oversized frame is answered, and its data dropped unread
+        as it arrives: the connection goes on."""
         if self._error is not None:
             raise self._broken()
         if self._eof:
             raise LocalProtocolError("receive_data after EOF")
         if not data:
             self._eof = True
+            return []
         if self._failure is not None:  # broken for good: keep nothing more of the stream
-            return b""
-        if self._discard:
-            dropped = min(self._discard, len(data))
-            self._discard -= dropped
-            data = data[dropped:]
-        return data
+            return []
+        cut, failure = self._cutter.cut(data)
+        if failure is not None:
+            self._failure = cast(RemoteProtocolError, failure)
+        frames: list[Frame | OversizedFrame] = []
+        for (length, stream_id, raw_type, flags), payload in cut:
+            if payload is None:
+                frames.append(OversizedFrame(stream_id, _TYPE_OF[raw_type], flags, length))
+            else:
+                frames.append(Frame(stream_id, _TYPE_OF[raw_type], flags, payload))
+        return frames
 
     def _raise_failure(self) -> RemoteProtocolError:
         """The break found in the stream, now raised: the decoder is broken from here on."""
@@ -235,6 +206,14 @@ class FrameDecoder:
 
     def _broken(self) -> RemoteProtocolError:
         return RemoteProtocolError(f"stream already broken: {self._error}")
+
+
+def _check_header(header: Header) -> RemoteProtocolError | None:
+    """A frame header's error, if any: a message type ttrpc does not have."""
+    _, stream_id, raw_type, _ = header
+    if raw_type not in _TYPE_OF:
+        return RemoteProtocolError(f"unknown message type {raw_type} on stream {stream_id}")
+    return None
 
 
 # --- events --------------------------------------------------------------------------------------
@@ -276,7 +255,6 @@ ClientEvent = ResponseReceived | UnexpectedResponse
 
 # The named tuples made for every message, made from a tuple in C: a named tuple's generated
 # __new__ is Python code, run once per message otherwise.
-_new_frame: Final = functools.partial(tuple.__new__, Frame)
 _new_request_received: Final = functools.partial(tuple.__new__, RequestReceived)
 
 

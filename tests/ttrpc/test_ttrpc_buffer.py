@@ -69,7 +69,7 @@ def test_the_ttrpc_decoder_lets_go_of_a_large_frame_once_delivered() -> None:
     for start in range(0, len(wire), 65536):
         decoder.receive_data(wire[start : start + 65536])
     assert decoder.next_event() is not NEED_DATA
-    assert decoder._buffer.held == 0
+    assert decoder.buffered == 0
 
 
 def test_a_large_frame_that_ends_the_bytes_received_is_handed_over_not_copied() -> None:
@@ -120,7 +120,7 @@ def test_a_large_request_through_the_mux_and_ttrpc_is_held_once() -> None:
     assert isinstance(frame, protocol.Frame)
     assert isinstance(frame.data, memoryview)
     assert frame.data == bytes(4 << 20)
-    assert trunk._buffer.held == decoder._buffer.held == 0
+    assert trunk.buffered == decoder.buffered == 0
 
 
 def _modules_loaded_by(module: str) -> set[str]:
@@ -136,6 +136,7 @@ def _modules_loaded_by(module: str) -> set[str]:
     [
         ("nri_plugin.ttrpc.protocol", {"asyncio", "socket"}),
         ("nri_plugin.ttrpc.errors", {"asyncio", "socket"}),
+        ("nri_plugin.nri.muxcodec", {"asyncio", "socket"}),
         ("nri_plugin.nri.events", {"asyncio", "socket", "structlog"}),
         ("nri_plugin.nri.handlers", {"asyncio", "socket", "structlog"}),
         ("nri_plugin.nri.identity", {"asyncio", "socket", "structlog"}),
