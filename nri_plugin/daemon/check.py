@@ -62,7 +62,7 @@ from nri_plugin.daemon.config import (
     state_dir_problem,
 )
 from nri_plugin.deviceplugin.config import DEFAULT_POD_RESOURCES_SOCKET, DevicePluginConfig
-from nri_plugin.deviceplugin.podresources import socket_state
+from nri_plugin.deviceplugin.podresources import get_served, socket_state
 from nri_plugin.mixedcpu.policy import shared_by_node
 from nri_plugin.systemd import bus as dbus
 
@@ -464,7 +464,15 @@ def check_pod_resources(config: Config) -> Finding | None:
         )
     why = socket_state(str(path))
     if why is None:
-        return None
+        refused = get_served(str(path))
+        if refused is None:
+            return None
+        return _warn(
+            topic,
+            f"kubelet does not serve Get ({refused}): requests for shared CPUs are proven by List, "
+            "a whole-node answer per lookup",
+            "turn on kubelet's KubeletPodResourcesGet feature gate (on by default from Kubernetes 1.34)",
+        )
     return _warn(
         topic,
         f"{why}: {fallback}",

@@ -26,6 +26,7 @@ cost nothing per request.
 | `mixed_cpu_kubelet_registered` | gauge | | 1 while kubelet holds our registration (0 when off) |
 | `mixed_cpu_pod_resources_lookups_total` | counter | `outcome` | questions to kubelet's PodResources API |
 | `mixed_cpu_pod_resources_reachable` | gauge | | 1 while kubelet's record proves requests (0: marker alone) |
+| `mixed_cpu_pod_resources_degraded` | gauge | | 1 while List (no Get) or the marker alone proves |
 | `mixed_cpu_probe_connections_evicted_total` | counter | `reason` | probe connections closed for newer ones |
 
 Labels:
@@ -49,8 +50,9 @@ Labels:
   adjustment), `container_gone` (the runtime's Synchronize no longer runs a container we held),
   `pod_quota` (a pod quota found off its target and brought back).
 * `outcome` of a pod-resources lookup (`nri_plugin.deviceplugin.podresources`, asked for each
-  container that presents an allocation marker): `ok` (kubelet's record decided), `unavailable`
-  (no socket or no answer: the marker binding alone decided).
+  container that presents an allocation marker): `ok` (kubelet's record decided, by Get), `list`
+  (kubelet's record decided, by List: kubelet does not serve Get), `unavailable` (no socket or no
+  answer: the marker binding alone decided).
 * `reason` of a probe connection evicted (`nri_plugin.daemon.probes`): `peer_limit` (its source
   address already held 8 connections: it gave up its oldest), `total_limit` (64 were open: the oldest
   that said nothing, else the oldest still sending, gave way), `hard_limit` (256 open, none of them
@@ -89,7 +91,7 @@ DURATION_BUCKETS = (
 )
 WRITE_FAILURE_KINDS = ("pod_quota_raise", "pod_quota_lower", "pod_quota_restore", "container_quota_lower")
 REGISTRATION_OUTCOMES = ("ok", "failed")
-LOOKUP_OUTCOMES = ("ok", "unavailable")
+LOOKUP_OUTCOMES = ("ok", "list", "unavailable")
 
 
 class Metrics:
@@ -152,6 +154,11 @@ class Metrics:
             "1 while kubelet's PodResources API proves requests; 0: the allocation marker alone does.",
             registry=r,
         )
+        self.pod_resources_degraded = Gauge(
+            "mixed_cpu_pod_resources_degraded",
+            "1 while requests are proven by List (kubelet does not serve Get) or the marker alone.",
+            registry=r,
+        )
         self.probe_evictions = Counter(
             "mixed_cpu_probe_connections_evicted",
             "Connections to the metrics and probe port closed to make room for newer ones, by reason.",
@@ -208,6 +215,7 @@ class Metrics:
         nri_ready: Callable[[], bool] | None = None,
         kubelet_registered: Callable[[], bool] | None = None,
         pod_resources_reachable: Callable[[], bool] | None = None,
+        pod_resources_degraded: Callable[[], bool] | None = None,
     ) -> None:
         """Read these gauges from their owners whenever the metrics are rendered (a gauge not
         tracked stays 0: ``kubelet_registered`` with the device plugin off)."""
@@ -216,6 +224,7 @@ class Metrics:
             (self.nri_ready, nri_ready),
             (self.kubelet_registered, kubelet_registered),
             (self.pod_resources_reachable, pod_resources_reachable),
+            (self.pod_resources_degraded, pod_resources_degraded),
         ):
             if read is not None:
                 gauge.set_function(_as_float(read))

@@ -380,7 +380,10 @@ def bind_gauges(
         metrics.track(kubelet_registered=lambda: device_plugin.registered)
     record = plugin.allocations
     if isinstance(record, PodResourcesClient):
-        metrics.track(pod_resources_reachable=lambda: record.answering)
+        metrics.track(
+            pod_resources_reachable=lambda: record.answering,
+            pod_resources_degraded=lambda: record.degraded,
+        )
 
 
 def _log_start(config: Config, layout: CgroupLayout, stub: Stub, identity: PluginIdentity) -> None:

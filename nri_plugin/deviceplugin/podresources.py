@@ -8,9 +8,12 @@ proves nothing: kubelet did not allocate the device to it.
 
 How it asks
     ``Get`` for one pod where kubelet serves it (the ``KubeletPodResourcesGet`` feature gate, on by
-    default from Kubernetes 1.34), else ``List`` (once ``Get`` answered "disabled" or Unimplemented,
-    ``List`` only). Each lookup dials the socket afresh with a deadline of `LOOKUP_TIMEOUT` seconds,
-    well inside the runtime's 2 s request budget: no channel stays open to go stale across a kubelet
+    default from Kubernetes 1.34), else ``List``. ``Get`` answered "disabled" or Unimplemented is
+    asked again after a backoff (`GET_RETRY_FIRST` seconds, doubling up to `GET_RETRY_MAX`), never
+    given up for good: a kubelet restarted with the gate on, or one answering mid-upgrade, gets
+    ``Get`` back. ``List`` answers are taken up to `MAX_ANSWER` bytes. Each lookup dials the
+    socket afresh with a deadline of `LOOKUP_TIMEOUT` seconds, well inside the runtime's 2 s
+    request budget: no channel stays open to go stale across a kubelet
     restart, and no gRPC reconnect backoff delays the first question after one. A pod found with a
     device of our resource is remembered for `CACHE_TTL` seconds (several shared containers of one
     pod, and the List of a Synchronize, cost one question); anything else is asked again each time.
@@ -21,12 +24,18 @@ When kubelet cannot be asked
     (and at start when the socket is absent), an info line when it answers again, the
     ``mixed_cpu_pod_resources_lookups_total{outcome="unavailable"}`` counter and the
     ``mixed_cpu_pod_resources_reachable`` gauge (`PodResourcesObserver`), and ``check``.
+
+Degraded proof (by ``List``, or by the marker alone) is never quiet: a warning when it begins, then
+one per `DEGRADED_WARNING_PERIOD` while lookups keep being degraded (with how many were), the
+lookups counted by outcome (``list``, ``unavailable``), the `degraded` property for the
+``mixed_cpu_pod_resources_degraded`` gauge, and ``check`` asks ``Get`` itself (`get_served`).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Mapping
 from typing import Final, Protocol, TypeVar
 
@@ -36,13 +45,19 @@ from google.protobuf.message import Message
 
 from api.podresources.v1 import api_pb2 as api
 from api.podresources.v1 import api_pb2_grpc as api_grpc
+from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 
 __all__ = [
     "CACHE_TTL",
+    "DEGRADED_WARNING_PERIOD",
+    "GET_RETRY_FIRST",
+    "GET_RETRY_MAX",
     "LOOKUP_TIMEOUT",
+    "MAX_ANSWER",
     "PodResourcesClient",
     "PodResourcesObserver",
+    "get_served",
     "socket_state",
 ]
 
@@ -57,8 +72,23 @@ _GET_DISABLED: Final = "Get method disabled"
 _NOT_FOUND: Final = " not found"
 # Remembered pods past this many: the stale ones are forgotten.
 _PRUNE_AT: Final = 256
+# Seconds before Get is asked again once kubelet said it does not serve it (doubled each time).
+GET_RETRY_FIRST: Final = 30.0
+GET_RETRY_MAX: Final = 600.0
+# While the proof is degraded, a warning at most this often (seconds).
+DEGRADED_WARNING_PERIOD: Final = 60.0
+# The largest answer taken, in bytes. A List answer holds every pod of the node: at kubelet's
+# default of 110 pods, with (say) 10 containers each listing their CPU ids, memory blocks and
+# devices with their NUMA topology, a few KB a container, that is about 5 MB at worst: past gRPC's
+# 4 MB default, which turned such an answer into "kubelet cannot be asked" and the proof into the
+# marker alone. 16 MiB is three times that, and still bounds what the socket's owner can make the
+# daemon hold.
+MAX_ANSWER: Final = 16 * 1024 * 1024
 # Each lookup dials afresh (see the module docstring), never through a shared subchannel.
-_FRESH_CONNECTION: Final = (("grpc.use_local_subchannel_pool", 1),)
+_CHANNEL_OPTIONS: Final = (
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.max_receive_message_length", MAX_ANSWER),
+)
 
 ContainerDevices = Mapping[str, frozenset[str]]
 PodRef = tuple[str, str]
@@ -69,7 +99,8 @@ class PodResourcesObserver(Protocol):
     """Told of every lookup's outcome (`nri_plugin.daemon.metrics`)."""
 
     def pod_resources_lookup(self, outcome: str) -> None:
-        """`outcome`: ``ok`` (kubelet answered) or ``unavailable`` (the marker alone decided)."""
+        """`outcome`: ``ok`` (kubelet's Get answered), ``list`` (kubelet answered, by List: Get not
+        served) or ``unavailable`` (the marker alone decided)."""
 
 
 class _Unavailable(Exception):
@@ -107,8 +138,15 @@ class PodResourcesClient:
         self.ttl = ttl
         self.observer = observer
         self.clock = clock
-        # None until kubelet answered Get once, or refused it for good (then List only).
+        # None until kubelet answered Get once or refused it (then List until `_get_again_at`).
         self.get_supported: bool | None = None
+        self._get_backoff = Backoff(GET_RETRY_FIRST, GET_RETRY_MAX)
+        self._get_again_at = 0.0
+        # How the last lookup was proven: "get", "list" or "marker" (None: none yet).
+        self.proof: str | None = None
+        self._degraded_since_warning = 0
+        self._warned_at: float | None = None
+        self._warned_unstamped = False  # warned where the loop's clock could not be read (at start)
         # Whether kubelet answered the last question (None: not asked yet).
         self.reachable: bool | None = None
         self._pods: dict[PodRef, tuple[float, ContainerDevices]] = {}
@@ -122,11 +160,11 @@ class PodResourcesClient:
         if remembered is not None and self.clock.monotonic() - remembered[0] < self.ttl:
             return remembered[1]
         try:
-            found = await self._pod(namespace, name)
+            found, proof = await self._pod(namespace, name)
         except _Unavailable as exc:
             self._unavailable(str(exc))
             return None
-        self._answered()
+        self._answered(proof)
         return found
 
     async def node_allocations(self) -> Mapping[PodRef, ContainerDevices] | None:
@@ -137,8 +175,13 @@ class PodResourcesClient:
         except _Unavailable as exc:
             self._unavailable(str(exc))
             return None
-        self._answered()
+        self._answered(None)
         return found
+
+    @property
+    def degraded(self) -> bool:
+        """For the gauge: the last lookup was proven by List (Get not served) or the marker alone."""
+        return self.proof in ("list", "marker")
 
     @property
     def answering(self) -> bool:
@@ -157,31 +200,52 @@ class PodResourcesClient:
 
     # -- asking kubelet ---------------------------------------------------------------------------
 
-    async def _pod(self, namespace: str, name: str) -> ContainerDevices:
-        if self.get_supported is not False:
+    async def _pod(self, namespace: str, name: str) -> tuple[ContainerDevices, str]:
+        """The pod's devices, and how they were proven ("get" or "list")."""
+        if self.get_supported is not False or self.clock.monotonic() >= self._get_again_at:
             found = await self._get(namespace, name)
             if found is not None:
-                return found
-        return (await self._list()).get((namespace, name), {})
+                return found, "get"
+        return (await self._list()).get((namespace, name), {}), "list"
 
     async def _get(self, namespace: str, name: str) -> ContainerDevices | None:
-        """One pod by Get; None when kubelet does not serve Get (then List it is, from now on)."""
+        """One pod by Get; None when kubelet does not serve Get (then List, until Get is due again)."""
         request = api.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace)
         try:
             response = await self._call("Get", request, api.GetPodResourcesResponse)
         except grpc.aio.AioRpcError as exc:
             details = exc.details() or ""
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED or _GET_DISABLED in details:
-                self.get_supported = False
-                log.info("kubelet does not serve the pod-resources Get: asking with List", reason=details)
+            if _get_refused(exc.code(), details):
+                self._get_refused(details)
                 return None
             if exc.code() is grpc.StatusCode.NOT_FOUND or details.endswith(_NOT_FOUND):
+                self._get_served()
                 return {}  # kubelet runs no such pod: it allocated nothing to it
             raise _Unavailable(f"Get: {exc.code().name}: {details}") from None
-        self.get_supported = True
+        self._get_served()
         found = self._devices(response.pod_resources)
         self._remember((namespace, name), found)
         return found
+
+    def _get_refused(self, details: str) -> None:
+        delay = self._get_backoff.next()
+        self._get_again_at = self.clock.monotonic() + delay
+        if self.get_supported is not False:
+            self._warned_at = self.clock.monotonic()
+            log.warning(
+                "kubelet does not serve the pod-resources Get: requests for shared CPUs are proven by "
+                "List, a whole-node answer per lookup, until it does; turn on kubelet's "
+                "KubeletPodResourcesGet feature gate",
+                reason=details,
+                asked_again_in=round(delay),
+            )
+        self.get_supported = False
+
+    def _get_served(self) -> None:
+        if self.get_supported is False:
+            log.info("kubelet serves the pod-resources Get again: requests are proven by Get")
+        self.get_supported = True
+        self._get_backoff.reset()
 
     async def _list(self) -> dict[PodRef, ContainerDevices]:
         try:
@@ -200,9 +264,7 @@ class PodResourcesClient:
         why = socket_state(self.socket_path)
         if why is not None:
             raise _Unavailable(why)
-        async with grpc.aio.insecure_channel(
-            f"unix:{self.socket_path}", options=_FRESH_CONNECTION
-        ) as channel:
+        async with grpc.aio.insecure_channel(f"unix:{self.socket_path}", options=_CHANNEL_OPTIONS) as channel:
             stub = api_grpc.PodResourcesListerStub(channel)
             response = await getattr(stub, method)(request, timeout=self.timeout)
             if not isinstance(response, response_type):
@@ -235,25 +297,54 @@ class PodResourcesClient:
 
     # -- saying so ---------------------------------------------------------------------------------
 
-    def _answered(self) -> None:
+    def _answered(self, proof: str | None) -> None:
+        """kubelet answered: a lookup proven by `proof` ("get", "list"), or (None) the whole node."""
         if self.reachable is False:
             log.info(
                 "kubelet's pod-resources API answers again: kubelet's record proves requests",
                 socket=self.socket_path,
             )
         self.reachable = True
+        if proof is None:
+            if self.proof == "marker":
+                self.proof = None
+            return
+        self.proof = proof
+        if proof == "list":
+            self._still_degraded("Get not served")
         if self.observer is not None:
-            self.observer.pod_resources_lookup("ok")
+            self.observer.pod_resources_lookup("ok" if proof == "get" else proof)
 
     def _unavailable(self, why: str) -> None:
         if self.reachable is not False:
             self._say_unavailable(why)
+        self._still_degraded(why)
         self.reachable = False
+        self.proof = "marker"
         if self.observer is not None:
             self.observer.pod_resources_lookup("unavailable")
 
+    def _still_degraded(self, why: str) -> None:
+        """One more lookup proven by less than Get: said at warning at most once per
+        `DEGRADED_WARNING_PERIOD`, with how many there were since the last warning (the lookup
+        that warned included)."""
+        self._degraded_since_warning += 1
+        now = self.clock.monotonic()
+        if self._warned_unstamped:
+            self._warned_at, self._warned_unstamped = now, False
+        if self._warned_at is not None and now - self._warned_at < DEGRADED_WARNING_PERIOD:
+            return
+        log.warning(
+            "kubelet's pod-resources proof is still degraded",
+            proof="the allocation marker alone" if self.reachable is False else "List",
+            lookups=self._degraded_since_warning,  # since the last such warning
+            reason=why,
+        )
+        self._warned_at, self._degraded_since_warning = now, 0
+
     def _say_unavailable(self, why: str) -> None:
         self.reachable = False
+        self._warned_unstamped, self._degraded_since_warning = True, 0
         log.warning(
             "kubelet's pod-resources API cannot be asked: the allocation marker alone proves requests "
             "for shared CPUs until it can (a copied marker is then only refused while its device is "
@@ -261,3 +352,23 @@ class PodResourcesClient:
             socket=self.socket_path,
             reason=why,
         )
+
+
+def _get_refused(code: grpc.StatusCode, details: str) -> bool:
+    """kubelet's answer when it does not serve Get (feature gate off, or a kubelet before it)."""
+    return code is grpc.StatusCode.UNIMPLEMENTED or _GET_DISABLED in details
+
+
+def get_served(socket_path: str, timeout: float = 1.0) -> str | None:
+    """For ``check``: why kubelet at `socket_path` does not serve Get, or None when it does or
+    cannot be asked at all (what `socket_state` and the daemon's own warnings tell). Blocking."""
+    deadline = time.monotonic() + timeout
+    request = api.GetPodResourcesRequest(pod_name="mixed-cpu-nri-check", pod_namespace="-")
+    with grpc.insecure_channel(f"unix:{socket_path}", options=_CHANNEL_OPTIONS) as channel:
+        try:
+            api_grpc.PodResourcesListerStub(channel).Get(request, timeout=deadline - time.monotonic())
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if _get_refused(code, details):
+                return details or code.name
+    return None

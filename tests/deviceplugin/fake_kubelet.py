@@ -213,6 +213,21 @@ class PodResourcesRecord(podresources_grpc.PodResourcesListerServicer):
         containers = self.pods.setdefault((namespace, pod), {})
         containers.setdefault(container, {}).setdefault(resource, []).append(device)
 
+    def crowd(self, pods: int = 110, containers: int = 10, devices: int = 72) -> None:
+        """A full node: `pods` pods (kubelet's default maxPods) of `containers` containers, each
+        holding `devices` devices of another resource, with long ids: a List answer over gRPC's
+        4 MB default."""
+        for pod in range(pods):
+            for container in range(containers):
+                for device in range(devices):
+                    self.assign(
+                        "crowd",
+                        f"pod-{pod}",
+                        f"c{container}",
+                        "example.com/vf",
+                        f"vf-{device:04d}-" + "x" * 48,
+                    )
+
     async def start(self) -> None:
         if self.socket_path is None:
             return

@@ -33,11 +33,14 @@ def pod_resources_line(root: Path) -> str:
 
 @contextlib.asynccontextmanager
 async def kubelet_and_daemon(
-    root: Path, *, record: bool = True
+    root: Path, *, record: bool = True, get_enabled: bool = True, crowded: bool = False
 ) -> AsyncIterator[tuple[FakeKubelet, DaemonNode]]:
-    kubelet = await FakeKubelet(
-        root / "dp", pod_resources=root / "pr" / "kubelet.sock" if record else None
-    ).start()
+    kubelet = FakeKubelet(
+        root / "dp", pod_resources=root / "pr" / "kubelet.sock" if record else None, get_enabled=get_enabled
+    )
+    if crowded:
+        kubelet.records.crowd()
+    await kubelet.start()
     try:
         async with daemon_node(root, device_plugin_extra=pod_resources_line(root)) as node:
             await within(kubelet.registered.wait())
@@ -172,3 +175,36 @@ async def test_without_the_socket_the_marker_decides_and_the_daemon_says_so() ->
             await asyncio.sleep(0)
             found = await scrape("127.0.0.1", port)
             assert value(found, "mixed_cpu_pod_resources_reachable") == 1
+
+
+@pytest.mark.asyncio
+async def test_get_disabled_and_a_full_node_still_prove_by_kubelets_record() -> None:
+    """Issue 25, break 8: one "Get disabled" answer switched to List for good, and a List answer over
+    gRPC's 4 MB default then forced the marker fallback, where a harvested marker for a device no
+    container holds was granted (3 of 3). Now a kubelet without Get, on a node of 110 pods whose List
+    answer is over 4 MB, still proves: the harvested marker gets nothing, the rightful container
+    gets the shared CPUs, and the degraded proof shows in a warning, the metrics and ``check``."""
+    with short_directory("kp-") as root:
+        async with kubelet_and_daemon(root, get_enabled=False, crowded=True) as (kubelet, node):
+            spoofs = Spoofs(node)
+            harvested = await kubelet.admit(RESOURCE, "ns", "ghost", "main", "shared-cpus-9")
+            for uid, name in (("6666-ffff", "thief"), ("7777-aaaa", "thief2"), ("8888-bbbb", "thief3")):
+                await spoofs.attempt(uid, name, f"c-{name}", "main", harvested)
+            assert (spoofs.attempts, spoofs.grants) == (3, 0)
+            marker = await kubelet.admit(RESOURCE, "ns", "fwd", "main", "shared-cpus-1")
+            assert is_shared(
+                await node.create(node.pod("1111-aaaa", "fwd"), "c1", "main", annotations=marker)
+            )
+            line = await node.daemon.wait_log("kubelet does not serve the pod-resources Get")
+            assert json.loads(line)["level"] == "warning"
+            found = await scrape("127.0.0.1", await metrics_port(node))
+            assert value(found, "mixed_cpu_pod_resources_degraded") == 1
+            assert value(found, "mixed_cpu_pod_resources_reachable") == 1
+            assert value(found, "mixed_cpu_pod_resources_lookups_total", outcome="list") >= 1
+            assert value(found, "mixed_cpu_pod_resources_lookups_total", outcome="unavailable") == 0
+            # `check` asks kubelet itself (from a thread: the fake kubelet answers on this loop).
+            report = await asyncio.to_thread(
+                run_cli, "check", "--config", str(root / "config.toml"), timeout=20
+            )
+            [warn] = [entry for entry in report.stdout.splitlines() if "pod-resources API" in entry]
+            assert warn.startswith("WARN  pod-resources API      kubelet does not serve Get"), warn

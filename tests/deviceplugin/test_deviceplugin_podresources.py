@@ -16,10 +16,20 @@ import pytest
 import pytest_asyncio
 import structlog
 from fake_kubelet import PodResourcesRecord
+from mixedcpu_support import write_daemon_config
 
 from api.podresources.v1 import api_pb2 as podresources
 from nri_plugin.common.clock import ManualClock
-from nri_plugin.deviceplugin.podresources import LOOKUP_TIMEOUT, PodResourcesClient, socket_state
+from nri_plugin.daemon.check import Status, check_pod_resources
+from nri_plugin.daemon.config import load_config
+from nri_plugin.deviceplugin.podresources import (
+    DEGRADED_WARNING_PERIOD,
+    GET_RETRY_FIRST,
+    LOOKUP_TIMEOUT,
+    MAX_ANSWER,
+    PodResourcesClient,
+    socket_state,
+)
 
 RESOURCE = "workload.openshift.io/enable-shared-cpus"
 
@@ -75,15 +85,106 @@ async def test_list_when_get_is_disabled_and_for_the_whole_node(
     record: PodResourcesRecord, directory: Path
 ) -> None:
     record.get_enabled = False
-    asked, _ = client(directory / "kubelet.sock", ttl=0.0)
+    clock = ManualClock()
+    asked, lookups = client(directory / "kubelet.sock", ttl=0.0, clock=clock)
     with structlog.testing.capture_logs() as logs:
         assert await asked.pod_allocations("ns", "fwd") == {"main": frozenset({"shared-cpus-3"})}
         assert await asked.pod_allocations("ns", "thief") == {}
-    assert record.calls == ["Get", "List", "List"], "once refused, Get is not asked again"
+    assert record.calls == ["Get", "List", "List"], "refused, Get is not asked again at once"
     assert asked.get_supported is False
-    assert [e["event"] for e in logs] == ["kubelet does not serve the pod-resources Get: asking with List"]
+    assert (asked.proof, asked.degraded, lookups.outcomes) == ("list", True, ["list", "list"])
+    [warning] = logs
+    assert warning["log_level"] == "warning"
+    assert warning["event"].startswith("kubelet does not serve the pod-resources Get: requests for shared")
+    assert "KubeletPodResourcesGet feature gate" in warning["event"]
     node = await asked.node_allocations()
     assert node == {("ns", "fwd"): {"main": frozenset({"shared-cpus-3"})}, ("ns", "plain"): {}}
+
+
+@pytest.mark.asyncio
+async def test_get_refused_is_asked_again_after_a_backoff_not_given_up_for_good(
+    record: PodResourcesRecord, directory: Path
+) -> None:
+    """Issue 25, break 8: one "Get method disabled" answer switched the daemon to List for good."""
+    record.get_enabled = False
+    clock = ManualClock()
+    asked, lookups = client(directory / "kubelet.sock", ttl=0.0, clock=clock)
+    await asked.pod_allocations("ns", "fwd")
+    await clock.advance(GET_RETRY_FIRST * 0.7)  # within the first backoff (jitter 0.8 to 1.2)
+    await asked.pod_allocations("ns", "fwd")
+    assert record.calls == ["Get", "List", "List"]
+    await clock.advance(GET_RETRY_FIRST * 0.6)  # past it: Get again, refused again
+    await asked.pod_allocations("ns", "fwd")
+    assert record.calls[3:] == ["Get", "List"]
+    await clock.advance(GET_RETRY_FIRST * 1.5)  # the second backoff is twice the first
+    await asked.pod_allocations("ns", "fwd")
+    assert record.calls[5:] == ["List"]
+    record.get_enabled = True  # kubelet restarted with the feature gate on
+    await clock.advance(GET_RETRY_FIRST * 1.0)
+    with structlog.testing.capture_logs() as logs:
+        assert await asked.pod_allocations("ns", "fwd") == {"main": frozenset({"shared-cpus-3"})}
+        assert await asked.pod_allocations("ns", "plain") == {}
+    assert record.calls[6:] == ["Get", "Get"]
+    assert [entry["event"] for entry in logs] == [
+        "kubelet serves the pod-resources Get again: requests are proven by Get"
+    ]
+    assert (asked.get_supported, asked.proof, asked.degraded) == (True, "get", False)
+    assert lookups.outcomes[-2:] == ["ok", "ok"]
+
+
+@pytest.mark.asyncio
+async def test_a_list_answer_for_a_full_node_over_the_grpc_default_is_taken(directory: Path) -> None:
+    """Issue 25, break 8: a List answer over gRPC's 4 MB default made kubelet "unavailable", and the
+    marker alone the proof. 110 pods of 10 containers with long device ids: taken."""
+    served = PodResourcesRecord(directory / "kubelet.sock", get_enabled=False)
+    served.crowd()
+    served.assign("ns", "fwd", "main", RESOURCE, "shared-cpus-3")
+    answer = await served.List(podresources.ListPodResourcesRequest(), None)
+    assert 4 * 1024 * 1024 < answer.ByteSize() < MAX_ANSWER, answer.ByteSize()
+    await served.start()
+    try:
+        asked, lookups = client(directory / "kubelet.sock", ttl=0.0, timeout=5.0)
+        assert await asked.pod_allocations("ns", "fwd") == {"main": frozenset({"shared-cpus-3"})}
+        assert await asked.pod_allocations("ns", "ghost") == {}
+        node = await asked.node_allocations()
+        assert node is not None
+        assert len(node) == 111
+        assert lookups.outcomes == ["list", "list"]
+        assert asked.reachable is True
+    finally:
+        await served.stop()
+
+
+@pytest.mark.asyncio
+async def test_degraded_proof_is_said_at_warning_once_a_minute(
+    record: PodResourcesRecord, directory: Path
+) -> None:
+    record.get_enabled = False
+    clock = ManualClock()
+    asked, _ = client(directory / "kubelet.sock", ttl=0.0, clock=clock)
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(5):
+            await asked.pod_allocations("ns", "fwd")
+            await clock.advance(DEGRADED_WARNING_PERIOD / 4)
+        await asked.pod_allocations("ns", "fwd")
+    warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert [entry["event"] for entry in warnings] == [
+        "kubelet does not serve the pod-resources Get: requests for shared CPUs are proven by List, a "
+        "whole-node answer per lookup, until it does; turn on kubelet's KubeletPodResourcesGet feature gate",
+        "kubelet's pod-resources proof is still degraded",
+    ]
+    assert (warnings[1]["proof"], warnings[1]["lookups"]) == ("List", 5)  # the first one's included
+    # Then kubelet goes: the marker alone, said at once, then again once a minute.
+    await record.stop()
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            assert await asked.pod_allocations("ns", "fwd") is None
+            await clock.advance(DEGRADED_WARNING_PERIOD / 2)
+    warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert len(warnings) == 2, warnings
+    assert warnings[0]["event"].startswith("kubelet's pod-resources API cannot be asked")
+    assert (warnings[1]["proof"], warnings[1]["lookups"]) == ("the allocation marker alone", 3)
+    assert (asked.proof, asked.degraded) == ("marker", True)
 
 
 @pytest.mark.asyncio
@@ -201,3 +302,25 @@ async def test_what_is_remembered_stays_bounded(directory: Path) -> None:
         assert len(asked._pods) <= 256 + 100
     finally:
         await served.stop()
+
+
+@pytest.mark.asyncio
+async def test_check_says_when_kubelet_does_not_serve_get(
+    record: PodResourcesRecord, directory: Path
+) -> None:
+    """``check`` asks Get itself: a warning line naming the feature gate when kubelet refuses it,
+    nothing when it serves it."""
+    config_path = write_daemon_config(
+        directory, directory / "dp", device_plugin_extra=f'pod_resources_socket = "{record.socket_path}"\n'
+    )
+    config = load_config(config_path, check=False)
+    assert await asyncio.to_thread(check_pod_resources, config) is None
+    record.get_enabled = False
+    finding = await asyncio.to_thread(check_pod_resources, config)
+    assert finding is not None
+    assert (finding.status, finding.topic) == (Status.WARN, "pod-resources API")
+    assert finding.detail == (
+        "kubelet does not serve Get (PodResources API Get method disabled): requests for shared CPUs "
+        "are proven by List, a whole-node answer per lookup"
+    )
+    assert "KubeletPodResourcesGet" in finding.fix
