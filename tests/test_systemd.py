@@ -588,6 +588,29 @@ async def test_slow_systemd_and_pods_put_back_by_daemon_reload_do_not_make_the_r
         assert daemon.logged("systemd answers slowly")
 
 
+@pytest.mark.asyncio
+async def test_a_slow_spell_is_said_once_and_its_end_too(
+    tree: FakeCgroups, bus: tuple[str, FakeSystemd]
+) -> None:
+    path, systemd = bus
+    writer = SystemdPodQuotaWriter(path, call_timeout=0.1, rest=Backoff(0.05, 0.2, jitter=(1, 1)))
+    await writer.start()
+    pod = Pod(tree)
+    systemd.record(UNIT, BASELINE)
+    systemd.delay = 0.3
+    with structlog.testing.capture_logs() as logs:
+        for quota in (RAISED, BASELINE, RAISED):  # each call slow: the rest grows, said once
+            await writer.write_pod_quota(pod.dir, pod.parent, CpuQuota(quota, PERIOD), current=pod.quota())
+            await settled(writer)
+        systemd.delay = 0.0
+        await writer.write_pod_quota(pod.dir, pod.parent, CpuQuota(BASELINE, PERIOD), current=pod.quota())
+        await settled(writer)
+    said = [entry["event"].split(":")[0] for entry in logs if entry["log_level"] in ("warning", "info")]
+    assert said == ["systemd answers slowly", "systemd answers quickly again"]
+    assert systemd.limit(UNIT) == pod.quota() == CpuQuota(BASELINE, PERIOD)
+    await writer.close()
+
+
 # -- a late answer cannot leave a value behind (issue 25, break 11) -------------------------------------
 
 LATE = 1.5  # seconds systemd takes to answer the raise: three times the call timeout

@@ -326,14 +326,17 @@ class SystemdPodQuotaWriter:
         took = time.monotonic() - started
         if not call.done() or took >= SLOW_CALL:
             self._rest_a_while(name, took, answered=call.done())
-        else:
+        elif self._rest.steps:
             self._rest.reset()
+            log.info("systemd answers quickly again: pod quotas are told to systemd", unit=name)
 
     def _rest_a_while(self, unit: str, took: float, *, answered: bool) -> None:
+        """Said at warning when systemd turns slow, at debug while it stays so."""
+        say = log.warning if not self._rest.steps else log.debug
         rest = self._rest.next()
         self._resting_until = self._clock.monotonic() + rest
         answer = f"answered in {took:.2f} s" if answered else f"no answer within {took:.2f} s"
-        log.warning(
+        say(
             "systemd answers slowly: pod quotas are written to their cgroup files and systemd is told "
             "once it answers quickly again",
             unit=unit,
