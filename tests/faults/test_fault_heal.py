@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,5 +209,37 @@ async def test_a_slow_start_on_containerd_keeps_the_pods_share(short_dir: Path) 
         assert tree.pod_quota(pod) == 4 * PERIOD
         assert tree.container_quota(runtime.containers["slow-a"]) == 4 * PERIOD
         assert not daemon.logged("container never created"), daemon.stderr
+        assert inconsistencies(population) == []
+    assert inconsistencies(population, books=StateStore(node.state).load()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_pod_cgroup_missing_a_moment_keeps_its_binding_from_a_replay(short_dir: Path) -> None:
+    """Issue 25, break 3, in the marker fallback mode (no kubelet record): the holder's pod cgroup is
+    missing for a moment; another pod presenting the holder's marker is refused, and the holder's own
+    restart is granted once its cgroup is back."""
+    node = make_node(short_dir, 1)
+    population, runtime, tree = node.population, node.runtime, node.tree
+    config = write_config(short_dir, tree)  # the default interval: no two looks within the test
+    config.write_text(config.read_text() + 'pod_resources_socket = ""\n')  # [device_plugin]: no record
+    device = {ANNOTATION_KEY: population.key.sign("shared-cpus-3")}
+    async with runtime, daemon_running(config, node.socket) as daemon:
+        await within(runtime.wait_for_plugins(1))
+        holder = population.pod("holder", 2 * PERIOD)
+        await population.create(holder, "holder-a", "fwd", "2-3", asks=True, annotations=dict(device))
+        pod_dir = tree.pod_cpu(holder).fs_path
+        aside = f"{pod_dir}-aside"
+        os.rename(pod_dir, aside)
+        try:
+            thief = population.pod("thief", 2 * PERIOD)
+            await population.create(thief, "thief-a", "fwd", "4-5", annotations=dict(device))
+            line = await daemon.wait_log("request refused", "container_id=thief-a")
+            assert "a replayed marker" in line, line
+        finally:
+            os.rename(aside, pod_dir)
+        await population.restart("holder-a", "holder-b")
+        assert tree.pod_quota(holder) == 4 * PERIOD
+        assert len(daemon.logged("request refused")) == 1, daemon.stderr
+        assert not daemon.logged("pod gone"), daemon.stderr
         assert inconsistencies(population) == []
     assert inconsistencies(population, books=StateStore(node.state).load()) == []

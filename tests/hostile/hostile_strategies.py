@@ -320,6 +320,8 @@ def realistic_requests(draw: st.DrawFn, method: str) -> Message:
         return request
     if method == "StopContainer":
         return api.StopContainerRequest(pod=pod, container=container)
+    if method == "StartContainer":
+        return api.StartContainerRequest(pod=pod, container=container)
     if method == "UpdatePodSandbox":
         return api.UpdatePodSandboxRequest(pod=pod)
     if method == "StateChange":

@@ -53,6 +53,7 @@ SERVED = {
     "Shutdown",
     "StateChange",
     "CreateContainer",
+    "StartContainer",  # containerd makes the cgroup here: the healer's grace counts from it (issue 25)
     "UpdateContainer",
     "StopContainer",
     "UpdatePodSandbox",  # in-place pod resize (issue 12)
