@@ -14,10 +14,12 @@ The connection goes through the states of `nri_plugin.nri.connection` (``stub.st
 run on an injected `Clock`, its reconnects are paced by one `Backoff`, reset by every registration.
 
 The runtime is a peer, not a master of our memory: the chunks of one Synchronize are gathered only up
-to `max_sync_bytes` (`DEFAULT_MAX_SYNC_BYTES`, the config's ``max_synchronize_mib``). A runtime that
-sends more (say, ``more=true`` without end) gets ResourceExhausted, the connection is dropped, what
-it sent is let go and the heap's free memory given back to the system; the stub then reconnects as
-after any lost connection.
+to `max_sync_bytes` (`DEFAULT_MAX_SYNC_BYTES`, the config's ``max_synchronize_mib``), counted at what
+they cost in memory, not only their bytes (`SYNC_CHUNK_COST`, `SYNC_OBJECT_COST`: a 7-byte chunk
+holding one pod costs some 550 bytes), and in at most `SYNC_CHUNKS_PER_MIB` chunks per MiB of it. A
+runtime that sends more (say, ``more=true`` without end, in chunks large or tiny) gets
+ResourceExhausted, the connection is dropped, what it sent is let go and the heap's free memory given
+back to the system; the stub then reconnects as after any lost connection.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ __all__ = [
     "DEFAULT_SOCKET_PATH",
     "PLUGIN_SERVICE",
     "RUNTIME_SERVICE",
+    "SYNC_CHUNKS_PER_MIB",
+    "SYNC_CHUNK_COST",
+    "SYNC_OBJECT_COST",
     "ConnectionState",
     "Identity",
     "RuntimeInfo",
@@ -91,6 +96,19 @@ DEFAULT_BACKOFF_MAX = 5.0
 # realistic env, mounts and annotations take 7.3 MB (docs/performance.md); the plugin's memory at
 # this cap stays well under the DaemonSet's 256 Mi limit.
 DEFAULT_MAX_SYNC_BYTES = 32 << 20
+# What a Synchronize chunk holds in memory beyond its bytes until the last chunk comes, counted with
+# the bytes against max_sync_bytes. Measured (RSS over 100,000 chunks): a chunk of one 7-byte pod,
+# 550 B (the pod's own arena); 100,000 pods in one chunk, 414 B each; a chunk of kept containers, some
+# 75 B beyond their bytes (they are kept as bytes). So: 128 B a chunk, and 448 B a pod (or a container
+# kept parsed, when a chunk is decoded whole).
+SYNC_CHUNK_COST = 128
+SYNC_OBJECT_COST = 448
+# The most chunks one Synchronize may come in, per MiB of max_sync_bytes (4,096 at the default 32
+# MiB), whatever they weigh: endless tiny chunks are dropped within that many (a few MiB), not at
+# the byte cap. NRI splits a Synchronize only when it exceeds the 4 MiB message limit, fills each
+# chunk up to that limit, and never puts fewer than 8 objects in a chunk but the last: 4,096 chunks
+# carry at least 32,000 pods and containers.
+SYNC_CHUNKS_PER_MIB = 128
 # How long after a dropped oversized Synchronize the heap's free memory is given back (the chunks
 # are let go once the handler has returned).
 _RELEASE_DELAY = 0.1
@@ -237,6 +255,10 @@ class _Session:
     containers: list[api.Container | bytearray] = field(default_factory=list)
     # Bytes of the chunks gathered so far, as received (their ttrpc envelopes included).
     size: int = 0
+    # The chunks gathered so far, and what they hold in memory (their bytes and the objects kept
+    # parsed, as `SYNC_CHUNK_COST` and `SYNC_OBJECT_COST` count them).
+    chunks: int = 0
+    cost: int = 0
     # Containers the chunks brought, those not kept included.
     seen: int = 0
     # Where the connection was when the synchronization began: where a failed one goes back to.
@@ -249,6 +271,7 @@ class _Session:
         self.seen += len(request.containers)
         self.pods.extend(request.pods)
         self.containers.extend(request.containers)
+        self.cost += (len(request.pods) + len(request.containers)) * SYNC_OBJECT_COST
 
     def gather_bytes(self, data: bytes | memoryview, select: SyncFilter) -> bool | None:
         """Add one chunk from its bytes (`_Apart`), so that it is never parsed whole (a 4 MiB chunk
@@ -263,6 +286,7 @@ class _Session:
             return None
         self.seen += apart.seen
         self.pods.extend(apart.pods)
+        self.cost += len(apart.pods) * SYNC_OBJECT_COST
         if apart.kept:
             self.containers.append(apart.kept)
         self._by_sandbox = apart.by_sandbox
@@ -273,6 +297,7 @@ class _Session:
         together); the next Synchronize starts afresh."""
         pods, gathered = self.pods, self.containers
         self.pods, self.containers, self.size, self.seen = [], [], 0, 0
+        self.chunks = self.cost = 0
         self._by_sandbox = {}
         containers: list[api.Container] = []
         gathered.reverse()
@@ -725,10 +750,14 @@ class Stub:
         # The bytes received, as the ttrpc server counted them: a chunk's ByteSize() would walk
         # all of its objects again (10 ms for a 4 MiB chunk).
         session.size += ctx.request_size
-        if session.size > self.max_sync_bytes:
+        session.chunks += 1
+        session.cost += ctx.request_size + SYNC_CHUNK_COST
+        if session.cost > self.max_sync_bytes or session.chunks > self.max_sync_chunks:
             raise self._sync_too_large(session)
         more = self._gather(session, request)
         del request  # what was not kept goes now, before the plugin works on what was
+        if session.cost > self.max_sync_bytes:  # (the objects it held, parsed)
+            raise self._sync_too_large(session)
         if self._handlers.select is not None:
             # The chunk's memory back to the system at once: the next chunk, or the plugin's work on
             # the whole, would otherwise come on top of it (glibc keeps what large frees leave).
@@ -772,22 +801,46 @@ class Stub:
         session.gather(request)
         return request.more
 
+    @property
+    def max_sync_chunks(self) -> int:
+        """The most chunks one Synchronize may come in (`SYNC_CHUNKS_PER_MIB` of `max_sync_bytes`)."""
+        return max(SYNC_CHUNKS_PER_MIB, self.max_sync_bytes * SYNC_CHUNKS_PER_MIB >> 20)
+
     def _sync_too_large(self, session: _Session) -> TtrpcError:
-        """A Synchronize over `max_sync_bytes`: its chunks let go, the connection dropped, the memory
-        given back soon; the error to answer (if the answer still goes out)."""
-        size = session.size
+        """A Synchronize over `max_sync_bytes` or `max_sync_chunks`: its chunks let go, the connection
+        dropped, the memory given back soon; the error to answer (if the answer still goes out)."""
+        size, chunks, cost = session.size, session.chunks, session.cost
         session.take()
         self._sync_ended(session, session.before_sync)
-        log.error(
-            "Synchronize larger than the plugin accepts: dropping the connection (raise "
-            "max_synchronize_mib if the node really runs that much)",
-            event_name="Synchronize",
-            received_bytes=size,
-            limit_bytes=self.max_sync_bytes,
-        )
+        if chunks > self.max_sync_chunks:
+            log.error(
+                "Synchronize in more chunks than the plugin accepts: dropping the connection (a "
+                "runtime fills its chunks up to 4 MiB; raise max_synchronize_mib, which allows "
+                f"{SYNC_CHUNKS_PER_MIB} chunks per MiB, if the runtime really splits it that finely)",
+                event_name="Synchronize",
+                chunks=chunks,
+                limit_chunks=self.max_sync_chunks,
+                received_bytes=size,
+            )
+        else:
+            log.error(
+                "Synchronize larger than the plugin accepts: dropping the connection (raise "
+                "max_synchronize_mib if the node really runs that much)",
+                event_name="Synchronize",
+                received_bytes=size,
+                counted_bytes=cost,
+                chunks=chunks,
+                limit_bytes=self.max_sync_bytes,
+            )
         if self._current(session) and self._trunk is not None:
             self._trunk.close()
         asyncio.get_running_loop().call_later(_RELEASE_DELAY, heap.release_free_memory)
+        if chunks > self.max_sync_chunks:
+            return TtrpcError(
+                Code.RESOURCE_EXHAUSTED,
+                f"Synchronize in more than {self.max_sync_chunks} chunks refused: over the plugin's "
+                "max_synchronize_mib",
+            )
         return TtrpcError(
             Code.RESOURCE_EXHAUSTED,
             f"Synchronize of more than {self.max_sync_bytes} bytes refused: over the plugin's "

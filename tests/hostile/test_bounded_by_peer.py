@@ -33,7 +33,7 @@ from api.nri import api_pb2 as api
 from api.ttrpc import request_pb2
 from nri_plugin.daemon import config as config_module
 from nri_plugin.nri import mux
-from nri_plugin.nri.stub import DEFAULT_MAX_SYNC_BYTES
+from nri_plugin.nri.stub import DEFAULT_MAX_SYNC_BYTES, SYNC_CHUNKS_PER_MIB, SYNC_OBJECT_COST
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import MessageType, encode_frame
 
@@ -112,9 +112,10 @@ def test_the_cap_is_a_config_key_checked_like_the_others() -> None:
         assert "from 1 to 1024" in str(info.value)
 
 
-async def _endless_sync(connection: Connection, chunk: bytes) -> tuple[int, Reply | None]:
+async def _endless_sync(connection: Connection, chunk: bytes, bound: int = 1000) -> tuple[int, Reply | None]:
     """Send `chunk` again and again (each answered before the next) until the daemon drops us; how
-    many were answered with more=true, and the answer that was not (None: the connection was lost)."""
+    many were answered with more=true (fewer than `bound`), and the answer that was not (None: the
+    connection was lost)."""
     answered = 0
     while True:
         try:
@@ -125,7 +126,7 @@ async def _endless_sync(connection: Connection, chunk: bytes) -> tuple[int, Repl
             return answered, reply
         assert api.SynchronizeResponse.FromString(reply.payload).more
         answered += 1
-        assert answered < 1000, "never cut short"
+        assert answered < bound, "never cut short"
 
 
 @pytest.mark.asyncio
@@ -171,6 +172,67 @@ async def test_a_smaller_cap_from_the_config() -> None:
             assert last is None or (last.code, last.message) == (
                 Code.RESOURCE_EXHAUSTED,
                 f"Synchronize of more than {MIB} bytes refused: over the plugin's max_synchronize_mib",
+            )
+            await peer.connection(2)
+
+
+@pytest.mark.asyncio
+async def test_endless_tiny_synchronize_chunks_are_cut_by_their_number() -> None:
+    """Issue #25, break 5: 7-byte chunks (one pod each) with more=true cost some 550 B each where 7
+    were counted: 306k chunks in 75 s took the daemon from 51 to 218 MB with 2.1 MB of the 32 MiB
+    cap used. Now one Synchronize comes in at most 128 chunks per MiB of the cap (4,096)."""
+    chunk = api.SynchronizeRequest(pods=[api.PodSandbox(id="p")], more=True).SerializeToString()
+    assert len(chunk) == 7
+    limit = (DEFAULT_MAX_SYNC_BYTES >> 20) * SYNC_CHUNKS_PER_MIB
+    with short_directory("sync-") as root:
+        async with hostile_peer(root) as peer:
+            first = await peer.connection(1)
+            idle = rss_kib(peer.pid)
+            answered, last = await _endless_sync(first, chunk, bound=limit + 1)
+            peak = rss_kib(peer.pid, "VmHWM")
+            line = await peer.daemon.wait_log("Synchronize in more chunks than the plugin accepts")
+            fields = json.loads(line)
+            assert fields["level"] == "error"
+            assert "raise max_synchronize_mib" in fields["msg"]
+            assert (fields["chunks"], fields["limit_chunks"]) == (limit + 1, limit)
+            assert answered == limit
+            assert last is None or (last.code, last.message) == (
+                Code.RESOURCE_EXHAUSTED,
+                f"Synchronize in more than {limit} chunks refused: over the plugin's max_synchronize_mib",
+            )
+            await within(first.plugin.lost.wait())
+            # The daemon stays up and serves the next, well-behaved connection.
+            second = await peer.connection(2)
+            reply = await second.plugin.call("Synchronize", api.SynchronizeRequest().SerializeToString())
+            assert reply.ok, reply
+            print(
+                f"\nendless Synchronize of {len(chunk)}-byte chunks: {answered} taken, then dropped; "
+                f"RSS idle {idle / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB"
+            )
+            assert peak < 64 * 1024, "dropped before 64 MiB"
+
+
+@pytest.mark.asyncio
+async def test_tiny_pods_are_counted_at_what_they_cost() -> None:
+    """A pod of a few bytes costs some 450 B parsed: chunks of 1,000 of them (9 KB each) are counted at
+    that cost, so 1 MiB of cap takes two of them, not a hundred."""
+    request = api.SynchronizeRequest(more=True)
+    for n in range(1000):
+        request.pods.add(id=f"{n:x}")
+    chunk = request.SerializeToString()
+    assert len(chunk) < 10_000
+    with short_directory("sync-") as root:
+        async with hostile_peer(root, extra="max_synchronize_mib = 1\n") as peer:
+            answered, last = await _endless_sync(await peer.connection(1), chunk)
+            assert answered == MIB // (len(chunk) + 1000 * SYNC_OBJECT_COST) == 2
+            assert last is None or (last.code, last.message) == (
+                Code.RESOURCE_EXHAUSTED,
+                f"Synchronize of more than {MIB} bytes refused: over the plugin's max_synchronize_mib",
+            )
+            fields = json.loads(await peer.daemon.wait_log("Synchronize larger than the plugin accepts"))
+            assert fields["counted_bytes"] > MIB
+            assert fields["received_bytes"] < 3 * (len(chunk) + 100), (
+                "3 chunks of bytes (with their envelopes)"
             )
             await peer.connection(2)
 
