@@ -269,7 +269,7 @@ class RuntimeSimulator:
             await asyncio.wait_for(self._changed.wait_for(lambda: len(self.plugins) >= count), timeout)
         return self.plugins
 
-    async def wait_for_synchronizations(self, count: int, timeout: float = 5.0) -> None:
+    async def wait_for_synchronizations(self, count: int, timeout: float | None = 5.0) -> None:
         """Wait until plugins have synchronized `count` times in all since this runtime was made.
         Unlike `wait_for_plugins`, a plugin that left but whose leaving the runtime has not read yet
         does not count: this is the wait for a plugin restarted under a running runtime."""

@@ -296,14 +296,15 @@ async def test_pod_quota_unreadable_at_synchronize_after_a_plugin_restart(
         away = quota_file.with_name(quota_file.name + ".away")
         quota_file.rename(away)
         plugin = node.plugin()
+        # The second and third synchronizations: a plugin that left may still be among the runtime's.
         with structlog.testing.capture_logs() as logs:
             async with plugin_running(plugin, node.socket):
-                await within(runtime.wait_for_plugins(1, timeout=None))
+                await within(runtime.wait_for_synchronizations(2, timeout=None))
         [error] = [e for e in logs if e["event"] == "cannot bring the pod quota to its target"]
         assert_clear(str(error["error"]), str(quota_file), "ENOENT")
         away.rename(quota_file)
         async with plugin_running(plugin, node.socket):
-            await within(runtime.wait_for_plugins(1, timeout=None))
+            await within(runtime.wait_for_synchronizations(3, timeout=None))
             assert books_vs_files(population, plugin.books) == []
             await population.restart("fwd-a", "fwd-a2")  # a restart does not grow the pod quota
             assert inconsistencies(population, books=plugin.books) == []
