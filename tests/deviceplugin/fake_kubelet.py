@@ -35,6 +35,8 @@ from api.podresources.v1 import api_pb2 as podresources
 from api.podresources.v1 import api_pb2_grpc as podresources_grpc
 
 KUBELET_SOCKET = "kubelet.sock"
+# The test side's Allocate calls: against hangs only (a loaded 2-core CI machine took over 5 s).
+ALLOCATE_TIMEOUT = 15.0
 
 
 @dataclass
@@ -160,7 +162,8 @@ class FakeKubelet(api_grpc.RegistrationServicer):
         request = api.AllocateRequest()
         for ids in containers:
             request.container_requests.add(devices_ids=ids)
-        response: api.AllocateResponse = await self.client(resource).stub.Allocate(request, timeout=5)
+        stub = self.client(resource).stub
+        response: api.AllocateResponse = await stub.Allocate(request, timeout=ALLOCATE_TIMEOUT)
         return response
 
     async def admit(

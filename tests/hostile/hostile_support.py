@@ -49,8 +49,10 @@ from nri_plugin.ttrpc.protocol import NEED_DATA, FrameDecoder, MessageType, enco
 T = TypeVar("T")
 
 NAMING = Naming("containerd", "cgroupfs")
-# Every await in these tests is bounded: a hang is a failure, not a stuck CI job.
-BOUND = 5.0
+# Every await in these tests is bounded: a hang is a failure, not a stuck CI job. Against hangs only,
+# so generous: a loaded 2-core CI machine took over 5 s for one wait, and the daemon-process tests
+# (test_bounded_by_peer) await these bounded calls inside their own 20 s guard.
+BOUND = 15.0
 # Codes a refused or failed request may carry. UNKNOWN (2) is what the ttrpc server sends for an
 # exception the handler did not expect: a crash, never acceptable.
 ERROR_CODES = frozenset(
