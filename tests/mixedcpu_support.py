@@ -280,7 +280,9 @@ def write_daemon_config(
     device-plugin directory ``plugin_dir`` (keep it short: unix socket paths are limited to 107 bytes),
     and metrics and probes on `metrics_address` (by default a free port: daemons run in parallel; the
     daemon logs the one it bound). `extra`: more top-level lines; `device_plugin_extra`: more lines
-    of the ``[device_plugin]`` table. No systemd bus: a test daemon never talks to the host's systemd."""
+    of the ``[device_plugin]`` table. No systemd bus: a test daemon never talks to the host's systemd.
+    The NRI socket ``nri.sock`` in ``directory`` (--socket wins): the node-wide lock lies beside it,
+    never in the host's /var/run/nri, where daemons of tests running at once would refuse each other."""
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True, exist_ok=True)  # (again for a restarted daemon)
     (online / "online").write_text("0-3\n")
@@ -290,7 +292,7 @@ def write_daemon_config(
     config.write_text(
         f'shared_cpuset = "0-1"\nsysfs_root = "{directory}/sys"\nstate_dir = "{directory}/state"\n'
         f'cgroup_root = "{directory}/cgroup"\ncgroup_version = "v1"\n'
-        f'metrics_address = "{metrics_address}"\nsystemd_bus = ""\n'
+        f'metrics_address = "{metrics_address}"\nsystemd_bus = ""\nnri_socket = "{directory}/nri.sock"\n'
         f"{extra}"
         f'[device_plugin]\nplugin_dir = "{plugin_dir}"\n'
         f"{device_plugin_extra}"

@@ -574,3 +574,72 @@ def test_systemd_answering_is_ok_and_cgroupfs_pods_need_no_bus(
     node.write_config()
     _, lines = check(capsys, "--config", str(node.config))
     assert not [line for line in lines if "systemd bus" in line], "cgroupfs pods are no units"
+
+
+# -- issue #25, break 9: the real cause, not "run as root" to root ---------------------------------
+
+ROOT_DIR = Path(__file__).resolve().parent.parent
+
+
+def check_under(prefix: list[str], node: Node) -> list[str]:
+    """``check`` run under the command `prefix`: its report's lines."""
+    result = subprocess.run(
+        [*prefix, sys.executable, "-m", "nri_plugin.daemon.cli", "check", "--config", str(node.config)],
+        cwd=ROOT_DIR,
+        env={**os.environ, "PYTHONPATH": str(ROOT_DIR)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_root_is_never_told_to_run_check_as_root(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
+    """The attack: root, whose check could not look at a path, was told to "run check as root"."""
+    if os.geteuid() != 0:
+        pytest.skip("this is about what root is told")
+    os.remove(node.nri_socket)
+    os.rmdir(node.nri_socket.parent)
+    node.nri_socket.parent.write_text("")  # a file where a directory should be: ENOTDIR, even for root
+    status, lines = check(capsys, "--config", str(node.config))
+    assert status == 1
+    assert line_of(lines, "NRI socket") == (
+        f"FAIL  NRI socket             cannot look at {node.nri_socket}: Not a directory"
+    )
+    assert fix_of(lines, "NRI socket") == "check nri_socket's path"
+    assert not [line for line in lines if "as root" in line]
+
+
+def test_a_read_only_state_dir_is_named_read_only_by_check(node: Node) -> None:
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("no mount namespace here (unshare --mount): a read-only mount needs one")
+    state = node.root / "state"
+    state.mkdir(mode=0o700)
+    read_only_then_exec = (
+        "import os, subprocess, sys; "
+        "subprocess.run(['mount', '--bind', '-o', 'ro', sys.argv[1], sys.argv[1]], check=True); "
+        "os.execv(sys.argv[2], sys.argv[2:])"
+    )
+    prefix = ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", read_only_then_exec]
+    lines = check_under([*prefix, str(state)], node)
+    assert line_of(lines, "state directory") == (
+        f"FAIL  state directory        {state} is on a read-only file system"
+    )
+    assert fix_of(lines, "state directory") == "mount it read-write"
+
+
+def test_check_run_by_another_user_says_you_are_not_root(node: Node) -> None:
+    """It may read anything (so that it gets as far as it can), write and connect nothing."""
+    nobody = [
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+        "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",
+    ]  # fmt: skip
+    lines = check_under(nobody, node)
+    assert line_of(lines, "NRI socket") == (
+        f"FAIL  NRI socket             {node.nri_socket} may not be connected to by uid 65534"
+    )
+    assert (
+        fix_of(lines, "NRI socket") == "you are not root (uid 65534): run check as root, as the daemon runs"
+    )

@@ -475,12 +475,12 @@ def test_with_metrics_off_nothing_observes_and_no_port_is_served(
 @pytest.mark.parametrize(
     ("options", "environ", "full_name", "socket"),
     [
-        (RunOptions(), {}, "10-mixed-cpu", "/var/run/nri/nri.sock"),
+        (RunOptions(), {}, "10-mixed-cpu", "CONFIG"),  # the config's nri_socket
         (
             RunOptions(),
             {"NRI_PLUGIN_NAME": "env-name", "NRI_PLUGIN_IDX": "20"},
             "20-env-name",
-            "/var/run/nri/nri.sock",
+            "CONFIG",
         ),
         (
             RunOptions(plugin_name="opt", plugin_index="30", socket="/run/x.sock"),
@@ -503,6 +503,7 @@ def test_the_stub_takes_options_then_environment_then_config(
     config = write_daemon_config(tmp_path, device_plugins)
     daemon = build_daemon(dataclasses.replace(options, config_path=str(config)), environ=environ)
     assert isinstance(daemon.nri, Stub)
+    socket = socket.replace("CONFIG", str(tmp_path / "nri.sock"))
     assert (daemon.nri.identity.full_name, daemon.nri.socket_path) == (full_name, socket)
 
 

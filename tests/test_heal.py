@@ -8,23 +8,30 @@ runtime's and kubelet's part on it: container cgroups made after creation, pod c
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import shutil
+import tempfile
 from collections import Counter
-from collections.abc import MutableMapping
+from collections.abc import AsyncIterator, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 from mixedcpu_support import (
+    GUARD,
     PERIOD,
     FakeCgroups,
+    FakeKubeletRecord,
     Naming,
     apply_adjustment,
     make_container,
     make_plugin,
     make_pod,
     marker,
+    plugin_running,
 )
 
 import cgroups.files
@@ -37,6 +44,7 @@ from nri_plugin.mixedcpu import quota
 from nri_plugin.mixedcpu.books import Books, Slot
 from nri_plugin.mixedcpu.heal import CREATION_GRACE, MIN_CREATION_GRACE, Healer, PassReport
 from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri.simulator import RuntimeSimulator
 
 SHARED = frozenset({0, 1})
 BASELINE = 2 * PERIOD  # the pod's own quota: its container's 2 exclusive CPUs
@@ -63,7 +71,14 @@ class Seen:
 class Node:
     """A plugin on a fake tree and a manual clock; the test plays the runtime and kubelet."""
 
-    def __init__(self, tmp_path: Path, *, version: int = 1, interval: float | None = INTERVAL) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        version: int = 1,
+        interval: float | None = INTERVAL,
+        allocations: FakeKubeletRecord | None = None,
+    ) -> None:
         self.clock = ManualClock()
         self.naming = NAMING[version]
         self.tree = FakeCgroups(tmp_path / "cgroup", version)
@@ -75,6 +90,7 @@ class Node:
             observer=self.seen,
             clock=self.clock,
             reconcile_interval=interval,
+            allocations=allocations,
         )
 
     def pod(self, uid: str, name: str = "app") -> api.PodSandbox:
@@ -85,14 +101,24 @@ class Node:
     async def create(
         self, pod: api.PodSandbox, cid: str, name: str = "fwd", *, device: str = "dev-1", run: bool = True
     ) -> api.Container:
-        """kubelet's CreateContainer; with `run`, the runtime then makes its cgroup (adjusted)."""
+        """kubelet's CreateContainer; with `run`, the runtime then makes its cgroup (adjusted) and
+        kubelet's StartContainer follows."""
         container = make_container(self.naming, pod, cid, name, annotations=marker(self.key, device))
         response = await self.plugin.create_container(pod, container)
         apply_adjustment(container, response.adjust if response is not None else None)
         if run:
-            self.tree.run_container(container)
-            container.state = api.CONTAINER_RUNNING
+            await self.start(pod, container)
         return container
+
+    async def start(self, pod: api.PodSandbox, container: api.Container) -> None:
+        """The runtime makes the container's cgroup, then tells StartContainer (containerd's order)."""
+        self.tree.run_container(container)
+        container.state = api.CONTAINER_RUNNING
+        await self.plugin.start_container(pod, container)
+
+    async def runtime_is(self, name: str) -> None:
+        """The runtime's Configure: "cri-o" makes a container's cgroup in CreateContainer."""
+        await self.plugin.configure(api.ConfigureRequest(runtime_name=name))
 
     def container_quota(self, container: api.Container) -> int | None:
         return read_cpu_quota(self.tree.container_dir(container)).quota
@@ -118,10 +144,16 @@ def node(tmp_path: Path) -> Node:
 
 
 @pytest.mark.asyncio
-async def test_the_timer_drops_a_pod_whose_cgroup_is_gone_with_its_bindings(node: Node) -> None:
-    """containerd after its restart: the pod's end is never reported; its cgroup is gone all the same."""
+async def test_with_kubelets_record_a_pod_gone_at_two_looks_is_dropped_with_its_bindings(
+    tmp_path: Path,
+) -> None:
+    """containerd after its restart: the pod's end is never reported; its cgroup is gone all the same.
+    kubelet's record proves requests, so the binding ends with the pod, at the second look."""
+    kubelet = FakeKubeletRecord()
+    node = Node(tmp_path, allocations=kubelet)
     plugin = node.plugin
     forgotten = node.pod("1-1", "forgotten")
+    kubelet.allocate(forgotten, "fwd", "dev-1")
     await plugin.synchronize([forgotten], [])  # synchronized: the timer runs
     container = await node.create(forgotten, "c1")
     await plugin.stop_container(forgotten, container)
@@ -130,19 +162,23 @@ async def test_the_timer_drops_a_pod_whose_cgroup_is_gone_with_its_bindings(node
     assert plugin.books.pods == {}  # back at its own quota: forgotten by the books, but still bound
     assert plugin.books.devices == {"dev-1": Slot(forgotten.uid, "fwd")}
     node.delete_pod(forgotten)  # no StopPodSandbox, no RemovePodSandbox
+    await node.clock.advance(INTERVAL)
+    assert plugin.books.devices != {}, "not at the first look"
     await node.clock.advance(INTERVAL - 1)
-    assert plugin.books.devices != {}, "not before the pass"
+    assert plugin.books.devices != {}, "not before the second"
     with structlog.testing.capture_logs() as logs:
         await node.clock.advance(1)
     [gone] = heals(logs, "pod_gone")
+    assert gone["event"] == "pod gone: its books and device bindings are dropped"
     assert gone["pod_key"] == forgotten.uid
     assert gone["devices"] == ["dev-1"]
     assert "never reported the pod stopped or removed" in gone["why"]
     assert plugin.books.devices == {}
     assert node.saved().load().devices == {}
     assert node.seen.heals == {"pod_gone": 1}
-    # ... so kubelet's next holder of that device id gets the shared CPUs.
+    # ... and kubelet's next holder of that device id gets the shared CPUs.
     successor = node.pod("2-2", "successor")
+    kubelet.allocate(successor, "fwd", "dev-1")
     taken = await node.create(successor, "c2")
     assert taken.linux.resources.cpu.cpus == "0-1,4-5"
     assert plugin.books.devices == {"dev-1": Slot(successor.uid, "fwd")}
@@ -150,8 +186,78 @@ async def test_the_timer_drops_a_pod_whose_cgroup_is_gone_with_its_bindings(node
 
 
 @pytest.mark.asyncio
-async def test_a_marker_bound_to_a_vanished_pod_is_accepted_at_once(tmp_path: Path) -> None:
-    """No timer at all: the replay check first looks for the holder's pod, and finds it gone."""
+async def test_a_pod_cgroup_missing_for_a_look_costs_no_binding_in_the_marker_fallback(node: Node) -> None:
+    """Issue 25, break 3: the holder's pod cgroup is missing at a pass (moved away a moment); another
+    pod presenting the holder's marker is refused, and the holder's own restart is granted."""
+    plugin = node.plugin
+    holder = node.pod("1-1", "holder")
+    await plugin.synchronize([holder], [])
+    first = await node.create(holder, "c1")
+    pod_dir = node.tree.pod_dir(holder).fs_path
+    aside = os.path.join(os.path.dirname(pod_dir), "aside")
+    os.rename(pod_dir, aside)  # missing for one look
+    await node.clock.advance(INTERVAL)
+    assert plugin.books.devices == {"dev-1": Slot(holder.uid, "fwd")}
+    thief = node.pod("2-2", "thief")
+    with structlog.testing.capture_logs() as logs:
+        assert (
+            await plugin.create_container(
+                thief, make_container(node.naming, thief, "c9", "fwd", annotations=marker(node.key, "dev-1"))
+            )
+            is None
+        )
+    [refused] = [e for e in logs if e["event"] == "request refused"]
+    assert "a replayed marker" in refused["reason"]
+    os.rename(aside, pod_dir)  # back
+    await node.clock.advance(INTERVAL)
+    await plugin.stop_container(holder, first)
+    node.tree.remove_container(first)
+    again = await node.create(holder, "c2")  # the holder's restart
+    assert again.linux.resources.cpu.cpus == "0-1,4-5"
+    assert plugin.books.devices == {"dev-1": Slot(holder.uid, "fwd")}
+    assert node.tree.pod_quota(holder) == RAISED
+    assert node.seen.heals == {}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_in_the_marker_fallback_a_binding_lasts_until_the_runtime_says_the_pod_is_removed(
+    tmp_path: Path,
+) -> None:
+    """No kubelet record: a binding is the only proof against a replay, so a pod whose cgroup is gone
+    for good keeps its bindings (its books go) until Synchronize no longer lists it."""
+    node = Node(tmp_path)
+    plugin = node.plugin
+    vanished = node.pod("1-1", "vanished")
+    await plugin.synchronize([vanished], [])
+    await node.create(vanished, "c1")
+    node.delete_pod(vanished)  # and its running container, with no event of either
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(2 * INTERVAL)
+    [gone] = heals(logs, "pod_gone")
+    assert gone["event"].endswith("its device bindings last until the runtime reports it removed")
+    assert (gone["containers"], gone["devices"]) == (["fwd"], [])
+    assert plugin.books.pods == {}
+    await node.clock.advance(10 * INTERVAL)
+    assert plugin.books.devices == {"dev-1": Slot(vanished.uid, "fwd")}
+    successor = node.pod("2-2", "successor")
+    assert (
+        await plugin.create_container(
+            successor,
+            make_container(node.naming, successor, "c2", "fwd", annotations=marker(node.key, "dev-1")),
+        )
+        is None
+    ), "a valid marker or a replay: no telling while the binding lasts"
+    await plugin.synchronize([successor], [])  # the runtime's word: the pod is no more
+    assert plugin.books.devices == {}
+    taken = await node.create(successor, "c3")  # kubelet's retry
+    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_without_a_timer_a_vanished_holder_keeps_its_device(tmp_path: Path) -> None:
+    """A creation presenting a bound device never decides that the holder's pod is gone."""
     node = Node(tmp_path, interval=None)
     plugin = node.plugin
     holder = node.pod("1-1", "holder")
@@ -159,22 +265,18 @@ async def test_a_marker_bound_to_a_vanished_pod_is_accepted_at_once(tmp_path: Pa
     node.delete_pod(holder)  # and its running container, with no event of either
     successor = node.pod("2-2", "successor")
     with structlog.testing.capture_logs() as logs:
-        taken = await node.create(successor, "c2")
-    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
-    [gone] = heals(logs, "pod_gone")
-    assert gone["containers"] == ["fwd"]
-    assert "presented again" in gone["why"]
-    assert not [e for e in logs if e["event"] == "request refused"]
-    assert list(plugin.books.pods) == [successor.uid]
-    assert plugin.shared_containers == 1
-    # A holder whose pod is still there keeps its device: a copy is a replay, as before.
-    thief = node.pod("3-3", "thief")
-    assert (
-        await plugin.create_container(
-            thief, make_container(node.naming, thief, "c3", "x", annotations=marker(node.key, "dev-1"))
+        assert (
+            await plugin.create_container(
+                successor,
+                make_container(node.naming, successor, "c2", "fwd", annotations=marker(node.key, "dev-1")),
+            )
+            is None
         )
-        is None
-    )
+    assert heals(logs, "pod_gone") == []
+    assert list(plugin.books.pods) == [holder.uid]
+    await plugin.remove_pod_sandbox(holder)  # the runtime's word
+    taken = await node.create(successor, "c3")
+    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
 
 
 # -- creations that failed after our adjustment ------------------------------------------------------
@@ -184,6 +286,7 @@ async def test_a_marker_bound_to_a_vanished_pod_is_accepted_at_once(tmp_path: Pa
 async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node: Node) -> None:
     """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it."""
     plugin = node.plugin
+    await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await plugin.synchronize([pod], [])
     await node.create(pod, "c1", run=False)
@@ -213,6 +316,7 @@ async def test_a_tiny_reconcile_interval_does_not_shorten_the_grace_below_its_fl
     node = Node(tmp_path, interval=1.0)
     plugin = node.plugin
     assert plugin.healer.grace == MIN_CREATION_GRACE == 2.0
+    await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await plugin.synchronize([pod], [])
     container = await node.create(pod, "c1", run=False)
@@ -220,7 +324,7 @@ async def test_a_tiny_reconcile_interval_does_not_shorten_the_grace_below_its_fl
     assert node.tree.pod_quota(pod) == RAISED, "within the floor of the grace"
     assert plugin.healer.watched == {"c1"}
     assert node.seen.heals == {}
-    node.tree.run_container(container)  # a slow start: the cgroup at last
+    node.tree.run_container(container)  # a slow runc create: the cgroup at last
     await node.clock.advance(INTERVAL)
     assert node.tree.pod_quota(pod) == RAISED
     assert plugin.healer.watched == frozenset()
@@ -263,6 +367,7 @@ async def test_a_container_whose_cgroup_appears_is_left_alone(node: Node) -> Non
 @pytest.mark.asyncio
 async def test_without_a_timer_an_overdue_creation_is_looked_at_the_pods_next_event(tmp_path: Path) -> None:
     node = Node(tmp_path, interval=None)
+    await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await node.plugin.synchronize([pod], [])
     await node.create(pod, "c1", run=False)
@@ -273,6 +378,147 @@ async def test_without_a_timer_an_overdue_creation_is_looked_at_the_pods_next_ev
     assert node.tree.pod_quota(pod) == RAISED  # c2's share only: c1's is back
     assert [record.id for record in node.plugin.books.pods[pod.uid].containers.values()] == ["c2"]
     assert node.seen.heals == {"container_never_created": 1}
+
+
+# -- containerd: the cgroup is made at StartContainer, any time after the creation ---------------------
+
+
+class StartFailed(Exception):
+    """runc's task creation failed (containerd's StartContainer fails; no plugin hears of it)."""
+
+
+class Containerd(RuntimeSimulator):
+    """containerd's order on a fake v1 tree: a container's cgroup is made at StartContainer, before
+    plugins hear of the start; and, as runc on cgroup v1, its quota is refused above its pod's."""
+
+    def __init__(self, socket: Path, tree: FakeCgroups) -> None:
+        super().__init__(socket, runtime_name="containerd")
+        self.tree = tree
+        self.modes.cgroup_made_at_start = True
+
+    def make_resources(self, container: api.Container) -> None:
+        pod = self.pods[container.pod_sandbox_id]
+        quota, pod_quota = container.linux.resources.cpu.quota.value, self.tree.pod_quota(pod)
+        if pod_quota is not None and quota > pod_quota:
+            raise StartFailed(f'failed to write "{quota}": cpu.cfs_quota_us: invalid argument')
+        self.tree.run_container(container)
+
+    def release_resources(self, container: api.Container) -> None:
+        self.tree.remove_container(container)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="mcpu-h-", dir="/tmp"))  # a unix socket's path is short
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def containerd_node(root: Path, interval: float) -> AsyncIterator[tuple[Node, Containerd]]:
+    """The plugin (its timers on the node's manual clock) served on a socket, and containerd."""
+    node = Node(root, interval=interval)
+    runtime = Containerd(root / "nri.sock", node.tree)
+    async with runtime, plugin_running(node.plugin, root / "nri.sock"):
+        await runtime.wait_for_plugins(1, GUARD)
+        try:
+            yield node, runtime
+        finally:
+            node.plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("interval", "gap"),
+    [(30, 15), (30, 60), (30, 300), (5, 8), (5, 60), (1, 8)],
+    ids=["default-15s", "default-60s", "default-5min", "5-8s", "5-60s", "1-8s"],
+)
+async def test_a_slow_start_on_containerd_keeps_its_share(
+    short_dir: Path, interval: float, gap: float
+) -> None:
+    """containerd makes the cgroup only at StartContainer: however late kubelet starts the container,
+    the pod keeps its share meanwhile, and runc's write of the raised quota is accepted (v1 refuses it
+    above the pod's: issue 25, break 2)."""
+    async with containerd_node(short_dir, interval) as (node, runtime):
+        pod = make_pod(node.naming, "1-1", name="slow")
+        node.tree.add_pod(pod, BASELINE)
+        await runtime.run_pod_sandbox(pod)
+        container = make_container(node.naming, pod, "c1", "fwd", annotations=marker(node.key, "dev-1"))
+        started = asyncio.ensure_future(runtime.create_and_start(container, gap=gap, clock=node.clock))
+        try:
+            while "c1" not in runtime.containers:  # created: kubelet waits `gap` on the clock
+                await asyncio.wait_for(asyncio.shield(asyncio.sleep(0.01)), GUARD)
+            assert not started.done()
+            await node.clock.advance(gap - 0.5)  # every pass and grace deadline of the gap
+            assert node.tree.pod_quota(pod) == RAISED
+            assert node.plugin.healer.watched == {"c1"}
+            await node.clock.advance(0.5)
+            result = await asyncio.wait_for(started, GUARD)
+        finally:
+            started.cancel()
+        assert result.container.linux.resources.cpu.quota.value == RAISED
+        assert node.container_quota(runtime.containers["c1"]) == RAISED  # runc's write went through
+        assert node.plugin.healer.watched == frozenset()
+        await node.clock.advance(3 * interval + CREATION_GRACE)
+        assert node.tree.pod_quota(pod) == RAISED
+        assert node.seen.heals == {}
+        assert node.plugin.shared_containers == 1
+
+
+@pytest.mark.asyncio
+async def test_a_container_never_started_keeps_its_share_until_the_runtime_says_otherwise(node: Node) -> None:
+    """containerd: no StartContainer yet is no failure; its removal ends the share."""
+    plugin = node.plugin
+    await node.runtime_is("containerd")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1", run=False)
+    await node.clock.advance(20 * INTERVAL)
+    assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.healer.watched == {"c1"}
+    assert node.seen.heals == {}
+    await plugin.remove_container(pod, container)
+    assert node.tree.pod_quota(pod) == BASELINE
+    assert plugin.healer.watched == frozenset()
+    # Another that starts with no cgroup: its grace counts from StartContainer.
+    late = await node.create(pod, "c2", device="dev-2", run=False)
+    await node.clock.advance(5 * INTERVAL)
+    await plugin.start_container(pod, late)  # the runtime said it started; its cgroup is not there
+    await node.clock.advance(CREATION_GRACE - 0.01)
+    assert node.tree.pod_quota(pod) == RAISED
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(0.01)
+    [phantom] = heals(logs, "container_never_created")
+    assert f"within {CREATION_GRACE:g} s of StartContainer" in phantom["why"]
+    assert node.tree.pod_quota(pod) == BASELINE
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_container_started_after_its_share_was_given_back_gets_it_again(tmp_path: Path) -> None:
+    """CRI-O with a runc create slower than the grace (v2 takes a child quota above its pod's): the
+    share is given back, and the StartContainer that follows raises the pod again before it runs."""
+    node = Node(tmp_path, version=2)
+    plugin = node.plugin
+    await node.runtime_is("cri-o")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1", run=False)
+    await node.clock.advance(CREATION_GRACE)
+    assert node.seen.heals == {"container_never_created": 1}
+    assert node.tree.pod_quota(pod) == BASELINE
+    with structlog.testing.capture_logs() as logs:
+        await node.start(pod, container)  # the cgroup at last, then StartContainer
+    [again] = [e for e in logs if e["event"].startswith("container started after its share was given back")]
+    assert again["pod_quota"] == f"{BASELINE} -> {RAISED}"
+    assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.shared_containers == 1
+    assert node.saved().load().pods[pod.uid].containers["fwd"].id == "c1"
+    await node.clock.advance(3 * INTERVAL)
+    assert node.tree.pod_quota(pod) == RAISED
+    await plugin.stop_container(pod, container)
+    assert node.tree.pod_quota(pod) == BASELINE
+    plugin.healer.stop()
 
 
 # -- pod quotas off their target ----------------------------------------------------------------------
@@ -441,30 +687,40 @@ async def test_the_timer_starts_once_runs_every_interval_and_stops(node: Node) -
 
 
 @pytest.mark.asyncio
-async def test_the_pass_drops_a_vanished_pod_that_still_held_shared_containers(node: Node) -> None:
+async def test_the_pass_drops_a_pod_missing_at_two_looks_never_in_its_events(node: Node) -> None:
     plugin = node.plugin
+    await node.runtime_is("cri-o")
     pod, other = node.pod("1-1", "vanished"), node.pod("2-2", "stays")
     await plugin.synchronize([pod, other], [])
     await node.create(pod, "c1")
     await node.create(other, "c2", device="dev-2")
-    await node.clock.advance(CREATION_GRACE)  # both containers' cgroups seen
     node.delete_pod(pod)  # with its running container, and no event at all
+    await node.clock.advance(INTERVAL)  # the first look
+    assert set(plugin.books.pods) == {pod.uid, other.uid}
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(INTERVAL - CREATION_GRACE)
+        await node.clock.advance(INTERVAL)  # the second, an interval later
     [gone] = heals(logs, "pod_gone")
-    assert (gone["pod_key"], gone["containers"], gone["devices"]) == (pod.uid, ["fwd"], ["dev-1"])
+    # The marker fallback: its books go, its binding stays until the runtime says it is removed.
+    assert (gone["pod_key"], gone["containers"], gone["devices"]) == (pod.uid, ["fwd"], [])
     assert list(plugin.books.pods) == [other.uid]
+    assert plugin.books.devices["dev-1"] == Slot(pod.uid, "fwd")
     assert plugin.shared_containers == 1
     assert node.saved().load().pods.keys() == {other.uid}
     assert node.tree.pod_quota(other) == RAISED
-    # A pod gone before its new container's deadline: the pod is gone, not a failed creation.
+    # A pod gone before its new container's deadline: not a failed creation, and the pod's own event
+    # between two looks starts the count again.
     brief = node.pod("3-3", "brief")
-    await node.create(brief, "c3", device="dev-3")
+    await node.create(brief, "c3", device="dev-3", run=False)  # at 60 s: its deadline at 70 s
     node.delete_pod(brief)
+    await node.clock.advance(INTERVAL)  # its deadline (put off), then the first look at 90 s
+    assert node.seen.heals == {"pod_gone": 1}, "neither a failed creation nor gone yet"
+    await node.clock.advance(INTERVAL / 2)
+    await plugin.create_container(brief, make_container(node.naming, brief, "c4", "plain"))  # an event
+    await node.clock.advance(INTERVAL / 2)  # 120 s: a first look again
+    assert brief.uid in plugin.books.pods
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(CREATION_GRACE)
+        await node.clock.advance(INTERVAL)
     assert [e["pod_key"] for e in heals(logs, "pod_gone")] == [brief.uid]
-    assert heals(logs, "container_never_created") == []
     assert node.seen.heals == {"pod_gone": 2}
     plugin.healer.stop()
 

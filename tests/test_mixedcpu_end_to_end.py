@@ -192,13 +192,14 @@ async def test_started_late_then_shared_set_changed(short_dir: Path, version: in
             "4-5",
         )
         # The admin widens the shared pool and restarts the plugin.
+        # (The second synchronization: the first plugin may still be among `sim.plugins`.)
         async with plugin_running(node.plugin(frozenset({0, 1, 2})), node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(2, GUARD)
         assert _cpu(sim.containers["fwd"]) == ("0-2,4-5", 5 * PERIOD)
         assert tree.pod_quota(pod) == BASELINE + 3 * PERIOD
         # ... and narrows it again: the pod quota comes down (no container cgroup above it here).
         async with plugin_running(node.plugin(frozenset({0})), node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(3, GUARD)
         assert _cpu(sim.containers["fwd"]) == ("0,4-5", 3 * PERIOD)
         assert tree.pod_quota(pod) == BASELINE + PERIOD
 

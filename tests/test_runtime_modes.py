@@ -81,7 +81,7 @@ def container(n: int, pod_id: str) -> api.Container:
 
 
 def test_every_mode_is_off_by_default() -> None:
-    assert RuntimeModes() == RuntimeModes(False, False, False)
+    assert RuntimeModes() == RuntimeModes(False, False, False, False)
 
 
 @pytest.mark.asyncio
@@ -155,3 +155,39 @@ async def test_when_a_stopped_containers_resources_go(short_dir: Path, lingers: 
     [(cid, known)] = sim.released  # once, and before plugins heard of that step
     assert cid == "c1"
     assert known[-1] == (("stop", "c1") if lingers else ("create", "c1"))
+
+
+class Made(Cgroups):
+    """A runtime that also notes when it makes a container's cgroup."""
+
+    def make_resources(self, container: api.Container) -> None:
+        self.released.append((f"made {container.id}", list(self.plugin.seen)))
+
+
+class Starts(Events):
+    async def start_container(self, pod: api.PodSandbox, container: api.Container) -> None:
+        self.seen.append(("start", container.id))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("at_start", [False, True], ids=["cri-o", "containerd"])
+async def test_where_the_runtime_makes_a_containers_cgroup(short_dir: Path, at_start: bool) -> None:
+    """CRI-O makes it in CreateContainer, after the plugins' adjustment; containerd at StartContainer,
+    before plugins hear of the start, however long kubelet waits between the two."""
+    plugin = Starts()
+    socket = short_dir / "nri.sock"
+    async with plugin_running(plugin, socket):
+        runtime = Made(socket, plugin)
+        runtime.modes.cgroup_made_at_start = at_start
+        async with runtime:
+            await runtime.wait_for_plugins(1, GUARD)
+            await runtime.run_pod_sandbox(pod(1))
+            await runtime.create_container(container(1, "pod1"))
+            made_at_creation = list(runtime.released)
+            await runtime.start_container("c1")
+    if at_start:
+        assert made_at_creation == []
+        assert runtime.released == [("made c1", [("synchronize", ""), ("create", "c1")])]
+    else:
+        assert made_at_creation == [("made c1", [("synchronize", ""), ("create", "c1")])]
+    assert plugin.seen[-1] == ("start", "c1")

@@ -247,7 +247,7 @@ def test_a_snapshot_without_a_journal_reads_no_journal(tmp_path: Path) -> None:
         ["P", "k", "/x", "lots", PERIOD, "first-seen"],
         ["C", "unknown-pod", "a", "id", 1, "", None],
         ["B", 7, "p", "n"],
-        ["C", "pod-0", "a", "id", -1, "", None],
+        ["C", "pod-0", "a", "id", "1", "", None],
     ],
 )
 def test_a_bad_operation_is_refused(op: object) -> None:

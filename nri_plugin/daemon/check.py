@@ -220,7 +220,9 @@ def check_nri_socket(path: str) -> Finding:
     except FileNotFoundError:
         return _fail(topic, f"{path} does not exist", _NRI_FIX)
     except OSError as exc:
-        return _fail(topic, f"cannot look at {path}: {exc.strerror}", "run check as root, like the daemon")
+        return _fail(
+            topic, f"cannot look at {path}: {exc.strerror}", _permission_fix("check nri_socket's path")
+        )
     if not stat.S_ISSOCK(mode):
         return _fail(
             topic,
@@ -249,7 +251,13 @@ def _connect_problem(path: str) -> Finding | None:
                 f"start the runtime with NRI on; {_NRI_FIX}",
             )
         except PermissionError:
-            return _fail(topic, f"{path} may not be connected to by uid {os.geteuid()}", "run check as root")
+            return _fail(
+                topic,
+                f"{path} may not be connected to by uid {os.geteuid()}",
+                _permission_fix(
+                    "a security policy (SELinux, AppArmor) denies it: look at the host's audit log"
+                ),
+            )
         except (OSError, TimeoutError) as exc:
             reason = os.strerror(exc.errno) if exc.errno else "no answer"
             if exc.errno == errno.EAGAIN:
@@ -308,7 +316,7 @@ def check_cgroup_driver(layout: CgroupLayout, kubelet_driver: str | None = None)
     try:
         found = drivers_in(os.listdir(where))
     except OSError as exc:
-        return _fail(topic, f"cannot list {where}: {exc.strerror}", "run check as root, like the daemon")
+        return _fail(topic, f"cannot list {where}: {exc.strerror}", _permission_fix("check cgroup_root"))
     if not found:
         return _warn(
             topic,
@@ -363,6 +371,27 @@ def check_systemd_bus(config: Config, drivers: Iterable[str]) -> Finding | None:
     return _ok(topic, f"systemd ({owner}) answers on {path}: pod quotas of slices are set through it")
 
 
+def _permission_fix(as_root: str) -> str:
+    """The fix for what uid `os.geteuid()` may not do: to run as root when we are not (the daemon
+    runs as root); `as_root` when we are, since becoming root would change nothing."""
+    uid = os.geteuid()
+    if uid != 0:
+        return f"you are not root (uid {uid}): run check as root, as the daemon runs"
+    return as_root
+
+
+def _not_writable(topic: str, path: str, fix: str) -> Finding:
+    """The FAIL for a directory we may not write: its read-only file system when that is the cause
+    (root may not write there either), else the uid and `fix`."""
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return _fail(topic, f"{path} is on a read-only file system", "mount it read-write")
+    return _fail(topic, f"{path} is not writable by uid {os.geteuid()}", fix)
+
+
 def _nearest_existing(path: str) -> str:
     while not os.path.lexists(path):
         path = os.path.dirname(path)
@@ -371,14 +400,14 @@ def _nearest_existing(path: str) -> str:
 
 def check_state_dir(path: str) -> Finding:
     topic = "state directory"
-    fix = "run the daemon as root, or point state_dir at a directory only root can write"
+    fix = _permission_fix("point state_dir at a directory only root can write")
     if os.path.isdir(path):
         problem = state_dir_problem(path)
         if problem is not None:
             return _fail(topic, problem, "point state_dir at a directory only root can write (mode 0700)")
         if os.access(path, os.W_OK | os.X_OK):
             return _ok(topic, f"{path} is writable")
-        return _fail(topic, f"{path} is not writable by uid {os.geteuid()}", fix)
+        return _not_writable(topic, path, fix)
     if os.path.lexists(path):
         return _fail(topic, f"{path} is not a directory", "point state_dir at a directory")
     parent = _nearest_existing(path)
@@ -400,11 +429,7 @@ def check_device_plugin_dir(device_plugin: DevicePluginConfig) -> Finding:
             "host's /var/lib/kubelet/device-plugins (the directory, not the socket files)",
         )
     if not os.access(directory, os.W_OK | os.X_OK):
-        return _fail(
-            topic,
-            f"{directory} is not writable by uid {os.geteuid()}",
-            "run the daemon as root (kubelet makes the directory root-only)",
-        )
+        return _not_writable(topic, directory, _permission_fix("make it writable by root, as kubelet has it"))
     kubelet = str(device_plugin.kubelet_socket)
     try:
         is_socket = stat.S_ISSOCK(os.stat(kubelet).st_mode)

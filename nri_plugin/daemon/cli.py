@@ -193,7 +193,9 @@ def _parser() -> argparse.ArgumentParser:
         "accepts connections on its NRI socket. For the Helm chart's opt-in init container\n"
         "(nri.runtime.patchConfig); by hand, packaging/runtime/ has the drop-ins to install.",
         epilog="Exit status: 0 when NRI is on (or turned on and the runtime restarting), 1 when a file could "
-        "not be written or the runtime restarted, 2 when the config cannot be changed safely.",
+        "not be written or the runtime could not be restarted, 2 when the config cannot be changed safely "
+        "(unreadable, a link out of --host-root or to nothing, no runtime config directory under "
+        "--host-root).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     enable.add_argument(
@@ -298,7 +300,16 @@ def _run(args: argparse.Namespace) -> int:
         plugin_index=args.nri_plugin_index,
         reconnect=not args.no_reconnect,
         log_level=args.log_level,
+        node_lock=True,
     )
+    if os.geteuid() != 0:
+        structlog.get_logger("nri_plugin.daemon.cli").warning(
+            "you are not root",
+            uid=os.geteuid(),
+            why="the daemon writes cgroup files, kubelet's device-plugin directory and its state dir",
+            fix=f"run it as root; see what uid {os.geteuid()} lacks with: mixed-cpu-nri-plugin check "
+            f"--config {args.config}",
+        )
     try:
         return build_daemon(options).run()
     except DaemonError as exc:

@@ -9,17 +9,25 @@ What it does, in order, and why:
 2. containerd: set ``disable = false`` in the ``[plugins."io.containerd.nri.v1.nri"]`` table of
    ``/etc/containerd/config.toml``, by editing that one line (or adding it, or the table), so the
    operator's comments and layout stay. The edit is checked by parsing the result: anything but
-   the same document with that one value set is refused, with the file left alone. The old file is
-   kept beside it (``config.toml.before-enable-nri``). A version 1 config (containerd 1.6 and older
-   know no NRI) is refused. CRI-O: write the drop-in ``/etc/crio/crio.conf.d/99-enable-nri.conf``
-   (``[crio.nri] enable_nri = true``; it sorts last, so it wins over earlier drop-ins).
+   the same document with that one value set is refused, with the file left alone. A config that
+   is a symbolic link is edited where it points (the link stays a link) and the old file is kept
+   beside that real file (``real.toml.before-enable-nri``). A config that cannot be read is never
+   replaced, and a version 1 config (containerd 1.6 and older know no NRI) is refused. CRI-O: write
+   the drop-in ``/etc/crio/crio.conf.d/99-enable-nri.conf`` (``[crio.nri] enable_nri = true``; it
+   sorts last, so it wins over earlier drop-ins); one of that name not written by this command is
+   refused, not replaced.
 3. Restart the runtime's systemd unit over D-Bus (`nri_plugin.systemd.bus`), only when step 2
    changed a file. A config that already says NRI is on while no socket answers is reported and
    left alone: restarting the runtime at every pod start would not mend it.
 
-Host paths are taken under `host_root` (the init container mounts the host's directories there).
-Exit status: 0 done or nothing to do, 1 when the runtime could not be restarted or a file written,
-2 when the config cannot be changed safely (edit it by hand: ``packaging/runtime/``).
+Host paths are taken under `host_root` (the init container mounts the host's directories there),
+links included (`nri_plugin.daemon.hostpath`): a link leading out of the host root or to nothing, or
+a missing runtime config directory (a wrong ``--host-root``), is refused before anything is written.
+No directory is ever created. Running it again after it succeeded changes nothing.
+
+Exit status: 0 done or nothing to do, 1 when the runtime could not be restarted, a file could not be
+written, or the config says NRI is on while nothing answers, 2 when the config cannot be changed
+safely (edit it by hand: ``packaging/runtime/``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Final, TextIO
 
 from nri_plugin.common.atomicfile import write_atomically
+from nri_plugin.common.smallfile import RefusedFile, open_regular_file, read_capped
+from nri_plugin.daemon.hostpath import HostPath, HostPathError, resolve_under
 from nri_plugin.systemd import bus as dbus
 
 if sys.version_info >= (3, 11):
@@ -58,6 +68,8 @@ _NRI_HEADER: Final = re.compile(
 )
 _DISABLE_LINE: Final = re.compile(r"^([ \t]*)disable[ \t]*=[ \t]*true[ \t]*(?:#.*)?$")
 EXIT_DONE, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+# containerd's config is a few KiB; more is not a config this command should rewrite.
+_MAX_CONFIG_BYTES: Final = 4 << 20
 
 
 class EnableError(Exception):
@@ -134,41 +146,65 @@ def _edit_nri_table(text: str) -> str:
 
 
 def _turn_on_containerd(host_root: str) -> str | None:
-    path = os.path.join(host_root, CONTAINERD_CONFIG)
-    try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-        mode = os.stat(path).st_mode & 0o7777
-    except FileNotFoundError:
+    found = _host_file(host_root, CONTAINERD_CONFIG)
+    if found.exists:
+        text, mode = _read_config(found.real)
+    else:
         text, mode = "version = 2\n", 0o644  # containerd runs on its defaults: 1.7's have NRI off
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EnableError(f"cannot read {path}: {exc}", EXIT_FAILED) from None
     edited = patch_containerd_config(text)
     if edited is None:
         return None
-    if os.path.exists(path):
-        _publish(path + BACKUP_SUFFIX, text, mode)
-    _publish(path, edited, mode)
-    return path
+    if found.exists:
+        _publish(found.real + BACKUP_SUFFIX, text, mode)
+    _publish(found.real, edited, mode)
+    return found.real
 
 
 def _turn_on_crio(host_root: str) -> str | None:
-    path = os.path.join(host_root, CRIO_DROP_IN)
+    found = _host_file(host_root, CRIO_DROP_IN)
+    if found.exists:
+        text, _ = _read_config(found.real)
+        if text == _CRIO_TEXT:
+            return None
+        raise EnableError(
+            f"{found.real} is there and was not written by enable-nri; set enable_nri = true in [crio.nri] "
+            "there by hand, or remove it"
+        )
+    _publish(found.real, _CRIO_TEXT, 0o644)
+    return found.real
+
+
+def _host_file(host_root: str, path: str) -> HostPath:
+    """`path` under `host_root`, links followed as the host follows them; refused (`EnableError`,
+    status 2) when a link leaves the host root or dangles, or a directory on the way is missing."""
+    if not os.path.isdir(host_root):
+        raise EnableError(f"--host-root {host_root} is not a directory; give where the host's / is mounted")
     try:
-        with open(path, encoding="utf-8") as file:
-            if file.read() == _CRIO_TEXT:
-                return None
-    except FileNotFoundError:
-        pass
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EnableError(f"cannot read {path}: {exc}", EXIT_FAILED) from None
-    _publish(path, _CRIO_TEXT, 0o644)
-    return path
+        return resolve_under(host_root, path)
+    except HostPathError as exc:
+        raise EnableError(str(exc)) from None
+
+
+def _read_config(path: str) -> tuple[str, int]:
+    """The text and mode of the runtime's config at `path` (links already followed). A config that
+    cannot be read is never replaced: `EnableError`, status 2."""
+    try:
+        fd, info = open_regular_file(path)
+        try:
+            data = read_capped(fd, _MAX_CONFIG_BYTES)
+        finally:
+            os.close(fd)
+        return data.decode("utf-8"), info.st_mode & 0o7777
+    except (OSError, RefusedFile, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise EnableError(
+            f"cannot read {path} ({why}); nothing changed: fix it, or edit it by hand"
+        ) from None
 
 
 def _publish(path: str, text: str, mode: int) -> None:
+    """`text` at `path` (its directory is there: none is ever made), whole or not at all."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomically(path, text.encode(), mode=mode)
     except OSError as exc:
         raise EnableError(f"cannot write {path}: {exc}", EXIT_FAILED) from None
@@ -180,7 +216,18 @@ RUNTIMES: Final = {
 }
 
 
-def _accepts_connections(path: str) -> bool:
+def _host_path_or_none(host_root: str, path: str) -> str | None:
+    """`path` under `host_root` with its links followed there, if it is there."""
+    try:
+        found = resolve_under(host_root, path)
+    except HostPathError:
+        return None
+    return found.real if found.exists else None
+
+
+def _accepts_connections(path: str | None) -> bool:
+    if path is None:
+        return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(2.0)
         try:
@@ -190,9 +237,11 @@ def _accepts_connections(path: str) -> bool:
     return True
 
 
-def _keep_socket_dir_private(directory: str) -> None:
+def _keep_socket_dir_private(directory: str | None) -> None:
     """The runtime makes its socket directory 0700, but only when it makes it: the pod that mounts
     it before NRI was on had kubelet make it, 0755. Give it the runtime's mode back."""
+    if directory is None:
+        return
     try:
         if os.stat(directory).st_uid == 0:
             os.chmod(directory, 0o700)
@@ -211,11 +260,10 @@ def enable_nri(
     it found and did; the exit status. `restart` (default: systemd over the host's system bus under
     `host_root`) restarts a unit by name."""
     chosen = RUNTIMES[runtime]
-    socket_path = os.path.join(host_root, NRI_SOCKET)
-    if _accepts_connections(socket_path):
+    if _accepts_connections(_host_path_or_none(host_root, NRI_SOCKET)):
         print(f"NRI is on: the runtime accepts connections on /{NRI_SOCKET}; nothing to do", file=out)
         return EXIT_DONE
-    bus = os.path.join(host_root, dbus.SYSTEM_BUS.lstrip("/"))
+    bus = _host_path_or_none(host_root, dbus.SYSTEM_BUS) or os.path.join(host_root, dbus.SYSTEM_BUS[1:])
     restarter = restart or (lambda unit: dbus.restart_unit(unit, bus=bus))
     try:
         changed = chosen.turn_on(host_root)
@@ -227,7 +275,7 @@ def enable_nri(
                 EXIT_FAILED,
             )
         print(f"NRI turned on in /{os.path.relpath(changed, host_root)}", file=out)
-        _keep_socket_dir_private(os.path.dirname(socket_path))
+        _keep_socket_dir_private(_host_path_or_none(host_root, os.path.dirname(NRI_SOCKET)))
         try:
             restarter(chosen.unit)
         except (dbus.BusError, OSError) as exc:

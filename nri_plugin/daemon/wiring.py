@@ -21,6 +21,7 @@ is built, so a systemd unit that does not restart on status 2 does not restart-l
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,7 +43,14 @@ from nri_plugin.daemon.config import (
     read_numa_nodes,
     state_dir_problem,
 )
-from nri_plugin.daemon.instance import InstanceLock, InstanceLockError, lock_state_dir
+from nri_plugin.daemon.instance import (
+    InstanceLock,
+    InstanceLockError,
+    LockWatch,
+    NoNodeLock,
+    lock_node,
+    lock_state_dir,
+)
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
@@ -75,7 +83,7 @@ __all__ = [
     "load_settings",
     "resolve_identity",
     "shared_pool",
-    "take_instance_lock",
+    "take_instance_locks",
 ]
 
 log = structlog.get_logger("nri_plugin.daemon.wiring")
@@ -98,6 +106,9 @@ class RunOptions:
     plugin_index: str | None = None
     reconnect: bool = True
     log_level: str | None = None
+    # The node-wide lock, and a watch on the locks while it runs: the command line's daemon takes
+    # them; a daemon built in a test's own process (several, one after another) does not.
+    node_lock: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     env = os.environ if environ is None else environ
     try:
         config, layout = load_settings(options, node=env.get("NODE_NAME"))
-        take_instance_lock(config)
+        lock_watch = take_instance_locks(config, options)
         identity = resolve_identity(options, config, env)
         metrics = build_metrics(config)
         key = load_marker_key(config)
@@ -153,6 +164,8 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     # kubelet or the runtime ever see us.
     # The bus first: the pod quotas go through systemd from the first event on when it is there.
     services: list[Service] = [part for part in (writer, probes, device_plugin) if part is not None]
+    if options.node_lock:
+        services.append(lock_watch)
     services.append(NotReadyWarnings(readiness(stub, device_plugin)))
     ended = LAUNCHED_ENDED if identity.inherited_fd is not None else NRI_ENDED
     return Daemon(stub, services=services, state=plugin, nri_ended=ended)
@@ -189,13 +202,32 @@ def resolve_identity(options: RunOptions, config: Config, environ: Mapping[str, 
     return PluginIdentity(name, index, options.socket or config.nri_socket, None)
 
 
-def take_instance_lock(config: Config) -> InstanceLock:
-    """The one-daemon-per-node lock on state_dir, held until the process ends. Raises `DaemonError`
-    with exit status 2 when another daemon holds it (or it cannot be taken)."""
+def take_instance_locks(config: Config, options: RunOptions) -> LockWatch:
+    """The one-daemon-per-node locks, held until the process ends, and the watch on them: with
+    `options.node_lock`, the node's, beside the NRI socket (the config's even when the runtime
+    launched us: another daemon would connect there; taken later when the runtime has not made its
+    directory yet); then the state dir's. Raises `DaemonError` with exit status 2 when another
+    daemon holds one (or it cannot be taken)."""
+    socket_path = options.socket or config.nri_socket
+    locks: list[InstanceLock] = []
+    pending = None
     try:
-        return lock_state_dir(config.state_dir)
+        if options.node_lock:
+            try:
+                locks.append(lock_node(socket_path, options.config_path))
+            except NoNodeLock as exc:
+                if exc.later:
+                    pending = functools.partial(lock_node, socket_path, options.config_path)
+                else:
+                    log.warning(
+                        "no node-wide lock: a second daemon with another state_dir would not be refused",
+                        problem=str(exc),
+                        fix="mount the NRI socket's directory read-write",
+                    )
+        locks.append(lock_state_dir(config.state_dir, options.config_path))
     except InstanceLockError as exc:
         raise DaemonError(str(exc), EXIT_CONFIG) from None
+    return LockWatch(locks, pending=pending)
 
 
 def build_metrics(config: Config) -> Metrics | None:
@@ -249,14 +281,18 @@ def build_plugin(
 ) -> MixedCpuPlugin:
     """The mixed-CPU plugin as `config` describes it, its books loaded from state_dir, asking
     `allocations` (kubelet's record) about the markers it is shown, its pod quotas written by
-    `writer` (default: the cgroup files).
-    Raises `ConfigError` when state_dir (or, with numa_local_shared_cpus, sysfs_root) cannot be used."""
+    `writer` (default: the cgroup files); the saved books' numbers checked against the online CPUs.
+    Raises `ConfigError` when state_dir or sysfs_root cannot be used."""
     pool = shared_pool(config)
+    try:
+        online = len(online_cpus(config.sysfs_root))
+    except ConfigError as exc:
+        raise ConfigError(f"{config.source}: {exc}") from None
     try:
         plugin = MixedCpuPlugin(
             shared=pool,
             layout=layout,
-            store=StateStore(config.state_dir),
+            store=StateStore(config.state_dir, online=online),
             trusted=TrustedSources(key, config.trust_pod_annotation, allocations),
             observer=observer,
             reconcile_interval=config.reconcile_interval,

@@ -26,8 +26,9 @@ the runtime stops or removes that pod's sandbox (when kubelet's allocation of th
 ends). A marker whose device id is bound to another slot is a replay, refused even while the
 rightful holder is stopped (crash-loop back-off, a restart under way); its own restart is accepted.
 A runtime does not always report a pod's end (containerd forgets the pods it ran before its own
-restart), so the reconciler (`nri_plugin.mixedcpu.heal`) also ends a binding when the pod's cgroup
-is gone: ``pod_cgroups`` remembers where each bound pod's cgroup is, even once its record is dropped.
+restart), so where kubelet's record proves requests the reconciler (`nri_plugin.mixedcpu.heal`) also
+ends a binding when the pod's cgroup is gone at two looks: ``pod_cgroups`` remembers where each
+bound pod's cgroup is, even once its record is dropped.
 
 Records are immutable: `PodRecord`, its `Containers` and `ContainerRecord` cannot be changed in place
 (assigning a field raises), so every change makes a new record and puts it in ``Books.pods`` in place

@@ -13,22 +13,34 @@ they cause (``runtime-observations.md``, "The project's plugin on real runtimes"
 * a stopped container's cgroup lingers until removal with its raised quota, so cgroup v1 refuses
   the lower pod quota (put right at the stop itself: `quota.PodQuotas.restore_container`).
 
-So the `Healer` trusts the node:
+So the `Healer` trusts the node, but only what it has seen twice:
 
-* a pod whose cgroup directory is gone is dropped from the books with its device bindings
-  (``pod_gone``);
-* a container whose cgroup has not appeared `grace` seconds after its CreateContainer (longer than
-  any normal creation) gives its share back (``container_never_created``);
+* a pod whose cgroup directory is missing at two passes a reconcile interval apart (an event of the
+  pod in between starts the count again; nothing is decided in the middle of a pod's events) is
+  dropped from the books (``pod_gone``), and its device bindings end with it when kubelet's record
+  proves requests (`keep_bindings` False). In the marker fallback mode (no kubelet record) a binding
+  is the only thing that tells a replayed marker from its rightful holder's restart: it outlives a
+  missing cgroup until the runtime says the pod is removed (StopPodSandbox, RemovePodSandbox, or a
+  Synchronize without it). A cgroup that cannot be checked (a path refused, a symlink, a permission)
+  is never taken for a missing one;
+* a container whose cgroup has not appeared `grace` seconds after the runtime could have made it
+  (longer than any normal creation) gives its share back (``container_never_created``). When that is
+  depends on the runtime (``runtime-observations.md``): CRI-O makes the cgroup in its ``runc create``
+  right after NRI CreateContainer, so the grace counts from the creation; containerd makes it only at
+  StartContainer, which kubelet may send any time later (a loaded node, an image pull), so there it
+  counts from StartContainer: a container not yet started keeps its share until its start, its stop
+  or removal, or Synchronize (the runtime's own word). A container whose share was given back and
+  that the runtime starts after all gets it again, its pod raised before it runs;
 * at Synchronize, a container the books held that the runtime no longer runs has given its share
   back (``container_gone``), and a pod the runtime no longer lists has ended its bindings
   (``pod_gone``);
 * every pod quota is brought to its target, whoever moved it (``pod_quota``).
 
-When: at the events of a pod (its overdue creations are looked at; a marker whose device is bound
-to another pod first has that pod looked for), at Synchronize, and every `interval` seconds on the
-clock once the runtime has synchronized us (a whole pass). A pass costs one cgroup directory walk
-and one quota read per pod in the books (the pods holding shared containers) and one existence check
-per pod holding only a device binding; it writes, saves and logs nothing when nothing changed. Each
+When: at the events of a pod (its overdue creations are looked at), at Synchronize, and every
+`interval` seconds on the clock once the runtime has synchronized us (a whole pass). A pass costs
+one cgroup directory walk and one quota read per pod in the books (the pods holding shared
+containers) and, with kubelet's record, one existence check per pod holding only a device binding;
+it writes, saves and logs nothing when nothing changed. Each
 heal is logged (what, and why) and counted (`HealObserver.healed`).
 """
 
@@ -54,11 +66,11 @@ __all__ = ["CREATION_GRACE", "HEAL_KINDS", "MIN_CREATION_GRACE", "HealObserver",
 
 log = structlog.get_logger(LOGGER_NAME)
 
-# How long after its CreateContainer a container's cgroup may take to appear: far longer than a
-# creation takes (containerd makes it at StartContainer, milliseconds later; CRI-O in runc create,
-# tens of milliseconds), and at most one reconcile interval, so a failed creation is healed within
-# one period; but never under MIN_CREATION_GRACE, however short the interval: a slow start (a loaded
-# node, emulation) must not lose its share before the runtime has made its cgroup.
+# How long after the runtime could have made it (CRI-O: CreateContainer; containerd: StartContainer)
+# a container's cgroup may take to appear: far longer than that takes (tens of milliseconds), and at
+# most one reconcile interval, so a failed creation is healed within one period; but never under
+# MIN_CREATION_GRACE, however short the interval: a slow step (a loaded node, emulation) must not lose
+# its share before the runtime has made its cgroup.
 CREATION_GRACE: Final = 10.0
 MIN_CREATION_GRACE: Final = 2.0
 HEAL_KINDS: Final = ("pod_gone", "container_never_created", "container_gone", "pod_quota")
@@ -66,6 +78,7 @@ HEAL_KINDS: Final = ("pod_gone", "container_never_created", "container_gone", "p
 _T = TypeVar("_T")
 
 _WHY_FORGOTTEN = "its cgroup directory is gone, and the runtime never reported the pod stopped or removed"
+_KEPT = "pod gone: its books are dropped; its device bindings last until the runtime reports it removed"
 
 
 class HealObserver(Protocol):
@@ -82,7 +95,7 @@ class _Creation(NamedTuple):
     slot: Slot
     container_id: str
     cgroups_path: str  # as the runtime sent it: validated when it is looked for, not at creation
-    due: float  # on the clock: when its cgroup must exist
+    due: float | None  # on the clock: when its cgroup must exist; None: not before its StartContainer
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +143,18 @@ class Healer:
         # its successor first): its own quota is put back when it is reported stopped. One per slot,
         # like the watches: neither grows with a pod's restarts.
         self._displaced: dict[str, dict[str, ContainerRecord]] = {}
+        # Pod key -> slot name -> the record of a container whose share was given back: it gets it
+        # again if the runtime starts it after all. One per slot, until the slot's next watched
+        # creation, the container's end, the pod's end or Synchronize.
+        self._given_back: dict[str, dict[str, ContainerRecord]] = {}
+        # Whether the runtime makes a container's cgroup inside CreateContainer (CRI-O), so that its
+        # grace counts from there; otherwise (containerd, or a runtime not named) from StartContainer.
+        self.cgroup_at_creation = False
+        # Whether device bindings outlive a missing pod cgroup (until the runtime reports the pod
+        # removed): they must where they are the only proof against a replayed marker.
+        self.keep_bindings = True
+        # Pod key -> when a pass first found its cgroup missing (it is gone at a second look).
+        self._missing: dict[str, float] = {}
         self._tick: Timer | None = None
         self._grace_timer: Timer | None = None
         self._running: set[asyncio.Task[None]] = set()  # timer work in flight
@@ -198,7 +223,10 @@ class Healer:
             return
         if due is not None and self._grace_timer is not None and self._grace_due <= due:
             return
-        due = min(c.due for slots in self._creations.values() for c in slots.values())
+        dues = [c.due for slots in self._creations.values() for c in slots.values() if c.due is not None]
+        if not dues:
+            return
+        due = min(dues)
         if self._grace_timer is not None:
             if self._grace_due <= due:
                 return
@@ -222,14 +250,51 @@ class Healer:
     # -- the events ---------------------------------------------------------------------------------------
 
     def watch_creation(self, slot: Slot, container: api.Container) -> None:
-        """A container was given a share: its cgroup must appear within `grace` seconds. (Its path is
-        checked when it is looked for: most containers end the watch by their events first.)"""
+        """A container was given a share: its cgroup must appear within `grace` seconds of the moment
+        the runtime could have made it (`cgroup_at_creation`: now; else at its StartContainer). (Its
+        path is checked when it is looked for: most containers end the watch by their events first.)"""
         path = container.linux.cgroups_path
         if not path:  # no path: only its events can end it
             return
-        due = self._clock.monotonic() + self.grace
+        _drop(self._given_back, slot)  # a new instance: the one given back is dead
+        due = self._clock.monotonic() + self.grace if self.cgroup_at_creation else None
         self._creations.setdefault(slot.pod, {})[slot.name] = _Creation(slot, container.id, path, due)
-        self._arm_grace(due)
+        if due is not None:
+            self._arm_grace(due)
+
+    async def container_started(self, slot: Slot, pod: api.PodSandbox, container: api.Container) -> None:
+        """StartContainer: the runtime has made the container's cgroup (containerd makes it here, just
+        before it tells plugins), or is about to. A watched container's grace counts from now if its
+        cgroup is not there yet; one whose share was given back gets it again, its pod raised before
+        it runs (a `PluginRefusal` if the pod cgroup fails us, as at a creation)."""
+        creation = self._creations.get(slot.pod, {}).get(slot.name)
+        if creation is not None and creation.container_id == container.id:
+            try:
+                cgroup = self.quotas.layout.cpu.dir(container_cgroup_path(creation.cgroups_path))
+                there = cgroup_exists(cgroup)
+            except CgroupError:  # a path we refuse, or cannot tell: never costs it its share
+                there = True
+            if there:
+                _drop(self._creations, slot)
+            elif creation.due is None:
+                due = self._clock.monotonic() + self.grace
+                self._creations[slot.pod][slot.name] = creation._replace(due=due)
+                self._arm_grace(due)
+        record = self._given_back.get(slot.pod, {}).get(slot.name)
+        if record is None or record.id != container.id:
+            return
+        _drop(self._given_back, slot)
+        if self.books.holder(slot) is not None:
+            return  # a newer instance holds the slot
+        before, after = await self.quotas.raise_for(
+            pod, container, slot, record, self.books.pods.get(slot.pod), event="StartContainer"
+        )
+        log.warning(
+            "container started after its share was given back: its share is given again",
+            container_id=container.id,
+            slot=str(slot),
+            pod_quota=f"{show_quota(before)} -> {show_quota(after)}",
+        )
 
     def note_displaced(self, slot: Slot, record: ContainerRecord) -> None:
         """A new instance took `slot` from `record`'s container, which is dead or dying."""
@@ -243,6 +308,9 @@ class Healer:
         creation = self._creations.get(slot.pod, {}).get(slot.name)
         if creation is not None and creation.container_id == container.id:
             _drop(self._creations, slot)
+        given_back = self._given_back.get(slot.pod, {}).get(slot.name)
+        if given_back is not None and given_back.id == container.id:
+            _drop(self._given_back, slot)
         displaced = self._displaced.get(slot.pod, {}).get(slot.name)
         if displaced is not None and displaced.id == container.id:
             _drop(self._displaced, slot)
@@ -254,21 +322,15 @@ class Healer:
         """The pod is gone: nothing of it is watched any more."""
         self._creations.pop(key, None)
         self._displaced.pop(key, None)
+        self._given_back.pop(key, None)
+        self._missing.pop(key, None)
 
     async def at_pod_event(self, key: str) -> None:
-        """An event of the pod: its creations past their grace are looked at now."""
+        """An event of the pod: the runtime still knows it (a look that found its cgroup missing is
+        forgotten); its creations past their grace are looked at now."""
+        self._missing.pop(key, None)
         if key in self._creations:
             await self._check_creations(key)
-
-    def free_stale_holder(self, device: str | None, slot: Slot) -> None:
-        """`slot` presents a valid marker for `device`: if another pod holds that device and its cgroup
-        is gone, that pod ended unreported, and its bindings end now (before the replay check)."""
-        holder = self.books.devices.get(device) if device is not None else None
-        if holder is None or holder.pod == slot.pod:
-            return
-        if self._pod_gone(holder.pod):
-            self._drop_pod(holder.pod, f"{_WHY_FORGOTTEN}; device {device} is presented again by {slot}")
-            self.quotas.keeper.save_quietly()
 
     # -- Synchronize --------------------------------------------------------------------------------------
 
@@ -315,6 +377,8 @@ class Healer:
             )
         self._creations.clear()
         self._displaced.clear()
+        self._given_back.clear()
+        self._missing.clear()
         self.start()
 
     # -- the whole pass -----------------------------------------------------------------------------------
@@ -330,9 +394,11 @@ class Healer:
                 healed += await self._check_pod(key)
         bound_only = books.bound_pods() - set(books.pods)
         for key in sorted(bound_only):
-            if self._pod_gone(key):
+            if not self.keep_bindings and self._seen_gone(key):
                 self._drop_pod(key, _WHY_FORGOTTEN)
                 healed += 1
+        for key in set(self._missing) - set(books.pods) - (set() if self.keep_bindings else bound_only):
+            del self._missing[key]  # dropped, or no longer looked at
         for key in set(books.pod_cgroups) - bound_only - set(books.pods):
             del books.pod_cgroups[key]  # an index entry nothing refers to any more
         if healed or _changed(records, books):
@@ -346,8 +412,11 @@ class Healer:
         cgroup_parent = self.books.pods[key].cgroup_parent
         check = await self.quotas.check_pod(key)
         if check.state is PodState.GONE:
+            if not self._second_look(key):
+                return 0
             self._drop_pod(key, _WHY_FORGOTTEN, cgroup_parent)
             return 1
+        self._missing.pop(key, None)
         if check.state is PodState.BROUGHT:
             self._healed(
                 "pod_quota",
@@ -368,7 +437,8 @@ class Healer:
         appeared gives its share back. How many did."""
         now = self._clock.monotonic()
         pods = list(self._creations) if key is None else [key]
-        due = [c for pod in pods for c in self._creations.get(pod, {}).values() if c.due <= now]
+        watches = [c for pod in pods for c in self._creations.get(pod, {}).values()]
+        due = [c for c in watches if c.due is not None and c.due <= now]
         healed = 0
         for creation in due:
             if self._creations.get(creation.slot.pod, {}).get(creation.slot.name) is not creation:
@@ -383,25 +453,31 @@ class Healer:
                     continue
             except CgroupError:  # a path we refuse, or cannot tell: its events still can end it
                 continue
-            if self._pod_gone(creation.slot.pod):  # not a failed creation: the whole pod went
-                self._drop_pod(creation.slot.pod, _WHY_FORGOTTEN)
-                self.quotas.keeper.save_quietly()
-            else:
-                await self._give_back(creation, cgroup)
+            if self._pod_gone(creation.slot.pod):
+                # Not a failed creation: its pod's cgroup is missing too. Whether the pod is gone is
+                # the passes' to say (two looks); the container is looked at again after a grace.
+                later = creation._replace(due=now + self.grace)
+                self._creations.setdefault(creation.slot.pod, {})[creation.slot.name] = later
+                continue
+            await self._give_back(creation, cgroup)
             healed += 1
         return healed
 
     async def _give_back(self, creation: _Creation, cgroup: CgroupDir) -> None:
-        """The container never came to be: its slot is freed and its pod quota lowered."""
-        self.books.release(creation.container_id)
+        """The container never came to be: its slot is freed and its pod quota lowered (and given
+        again if the runtime starts it after all: `container_started`)."""
+        released = self.books.release_holder(creation.container_id)
         key = creation.slot.pod
+        if released is not None:
+            self._given_back.setdefault(key, {})[creation.slot.name] = released[1]
         record = self.books.pods[key]
+        since = "CreateContainer" if self.cgroup_at_creation else "StartContainer"
         # Lowered first, then told: whoever reads the line (or the counter) sees the pod already right.
         await self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
         self._healed(
             "container_never_created",
             "container never created: its share is given back",
-            why=f"its cgroup did not appear within {self.grace:g} s of CreateContainer: the runtime's "
+            why=f"its cgroup did not appear within {self.grace:g} s of {since}: the runtime's "
             "creation failed after the plugin's adjustment, and no StopContainer or RemoveContainer follows",
             container_id=creation.container_id,
             slot=str(creation.slot),
@@ -418,16 +494,30 @@ class Healer:
         except CgroupError:
             return False
 
+    def _seen_gone(self, key: str) -> bool:
+        """The pod's cgroup is missing at this look and was at one a reconcile interval earlier."""
+        if self._pod_gone(key):
+            return self._second_look(key)
+        self._missing.pop(key, None)
+        return False
+
+    def _second_look(self, key: str) -> bool:
+        """The pod's cgroup was found missing now: True if it was already at a look at least one
+        reconcile interval ago (no interval: at an earlier look); else this look is remembered."""
+        now = self._clock.monotonic()
+        first = self._missing.setdefault(key, now)
+        return first != now and now - first >= (self.interval or 0.0)
+
     def _drop_pod(self, key: str, why: str, cgroup_parent: str | None = None) -> None:
         books = self.books
         cgroup_parent = cgroup_parent or books.cgroup_parent(key) or "?"
         record = books.pods.pop(key, None)
-        freed = books.unbind_pod(key)
+        freed = [] if self.keep_bindings else books.unbind_pod(key)
         self.quotas.cancel_retry(key)
         self.forget_pod(key)
         self._healed(
             "pod_gone",
-            "pod gone: its books and device bindings are dropped",
+            _KEPT if self.keep_bindings else "pod gone: its books and device bindings are dropped",
             why=why,
             pod_key=key,
             pod_cgroup=cgroup_parent,

@@ -10,6 +10,9 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   reply (`logfields.LaterLines`), before anything of the next event. A request that cannot be
   honoured, or a pod cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors`
   refusal (the stub answers the runtime with its status code): nothing is left half-configured.
+* **StartContainer**: told to the healer (`heal.Healer.container_started`): on containerd the
+  container's cgroup is made only now, so a watched creation's grace counts from here; a container
+  whose share was given back gets it again, its pod raised before it runs.
 * **StopContainer / RemoveContainer**: the container's slot is released, its own cgroup quota put
   back to its own value (stop means stop: its cgroup may linger until removal), and the pod quota
   written down to its new target (retried when the kernel refuses it yet).
@@ -130,6 +133,7 @@ class MixedCpuPlugin(
     handlers.Synchronize,
     handlers.Shutdown,
     handlers.CreateContainer,
+    handlers.StartContainer,
     handlers.UpdateContainer,
     handlers.StopContainer,
     handlers.RemoveContainer,
@@ -167,6 +171,8 @@ class MixedCpuPlugin(
         self.keeper = Bookkeeper(store, clock=clock)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
         self.healer = Healer(self.quotas, interval=reconcile_interval, observer=observer, clock=clock)
+        # Without kubelet's record, a device binding is the only proof against a replayed marker.
+        self.healer.keep_bindings = trusted.allocations is None
         self.later = LaterLines()  # the info line of each creation, written after its reply
 
     @property
@@ -211,6 +217,9 @@ class MixedCpuPlugin(
 
     async def configure(self, request: api.ConfigureRequest) -> None:
         self.runtime = request.runtime_name
+        # CRI-O makes a container's cgroup right after NRI CreateContainer; containerd only at
+        # StartContainer (runtime-observations.md): where the healer's grace counts from.
+        self.healer.cgroup_at_creation = request.runtime_name == "cri-o"
         if request.runtime_name == "cri-o" and self.trust_pod_annotation:
             # CRI-O (1.30 and later) runs its own shared-CPU hook, after NRI, for a pod that names a
             # runtime handler and carries cpu-shared.crio.io: it would add the CPUs a second time, or
@@ -230,10 +239,6 @@ class MixedCpuPlugin(
         kubelet = await self._kubelet_devices(pod, container)  # first: no await once the books change
         slot = container_slot(pod, container)
         await self.healer.at_pod_event(slot.pod)
-        if self.marker_key is not None and MARKER_ANNOTATION in container.annotations:
-            self.healer.free_stale_holder(
-                self.marker_key.verify(container.annotations[MARKER_ANNOTATION]), slot
-            )
         books = self.books
         saved = books.pods.get(slot.pod)
         if saved is not None and saved.baseline_source == "unknown":
@@ -278,6 +283,10 @@ class MixedCpuPlugin(
         self.healer.watch_creation(slot, container)
         self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))
         return api.CreateContainerResponse(adjust=plan.adjustment)
+
+    @_holding_the_books
+    async def start_container(self, pod: api.PodSandbox, container: api.Container) -> None:
+        await self.healer.container_started(container_slot(pod, container), pod, container)
 
     @_holding_the_books
     async def update_container(

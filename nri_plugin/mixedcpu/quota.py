@@ -81,6 +81,7 @@ from cgroups import (
 )
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
+from nri_plugin.mixedcpu.bounds import above_runtime_limit
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import (
     baseline_from_pod_resources,
@@ -602,6 +603,8 @@ class PodQuotas:
         """Bring one pod's quota to its target; False (logged) when its cgroup fails us."""
         key = pod_key(pod)
         established = False
+        if previous is not None and above_runtime_limit(pod, previous):
+            previous = None  # set aside: rebuilt as a pod the saved books did not know
         try:
             with self.open_pod(pod.linux.cgroup_parent) as pod_dir:  # one walk for all
                 current = read_cpu_quota(pod_dir)

@@ -18,6 +18,10 @@ fsynced (temporary file, fsync, rename), in the worker thread.
   version loads as empty books, with a warning (and its journal is ignored): Synchronize rebuilds
   them. A journal line cut short or unreadable ends the replay there (a warning); the next write is
   then a new snapshot.
+* Every number loaded (snapshot and journal) is checked against the kernel's ranges and the node's
+  online CPUs (`nri_plugin.mixedcpu.bounds`): a pod's record out of range is set aside (a warning
+  naming the pod, the value and the range), Synchronize rebuilds that pod from the runtime's view,
+  and the next write is a new snapshot.
 * The files are opened as the marker key is (`nri_plugin.deviceplugin.keyfile`): no symlink followed,
   never blocking (a FIFO), a regular file only, at most `MAX_STATE_SIZE` bytes read. A snapshot that is not
   (a link, a FIFO, a device, a directory, a file too large to be ours) is *set aside*: renamed to
@@ -75,6 +79,7 @@ from nri_plugin.common.atomicfile import write_atomically
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.common.smallfile import NotRegularFile, SymbolicLink, TooLarge, read_small_file
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
+from nri_plugin.mixedcpu.bounds import set_aside_out_of_range
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME
 
 __all__ = [
@@ -186,9 +191,13 @@ def _text(value: object, what: str) -> str:
     return value
 
 
-def _int(value: object, what: str, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{what} {value!r} is not an integer >= {minimum}")
+def _int(value: object, what: str, minimum: int | None = None) -> int:
+    """`value` if it is an integer (at least `minimum`, when given: the ranges of a pod's numbers
+    are checked once the books are loaded, `nri_plugin.mixedcpu.bounds`)."""
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        raise ValueError(
+            f"{what} {value!r} is not an integer" + ("" if minimum is None else f" >= {minimum}")
+        )
     return value
 
 
@@ -201,8 +210,8 @@ def _pod_from_json(raw: object) -> PodRecord:
         raise ValueError('"containers" is not an object')
     return PodRecord(
         cgroup_parent=_text(raw.get("cgroup_parent"), "cgroup_parent"),
-        baseline=None if baseline is None else _int(baseline, "baseline", 1),
-        period=_int(raw.get("period"), "period", 1),
+        baseline=None if baseline is None else _int(baseline, "baseline"),
+        period=_int(raw.get("period"), "period"),
         baseline_source=_text(raw.get("baseline_source", "first-seen"), "baseline_source"),
         containers=Containers(
             (_text(name, "container name"), _container_from_json(entry)) for name, entry in containers.items()
@@ -216,7 +225,7 @@ def _container_from_json(entry: object) -> ContainerRecord:
     device = entry.get("device")
     return ContainerRecord(
         id=_text(entry.get("id"), "container id"),
-        shared_cpus=_int(entry.get("shared_cpus"), "shared_cpus", 0),
+        shared_cpus=_int(entry.get("shared_cpus"), "shared_cpus"),
         exclusive=_text(entry.get("exclusive", ""), "exclusive"),
         device=None if device is None else _text(device, "device"),
     )
@@ -317,8 +326,8 @@ def _pod_header(args: list[Any], containers: Containers) -> PodRecord:
     parent, baseline, period, source = args
     return PodRecord(
         cgroup_parent=_text(parent, "cgroup_parent"),
-        baseline=None if baseline is None else _int(baseline, "baseline", 1),
-        period=_int(period, "period", 1),
+        baseline=None if baseline is None else _int(baseline, "baseline"),
+        period=_int(period, "period"),
         baseline_source=_text(source, "baseline_source"),
         containers=containers,
     )
@@ -328,7 +337,7 @@ def _slot_record(args: list[Any]) -> ContainerRecord:
     container_id, shared, exclusive, device = args
     return ContainerRecord(
         id=_text(container_id, "container id"),
-        shared_cpus=_int(shared, "shared_cpus", 0),
+        shared_cpus=_int(shared, "shared_cpus"),
         exclusive=_text(exclusive, "exclusive"),
         device=None if device is None else _text(device, "device"),
     )
@@ -383,12 +392,20 @@ class StateStore:
     """`Books` in ``<state_dir>/pod-quotas.json`` and its journal (see the module docstring).
 
     `written` counts the bytes this store has written (snapshots and journal), for the benchmarks.
+    `online`: the number of online CPUs, which the loaded records' numbers are checked against
+    (`nri_plugin.mixedcpu.bounds`; None: the kernel's ranges only).
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, name: str = STATE_FILE_NAME, fsync: bool = True
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        name: str = STATE_FILE_NAME,
+        fsync: bool = True,
+        online: int | None = None,
     ) -> None:
         self.directory = os.fspath(directory)
+        self.online = online
         self.path = os.path.join(self.directory, name)
         self.fsync = fsync
         # Bytes written as snapshots (the worker thread's too: under the lock) and appended (by the
@@ -472,10 +489,18 @@ class StateStore:
             )
             return Loaded(Books())
         if first is None:
-            return Loaded(books, None, 0, len(data))
+            return self._checked(Loaded(books, None, 0, len(data)))
         loaded = self._replay(books, first, len(data))
         books.take_changes()
-        return loaded
+        return self._checked(loaded)
+
+    def _checked(self, loaded: Loaded) -> Loaded:
+        """`loaded` with the records holding a number out of range set aside (`bounds`); then the
+        next write is a snapshot, so that the files no longer hold them."""
+        if not set_aside_out_of_range(loaded.books, self.online, self.path):
+            return loaded
+        loaded.books.take_changes()
+        return Loaded(loaded.books, None, loaded.journal_bytes, loaded.snapshot_bytes)
 
     def _replay(self, books: Books, first: int, snapshot_bytes: int) -> Loaded:
         """Replay journals `first`, `first` + 1, ... onto `books`, up to the first missing one."""

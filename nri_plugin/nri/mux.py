@@ -162,7 +162,7 @@ class Trunk(asyncio.BufferedProtocol):
         return send
 
     def send(self, conn_id: int, message: bytes) -> None:
-        """Send one whole message on *conn_id*: all of :func:`encode`'s frames in one write.
+        """Send one whole message on *conn_id*: :func:`encode`'s frames, written in order at once.
 
         Dropped silently once the trunk is closed.
 
@@ -176,10 +176,11 @@ class Trunk(asyncio.BufferedProtocol):
             return
         if self._transport is None:
             raise RuntimeError("trunk is not connected yet")
-        if len(frames) == 1:
-            self._transport.write(frames[0])  # most messages (the transport's writelines would join)
-        else:
-            self._transport.writelines(frames)
+        # A write per frame, not writelines: on Python 3.12.0 to 3.13.0 a socket transport's
+        # writelines never pauses its protocol past the high-water mark, and a peer that stopped
+        # reading would make our write buffer grow without bound.
+        for frame in frames:
+            self._transport.write(frame)
 
     def close(self) -> None:
         """Close the trunk (idempotent). Receivers get ``connection_lost(None)``."""

@@ -35,6 +35,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from api.nri import api_pb2 as api
+from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.nri import mux
 from nri_plugin.nri.events import Event, events_in, parse_version, valid_events
 from nri_plugin.nri.routes import EVENT_ROUTES, STATE_CHANGE, STATE_CHANGE_EVENTS
@@ -88,6 +89,10 @@ class RuntimeModes:
     # CRI-O always, containerd for exited containers: a stopped container's cgroup (with its quota)
     # is deleted only at its removal; off, it goes at the stop, before plugins hear of it.
     stopped_cgroup_lingers: bool = False
+    # containerd: a container's cgroup is made at StartContainer (its task's creation, just before
+    # plugins hear of the start), however long after CreateContainer kubelet starts it; off, as CRI-O,
+    # in CreateContainer right after the plugins' adjustment (its runc create). See `make_resources`.
+    cgroup_made_at_start: bool = False
 
 
 class AdjustmentConflict(Exception):
@@ -204,6 +209,7 @@ class RuntimeSimulator:
         # plugin's unsolicited updates (so a plugin that waits for those inside a handler stalls).
         self._lock = asyncio.Lock()
         self._server: asyncio.AbstractServer | None = None
+        self._trunks: set[mux.Trunk] = set()  # every connection accepted, registered or not
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -222,15 +228,18 @@ class RuntimeSimulator:
 
     async def close(self) -> None:
         """Stop listening and close every plugin connection (a runtime shutdown)."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        for plugin in list(self._plugins):
-            plugin.trunk.close()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        # Every connection is closed before the server is waited for: from Python 3.12 on,
+        # `wait_closed` returns only once each connection it accepted has gone.
+        for trunk in list(self._trunks):
+            trunk.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if server is not None:
+            await server.wait_closed()
         self._plugins.clear()
         self._plugins_changed()
         with contextlib.suppress(FileNotFoundError):
@@ -253,10 +262,19 @@ class RuntimeSimulator:
         self._ready = tuple(sorted((p for p in self._plugins if p.synchronized), key=lambda p: p.index))
         self._subscribed = {event: tuple(p for p in self._ready if p.subscribed(event)) for event in Event}
 
-    async def wait_for_plugins(self, count: int = 1, timeout: float = 5.0) -> list[PluginConnection]:
+    async def wait_for_plugins(self, count: int = 1, timeout: float | None = 5.0) -> list[PluginConnection]:
+        """The ready plugins, once there are at least `count` of them; `timeout` None: no limit of its
+        own, for a caller whose own guard bounds the whole wait."""
         async with self._changed:
             await asyncio.wait_for(self._changed.wait_for(lambda: len(self.plugins) >= count), timeout)
         return self.plugins
+
+    async def wait_for_synchronizations(self, count: int, timeout: float = 5.0) -> None:
+        """Wait until plugins have synchronized `count` times in all since this runtime was made.
+        Unlike `wait_for_plugins`, a plugin that left but whose leaving the runtime has not read yet
+        does not count: this is the wait for a plugin restarted under a running runtime."""
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: len(self.sync_seconds) >= count), timeout)
 
     # -- accepting plugins -------------------------------------------------------------------------
 
@@ -302,6 +320,8 @@ class RuntimeSimulator:
         task = asyncio.ensure_future(self._accept(link, client, server))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._trunks.add(trunk)
+        task.add_done_callback(lambda _task: self._trunks.discard(trunk))
         return trunk
 
     async def _accept(self, link: _Link, client: Client, server: Server) -> None:
@@ -542,6 +562,12 @@ class RuntimeSimulator:
         if self.modes.forgets_pods_on_restart:
             self.forgotten_pods |= set(self.pods)
 
+    def make_resources(self, container: api.Container) -> None:
+        """Where the runtime makes a container's cgroup from its adjusted resources: in CreateContainer
+        after the plugins, or with `RuntimeModes.cgroup_made_at_start` in StartContainer before them.
+        Nothing here: a subclass that plays the cgroups makes it, and may raise (as runc fails when the
+        kernel refuses a value): the creation, or the start, then fails with no event sent."""
+
     def release_resources(self, container: api.Container) -> None:
         """Where the runtime deletes a container's cgroup: at its stop, or with
         `RuntimeModes.stopped_cgroup_lingers` only at its removal; before plugins hear of either.
@@ -612,6 +638,8 @@ class RuntimeSimulator:
                 await self._validate(pod, container, merged, updates)
             if self.modes.create_fails_after_adjustment:
                 raise CreationFailed(ident)
+            if not self.modes.cgroup_made_at_start:
+                self.make_resources(current)
             self.containers[ident] = current
             for update in updates:
                 self._apply_update(update, source=_CREATE.method)
@@ -645,8 +673,21 @@ class RuntimeSimulator:
     async def start_container(self, container_id: str) -> None:
         async with self._lock:
             container = self.containers[container_id]
+            if self.modes.cgroup_made_at_start:
+                self.make_resources(container)
             container.state = api.CONTAINER_RUNNING
             await self._state_event(Event.START_CONTAINER, self.pods[container.pod_sandbox_id], container)
+
+    async def create_and_start(
+        self, container: api.Container, *, gap: float = 0.0, clock: Clock = LOOP_CLOCK
+    ) -> CreateResult:
+        """kubelet's CreateContainer, then its StartContainer `gap` seconds later on `clock` (a loaded
+        node, an image pull or a volume between the two make long gaps ordinary)."""
+        result = await self.create_container(container)
+        if gap > 0:
+            await clock.sleep(gap)
+        await self.start_container(container.id)
+        return result
 
     async def update_container(self, container_id: str, resources: api.LinuxResources) -> api.LinuxResources:
         """UpdateContainerResources as kubelet's CPU manager issues it; gives what gets applied."""

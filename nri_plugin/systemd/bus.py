@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Final
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, Final, TypeVar
 
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
@@ -52,6 +52,9 @@ CALL_TIMEOUT: Final = 30.0
 _PLAIN: Final = re.compile(rb"[-0-9A-Za-z_/.\\*]")
 
 
+T = TypeVar("T")
+
+
 class BusError(Exception):
     """The bus, or the service called, refused. `name` is the D-Bus error name when the refusal
     came as an error reply (``org.freedesktop.systemd1.NoSuchUnit``), "" otherwise."""
@@ -83,7 +86,7 @@ async def connect(path: str = SYSTEM_BUS, *, timeout: float = CONNECT_TIMEOUT) -
     `BusError` (authentication refused)."""
     bus = MessageBus(bus_address=bus_address(path))
     try:
-        return await asyncio.wait_for(bus.connect(), timeout)
+        return await _within(bus.connect(), timeout)
     except asyncio.TimeoutError:
         bus.disconnect()
         raise BusTimeout(f"the bus at {path} did not answer within {timeout:g} s") from None
@@ -106,7 +109,7 @@ async def disconnect(bus: MessageBus, *, timeout: float = CONNECT_TIMEOUT) -> No
     """Close the connection and wait (at most `timeout`) until its socket is closed."""
     bus.disconnect()
     with contextlib.suppress(Exception):  # how it ended does not matter any more
-        await asyncio.wait_for(bus.wait_for_disconnect(), timeout)  # type: ignore[no-untyped-call]
+        await _within(bus.wait_for_disconnect(), timeout)  # type: ignore[no-untyped-call]
 
 
 async def call_method(bus: MessageBus, message: Message, *, timeout: float) -> list[Any]:
@@ -116,7 +119,7 @@ async def call_method(bus: MessageBus, message: Message, *, timeout: float) -> l
     if not bus.connected:
         raise BusLost("not connected to the bus")
     try:
-        reply = await asyncio.wait_for(bus.call(message), timeout)
+        reply = await _within(bus.call(message), timeout)
     except asyncio.TimeoutError:
         raise BusTimeout(f"{message.member}: no reply within {timeout:g} s") from None
     except Exception as exc:  # dbus-fast fails pending calls with whatever ended the connection
@@ -128,6 +131,22 @@ async def call_method(bus: MessageBus, message: Message, *, timeout: float) -> l
         name = reply.error_name or "unknown"
         raise BusError(f"{message.member}: {name}: {text}".rstrip(": "), name)
     return list(reply.body)
+
+
+async def _within(awaitable: Awaitable[T], timeout: float) -> T:
+    """What `awaitable` gives, or asyncio.TimeoutError once `timeout` seconds have passed (it is then
+    cancelled). Unlike asyncio.wait_for, which from Python 3.12 raises when no task is running it,
+    this needs no current task: a bus call is bounded whatever awaits it."""
+    future = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait((future,), timeout=timeout)
+    except BaseException:  # the caller was cancelled: so is what it waited for
+        future.cancel()
+        raise
+    if not done:
+        future.cancel()
+        raise asyncio.TimeoutError
+    return future.result()
 
 
 async def _call_once(path: str, message: Message, timeout: float) -> list[Any]:

@@ -13,12 +13,11 @@ or another channel) without blocking the requests that come after it.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar, cast
 
@@ -193,33 +192,25 @@ class Server:
         ctx = _context(event)
         running = _Running()
         loop = asyncio.get_running_loop()
-        if not _EAGER or event.size >= LARGE_REQUEST:
+        if event.size >= LARGE_REQUEST:
             # A large request (a Synchronize chunk) is decoded and handled at the next turn of the
             # loop: by then the buffers that carried its bytes here are gone.
-            running.task = loop.create_task(
-                self._decode_and_serve(event, ctx, running), name=_task_name(event)
-            )
+            task = loop.create_task(self._decode_and_serve(event, ctx, running), name=_task_name(event))
         else:
             try:
                 method, request = self._decode(event, ctx)
             except TtrpcError as exc:
                 self._respond(stream_id, b"", exc.code, exc.message)
                 return
-            coro = self._serve(stream_id, method, request, ctx, running)
-            # Run the handler now, inside this callback, up to its first real suspension: a handler
-            # that never waits is answered without a task and without extra event-loop iterations
-            # (each one costs an epoll call), which is most of the plugin's share of a round trip.
-            context = contextvars.copy_context()
-            try:
-                pending = context.run(coro.send, None)
-            except StopIteration:
-                return
-            running.task = loop.create_task(_resume(coro, pending), name=_task_name(event), context=context)
-        # Only a handler with a task can be cut short (the timer cancels the task), and only one that
-        # waits gets a task: one that never waits is answered above without a timer at all.
+            task = _handler_task(
+                loop, self._serve(stream_id, method, request, ctx, running), _task_name(event)
+            )
+            if task.done():
+                return  # started eagerly and answered without waiting: nothing to time or track
+        running.task = task
         running.arm(loop, ctx.deadline)
-        self._tasks.add(running.task)
-        running.task.add_done_callback(self._tasks.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _decode(self, event: RequestReceived, ctx: CallContext) -> tuple[UnaryMethod[Any, Any], Message]:
         """The method called and its request message; `TtrpcError` for an unknown one or bad bytes."""
@@ -257,9 +248,9 @@ class Server:
         """Run the handler within the caller's budget and answer with what it gave or raised.
 
         The budget is a timer that cancels the request's own task (`_Running.arm`, set by `_start`
-        once the task exists), rather than asyncio.wait_for: no extra task per request, and none of
-        a timer's cost for a handler started eagerly that answers without waiting (it has no task
-        to cancel, and the timer could not have fired before it answered anyway).
+        once the task exists), rather than asyncio.wait_for: no extra task per request, and no timer
+        at all for a handler started eagerly that answers without waiting (the timer could not have
+        fired before it answered anyway).
         """
         code: int
         try:
@@ -372,42 +363,25 @@ class _Running:
             self.task.uncancel()
 
 
-# Eager start needs create_task(context=...), which came in Python 3.11.
-_EAGER = sys.version_info >= (3, 11)
+if sys.version_info >= (3, 12):
 
+    def _handler_task(
+        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None], name: str
+    ) -> asyncio.Task[None]:
+        """A task for one request's handler, started eagerly: it runs at once, inside this call, up to
+        its first real wait. A handler that never waits is answered without a turn of the event
+        loop (each costs an epoll call), which is most of the plugin's share of a round trip; it
+        still runs inside its own task, so everything that needs a current task works."""
+        return asyncio.Task(coro, loop=loop, name=name, eager_start=True)
 
-async def _resume(coro: Coroutine[Any, Any, None], pending: Any) -> None:
-    """Go on with a coroutine that was started outside any task and is waiting on ``pending``."""
-    await _Resumption(coro, pending)
+else:
 
-
-class _Resumption:
-    """Awaitable that hands a suspended coroutine's waits to the task awaiting it.
-
-    The coroutine already yielded ``pending`` (the future it waits on) before any task existed. This
-    yields that future up to the task, and from then on passes every value or exception the task
-    sends back down, exactly as ``await`` would have done had the coroutine started inside the task.
-    """
-
-    def __init__(self, coro: Coroutine[Any, Any, None], pending: Any) -> None:
-        self._coro = coro
-        self._pending = pending
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        coro, pending = self._coro, self._pending
-        while True:
-            try:
-                sent = yield pending
-            except BaseException as exc:  # cancellation included: the coroutine decides
-                try:
-                    pending = coro.throw(exc)
-                except StopIteration:
-                    return
-            else:
-                try:
-                    pending = coro.send(sent)
-                except StopIteration:
-                    return
+    def _handler_task(
+        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None], name: str
+    ) -> asyncio.Task[None]:
+        """A task for one request's handler (Python 3.10 and 3.11 have no eager start: the handler
+        first runs at the loop's next turn)."""
+        return loop.create_task(coro, name=name)
 
 
 # --- client --------------------------------------------------------------------------------------

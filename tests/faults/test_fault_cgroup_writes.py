@@ -109,7 +109,7 @@ async def test_enoent_pod_cgroup_gone_at_creation(short_dir: Path, version: int,
     population, runtime, tree = node.population, node.runtime, node.tree
     plugin = node.plugin()
     async with runtime, plugin_running(plugin, node.socket):
-        await within(runtime.wait_for_plugins(1))
+        await within(runtime.wait_for_plugins(1, timeout=None))
         pods = await population.standard()
         gone = population.pod("gone", 2 * PERIOD)
         await runtime.run_pod_sandbox(gone)
@@ -153,7 +153,7 @@ async def test_erofs_pod_cgroup_read_only(short_dir: Path, version: int) -> None
     population, runtime, tree = node.population, node.runtime, node.tree
     plugin = node.plugin()
     async with runtime, plugin_running(plugin, node.socket):
-        await within(runtime.wait_for_plugins(1))
+        await within(runtime.wait_for_plugins(1, timeout=None))
         fwd, duo, _free, _plain = await population.standard()
         before = population.pod_quotas()
         quota_file = str(tree.quota_file(fwd))
@@ -210,7 +210,7 @@ async def test_einval_kernel_refuses_pod_quota_above_parent_at_creation(short_di
         population, runtime, tree = node.population, node.runtime, node.tree
         plugin = node.plugin()
         async with runtime, plugin_running(plugin, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             free = population.pod("free", PERIOD)
             capped = population.pod("capped", PERIOD, parent="capped")
             cap(population, PERIOD)
@@ -252,7 +252,7 @@ async def test_einval_kernel_refuses_pod_quota_at_synchronize(short_dir: Path) -
         async with plugin_running(plugin, node.socket, reconnect=True):
             with structlog.testing.capture_logs() as logs:
                 async with runtime:
-                    await within(runtime.wait_for_plugins(1))
+                    await within(runtime.wait_for_plugins(1, timeout=None))
                     left = inconsistencies(population, count=False)
             [error] = [e for e in logs if e["event"] == "cannot bring the pod quota to its target"]
             assert_clear(
@@ -270,7 +270,7 @@ async def test_einval_kernel_refuses_pod_quota_at_synchronize(short_dir: Path) -
             cap(population, 4 * PERIOD)
             population.runtime = runtime.restarted()
             async with population.runtime:
-                await within(population.runtime.wait_for_plugins(1))
+                await within(population.runtime.wait_for_plugins(1, timeout=None))
                 assert inconsistencies(population, books=plugin.books) == []
 
 
@@ -289,7 +289,7 @@ async def test_pod_quota_unreadable_at_synchronize_after_a_plugin_restart(
     async with runtime:
         first = node.plugin()
         async with plugin_running(first, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             fwd, _duo, _free, _plain = await population.standard()
         first.flush()  # what the daemon does at exit
         quota_file = tree.quota_file(fwd)
@@ -298,12 +298,12 @@ async def test_pod_quota_unreadable_at_synchronize_after_a_plugin_restart(
         plugin = node.plugin()
         with structlog.testing.capture_logs() as logs:
             async with plugin_running(plugin, node.socket):
-                await within(runtime.wait_for_plugins(1))
+                await within(runtime.wait_for_plugins(1, timeout=None))
         [error] = [e for e in logs if e["event"] == "cannot bring the pod quota to its target"]
         assert_clear(str(error["error"]), str(quota_file), "ENOENT")
         away.rename(quota_file)
         async with plugin_running(plugin, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             assert books_vs_files(population, plugin.books) == []
             await population.restart("fwd-a", "fwd-a2")  # a restart does not grow the pod quota
             assert inconsistencies(population, books=plugin.books) == []
@@ -332,7 +332,7 @@ async def test_eacces_daemon_cannot_write_pod_quota(short_dir: Path) -> None:
     population, runtime, tree = node.population, node.runtime, node.tree
     config = write_config(short_dir, tree)
     async with runtime, daemon_running(config, node.socket, prefix=prefix) as daemon:
-        await within(runtime.wait_for_plugins(1))
+        await within(runtime.wait_for_plugins(1, timeout=None))
         fwd, duo, _free, _plain = await population.standard()
         quota_file = tree.quota_file(duo)
         quota_file.chmod(0o444)

@@ -25,7 +25,7 @@ async def test_checker_names_each_inconsistency(short_dir: Path, version: int) -
     plugin = node.plugin()
     async with runtime:
         async with plugin_running(plugin, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             fwd, duo, _free, plain = await population.standard()
         assert inconsistencies(population, books=plugin.books) == []
 
@@ -76,5 +76,5 @@ async def test_checker_names_each_inconsistency(short_dir: Path, version: int) -
         # ... which the next synchronization repairs (all but its environment, fixed at its restart).
         population.specs["plain-c"].env = "stale"
         async with plugin_running(plugin, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
         assert inconsistencies(population, books=plugin.books) == []

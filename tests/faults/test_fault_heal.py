@@ -3,8 +3,10 @@ CRI-O that leaves the node or the books wrong, reproduced with the simulator's m
 daemon process; each ends with the invariant check.
 
 * 7a containerd forgets its pods across its own restart: the forgotten pod is deleted with no
-  StopPodSandbox or RemovePodSandbox, and kubelet gives its device to a new pod. The reconciler finds
-  the pod's cgroup gone within one period, and the new pod's valid marker is accepted.
+  StopPodSandbox or RemovePodSandbox, and kubelet gives its device to a new pod. The daemon has a
+  kubelet record to ask (here: configured, not answering): the reconciler finds the pod's cgroup gone
+  at two looks, one period apart, and the new pod's valid marker is accepted. (Without a kubelet
+  record the binding outlives the cgroup until the runtime says the pod is removed: test_heal.py.)
 * 7b CRI-O's creation fails after our adjustment (``runc create``), and nothing more is ever said of
   the container: within one period its share is given back and it leaves the books and the
   ``mixed_cpu_shared_containers`` gauge.
@@ -51,7 +53,7 @@ def elapsed_since(started: float) -> float:
 
 
 @pytest.mark.asyncio
-async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_one_period(short_dir: Path) -> None:
+async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_two_periods(short_dir: Path) -> None:
     node = make_node(short_dir, 1)  # containerd's naming, cgroupfs driver, v1
     population, first = node.population, node.runtime
     first.modes.forgets_pods_on_restart = True
@@ -59,14 +61,14 @@ async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_one_period
     device = {ANNOTATION_KEY: population.key.sign("shared-cpus-7")}  # what the device plugin gave it
     async with daemon_running(config, node.socket) as daemon:
         async with first:
-            await within(first.wait_for_plugins(1))
+            await within(first.wait_for_plugins(1, timeout=None))
             old = population.pod("old", 2 * PERIOD)
             await population.create(old, "old-a", "fwd", "2-3", asks=True, annotations=dict(device))
             assert inconsistencies(population) == []
         # containerd restarts: it restores its containers for NRI, not its pods.
         second = population.runtime = first.restarted()
         async with second:
-            await within(second.wait_for_plugins(1))
+            await within(second.wait_for_plugins(1, timeout=None))
             # kubelet deletes the pod: its container's stop and removal are reported, not the pod's.
             await second.stop_container("old-a")
             await second.remove_container("old-a")
@@ -76,7 +78,7 @@ async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_one_period
             node.tree.delete_pod(old)
             started = asyncio.get_running_loop().time()
             line = await daemon.wait_log("pod gone", f"pod_key={old.uid}")
-            assert elapsed_since(started) <= INTERVAL + SLACK, line
+            assert elapsed_since(started) <= 2 * INTERVAL + SLACK, line
             assert "heal=pod_gone" in line, line
             assert "shared-cpus-7" in line, line
             assert "never reported the pod stopped or removed" in line, line
@@ -94,7 +96,7 @@ async def test_a_failed_creation_leaves_no_phantom_within_one_period(short_dir: 
     population, runtime, tree = node.population, node.runtime, node.tree
     config = write_config(short_dir, tree, metrics=True, extra=f"reconcile_interval = {INTERVAL}")
     async with runtime, daemon_running(config, node.socket) as daemon:
-        await within(runtime.wait_for_plugins(1))
+        await within(runtime.wait_for_plugins(1, timeout=None))
         match = re.search(r"127\.0\.0\.1:(\d+)", await daemon.wait_log("serving metrics and probes"))
         assert match is not None
         port = int(match.group(1))
@@ -148,7 +150,7 @@ async def test_the_pod_quota_comes_down_at_the_stop_of_a_lingering_container(
         own = len(parse_cpuset(exclusive)) * PERIOD  # its own quota, and its pod's
         share = len(population.shared) * PERIOD
         async with runtime, daemon_running(config, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             pod = population.pod("job", own)
             await population.create(pod, "job-a", "job", exclusive, asks=True)
             job = runtime.containers["job-a"]

@@ -28,7 +28,7 @@ async def test_kubelet_restart(short_dir: Path) -> None:
     kubelet = await FakeKubelet(plugin_dir).start()
     try:
         async with runtime, daemon_running(config, node.socket) as daemon:
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             await within(kubelet.registered.wait())
             fwd = population.pod("fwd", 3 * PERIOD)
             duo = population.pod("duo", 4 * PERIOD)

@@ -34,7 +34,7 @@ async def test_connection_dropped_while_a_request_is_in_flight(
     # A reconnect delay long enough to look at the node between the drop and the next sync.
     backoff = Backoff(0.2, 0.2)
     async with runtime, plugin_running(plugin, node.socket, reconnect=True, backoff=backoff) as stub:
-        await within(runtime.wait_for_plugins(1))
+        await within(runtime.wait_for_plugins(1, timeout=None))
         _fwd, duo, _free, _plain = await population.standard()
         assert population.pod_quotas()[duo.id] == 8 * PERIOD  # 4 + 2 x 2
         runtime.drop_if = lambda name, _request: name == method
@@ -58,7 +58,7 @@ async def test_connection_dropped_while_a_request_is_in_flight(
             assert population.pod_quotas()[duo.id] == 10 * PERIOD  # 4 + 3 x 2
         elif method == "StopContainer":
             assert population.pod_quotas()[duo.id] == 6 * PERIOD  # 4 + 2
-        await within(runtime.wait_for_plugins(1))
+        await within(runtime.wait_for_plugins(1, timeout=None))
         assert stub.synchronizations == 2
         assert inconsistencies(population, books=plugin.books) == []
         # The next request is served as usual.
@@ -74,7 +74,7 @@ async def test_connection_dropped_while_synchronize_chunks_are_in_flight(short_d
     plugin = node.plugin()
     async with plugin_running(plugin, node.socket, reconnect=True, backoff=Backoff(0.2, 0.2)) as stub:
         async with node.runtime as first:
-            await within(first.wait_for_plugins(1))
+            await within(first.wait_for_plugins(1, timeout=None))
             pods = [p for tag in ("", "-b", "-c") for p in await population.standard(tag)]
         second = population.runtime = first.restarted()
         second.max_message_size = 3072  # Synchronize goes in several chunks
@@ -100,6 +100,6 @@ async def test_connection_dropped_while_synchronize_chunks_are_in_flight(short_d
                 # It had it all and raised the pods; the runtime never applied its updates.
                 assert stub.synchronizations == 2
                 assert inconsistencies(population, count=False) != []
-            await within(second.wait_for_plugins(1))
+            await within(second.wait_for_plugins(1, timeout=None))
             assert len(second.sync_chunks) >= 4
             assert inconsistencies(population, books=plugin.books) == []

@@ -40,7 +40,7 @@ async def test_daemon_killed_and_restarted(short_dir: Path, version: int, state:
     async with runtime:
         daemon = await launch_daemon(config, node.socket)
         try:
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             _fwd, duo, _free, _plain = await population.standard()
             assert inconsistencies(population) == []
             # A restart changes only which container holds a slot: written within 1 s, or lost in a kill.
@@ -48,7 +48,7 @@ async def test_daemon_killed_and_restarted(short_dir: Path, version: int, state:
             quotas = population.pod_quotas()
         finally:
             await daemon.kill()
-        print(f"killed daemon's stderr:\n{daemon.stderr}")
+            print(f"killed daemon's stderr:\n{daemon.stderr}")  # shown if the test fails
         await until(lambda: not runtime.plugins)
         # While the plugin is dead the runtime goes on: kubelet creates a pod, and (with the state file
         # kept) restarts a shared container, whose old share stays in its pod's quota meanwhile.
@@ -64,7 +64,7 @@ async def test_daemon_killed_and_restarted(short_dir: Path, version: int, state:
             # was dead cannot be told from the pod's own quota, so nothing stops meanwhile here.
             state_file.unlink()
         async with daemon_running(config, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             after = population.pod_quotas()
             assert after.pop(late.id) == 4 * PERIOD
             assert after == quotas, "pod quotas unchanged by the kill and restart"
@@ -181,19 +181,23 @@ async def test_daemon_killed_at_random_instants(short_dir: Path, seed: int) -> N
     churn = Churn(population, rng)
     async with runtime:
         for kill in range(KILLS):
-            daemon = await launch_daemon(config, node.socket)
-            await within(runtime.wait_for_plugins(1))
-            assert inconsistencies(population) == [], f"seed {seed}, after kill {kill}\n{daemon.stderr}"
-            killer = asyncio.ensure_future(_kill_after(daemon, rng.uniform(0.0, 0.4)))
-            while not killer.done():
-                await churn.step()
-                await asyncio.sleep(0)  # with no plugin connected, a step never waits on anything
-            await killer
+            # daemon_running ends the daemon (and prints its stderr) however the body ends.
+            async with daemon_running(config, node.socket) as daemon:
+                await within(runtime.wait_for_plugins(1, timeout=None))
+                assert inconsistencies(population) == [], f"seed {seed}, after kill {kill}"
+                killer = asyncio.ensure_future(_kill_after(daemon, rng.uniform(0.0, 0.4)))
+                try:
+                    while not killer.done():
+                        await churn.step()
+                        await asyncio.sleep(0)  # with no plugin connected, a step never waits on anything
+                    await killer
+                finally:
+                    killer.cancel()
             await until(lambda: not runtime.plugins)
             for _ in range(rng.randrange(4)):  # the node goes on while the plugin is dead
                 await churn.step()
         async with daemon_running(config, node.socket):
-            await within(runtime.wait_for_plugins(1))
+            await within(runtime.wait_for_plugins(1, timeout=None))
             assert inconsistencies(population) == [], f"seed {seed}, after the last kill"
             for _ in range(20):
                 await churn.step()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from fault_support import GUARD, PERIOD, inconsistencies, make_node, within
+from fault_support import PERIOD, inconsistencies, make_node, within
 from mixedcpu_support import plugin_running
 
 from api.nri import api_pb2 as api
@@ -24,7 +24,7 @@ async def test_runtime_restart(short_dir: Path, version: int) -> None:
     async with contextlib.AsyncExitStack() as stack:
         stub = await stack.enter_async_context(plugin_running(plugin, node.socket, reconnect=True))
         first = await stack.enter_async_context(node.runtime)
-        await within(first.wait_for_plugins(1, GUARD))
+        await within(first.wait_for_plugins(1, timeout=None))
         fwd, duo, _free, plain = await population.standard()
         assert inconsistencies(population, books=plugin.books) == []
         quotas = population.pod_quotas()
@@ -42,7 +42,7 @@ async def test_runtime_restart(short_dir: Path, version: int) -> None:
         population.start_while_away(late, "late-b", "side", "6")
         with structlog.testing.capture_logs() as logs:
             await stack.enter_async_context(second)
-            await within(second.wait_for_plugins(1, GUARD))
+            await within(second.wait_for_plugins(1, timeout=None))
         assert stub.connections >= 2
         assert stub.synchronizations == 2
         assert inconsistencies(population, books=plugin.books) == []

@@ -70,7 +70,7 @@ async def test_handler_slower_than_the_request_timeout(short_dir: Path, where: s
     async with contextlib.AsyncExitStack() as stack:
         stub = await stack.enter_async_context(plugin_running(plugin, node.socket, reconnect=True))
         first = await stack.enter_async_context(node.runtime)
-        await within(first.wait_for_plugins(1))
+        await within(first.wait_for_plugins(1, timeout=None))
         _fwd, duo, _free, _plain = await population.standard()
         assert population.pod_quotas()[duo.id] == 8 * PERIOD  # 4 + 2 x 2
         runtime = first
@@ -86,7 +86,7 @@ async def test_handler_slower_than_the_request_timeout(short_dir: Path, where: s
             # The runtime gave up on the plugin and created the container without its adjustment.
             assert result.adjustment == api.ContainerAdjustment()
             population.specs["duo-c"].env = "stale"
-        await within(runtime.wait_for_plugins(1))
+        await within(runtime.wait_for_plugins(1, timeout=None))
         assert plugin.stalled
         [reason] = [r for r in runtime.dropped()]
         assert reason.endswith("timed out"), reason

@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import logging
 import struct
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -481,12 +482,44 @@ async def test_client_protocol_error_fails_pending_calls() -> None:
 
 
 @pytest.mark.asyncio
-async def test_handler_that_never_waits_is_answered_inside_data_received() -> None:
-    """Eager start: no task, no event-loop turn between the request and its response."""
+async def test_handler_that_never_waits_is_answered_inside_data_received_from_3_12() -> None:
+    """Eager start (Python 3.12 and later): no event-loop turn between the request and its
+    response. Before 3.12 the handler's task first runs at the loop's next turn."""
     sent: list[bytes] = []
     server = Server(EchoService().services(), sent.append)
     server.data_received(raw_request(1, "Echo", StringValue(value="now").SerializeToString()))
-    assert decode_responses(sent) == [(1, 0, "", StringValue(value="now").SerializeToString())]
+    answered = [(1, 0, "", StringValue(value="now").SerializeToString())]
+    if sys.version_info >= (3, 12):
+        assert decode_responses(sent) == answered
+    else:
+        assert sent == []
+        await guard(server.wait_closed())
+        assert decode_responses(sent) == answered
+
+
+@pytest.mark.asyncio
+async def test_a_handler_whose_first_step_is_wait_for_runs_in_a_task() -> None:
+    """Whatever needs a current task works from a handler's very first step, eager start or not:
+    from Python 3.12, asyncio.wait_for (and asyncio.timeout) raise outside a task."""
+    seen: list[asyncio.Task[Any] | None] = []
+
+    async def times_out_first(request: StringValue, ctx: CallContext) -> StringValue:
+        seen.append(asyncio.current_task())
+        done = await asyncio.wait_for(asyncio.sleep(0, result="in time"), 5)
+        try:
+            await asyncio.wait_for(asyncio.Event().wait(), 0.001)
+        except asyncio.TimeoutError:
+            return StringValue(value=f"{done}, then timed out")
+        return StringValue(value="never")
+
+    sent: list[bytes] = []
+    server = Server({ECHO: {"Wait": UnaryMethod(StringValue, times_out_first)}}, sent.append)
+    server.data_received(raw_request(1, "Wait"))
+    await guard(server.wait_closed())
+    assert decode_responses(sent) == [
+        (1, 0, "", StringValue(value="in time, then timed out").SerializeToString())
+    ]
+    assert seen[0] is not None
 
 
 @pytest.mark.asyncio

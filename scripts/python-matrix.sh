@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The Python matrix: every Python that pyproject's requires-python admits, besides the one the
+# README's test command runs (python3, 3.11 here: the image's), gets a venv of its own and runs the
+# part of the suite where interpreters differ: the ttrpc server and its handler tasks, the NRI
+# multiplexer, the simulator and its runtime restarts, systemd over D-Bus, the healer, the daemon as
+# a process, the config and log formats.
+#
+# Each minor version is taken from pyenv (the newest patch release installed), else from pythonX.Y
+# on PATH. Under CI=true a missing interpreter fails the run; elsewhere it is skipped, said once.
+# Usage: scripts/python-matrix.sh [MINOR ...]   (default: 3.10 3.12 3.13)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=(3.10 3.12 3.13)
+tests=(
+  tests/ttrpc
+  tests/test_mux.py
+  tests/test_nri_end_to_end.py
+  tests/test_mixedcpu_end_to_end.py
+  tests/test_systemd.py
+  tests/test_systemd_bus.py
+  tests/test_heal.py
+  tests/test_daemon.py
+  tests/test_config.py
+  tests/test_logs.py
+  tests/test_cli.py
+  tests/test_enable_nri.py
+)
+
+find_python() {
+  local minor=$1 root candidate
+  root=$(pyenv root 2>/dev/null || echo "${PYENV_ROOT:-$HOME/.pyenv}")
+  for candidate in $(ls -d "$root/versions/$minor".* 2>/dev/null | sort -V -r); do
+    if [ -x "$candidate/bin/python" ]; then
+      echo "$candidate/bin/python"
+      return 0
+    fi
+  done
+  command -v "python$minor"
+}
+
+failed=()
+for minor in "${versions[@]}"; do
+  if ! python=$(find_python "$minor"); then
+    if [ "${CI:-}" = true ]; then
+      echo "error: no Python $minor (pyenv or python$minor on PATH): install it, or change requires-python" >&2
+      failed+=("$minor")
+    else
+      echo "note: no Python $minor here: its part of the matrix is skipped" >&2
+    fi
+    continue
+  fi
+  venv=".venvs/$minor"
+  echo "== Python $minor: $("$python" --version 2>&1) ($python)"
+  rm -rf "$venv" && mkdir -p .venvs
+  "$python" -m venv "$venv"
+  "$venv/bin/pip" install -q -e '.[test]'
+  if ! "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}"; then
+    failed+=("$minor")
+  fi
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "error: the Python matrix failed on: ${failed[*]}" >&2
+  exit 1
+fi

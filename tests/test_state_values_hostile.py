@@ -1,0 +1,313 @@
+"""Hostile numbers in the state dir (issue #25, break 4): a baseline of 10^30 in the state file was
+written to ``cpu.cfs_quota_us`` as 100000000000200000, and one of 6,400,000 for a 2-CPU pod gave it
+66 CPUs of quota, with no warning.
+
+Now every loaded record is checked against the kernel's CFS ranges and the node's online CPUs
+(`nri_plugin.mixedcpu.bounds`), and at Synchronize against the pod's limit from the runtime: a record
+out of range is set aside with one warning (the pod, the value, the range) and the pod rebuilt from
+the runtime's view. Checked here on the store, on Synchronize, and through the real daemon on a temp
+cgroup tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import structlog
+from mixedcpu_support import (
+    PERIOD,
+    Daemon,
+    FakeCgroups,
+    make_container,
+    make_plugin,
+    make_pod,
+    marker,
+    start_daemon,
+)
+from redteam_support import GUARD, NAMING, daemon_node, is_shared, short_directory
+
+from api.nri import api_pb2 as api
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
+from nri_plugin.mixedcpu.bounds import out_of_range
+from nri_plugin.mixedcpu.policy import MAX_CFS_QUOTA
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME, Bookkeeper, StateStore
+
+SET_ASIDE = "saved pod record out of range: set aside, the pod is rebuilt from the runtime's view"
+
+
+def _books(baseline: int, *, period: int = PERIOD, shared: int = 2, exclusive: str = "2-3") -> Books:
+    books = Books(
+        {
+            "sane": PodRecord(cgroup_parent="/kubepods/podsane", baseline=2 * PERIOD, period=PERIOD),
+            "bad": PodRecord(cgroup_parent="/kubepods/podbad", baseline=baseline, period=period),
+        }
+    )
+    books.hold(Slot("sane", "app"), ContainerRecord("c-sane", 2, "2-3", "dev-0"))
+    books.hold(Slot("bad", "app"), ContainerRecord("c-bad", shared, exclusive, "dev-1"))
+    return books
+
+
+@pytest.mark.parametrize(
+    ("record", "field", "allowed"),
+    [
+        (
+            PodRecord(cgroup_parent="/p", baseline=10**30, period=PERIOD),
+            "baseline",
+            "1000 to 400000 us (4 online CPUs",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=999, period=PERIOD),
+            "baseline",
+            "1000 to 400000 us (4 online CPUs",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=-5, period=PERIOD),
+            "baseline",
+            "1000 to 400000 us (4 online CPUs",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=6_400_000, period=PERIOD),
+            "baseline",
+            "1000 to 400000 us (4 online CPUs x the period",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=PERIOD, period=999),
+            "period",
+            "1000 to 1000000 us (the kernel's range)",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=PERIOD, period=1_000_001),
+            "period",
+            "1000 to 1000000 us (the kernel's range)",
+        ),
+        (
+            PodRecord(cgroup_parent="/p", baseline=PERIOD, period=0),
+            "period",
+            "1000 to 1000000 us (the kernel's range)",
+        ),
+        (
+            PodRecord(
+                cgroup_parent="/p",
+                baseline=PERIOD,
+                period=PERIOD,
+                containers=Containers({"a": ContainerRecord("c", -1)}),
+            ),
+            "container a: shared_cpus",
+            "0 to 4 CPUs (the online CPUs)",
+        ),
+        (
+            PodRecord(
+                cgroup_parent="/p",
+                baseline=PERIOD,
+                period=PERIOD,
+                containers=Containers({"a": ContainerRecord("c", 5)}),
+            ),
+            "container a: shared_cpus",
+            "0 to 4 CPUs (the online CPUs)",
+        ),
+        (
+            PodRecord(
+                cgroup_parent="/p",
+                baseline=PERIOD,
+                period=PERIOD,
+                containers=Containers({"a": ContainerRecord("c", 2, "0-63")}),
+            ),
+            "container a: exclusive",
+            "0 to 4 CPUs (the online CPUs)",
+        ),
+        (
+            PodRecord(
+                cgroup_parent="/p",
+                baseline=PERIOD,
+                period=PERIOD,
+                containers=Containers({"a": ContainerRecord("c", 2, "zero")}),
+            ),
+            "container a: exclusive",
+            "a list of CPUs",
+        ),
+    ],
+)
+def test_each_number_is_checked_against_the_kernel_and_the_node(
+    record: PodRecord, field: str, allowed: str
+) -> None:
+    problem = out_of_range(record, online=4)
+    assert problem is not None
+    assert problem.field == field
+    assert problem.allowed.startswith(allowed)
+
+
+def test_the_edges_of_the_ranges_are_kept() -> None:
+    for record in (
+        PodRecord(cgroup_parent="/p", baseline=1_000, period=1_000),
+        PodRecord(
+            cgroup_parent="/p",
+            baseline=4 * PERIOD,
+            period=PERIOD,
+            containers=Containers({"a": ContainerRecord("c", 4, "0-3")}),
+        ),
+        PodRecord(cgroup_parent="/p", baseline=None, period=1_000_000),
+        PodRecord(
+            cgroup_parent="/p", baseline=MAX_CFS_QUOTA, period=1_000_000
+        ),  # the kernel's largest, on a node too large to check
+    ):
+        online = None if record.baseline == MAX_CFS_QUOTA else 4
+        assert out_of_range(record, online) is None, record
+    # The target counts too: the kernel's largest quota plus a share is over it.
+    shared = PodRecord(
+        cgroup_parent="/p",
+        baseline=MAX_CFS_QUOTA,
+        period=PERIOD,
+        containers=Containers({"a": ContainerRecord("c", 1)}),
+    )
+    problem = out_of_range(shared)
+    assert problem is not None
+    assert problem.field == "target"
+    # Without the online CPUs (a store built without them), the kernel's range alone.
+    problem = out_of_range(PodRecord(cgroup_parent="/p", baseline=10**30, period=PERIOD))
+    assert problem is not None
+    assert problem.allowed == f"1000 to {MAX_CFS_QUOTA} us (the kernel's range)"
+
+
+@pytest.mark.parametrize("baseline", [10**30, 6_400_000])
+def test_a_hostile_baseline_in_the_state_file_is_set_aside(tmp_path: Path, baseline: int) -> None:
+    StateStore(tmp_path, fsync=False).save(_books(baseline))
+    store = StateStore(tmp_path, fsync=False, online=4)
+    with structlog.testing.capture_logs() as logs:
+        keeper = Bookkeeper(store)
+    assert set(keeper.books.pods) == {"sane"}, "the other pods are kept"
+    assert set(keeper.books.devices) == {"dev-0", "dev-1"}, "the bindings are kept: the pod did not end"
+    [warning] = [e for e in logs if e["event"] == SET_ASIDE]
+    assert warning["log_level"] == "warning"
+    assert (warning["pod_key"], warning["field"], warning["value"]) == ("bad", "baseline", str(baseline))
+    assert warning["cgroup_parent"] == "/kubepods/podbad"
+    assert warning["path"] == store.path
+    # The next write is a whole snapshot: the files no longer hold the value.
+    keeper.books.pods["new"] = PodRecord(cgroup_parent="/kubepods/podnew", baseline=PERIOD, period=PERIOD)
+    keeper.commit()
+    assert "bad" not in json.loads(Path(store.path).read_text())["pods"]
+
+
+def test_a_hostile_baseline_in_the_journal_is_set_aside(tmp_path: Path) -> None:
+    keeper = Bookkeeper(StateStore(tmp_path, fsync=False), _books(2 * PERIOD))
+    keeper.flush(force=True)
+    journal = json.loads(Path(keeper.store.path).read_text())["journal"]
+    line = json.dumps([["P", "bad", "/kubepods/podbad", 10**30, PERIOD, "pod-resources"]])
+    Path(keeper.store.journal_path(journal)).write_text(line + "\n")
+    with structlog.testing.capture_logs() as logs:
+        books = StateStore(tmp_path, fsync=False, online=4).load()
+    assert set(books.pods) == {"sane"}
+    [warning] = [e for e in logs if e["event"] == SET_ASIDE]
+    assert (warning["pod_key"], warning["value"]) == ("bad", str(10**30))
+
+
+@pytest.mark.asyncio
+async def test_synchronize_sets_aside_a_baseline_above_the_runtimes_limit(tmp_path: Path) -> None:
+    """The pod's runtime says 2 CPUs; the saved books 3 (in range for the node): the runtime's word."""
+    tree = FakeCgroups(tmp_path / "cgroup")
+    pod = make_pod(NAMING, "1111-aaaa")
+    pod.linux.pod_resources.cpu.quota.value = 2 * PERIOD
+    pod.linux.pod_resources.cpu.period.value = PERIOD
+    tree.add_pod(pod, 4 * PERIOD)  # its own 2 CPUs and the 2 shared ones of the container below
+    saved = Books(
+        {
+            "1111-aaaa": PodRecord(
+                cgroup_parent=pod.linux.cgroup_parent,
+                baseline=3 * PERIOD,
+                period=PERIOD,
+                baseline_source="pod-resources",
+            )
+        }
+    )
+    StateStore(tmp_path / "state", fsync=False).save(saved)
+    plugin, key = make_plugin(tmp_path / "state", tree.layout)
+    container = make_container(
+        NAMING,
+        pod,
+        "c1",
+        "fwd",
+        cpus="0-3",
+        quota=4 * PERIOD,
+        env=("OPENSHIFT_SHARED_CPUS=0-1",),
+        annotations=marker(key, "shared-cpus-0"),
+        state=api.CONTAINER_RUNNING,
+    )
+    with structlog.testing.capture_logs() as logs:
+        await plugin.synchronize([pod], [container])
+    record = plugin.books.pods["1111-aaaa"]
+    assert (record.baseline, record.baseline_source) == (2 * PERIOD, "pod-resources")
+    assert tree.pod_quota(pod) == 4 * PERIOD, "not 5 CPUs: the saved 3 plus the 2 shared ones"
+    [warning] = [e for e in logs if e["event"] == SET_ASIDE]
+    assert warning["value"] == str(3 * PERIOD)
+    assert warning["allowed"] == f"1000 to {2 * PERIOD} us (the pod's limit from the runtime)"
+    assert warning["pod"] == "app"
+
+
+# -- through the daemon --------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("where", "baseline"),
+    [("state-file", 10**30), ("state-file", 6_400_000), ("journal", 10**30)],
+)
+async def test_the_daemon_writes_the_sane_quota_despite_a_hostile_baseline(where: str, baseline: int) -> None:
+    with short_directory("sv-") as root:
+        async with daemon_node(root) as node:
+            # A shared container raises its 2-CPU pod to 4 CPUs; the daemon saves its books and stops.
+            pod = node.pod("1111-aaaa", "fwd")
+            result = await node.create(pod, "c1", "fwd", annotations=marker(node.key, "shared-cpus-0"))
+            assert is_shared(result)
+            node.tree.run_container(result.container)
+            await node.sim.start_container("c1")
+            assert node.tree.pod_text(pod) == f"{4 * PERIOD}\n"
+            assert await node.daemon.stop() == 0
+            await _until(lambda: not node.sim.plugins)
+
+            # The attack: the pod's own quota in the state dir replaced.
+            state = node.state_dir / STATE_FILE_NAME
+            snapshot = json.loads(state.read_text())
+            if where == "state-file":
+                snapshot["pods"]["1111-aaaa"]["baseline"] = baseline
+                state.write_text(json.dumps(snapshot))
+            else:
+                record = snapshot["pods"]["1111-aaaa"]
+                op = ["P", "1111-aaaa", record["cgroup_parent"], baseline, PERIOD, "first-seen"]
+                journal = node.state_dir / f"{STATE_FILE_NAME}.journal.{snapshot['journal']}"
+                before = journal.read_text() if journal.exists() else ""
+                journal.write_text(before + json.dumps([op]) + "\n")
+
+            # The daemon started again: Synchronize brings the pod to its target, the sane one.
+            config = root / "config.toml"
+            proc = await start_daemon("run", "--config", str(config), "--socket", str(root / "nri.sock"))
+            node.daemon = Daemon(proc, GUARD)
+            await node.sim.wait_for_plugins(1, GUARD)
+            line = await node.daemon.wait_log(SET_ASIDE)
+            assert '"level": "warning"' in line
+            assert '"pod_key": "1111-aaaa"' in line
+            assert f'"value": "{baseline}"' in line
+            assert "us (the kernel's range)" in line or "4 online CPUs x the period of 100000 us" in line
+            assert node.tree.pod_text(pod) == f"{4 * PERIOD}\n"
+            # The daemon serves the next pod, and its books hold the rebuilt baseline.
+            other = node.pod("2222-bbbb", "other")
+            assert is_shared(
+                await node.create(other, "c2", "fwd", annotations=marker(node.key, "shared-cpus-1"))
+            )
+            assert node.tree.pod_text(pod) == f"{4 * PERIOD}\n"
+        books = StateStore(root / "state").load()
+        assert (books.pods["1111-aaaa"].baseline, books.pods["1111-aaaa"].baseline_source) == (
+            2 * PERIOD,
+            "rebuilt",
+        )
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Wait (bounded by GUARD) until `condition()` holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + GUARD
+    while not condition():
+        assert loop.time() < deadline, "condition not reached within the guard"
+        await asyncio.sleep(0.01)
