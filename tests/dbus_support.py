@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import select
 import shutil
@@ -110,7 +111,11 @@ class FakeSystemd:
     """systemd's part for pod slices in the fake tree of `layout`; see the module docstring.
 
     `units`: unit -> property -> value as recorded; `calls`: (unit, runtime, properties) received.
-    `delay`: seconds each call takes (a stalled systemd); `refusal`: a D-Bus error name to answer.
+    `delay`: seconds each call takes (a stalled systemd; ``math.inf``: never answered), each call on
+    its own (systemd's answers then come in the order of their delays); `refusal`: a D-Bus error
+    name to answer; `stale`: answer OK and record the value, but write the unit's previous value to
+    its cgroup (a systemd whose write does not take); `answered`: the calls answered so far. A call
+    still waiting when the fake stops is never answered.
     """
 
     def __init__(self, layout: CgroupLayout) -> None:
@@ -119,7 +124,10 @@ class FakeSystemd:
         self.calls: list[tuple[str, bool, dict[str, int]]] = []
         self.delay = 0.0
         self.refusal = ""
+        self.stale = False
+        self.answered = 0
         self._bus: MessageBus | None = None
+        self._waiting: set[asyncio.Task[Any]] = set()
 
     async def serve(self, path: str) -> None:
         self._bus = await dbus.connect(path)
@@ -127,6 +135,8 @@ class FakeSystemd:
         await self._bus.request_name(dbus.SYSTEMD)
 
     async def stop(self) -> None:
+        for task in self._waiting:
+            task.cancel()
         if self._bus is not None:
             await dbus.disconnect(self._bus)
             self._bus = None
@@ -135,7 +145,14 @@ class FakeSystemd:
         values = {key: int(variant.value) for key, variant in properties.items()}
         self.calls.append((unit, runtime, values))
         if self.delay:
-            await asyncio.sleep(self.delay)
+            task = asyncio.current_task()
+            assert task is not None
+            self._waiting.add(task)
+            try:
+                await (asyncio.Event().wait() if math.isinf(self.delay) else asyncio.sleep(self.delay))
+            finally:
+                self._waiting.discard(task)
+        self.answered += 1
         if self.refusal:
             raise DBusError(self.refusal, f"refused for {unit}")
         unknown = set(values) - {PER_SEC, PERIOD}
@@ -148,7 +165,12 @@ class FakeSystemd:
     def _set(self, unit: str, values: dict[str, int]) -> None:
         if unit not in self.units:
             raise DBusError("org.freedesktop.systemd1.NoSuchUnit", f"Unit {unit} not loaded.")
+        previous = self.limit(unit)
         self.units[unit].update(values)
+        if self.stale:
+            with contextlib.suppress(CgroupError):
+                restore_cpu_quota(self.layout.cpu.dir(expand_slice(unit)), previous)
+            return
         self._apply(unit)
 
     def record(self, unit: str, quota: int | None, period: int = 100_000) -> None:

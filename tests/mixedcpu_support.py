@@ -320,14 +320,21 @@ async def start_daemon(
 
 @contextlib.asynccontextmanager
 async def daemon_process(*args: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    """`start_daemon(*args)` for the body of the `with`; killed after it if still running."""
+    """`start_daemon(*args)` for the body of the `with`; killed after it if still running. If the body
+    failed, what the daemon wrote to stderr and the body did not read is printed (pytest shows it)."""
     proc = await start_daemon(*args)
+    failed = True
     try:
         yield proc
+        failed = False
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        if failed and proc.stderr is not None:
+            with contextlib.suppress(RuntimeError):  # the body's own reader holds the stream
+                rest = await asyncio.wait_for(proc.stderr.read(), GUARD)
+                print(f"daemon stderr (exit status {proc.returncode}):\n{rest.decode(errors='replace')}")
 
 
 async def terminate(proc: asyncio.subprocess.Process, timeout: float, signum: int = signal.SIGTERM) -> bytes:

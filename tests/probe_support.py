@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mixedcpu_support import start_daemon
+from mixedcpu_support import ROOT, start_daemon
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
+from wait_support import wait_until
 
 GUARD = 10.0  # a guard against hangs, never a measure
 # kubelet gives up on a probe after timeoutSeconds, 2 in the chart and the manifests: the bound
@@ -142,6 +148,7 @@ async def daemon_with_probes(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        print("daemon stderr:", *lines, sep="\n")  # shown if the test fails
 
 
 # -- strangers holding the probe port (issue 13) ------------------------------------------------------
@@ -251,7 +258,11 @@ async def under_attack(
     if not same_peer:  # one address flooding the prober's own is what the NetworkPolicy is for
         attackers.append(asyncio.ensure_future(flood(host, port, stranger_address(peers + 1), strangers)))
     try:
-        await asyncio.sleep(0.2)  # the slow client is mid-head, the flood under way
+        # The slow client is mid-head, the flood under way.
+        await wait_until(
+            lambda: strangers.loris_connections >= 1 and (same_peer or strangers.flood_connections >= 20),
+            what="the slow client and the flood started",
+        )
         yield strangers
     finally:
         strangers.stopped = True
@@ -260,3 +271,88 @@ async def under_attack(
         await close_all(strangers.idle)
     for attacker in attackers:
         attacker.result()  # a stranger that failed (other than by being evicted) fails the test
+
+
+# -- a churn of new connections from many addresses (issue 25, item 7) --------------------------------
+
+
+def churn_sources(count: int) -> list[str]:
+    """`count` loopback addresses for the churn, 127.0.0.2 onwards (127.0.0.1 is the prober's)."""
+    assert 0 < count <= 250, count
+    return [f"127.0.0.{index + 2}" for index in range(count)]
+
+
+def churn(host: str, port: int, sources: list[str], rate: float, duration: float, hold: int) -> int:
+    """New idle connections at `rate` a second for `duration` seconds, from `sources` in turn, each
+    held until `hold` newer ones are open; how many were opened. Plain non-blocking sockets, paced
+    by the clock: meant for a process of its own (`start_churn`), away from the prober's loop."""
+    held: collections.deque[socket.socket] = collections.deque()
+    opened = 0
+    start = time.monotonic()
+    try:
+        while (elapsed := time.monotonic() - start) < duration:
+            due = min(int(elapsed * rate) + 1, int(duration * rate))
+            while opened < due:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                sock.bind((sources[opened % len(sources)], 0))
+                sock.connect_ex((host, port))  # EINPROGRESS when the backlog is full: as good
+                held.append(sock)
+                opened += 1
+                if len(held) > hold:
+                    held.popleft().close()
+            time.sleep(0.001)
+    finally:
+        for sock in held:
+            sock.close()
+    return opened
+
+
+async def start_churn(
+    host: str, port: int, *, sources: int, rate: float, duration: float, hold: int = 2000
+) -> asyncio.subprocess.Process:
+    """`churn` in a process of its own; it prints how many connections it opened, and exits."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "from probe_support import churn_main; churn_main()",
+        host,
+        str(port),
+        str(sources),
+        str(rate),
+        str(duration),
+        str(hold),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+async def probes_during(
+    host: str, port: int, attack: asyncio.subprocess.Process, *, every: float = 0.05
+) -> list[float | None]:
+    """kubelet's probes of ``/healthz`` from 127.0.0.1, one every `every` seconds, each on its own
+    connection and without waiting for the one before, until `attack` exits; for each, the seconds
+    it took to be answered 200, or None when it was not within `PROBE_TIMEOUT`."""
+
+    async def probe() -> float | None:
+        begin = time.perf_counter()
+        try:
+            reply = await asyncio.wait_for(get(host, port, "/healthz", source="127.0.0.1"), PROBE_TIMEOUT)
+        except (OSError, asyncio.TimeoutError, AssertionError, asyncio.IncompleteReadError):
+            return None
+        return time.perf_counter() - begin if (reply.status, reply.text) == (200, "ok\n") else None
+
+    waiter = asyncio.ensure_future(attack.wait())
+    sent: list[asyncio.Task[float | None]] = []
+    while not waiter.done():
+        sent.append(asyncio.ensure_future(probe()))
+        await asyncio.wait([waiter], timeout=every)
+    return list(await asyncio.gather(*sent))
+
+
+def churn_main() -> None:
+    """`churn` with its arguments from the command line (`start_churn`)."""
+    _, host, port, sources, rate, duration, hold = sys.argv
+    print(churn(host, int(port), churn_sources(int(sources)), float(rate), float(duration), int(hold)))

@@ -631,6 +631,90 @@ async def test_stop_leaves_an_unlimited_or_already_lowered_container_alone(tmp_p
     assert node.seen.failures == {}
 
 
+# -- behaviours pinned against mutations (issue 24) -----------------------------------------------------
+
+
+def planted_symlink(node: Node, pod: api.PodSandbox) -> tuple[str, str]:
+    """The pod's cgroup directory moved aside and a symlink left in its place: a cgroup that cannot be
+    checked (refused, never followed), neither there nor gone. Returns (the symlink, the directory)."""
+    pod_dir = node.tree.pod_dir(pod).fs_path
+    aside = os.path.join(os.path.dirname(pod_dir), "aside")
+    os.rename(pod_dir, aside)
+    os.symlink(aside, pod_dir)
+    return pod_dir, aside
+
+
+@pytest.mark.asyncio
+async def test_a_pod_cgroup_that_cannot_be_checked_never_costs_its_bindings(tmp_path: Path) -> None:
+    """Mutation: `_pod_gone`'s `except CgroupError: return False` -> `True` drops the pod and its
+    binding at the second look. With kubelet's record (where bindings may end at all)."""
+    kubelet = FakeKubeletRecord()
+    node = Node(tmp_path, allocations=kubelet)
+    plugin = node.plugin
+    holder = node.pod("1-1", "holder")
+    kubelet.allocate(holder, "fwd", "dev-1")
+    await plugin.synchronize([holder], [])
+    container = await node.create(holder, "c1")
+    await plugin.stop_container(holder, container)
+    node.tree.remove_container(container)
+    await plugin.remove_container(holder, container)
+    assert plugin.books.pods == {}
+    assert plugin.books.devices == {"dev-1": Slot(holder.uid, "fwd")}
+    planted_symlink(node, holder)
+    await node.clock.advance(5 * INTERVAL)
+    assert plugin.books.devices == {"dev-1": Slot(holder.uid, "fwd")}
+    assert node.saved().load().devices == {"dev-1": Slot(holder.uid, "fwd")}
+    assert node.seen.heals == {}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_pass_that_changes_the_books_without_a_heal_saves_them(node: Node) -> None:
+    """Mutation: `if healed or _changed(...)` -> `if healed` leaves a pass's change unsaved. Here the
+    StopContainer could not lower the pod (its cgroup unreachable a moment), kubelet then wrote the
+    pod's own quota back itself: the pass finds the pod at its target and drops its empty record."""
+    plugin = node.plugin
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1")
+    link, aside = planted_symlink(node, pod)
+    with structlog.testing.capture_logs() as logs:
+        await plugin.stop_container(pod, container)
+    assert [e["event"] for e in logs if e["event"] == "cannot lower the pod quota"]
+    assert pod.uid in node.saved().load().pods  # an empty record, waiting for its lowering
+    os.unlink(link)
+    os.rename(aside, link)
+    write_cpu_quota(node.tree.pod_dir(pod), BASELINE)  # not by the plugin
+    report = await plugin.healer.reconcile()
+    assert report.healed == 0
+    assert plugin.books.pods == {}
+    assert node.saved().load().pods == {}
+
+
+@pytest.mark.asyncio
+async def test_a_leftover_watch_of_a_displaced_instance_is_no_failed_creation(node: Node) -> None:
+    """Mutation: dropping `holder.id != creation.container_id` takes the watch of an instance that a
+    newer one displaced (one whose path the runtime did not send: it is not watched) for a failed
+    creation: a false `container_never_created`."""
+    plugin = node.plugin
+    await node.runtime_is("cri-o")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    await node.create(pod, "c1", run=False)  # watched; its runc create never comes
+    newer = make_container(node.naming, pod, "c2", "fwd", annotations=marker(node.key, "dev-1"))
+    newer.linux.cgroups_path = ""  # nothing to watch it by: c1's watch stays
+    assert await plugin.create_container(pod, newer) is not None
+    assert plugin.healer.watched == {"c1"}
+    with structlog.testing.capture_logs() as logs:
+        await node.clock.advance(CREATION_GRACE)
+    assert heals(logs, "container_never_created") == []
+    assert node.seen.heals == {}
+    assert plugin.healer.watched == frozenset()
+    assert plugin.books.holder(Slot(pod.uid, "fwd")) is not None
+    assert node.tree.pod_quota(pod) == RAISED  # c2's share
+    plugin.healer.stop()
+
+
 # -- Synchronize ---------------------------------------------------------------------------------------
 
 

@@ -58,7 +58,7 @@ async def test_a_second_daemon_exits_2_at_once_naming_the_first(short_dir: Path)
             await start_daemon("run", "--config", str(config), "--socket", str(socket_path)), GUARD
         )
         try:
-            await asyncio.wait_for(sim.wait_for_plugins(1, GUARD), GUARD)
+            await sim.wait_for_plugins(1, GUARD)
             started = time.monotonic()
             second = run_cli("run", "--config", str(config), "--socket", str(socket_path), timeout=GUARD)
             took = time.monotonic() - started
@@ -79,6 +79,7 @@ async def test_a_second_daemon_exits_2_at_once_naming_the_first(short_dir: Path)
             assert first.proc.returncode is None, "the first daemon goes on serving"
         finally:
             status = await first.stop()
+            print(f"first daemon's stderr (exit {status}):\n{first.stderr}")  # shown if the test fails
     assert status == 0, first.stderr
 
 
@@ -90,8 +91,11 @@ async def test_the_lock_dies_with_its_holder_even_killed(short_dir: Path) -> Non
         first = Daemon(
             await start_daemon("run", "--config", str(config), "--socket", str(socket_path)), GUARD
         )
-        await asyncio.wait_for(sim.wait_for_plugins(1, GUARD), GUARD)
-        await first.kill()
+        try:
+            await sim.wait_for_plugins(1, GUARD)
+        finally:
+            await first.kill()  # (the test's point, and its cleanup if the wait failed)
+            print(f"first daemon's stderr:\n{first.stderr}")  # shown if the test fails
         second = Daemon(
             await start_daemon("run", "--config", str(config), "--socket", str(socket_path)), GUARD
         )
@@ -100,7 +104,9 @@ async def test_the_lock_dies_with_its_holder_even_killed(short_dir: Path) -> Non
             for lock in (short_dir / "state" / LOCK_FILE_NAME, short_dir / NODE_LOCK_NAME):
                 assert lock.read_text() == f"{second.proc.pid}\n{config}\n"
         finally:
-            assert await second.stop() == 0, second.stderr
+            status = await second.stop()
+            print(f"second daemon's stderr (exit {status}):\n{second.stderr}")  # shown if the test fails
+    assert status == 0, second.stderr
 
 
 def test_the_same_process_keeps_the_one_lock_it_holds(tmp_path: Path) -> None:

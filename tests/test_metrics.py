@@ -297,6 +297,7 @@ def test_every_metric_is_exposed_before_anything_happens() -> None:
     assert 'mixed_cpu_device_plugin_registrations_total{outcome="failed"} 0.0' in text
     assert 'mixed_cpu_probe_connections_evicted_total{reason="peer_limit"} 0.0' in text
     assert 'mixed_cpu_probe_connections_evicted_total{reason="total_limit"} 0.0' in text
+    assert 'mixed_cpu_probe_connections_evicted_total{reason="hard_limit"} 0.0' in text
 
 
 def test_observer_cost_per_request() -> None:

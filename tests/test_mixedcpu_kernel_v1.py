@@ -10,7 +10,6 @@ the simulator over a real socket, and the kernel is the judge of the write order
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import shutil
@@ -23,6 +22,7 @@ import pytest
 import structlog
 from kernel_support import inherit_cpuset, make_cgroups, require_v1_layout, scratch_subtree
 from mixedcpu_support import GUARD, Naming, make_container, make_plugin, make_pod, marker, plugin_running
+from wait_support import wait_until
 
 from api.nri import api_pb2 as api
 from cgroups import (
@@ -212,11 +212,7 @@ async def test_plugin_write_order_is_accepted_by_the_kernel(kernel: Kernel, shor
         await sim.stop_container("c2")
         kernel.delete_container(again)
         await sim.remove_container("c2")
-        for _ in range(100):
-            if kernel.pod_quota(pod) == PERIOD:
-                break
-            await asyncio.sleep(0.05)
-        assert kernel.pod_quota(pod) == PERIOD
+        await wait_until(lambda: kernel.pod_quota(pod) == PERIOD, what="the pod quota came down")
         assert plugin.books.pods == {}
         assert [r for r in sim.records if r.outcome != "ok"] == []
 

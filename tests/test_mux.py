@@ -15,6 +15,7 @@ import pytest_asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 from vectors import load_frames, vector_names
+from wait_support import wait_until
 
 from nri_plugin.common import heap
 from nri_plugin.nri import mux
@@ -743,14 +744,13 @@ async def test_a_peer_that_does_not_read_stops_our_reading(trunk_and_peer: tuple
     for _ in range(40):  # 40 requests would make 10 MiB of answers
         peer.writer.write(raw_frame(1, b"q"))
     await peer.writer.drain()
-    await asyncio.sleep(0.2)
-    assert trunk.writing_paused
+    await wait_until(lambda: trunk.writing_paused, what="the trunk paused its reading")
     taken = len(echo.data)
     assert taken < 40
     assert trunk._transport is not None
     assert trunk._transport.get_write_buffer_size() <= WRITE_HIGH_WATER + 2 * 256 * 1024
     drained = asyncio.ensure_future(trunk.drain())
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # (time passes, the peer reads nothing: drain() must not return)
     assert not drained.done()
     frames = [await peer.read_frame() for _ in range(2 * 40)]  # each answer: 4 KiB + the rest
     assert len(echo.data) == 40, "every request is taken once the peer reads"

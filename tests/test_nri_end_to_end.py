@@ -15,6 +15,7 @@ import pytest
 from google.protobuf.message import Message
 from mixedcpu_support import plugin_running as running_stub
 from structlog.testing import capture_logs
+from wait_support import wait_until
 
 from api.nri import api_pb2 as api
 from nri_plugin.common.backoff import Backoff
@@ -609,7 +610,13 @@ async def test_plugin_launched_by_the_runtime_uses_the_inherited_socket(tmp_path
     finally:
         await sim.close()
         # A launched plugin cannot reconnect: the runtime closing fd 3 ends it.
-        _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+        try:
+            _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        print(f"launched plugin's stderr:\n{stderr.decode(errors='replace')}")  # shown if the test fails
     assert proc.returncode == 0, stderr.decode()
 
 
@@ -852,8 +859,7 @@ async def test_chunks_of_a_lost_connection_never_reach_the_next_synchronize(sock
         first.add_container(make_container(pod, 1))
     async with plugin_running(plugin, socket_path) as stub:
         async with first:
-            while not first.dropped:
-                await guarded(asyncio.sleep(0.01))
+            await wait_until(lambda: first.dropped, what="the runtime dropped the plugin after chunk 1")
         assert first.sync_chunks[0] < 120  # the first chunk was part of the whole, and went astray
         async with RuntimeSimulator(socket_path) as second:
             for n in range(100, 103):

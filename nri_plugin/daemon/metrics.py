@@ -52,9 +52,11 @@ Labels:
   container that presents an allocation marker): `ok` (kubelet's record decided), `unavailable`
   (no socket or no answer: the marker binding alone decided).
 * `reason` of a probe connection evicted (`nri_plugin.daemon.probes`): `peer_limit` (its source
-  address already held 8 connections: it gave up its oldest), `total_limit` (64 were open: the address
-  holding the most gave up its oldest). Any rise means something holds the port's connections open
-  (the warning log line names the last address); kubelet's probes and the scrape still get through.
+  address already held 8 connections: it gave up its oldest), `total_limit` (64 were open: the oldest
+  that said nothing, else the oldest still sending, gave way), `hard_limit` (256 open, none of them
+  having had its chance to be read yet: new connections come faster than the loop reads them). Any
+  rise means something holds the port's connections open (the warning log line names the last
+  address); kubelet's probes and the scrape still get through.
 """
 
 from __future__ import annotations

@@ -15,18 +15,20 @@ one short-lived task, never the server.
 Nobody can starve the probes by holding connections open (issue 13): the port listens on the pod IP,
 and kubelet restarts a daemon whose ``/healthz`` fails. Refusing connections beyond a limit would let
 any pod keep liveness failing with a few dozen idle sockets; instead every new connection is taken,
-and when that goes over a limit, an older one is closed (`ConnectionTable`):
+and when that goes over a limit, an older one is closed (`ConnectionTable`): a peer (one source
+address) holding `MAX_PER_PEER` gives up its own oldest; at `MAX_CONNECTIONS` in all, the oldest
+connection that has said nothing goes first, then the oldest still sending its head.
 
-* a peer (one source address) holds at most `MAX_PER_PEER` connections: its next one closes its own
-  oldest, so a flood from one address only ever evicts itself;
-* at most `MAX_CONNECTIONS` in all: a new one closes the oldest connection of the peer holding the
-  most, never one of a peer holding fewer (kubelet's probes hold one or two at a time).
-
-A request head arrives within milliseconds of a connection from kubelet or Prometheus, so the newest
-connection is served while the idle and slow (slow-loris) ones wait to be evicted or time out (the
-deadline is for the whole head: trickling bytes does not extend it). Evictions are logged at warning,
-at most once per `EVICTION_WARNING_PERIOD`, with their count, and each is counted by its reason
-(`ProbeObserver`: ``mixed_cpu_probe_connections_evicted_total``), so that an alert need not parse logs.
+Nor by a churn of new connections from many addresses (issue 25): a connection is evicted only
+after it has had its chance to be read (`FAIR_TURNS` turns of the loop and `FAIR_TIME` seconds), so
+kubelet's probe, whose request comes with its connection, is read before it could go. Until then
+newcomers are taken beyond the limit, up to `HARD_MAX_CONNECTIONS`. A connection costs no task until
+its first bytes arrive (a bare socket waiting for them), so a churn of idle ones is cheap to take and
+drop, and the kernel queues `BACKLOG` of them between two turns of the loop. One that says nothing for
+`READ_TIMEOUT` is closed; one whose head is not complete by then is answered 408 (the deadline is for
+the whole head: trickling bytes does not extend it). Evictions are logged at warning, at most once
+per `EVICTION_WARNING_PERIOD`, with their count, and each is counted by its reason (`ProbeObserver`:
+``mixed_cpu_probe_connections_evicted_total``), so that an alert need not parse logs.
 """
 
 from __future__ import annotations
@@ -74,10 +76,23 @@ WRITE_TIMEOUT = 5.0  # seconds to take the answer
 # Open connections: from one source address, and in all. Beyond either, an older one is evicted.
 MAX_PER_PEER = 8
 MAX_CONNECTIONS = 64
+# A connection is evicted only after its chance to be read: this many turns of the loop and seconds
+# since it was taken (a prober sends its request head with the connection; it is read within two
+# turns). Until then newcomers are taken beyond MAX_CONNECTIONS, up to HARD_MAX_CONNECTIONS (file
+# descriptors are finite), where only those taken within the current turn are kept.
+FAIR_TURNS = 3
+FAIR_TIME = 0.1
+HEARD_TIME = 0.5  # for one whose request has begun to arrive (slow-loris, or a prober's on a busy loop)
+HARD_MAX_CONNECTIONS = 4 * MAX_CONNECTIONS
+# Connections the kernel queues until they are taken: a churn fills a short queue between two turns
+# of the loop, and a prober's connection then waits for its SYN to be sent again (1 s, then 3 s).
+BACKLOG = 1024
+ACCEPT_BATCH = 100  # connections taken in one turn of the loop, at most
 # Evictions are said at warning at most this often (seconds), with how many there were since.
 EVICTION_WARNING_PERIOD = 60.0
-# Why a connection was evicted: its peer held `MAX_PER_PEER` already, or the server `MAX_CONNECTIONS`.
-EVICTION_REASONS: Final = ("peer_limit", "total_limit")
+# Why a connection was evicted: its peer held `MAX_PER_PEER` already, or the server `MAX_CONNECTIONS`,
+# or `HARD_MAX_CONNECTIONS` with nothing else to evict (then it may be the newcomer itself).
+EVICTION_REASONS: Final = ("peer_limit", "total_limit", "hard_limit")
 # After an error answer, what the client may still be sending is read and dropped (this much, for at
 # most this long) before the socket closes: closing on unread data would reset the connection, and
 # the client could lose the answer.
@@ -202,86 +217,223 @@ class Eviction(Generic[_Item]):
     reason: str
 
 
-class ConnectionTable(Generic[_Item]):
-    """The open connections, by peer and oldest first, and which one a newcomer evicts.
+@dataclass
+class _Entry:
+    """One open connection: whose, when it was taken (loop time, turn), and how far it got."""
 
-    Pure bookkeeping (the server closes what `admit` hands back). A newcomer is always admitted: a
-    peer at `per_peer` gives up its own oldest connection; when `total` are open, the peer holding the
-    most gives up its oldest (on a tie, the one that has held connections the longest). So one address
-    flooding the port evicts only its own connections until it holds the most, and a peer holding a
-    connection or two, as kubelet's probes do, is the last to lose one.
+    peer: str
+    since: float
+    turn: int
+    state: str = "quiet"  # nothing received yet; "heard": part of a request; "answering"
+
+
+class ConnectionTable(Generic[_Item]):
+    """The open connections, oldest first, and which one a newcomer evicts.
+
+    Pure bookkeeping: the server tells the time and the loop's turn, says when a connection's first
+    bytes arrive (`heard`) and while it is being answered (`answering`), and closes what `admit`
+    hands back. A newcomer is always taken; what makes room is, in this order:
+
+    * a peer (source address) at `per_peer` gives up its own oldest connection;
+    * at `total`, the oldest connection that has said nothing yet, else the oldest still sending its
+      request (slow-loris), never one being answered.
+
+    Either only among connections that have had their chance to be read: taken at least
+    `fair_turns` turns of the loop and `fair_time` seconds ago. A prober sends its request with the
+    connection, it is heard and read within a turn or two, and from then on it is the last to go:
+    so a churn of idle connections, from as many addresses as it likes, never evicts kubelet's
+    probe before it was read. While no connection has had its chance (they come faster than the
+    loop reads), newcomers are taken beyond `total`, up to `hard_total` (file descriptors are
+    finite); there, the same order but among any not taken within the current turn; when all were,
+    the newcomer itself is closed. The last two count as ``hard_limit``.
     """
 
-    def __init__(self, *, total: int, per_peer: int) -> None:
-        if total < 1 or per_peer < 1:
-            raise ValueError("connection limits must be at least 1")
+    def __init__(
+        self,
+        *,
+        total: int,
+        per_peer: int,
+        hard_total: int | None = None,
+        fair_turns: int = 0,
+        fair_time: float = 0.0,
+        heard_time: float = 0.0,
+    ) -> None:
+        hard_total = 4 * total if hard_total is None else hard_total
+        if total < 1 or per_peer < 1 or hard_total < total:
+            raise ValueError("connection limits must be at least 1, and the hard one at least the total")
         self.total = total
         self.per_peer = per_peer
+        self.hard_total = hard_total
+        self.fair_turns = fair_turns
+        self.fair_time = fair_time
+        self.heard_time = heard_time
         self.evicted = 0
-        self._peers: dict[str, dict[_Item, None]] = {}  # per peer, an ordered set: oldest first
-        self._count = 0
+        self._entries: dict[_Item, _Entry] = {}  # every open connection, oldest first
+        self._pools: dict[str, dict[_Item, None]] = {"quiet": {}, "heard": {}, "answering": {}}
+        self._peers: dict[str, dict[_Item, None]] = {}  # per peer, oldest first
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._entries)
 
     def __iter__(self) -> Iterator[_Item]:
-        for items in list(self._peers.values()):
-            yield from list(items)
+        yield from list(self._entries)
 
     def held_by(self, peer: str) -> int:
         return len(self._peers.get(peer, ()))
 
-    def admit(self, peer: str, item: _Item) -> Eviction[_Item] | None:
-        """Count `item` as open from `peer`; the connection it evicts, already forgotten here and for
-        the caller to close, if the limits call for one."""
-        eviction = self._victim(peer)
+    def admit(
+        self, peer: str, item: _Item, *, now: float = 0.0, turn: int = 0, heard: bool = False
+    ) -> Eviction[_Item] | None:
+        """Count `item` as open from `peer`, taken at loop time `now` in the loop's `turn` (`heard`:
+        bytes of it arrived already); the connection it evicts, already forgotten here and for the
+        caller to close, if the limits call for one (`item` itself when it is refused: then it is not
+        counted)."""
+        eviction = self._victim(peer, item, now, turn)
         if eviction is not None:
-            self.discard(eviction.peer, eviction.item)
             self.evicted += 1
+            if eviction.item is item:
+                return eviction
+            self.discard(eviction.item)
+        self._entries[item] = _Entry(peer, now, turn)
         self._peers.setdefault(peer, {})[item] = None
-        self._count += 1
+        self._pools["quiet"][item] = None
+        if heard:
+            self.heard(item)
         return eviction
 
-    def discard(self, peer: str, item: _Item) -> None:
-        """Forget a closed connection (nothing if it was evicted already)."""
-        items = self._peers.get(peer)
-        if items is None or item not in items:
-            return
-        del items[item]
-        self._count -= 1
-        if not items:
-            del self._peers[peer]
+    def silent_since(self, before: float) -> list[_Item]:
+        """The connections taken before `before` that have said nothing yet, oldest first."""
+        found = []
+        for item in self._pools["quiet"]:
+            if self._entries[item].since >= before:
+                break
+            found.append(item)
+        return found
 
-    def _victim(self, peer: str) -> Eviction[_Item] | None:
+    def heard(self, item: _Item) -> None:
+        """The first bytes of `item`'s request arrived."""
+        self._move(item, "quiet", "heard")
+
+    def answering(self, item: _Item, busy: bool) -> None:
+        """Whether `item`'s request is being answered (read, its answer not yet sent): it is not
+        evicted meanwhile, which would throw its answer away."""
+        if busy:
+            self._move(item, "heard", "answering") or self._move(item, "quiet", "answering")
+        else:
+            self._move(item, "answering", "heard")
+
+    def discard(self, item: _Item) -> None:
+        """Forget a closed connection (nothing if it was evicted already)."""
+        entry = self._entries.pop(item, None)
+        if entry is None:
+            return
+        self._pools[entry.state].pop(item, None)
+        items = self._peers[entry.peer]
+        del items[item]
+        if not items:
+            del self._peers[entry.peer]
+
+    def _move(self, item: _Item, old: str, new: str) -> bool:
+        entry = self._entries.get(item)
+        if entry is None or entry.state != old:
+            return False
+        del self._pools[old][item]
+        self._pools[new][item] = None
+        entry.state = new
+        return True
+
+    def _victim(self, peer: str, item: _Item, now: float, turn: int) -> Eviction[_Item] | None:
+        def fair(entry: _Entry) -> bool:
+            if turn - entry.turn < self.fair_turns:
+                return False
+            return now - entry.since >= (self.fair_time if entry.state == "quiet" else self.heard_time)
+
         own = self._peers.get(peer)
         if own is not None and len(own) >= self.per_peer:
-            return Eviction(peer, next(iter(own)), "peer_limit")
-        if self._count < self.total:
+            found = next((mine for mine in own if self._entries[mine].state != "answering"), None)
+            if found is not None and fair(self._entries[found]):
+                return Eviction(peer, found, "peer_limit")
+        if len(self._entries) < self.total:
             return None
-        greediest = max(self._peers, key=lambda name: len(self._peers[name]))
-        return Eviction(greediest, next(iter(self._peers[greediest])), "total_limit")
+        found = self._oldest(fair, fair)
+        if found is not None:
+            return Eviction(self._entries[found].peer, found, "total_limit")
+        if len(self._entries) < self.hard_total:
+            return None
+        found = self._oldest(lambda entry: entry.turn < turn, fair)
+        if found is not None:
+            return Eviction(self._entries[found].peer, found, "hard_limit")
+        return Eviction(peer, item, "hard_limit")  # none had its chance: the newcomer goes
+
+    def _oldest(self, quiet: Callable[[_Entry], bool], heard: Callable[[_Entry], bool]) -> _Item | None:
+        """The oldest quiet connection if `quiet` says it may go, else the oldest heard one if
+        `heard` says so. (The first of a pool is its oldest: a younger one may not go either.)"""
+        for pool, eligible in ((self._pools["quiet"], quiet), (self._pools["heard"], heard)):
+            for item in pool:
+                if eligible(self._entries[item]):
+                    return item
+                break
+        return None
 
 
 @dataclass(eq=False)
 class _Connection:
-    """One connection's handler task and stream, to end it at once (evicted, or the server closing)."""
+    """One connection: only its socket while nothing has arrived on it (a connection that never
+    speaks costs no task and no stream), then its handler task and stream too."""
 
-    task: asyncio.Task[None]
-    writer: asyncio.StreamWriter
+    sock: socket.socket
+    loop: asyncio.AbstractEventLoop
+    task: asyncio.Task[None] | None = None
+    writer: asyncio.StreamWriter | None = None
     ended: bool = False
 
     def end(self) -> None:
         """Drop the connection (no FIN dance with an idle or slow peer: the socket goes now) and stop
-        its handler, which then returns quietly (see `ProbeServer._handle`)."""
+        its handler, if it has one, which then returns quietly (see `ProbeServer._serve`)."""
         self.ended = True
-        self.writer.transport.abort()
-        self.task.cancel()
+        if self.writer is not None:
+            self.writer.transport.abort()
+        elif self.task is None:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+        if self.task is not None:
+            self.task.cancel()
 
 
-def _peer_of(writer: asyncio.StreamWriter) -> str:
-    """The source address of a connection (its port left out: one address, one peer)."""
-    name = writer.get_extra_info("peername")
-    return str(name[0]) if isinstance(name, tuple) and name else "unknown"
+def _said(sock: socket.socket) -> bool | None:
+    """Whether bytes wait on `sock` (True), it was closed or reset (False), or neither yet (None)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return False
+
+
+async def _listen(host: str, port: int) -> list[socket.socket]:
+    """Non-blocking listening sockets on every address `host` names (every address when ""), as
+    asyncio's own servers bind them."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    listeners: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this host does not have
+                continue
+            listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+    except OSError:
+        for sock in listeners:
+            sock.close()
+        raise
+    return listeners
 
 
 class _Refused(Exception):
@@ -307,20 +459,28 @@ class ProbeServer:
         self._metrics = metrics
         self._readiness = readiness
         self.observer = observer
-        self._server: asyncio.Server | None = None
+        self._listeners: list[socket.socket] = []
         self._open: ConnectionTable[_Connection] = ConnectionTable(
-            total=MAX_CONNECTIONS, per_peer=MAX_PER_PEER
+            total=MAX_CONNECTIONS,
+            per_peer=MAX_PER_PEER,
+            hard_total=max(HARD_MAX_CONNECTIONS, MAX_CONNECTIONS),
+            fair_turns=FAIR_TURNS,
+            fair_time=FAIR_TIME,
+            heard_time=HEARD_TIME,
         )
+        # The loop's turns, as far as connections are concerned: one more each turn after one in
+        # which a connection was taken (a tick per turn for ever would keep the loop from sleeping).
+        self._turn = 0
+        self._tick_pending = False
+        self._sweep: asyncio.TimerHandle | None = None
         self._evicted_unreported = 0
         self._warned_at: float | None = None
 
     @property
     def bound(self) -> list[str]:
         """Where it listens, as ``host:port`` / ``[v6]:port`` (with the real port when 0 was asked)."""
-        if self._server is None:
-            return []
         names = []
-        for sock in self._server.sockets:
+        for sock in self._listeners:
             host, port = sock.getsockname()[:2]
             names.append(f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}")
         return names
@@ -338,25 +498,32 @@ class ProbeServer:
     async def start(self) -> None:
         """Listen; `ProbeError` with one line if that is not possible."""
         try:
-            self._server = await asyncio.start_server(
-                self._handle, self.host, self.port, limit=MAX_HEAD, reuse_address=True
-            )
+            self._listeners = await _listen(self.host, self.port)
         except OSError as exc:
             reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
             raise ProbeError(
                 f"cannot serve metrics and probes on {self.address}: {reason}; set metrics_address to a "
                 'free host:port, or "" to turn them off'
             ) from None
+        loop = asyncio.get_running_loop()
+        for listener in self._listeners:
+            loop.add_reader(listener.fileno(), self._accept, listener)
         log.info("serving metrics and probes", address=" ".join(self.bound), paths=" ".join(PATHS))
 
     async def close(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
-            return
-        server.close()
+        listeners, self._listeners = self._listeners, []
+        loop = asyncio.get_running_loop()
+        for listener in listeners:
+            loop.remove_reader(listener.fileno())
+            listener.close()
+        if self._sweep is not None:
+            self._sweep.cancel()
+        handlers = []
         for connection in self._open:
             connection.end()
-        await server.wait_closed()
+            if connection.task is not None:
+                handlers.append(connection.task)
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def __aenter__(self) -> ProbeServer:
         await self.start()
@@ -367,48 +534,105 @@ class ProbeServer:
 
     # -- one connection ------------------------------------------------------------------------------
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        me, peer = _Connection(task, writer), _peer_of(writer)
-        self._admit(peer, me)
+    def _accept(self, listener: socket.socket) -> None:
+        """Take what the kernel has queued (up to `ACCEPT_BATCH` a turn). A connection whose request
+        is there already is served; one that says nothing yet waits, as a bare socket, for its first
+        bytes; one that left already is closed."""
+        loop = asyncio.get_running_loop()
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, address = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors, or the peer left already
+                log.debug("cannot take a probe connection", reason=os.strerror(exc.errno or 0))
+                return
+            sock.setblocking(False)
+            said = _said(sock)
+            if said is False:
+                sock.close()
+                continue
+            peer = str(address[0]) if isinstance(address, tuple) and address else "unknown"
+            connection = _Connection(sock, loop)
+            if not self._admit(peer, connection):
+                continue
+            if said is None:
+                loop.add_reader(sock.fileno(), self._heard, peer, connection)
+            else:
+                self._serve_now(peer, connection)
+
+    def _heard(self, peer: str, connection: _Connection) -> None:
+        """Bytes arrived (or the end): the connection gets its handler (or is closed)."""
+        connection.loop.remove_reader(connection.sock.fileno())
+        if _said(connection.sock) is False:
+            self._open.discard(connection)
+            connection.sock.close()
+            return
+        self._serve_now(peer, connection)
+
+    def _serve_now(self, peer: str, connection: _Connection) -> None:
+        self._open.heard(connection)
+        connection.task = asyncio.ensure_future(self._serve(peer, connection))
+
+    async def _serve(self, peer: str, me: _Connection) -> None:
+        writer = None
         try:
+            reader, writer = await asyncio.open_connection(sock=me.sock, limit=MAX_HEAD)
+            me.writer = writer
             status, head_only, body, kind = await self._answer(reader)
+            self._open.answering(me, True)
             writer.write(_response(status, body, kind, head_only))
             await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+            self._open.answering(me, False)
             if status >= 400 and writer.can_write_eof():
                 writer.write_eof()
                 await asyncio.wait_for(_discard(reader, LINGER_BYTES), LINGER_TIME)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             pass
         except asyncio.CancelledError:
-            # Ended on purpose: return, not re-raise, since Python 3.11's asyncio.start_server logs a
-            # handler task that ends cancelled as an error.
-            if not me.ended:
+            if not me.ended:  # ended on purpose (evicted, or the server closing): nothing to say
                 raise
         finally:
-            self._open.discard(peer, me)
-            writer.close()
-            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
-                await writer.wait_closed()
+            self._open.discard(me)
+            if writer is None:
+                me.sock.close()
+            else:
+                writer.close()
+                with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                    await writer.wait_closed()
 
-    def _admit(self, peer: str, connection: _Connection) -> None:
-        """Take the new connection; close the one that makes room for it, if the limits call for one."""
-        eviction = self._open.admit(peer, connection)
+    def _admit(self, peer: str, connection: _Connection) -> bool:
+        """Take the new connection; close the one that makes room for it, if the limits call for one.
+        False when that is the new one itself (see `ConnectionTable`)."""
+        loop = connection.loop
+        if not self._tick_pending:
+            self._tick_pending = True
+            loop.call_soon(self._next_turn)
+        eviction = self._open.admit(peer, connection, now=loop.time(), turn=self._turn)
+        if self._sweep is None:
+            self._sweep = loop.call_later(READ_TIMEOUT / 2, self._close_silent)
         if eviction is None:
-            return
+            return True
         eviction.item.end()
         if self.observer is not None:
             self.observer.probe_connection_evicted(eviction.reason)
-        log.debug(
-            "probe connection evicted to make room",
-            peer=eviction.peer,
-            reason=eviction.reason,
-            held=self._open.held_by(eviction.peer),
-            open=len(self._open),
-            newcomer=peer,
-        )
         self._warn_of_evictions(eviction.peer)
+        return eviction.item is not connection
+
+    def _close_silent(self) -> None:
+        """Close the connections that said nothing for `READ_TIMEOUT` (as one whose request is late
+        is answered 408); again while any are open."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        for connection in self._open.silent_since(loop.time() - READ_TIMEOUT):
+            connection.end()
+            self._open.discard(connection)
+        if len(self._open):
+            self._sweep = loop.call_later(READ_TIMEOUT / 2, self._close_silent)
+
+    def _next_turn(self) -> None:
+        self._turn += 1
+        self._tick_pending = False
 
     def _warn_of_evictions(self, peer: str) -> None:
         """Say at warning, at most once per `EVICTION_WARNING_PERIOD`, that connections are being

@@ -57,12 +57,21 @@ import structlog
 from api.nri import api_pb2 as api
 from cgroups import CgroupDir, CgroupError, cgroup_exists, container_cgroup_path
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota
 from nri_plugin.mixedcpu.policy import pod_key
 from nri_plugin.mixedcpu.quota import PodQuotas, PodState
 
-__all__ = ["CREATION_GRACE", "HEAL_KINDS", "MIN_CREATION_GRACE", "HealObserver", "Healer", "PassReport"]
+__all__ = [
+    "CREATION_GRACE",
+    "HEAL_KINDS",
+    "MIN_CREATION_GRACE",
+    "PASS_BUDGET",
+    "PASS_SLICE",
+    "HealObserver",
+    "Healer",
+    "PassReport",
+]
 
 log = structlog.get_logger(LOGGER_NAME)
 
@@ -74,6 +83,11 @@ log = structlog.get_logger(LOGGER_NAME)
 CREATION_GRACE: Final = 10.0
 MIN_CREATION_GRACE: Final = 2.0
 HEAL_KINDS: Final = ("pod_gone", "container_never_created", "container_gone", "pod_quota")
+# Wall seconds one reconcile pass may take (its reads and writes of pod cgroups: about 0.1 ms a pod);
+# past it the rest waits for the next pass.
+PASS_BUDGET: Final = 1.0
+# Wall seconds a pass runs at most before it lets the loop handle what came meanwhile.
+PASS_SLICE: Final = 0.02
 
 _T = TypeVar("_T")
 
@@ -159,6 +173,7 @@ class Healer:
         self._grace_timer: Timer | None = None
         self._running: set[asyncio.Task[None]] = set()  # timer work in flight
         self._grace_due = 0.0
+        self._deferred: list[str] = []  # pod keys a pass over its budget left for the next one
 
     @property
     def books(self) -> Books:
@@ -202,8 +217,7 @@ class Healer:
 
     async def _tick_now(self) -> None:
         try:
-            async with self.quotas.lock:
-                await self.reconcile()
+            await self.reconcile()  # (takes the lock pod by pod)
         except Exception:  # a bug: said, and the next pass still comes
             log.exception("reconcile pass failed")
         finally:
@@ -384,14 +398,41 @@ class Healer:
     # -- the whole pass -----------------------------------------------------------------------------------
 
     async def reconcile(self) -> PassReport:
-        """One whole pass over the books (see the module docstring); saved if anything changed."""
+        """One whole pass over the books (see the module docstring); saved if anything changed.
+
+        Takes `PodQuotas.lock` for each pod, never for the whole pass, and yields to the loop between
+        pods every `PASS_SLICE` seconds: an NRI handler waits for a slice at most. Past
+        `PASS_BUDGET` seconds, the pods not looked at yet are left for the next pass, which looks at
+        them first."""
         started = time.perf_counter()
         books = self.books
-        healed = await self._check_creations()
+        lock = self.quotas.lock
+        async with lock:
+            healed = await self._check_creations()
         records = dict(books.pods)
-        for key in records:
-            if key in books.pods:
-                healed += await self._check_pod(key)
+        first = [key for key in self._deferred if key in records]
+        left = set(first)
+        order = first + [key for key in records if key not in left]
+        self._deferred = []
+        yielded = started
+        for index, key in enumerate(order):
+            now = time.perf_counter()
+            if now - started > PASS_BUDGET:
+                self._deferred = order[index:]
+                log.info("reconcile pass over its time budget: the rest next pass",
+                         budget_seconds=PASS_BUDGET, deferred=len(self._deferred))  # fmt: skip
+                break
+            if index and now - yielded > PASS_SLICE:
+                await asyncio.sleep(0)  # an event that came meanwhile is handled first
+                yielded = time.perf_counter()
+            async with lock:
+                if key in books.pods:
+                    healed += await self._check_pod(key)
+        async with lock:
+            return self._end_pass(started, records, healed)
+
+    def _end_pass(self, started: float, records: dict[str, PodRecord], healed: int) -> PassReport:
+        books = self.books
         bound_only = books.bound_pods() - set(books.pods)
         for key in sorted(bound_only):
             if not self.keep_bindings and self._seen_gone(key):

@@ -30,9 +30,9 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
 * **StopPodSandbox / RemovePodSandbox**: the pod's device bindings end; at removal its books too.
 * **Shutdown**: the books are written.
 
-A pod quota written through systemd (`nri_plugin.systemd`) awaits systemd's reply: each handler
-holds `PodQuotas.lock` throughout, as the retries and the reconciler's passes do, so that nothing
-changes the books while a write is in flight.
+Each handler holds `PodQuotas.lock` throughout, as the retries do and the reconciler's passes do
+pod by pod, so that nothing else changes the books meanwhile; no handler waits for systemd (the
+pod quota writer, `nri_plugin.systemd`, tells systemd in the background).
 
 Beside the events, `heal.Healer` checks the books against the node (pods whose cgroup is gone,
 containers whose cgroup never appeared, pod quotas off their target): at each pod's events, at

@@ -37,11 +37,12 @@ holding neither its target nor the value last written here was written by kubele
 re-applying kubelet's value): that value is the pod's own quota now (`adopt_resize`).
 
 **Who writes.** The write itself goes through a `PodQuotaWriter`: the cgroup file (`FILE_WRITER`),
-or, in the daemon, `nri_plugin.systemd.podquota.SystemdPodQuotaWriter`, which sets the limit of a
-pod cgroup that is a systemd unit through systemd, so that systemd's re-applying keeps it. Such a
-write awaits a reply from systemd: the methods that write are coroutines, and everything that
-changes the books and the pod quotas holds `PodQuotas.lock` (the plugin's handlers, the retries, the
-reconciler's passes), so that nothing interleaves with a write in flight.
+or, in the daemon, `nri_plugin.systemd.podquota.SystemdPodQuotaWriter`, which writes the file and
+tells systemd the same value in the background for a pod cgroup that is a systemd unit, so that
+systemd's re-applying keeps it. No writer waits for systemd: everything that changes the books and
+the pod quotas holds `PodQuotas.lock` (the plugin's handlers, the retries, each pod of the
+reconciler's passes), and no D-Bus call is awaited under it. A pod the writer has not settled yet
+(`PodQuotaWriter.settled`) is written again at its next reconcile even at its target.
 
 Pod cgroups are found with `cgroups.pod_cgroup_path` in the configured layout; every path is
 validated there. Nothing here runs a shell or a subprocess.
@@ -134,6 +135,11 @@ class PodQuotaWriter(Protocol):
         `cgroup_parent`); `current`: what it holds, just read (None: unknown). Raises `CgroupError`
         (`CgroupWriteRejected`: the kernel refused the value)."""
 
+    def settled(self, cgroup_parent: str) -> bool:
+        """False while a value written for the pod may not hold yet everywhere it must (systemd
+        has not acknowledged it, or a late answer may still change it): the pod is then written
+        again at its next reconcile even if its file shows its target, and its record kept."""
+
 
 class FileQuotaWriter:
     """Writes the pod cgroup's files (what systemd puts back, for a pod cgroup that is its unit)."""
@@ -142,6 +148,9 @@ class FileQuotaWriter:
         self, pod_dir: Cgroup, cgroup_parent: str, limit: CpuQuota, *, current: CpuQuota | None
     ) -> None:
         set_cpu_limit(pod_dir, limit, current=current)
+
+    def settled(self, cgroup_parent: str) -> bool:
+        return True  # the write was the whole of it
 
 
 FILE_WRITER: PodQuotaWriter = FileQuotaWriter()
@@ -255,10 +264,12 @@ def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
     return record.with_baseline(previous.baseline, previous.baseline_source, previous.period)
 
 
-def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota) -> None:
-    """Drop a pod with no shared container left once its quota is back to its own."""
+def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota, settled: bool) -> None:
+    """Drop a pod with no shared container left once its quota is back to its own, and `settled`
+    (the writer has nothing pending for it: `PodQuotaWriter.settled`). Kept until then, so that the
+    reconciler reads it back: a late answer of systemd's may yet put an older value there."""
     record = pods[key]
-    if not record.containers and (now.unlimited or now.quota == record.baseline):
+    if settled and not record.containers and (now.unlimited or now.quota == record.baseline):
         del pods[key]
 
 
@@ -623,7 +634,7 @@ class PodQuotas:
                     pod_quota=f"{show_quota(current)} -> {show_quota(now)}",
                     **pod_fields(pod, event="Synchronize"),
                 )
-            _forget_if_done(pods, key, now)
+            _forget_if_done(pods, key, now, self.writer.settled(pod.linux.cgroup_parent))
         except CgroupError as exc:
             log.error(
                 "cannot bring the pod quota to its target",
@@ -637,7 +648,10 @@ class PodQuotas:
     # -- the write -----------------------------------------------------------------------------------------
 
     def _forget_if_done(self, key: str, now: CpuQuota) -> None:
-        _forget_if_done(self.books.pods, key, now)
+        record = self.books.pods.get(key)
+        if record is None:
+            return
+        _forget_if_done(self.books.pods, key, now, self.writer.settled(record.cgroup_parent))
         if key not in self.books.pods:
             self._written.pop(key, None)
 
@@ -668,9 +682,15 @@ class PodQuotas:
         if ahead is not None:
             ahead()
         target = record.target()
-        if current.quota is None or target is None or target == current.quota:
+        if current.quota is None or target is None:
             self._written[key] = current.quota
             return current
+        if target == current.quota:
+            self._written[key] = target
+            if self.writer.settled(record.cgroup_parent):
+                return current
+            # At its target in the file, with an older value of ours still pending (systemd's answer
+            # to it may yet land): written again, so that the writer's latest value is the target.
         limit = current.with_quota(target)
         try:
             await self.writer.write_pod_quota(pod_dir, record.cgroup_parent, limit, current=current)
@@ -700,6 +720,8 @@ class PodQuotas:
         written = self._written.get(key)
         if written is None:
             return record  # nothing written here yet: no telling whose a value is
+        if not self.writer.settled(record.cgroup_parent):
+            return record  # an older value of ours may be landing late (systemd's answer): not a resize
         resized = adopt_resize(record, current, written)
         if resized is not record:
             log.info(

@@ -162,7 +162,7 @@ class Trunk(asyncio.BufferedProtocol):
         return send
 
     def send(self, conn_id: int, message: bytes) -> None:
-        """Send one whole message on *conn_id*: :func:`encode`'s frames, written in order at once.
+        """Send one whole message on *conn_id*: :func:`encode`'s frames, one write each.
 
         Dropped silently once the trunk is closed.
 
@@ -176,7 +176,7 @@ class Trunk(asyncio.BufferedProtocol):
             return
         if self._transport is None:
             raise RuntimeError("trunk is not connected yet")
-        # A write per frame, not writelines: on Python 3.12.0 to 3.13.0 a socket transport's
+        # A write per frame, never writelines: on Python 3.12.0 to 3.13.0 a socket transport's
         # writelines never pauses its protocol past the high-water mark, and a peer that stopped
         # reading would make our write buffer grow without bound.
         for frame in frames:

@@ -16,6 +16,7 @@ import pytest
 from deviceplugin_time import EPSILON, advance, exact_backoff, settle
 from fake_kubelet import FakeKubelet, remove_sockets
 from redteam_support import daemon_node, short_directory
+from wait_support import wait_until
 
 from api.deviceplugin.v1beta1 import api_pb2 as api
 from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
@@ -69,7 +70,7 @@ async def test_foreign_streams_never_drop_kubelets_registration(
     abandoned = api_grpc.DevicePluginStub(channel).ListAndWatch(api.Empty())
     await asyncio.wait_for(abandoned.read(), PATIENCE)
     await channel.close()
-    await asyncio.sleep(3 * 0.2)  # several socket checks
+    await asyncio.sleep(3 * 0.2)  # several socket checks pass: none may count as a lost registration
     assert (allocations, failures) == (60, 0)
     assert plugin.registered
     assert plugin.registrations == 1
@@ -99,7 +100,7 @@ async def test_kubelets_own_stream_still_counts_with_foreign_ones_open(
     await asyncio.wait_for(plugin.wait_registered(), PATIENCE)
     holder = asyncio.ensure_future(foreign_cycle(str(config.socket_path), hold=30))
     try:
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: plugin.open_streams == 2, what="the foreign stream is open beside kubelet's")
         await kubelet.drop_stream(RESOURCE)
         await asyncio.wait_for(kubelet.registered.wait(), PATIENCE)
         assert len(kubelet.registrations) == 2
@@ -153,7 +154,7 @@ async def test_through_the_daemon_foreign_clients_cost_kubelet_nothing() -> None
                             await kubelet.allocate(RESOURCE, [f"shared-cpus-{3 * cycle + device}"])
                         except grpc.aio.AioRpcError:
                             failures += 1
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # socket checks pass: none may count as a lost registration
                 assert failures == 0
                 assert len(kubelet.registrations) == 1
                 assert not node.daemon.logged("device plugin registration lost")

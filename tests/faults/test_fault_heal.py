@@ -13,6 +13,10 @@ daemon process; each ends with the invariant check.
 * 7c a stopped container's cgroup lingers with its raised quota: the daemon puts the container's own
   quota back at the StopContainer, so the pod quota comes down then, on the real v1 kernel (which
   refuses a pod quota below a child's) and on a fake v2 tree.
+* 7d containerd makes a container's cgroup only at StartContainer (issue 25, break 2): kubelet
+  starts the container well past the healer's grace, and the pod keeps its share all along, so the
+  runtime's write of the raised container quota is accepted (the fake v1 tree refuses it above the
+  pod's, as the kernel does).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import pytest
 from fault_support import (
     PERIOD,
     Node,
+    Runtime,
     Tree,
     daemon_running,
     inconsistencies,
@@ -37,10 +42,11 @@ from fault_support import (
 from kernel_support import require_v1_layout
 from probe_support import scrape, value
 
+from api.nri import api_pb2 as api
 from cgroups import CgroupPath, parse_cpuset, read_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.mixedcpu.store import StateStore
-from nri_plugin.nri.simulator import CreationFailed
+from nri_plugin.nri.simulator import CreateResult, CreationFailed, RuntimeModes, RuntimeSimulator
 
 # The reconcile interval of these daemons, in seconds; "within one period" allows this much more for
 # the log line to cross the pipe on a busy machine.
@@ -168,3 +174,39 @@ async def test_the_pod_quota_comes_down_at_the_stop_of_a_lingering_container(
             await runtime.remove_container("job-a")
             assert inconsistencies(population) == []
         assert inconsistencies(population, books=StateStore(node.state).load()) == []
+
+
+class Containerd(Runtime):
+    """containerd's order: a container's cgroup is made at StartContainer (its task's creation),
+    however long after CreateContainer kubelet starts it."""
+
+    async def create_container(self, container: api.Container) -> CreateResult:
+        return await RuntimeSimulator.create_container(self, container)  # no cgroup yet
+
+    def make_resources(self, container: api.Container) -> None:
+        self.tree.run_container(container)
+
+
+@pytest.mark.asyncio
+async def test_a_slow_start_on_containerd_keeps_the_pods_share(short_dir: Path) -> None:
+    node = make_node(
+        short_dir, 1
+    )  # containerd's naming, cgroupfs driver, fake v1 (refuses a child over its pod)
+    population, tree = node.population, node.tree
+    runtime = population.runtime = Containerd(
+        node.socket, tree, modes=RuntimeModes(cgroup_made_at_start=True)
+    )
+    # Interval 1: the grace is its floor, 2 s; kubelet starts the container 3 grace periods later.
+    config = write_config(short_dir, tree, extra="reconcile_interval = 1")
+    async with runtime, daemon_running(config, node.socket) as daemon:
+        await within(runtime.wait_for_plugins(1))
+        pod = population.pod("slow", 2 * PERIOD)
+        await runtime.run_pod_sandbox(pod)
+        container = population.container(pod, "slow-a", "fwd", "2-3", asks=True)
+        await within(runtime.create_and_start(container, gap=6.0))
+        assert tree.refused == {}, tree.refused
+        assert tree.pod_quota(pod) == 4 * PERIOD
+        assert tree.container_quota(runtime.containers["slow-a"]) == 4 * PERIOD
+        assert not daemon.logged("container never created"), daemon.stderr
+        assert inconsistencies(population) == []
+    assert inconsistencies(population, books=StateStore(node.state).load()) == []

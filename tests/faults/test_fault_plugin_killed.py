@@ -164,7 +164,7 @@ class Churn:
 
 
 async def _kill_after(daemon: Daemon, seconds: float) -> None:
-    await asyncio.sleep(seconds)
+    await asyncio.sleep(seconds)  # (the random instant is the point: not a wait for a condition)
     await daemon.kill()
 
 

@@ -134,7 +134,7 @@ async def test_endless_synchronize_is_cut_at_the_cap_and_the_memory_given_back()
     with short_directory("sync-") as root:
         async with hostile_peer(root) as peer:
             first = await peer.connection(1)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # settled before the baseline (a measurement: no condition to wait for)
             idle = rss_kib(peer.pid)
             answered, last = await _endless_sync(first, chunk)
             peak = rss_kib(peer.pid, "VmHWM")
@@ -150,7 +150,7 @@ async def test_endless_synchronize_is_cut_at_the_cap_and_the_memory_given_back()
             second = await peer.connection(2)
             reply = await second.plugin.call("Synchronize", api.SynchronizeRequest().SerializeToString())
             assert reply.ok, reply
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the measurement is the RSS 1 s after the drop
             after = rss_kib(peer.pid)
             print(
                 f"\nendless Synchronize of {len(chunk)}-byte chunks: {answered} taken, then dropped; "
@@ -187,12 +187,12 @@ async def test_a_peer_that_stops_reading_cannot_grow_the_daemon() -> None:
     with short_directory("bp-") as root:
         async with hostile_peer(root) as peer:
             connection = await peer.connection(1)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # settled before the baseline (a measurement: no condition to wait for)
             idle = rss_kib(peer.pid)
             connection.trunk.raw_transport.pause_reading()  # type: ignore[attr-defined]
             channel = connection.plugin
             ids = [channel.request("Frobnicate" + "x" * name_size, b"") for _ in range(count)]
-            await asyncio.sleep(3.0)  # the daemon reads what it will
+            await asyncio.sleep(3.0)  # the daemon reads what it will: its growth over that time is measured
             grown = rss_kib(peer.pid) - idle
             line = await peer.daemon.wait_log("NRI peer is not reading our answers")
             assert json.loads(line)["level"] == "warning"
@@ -219,15 +219,15 @@ async def test_unsolicited_responses_make_a_few_lines_and_a_count() -> None:
             response = request_pb2.Response().SerializeToString()
             for stream_id in range(1001, 1001 + 2 * sent, 2):
                 send(encode_frame(stream_id, MessageType.RESPONSE, 0, response))
-            await asyncio.sleep(1.0)
-            # The connection still serves.
+            # The connection still serves: read in order, the answer comes after every response was taken.
             reply = await connection.plugin.call("Synchronize", api.SynchronizeRequest().SerializeToString())
             assert reply.ok, reply
-            lines = peer.daemon.logged("response on inactive stream")
-            assert 1 <= len(lines) <= 10, len(lines)
             assert not peer.daemon.logged("more responses on inactive streams were dropped")
             connection.trunk.close()
             summary = await peer.daemon.wait_log("more responses on inactive streams were dropped")
+            # Every line logged before the summary has been read now (the pipe keeps their order).
+            lines = peer.daemon.logged("response on inactive stream")
+            assert 1 <= len(lines) <= 10, len(lines)
             counted = [int(part) for part in summary.replace('"', " ").split() if part.isdigit()]
             noted = sum(
                 int(line.rsplit("(", 1)[1].split()[0]) for line in lines if "more like it suppressed" in line

@@ -267,7 +267,12 @@ def test_run_exits_2_with_one_clear_line_for_each_kind_of_bad_file(tmp_path: Pat
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
         assert proc.returncode is not None
         return name, proc.returncode, err
 
