@@ -81,6 +81,7 @@ from cgroups import (
     write_cpu_quota,
 )
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
+from nri_plugin.mixedcpu.bookkeeper import Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.bounds import above_runtime_limit
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
@@ -91,7 +92,6 @@ from nri_plugin.mixedcpu.policy import (
     describe,
     pod_key,
 )
-from nri_plugin.mixedcpu.store import Bookkeeper
 from nri_plugin.nri.errors import PluginFailure, PluginRefusal, PreconditionFailed
 
 __all__ = [
