@@ -59,6 +59,7 @@ _FILE_LAYERS = (
     ("/nri_plugin/mixedcpu/resync.py", "resync (Synchronize's books)"),
     ("/nri_plugin/mixedcpu/books.py", "books"),
     ("/nri_plugin/mixedcpu/store.py", "store (state file)"),
+    ("/nri_plugin/mixedcpu/bookkeeper.py", "store (state file)"),
     ("/nri_plugin/nri/simulator.py", "simulator"),
     ("/nri_plugin/nri/events.py", "events"),
     ("/cgroups/", "cgroups (paths, files)"),

@@ -90,7 +90,7 @@ from workload import (
 )
 
 from api.nri import api_pb2 as api
-from nri_plugin.mixedcpu.store import FLUSH_DELAY
+from nri_plugin.mixedcpu.bookkeeper import FLUSH_DELAY
 from nri_plugin.nri import mux
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub

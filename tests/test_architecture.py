@@ -36,6 +36,7 @@ PURE_MODULES = (
     "nri_plugin.mixedcpu.policy",
     "nri_plugin.deviceplugin.marker",
     "nri_plugin.mixedcpu.books",
+    "nri_plugin.mixedcpu.baselines",
     "nri_plugin.common.backoff",
 )
 IO_MODULES = ("asyncio", "socket", "selectors", "grpc", "structlog", "prometheus_client")
@@ -43,6 +44,11 @@ IO_MODULES = ("asyncio", "socket", "selectors", "grpc", "structlog", "prometheus
 # this sees what really comes, lazy and dynamic imports included.
 NOT_LOADED_BY = {
     "nri_plugin.mixedcpu.policy": ("nri_plugin.mixedcpu.store", "nri_plugin.daemon"),
+    "nri_plugin.mixedcpu.baselines": (
+        "nri_plugin.mixedcpu.store",
+        "nri_plugin.mixedcpu.quota",
+        "nri_plugin.daemon",
+    ),
     "nri_plugin.mixedcpu.plugin": ("nri_plugin.daemon",),
 }
 
@@ -101,9 +107,11 @@ def test_the_domain_imports_no_transport(path: Path) -> None:
 
 @pytest.mark.parametrize("path", sorted(DOMAIN.glob("*.py")), ids=lambda p: p.name)
 def test_the_domain_uses_the_cgroups_library_not_its_internals(path: Path) -> None:
-    # `cgroups.cpuset` is public and pure: the policy takes cpu lists from it rather than through the
-    # package, whose __init__ brings the file modules (import-linter's policy contract).
-    internals = {m for m in _imports(path) if m.startswith("cgroups.") and m != "cgroups.cpuset"}
+    # `cgroups.cpuset` and `cgroups.quota` are public and pure: the policy takes cpu lists, and the
+    # baseline arithmetic CFS limits, from them rather than through the package, whose __init__
+    # brings the file modules (import-linter's contracts for the pure modules).
+    pure = {"cgroups.cpuset", "cgroups.quota"}
+    internals = {m for m in _imports(path) if m.startswith("cgroups.") and m not in pure}
     assert internals == set()
 
 

@@ -23,7 +23,7 @@ import cgroups
 from api.nri import api_pb2 as api
 from cgroups import Cgroup, CgroupWriteRejected, CpuQuota, read_cpu_quota
 from nri_plugin.common.clock import ManualClock
-from nri_plugin.mixedcpu import quota
+from nri_plugin.mixedcpu import baselines
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.quota import LOWER_RETRY_DELAYS
 
@@ -184,7 +184,7 @@ def test_without_a_running_loop_nothing_is_scheduled(tmp_path: Path, refusing: R
     plugin, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)  # the loop's clock
     pod = make_pod(CGROUPFS)
     tree.add_pod(pod, RAISED)
-    plugin.books.pods[pod.uid] = quota.new_pod_record(pod, CpuQuota(BASELINE, PERIOD))
+    plugin.books.pods[pod.uid] = baselines.new_pod_record(pod, CpuQuota(BASELINE, PERIOD))
     refusing.left = -1
     run_without_a_loop(plugin.quotas.settle(pod.uid, pod.linux.cgroup_parent, {"pod_key": pod.uid}))
     assert refusing.refused == 1

@@ -30,9 +30,10 @@ from api.nri import api_pb2 as api
 from cgroups import CpuQuota
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.mixedcpu import store as state_file
+from nri_plugin.mixedcpu.baselines import rebase
+from nri_plugin.mixedcpu.bookkeeper import FLUSH_DELAY, Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
-from nri_plugin.mixedcpu.quota import rebase
-from nri_plugin.mixedcpu.store import FLUSH_DELAY, STATE_FILE_NAME, Bookkeeper, StateStore, books_to_json
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore, books_to_json
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 

@@ -31,9 +31,9 @@ from mixedcpu_support import (
 from api.nri import api_pb2 as api
 from cgroups import CpuQuota, write_cpu_quota
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
+from nri_plugin.mixedcpu.baselines import adopt_resize
 from nri_plugin.mixedcpu.books import PodRecord
 from nri_plugin.mixedcpu.policy import plan_update
-from nri_plugin.mixedcpu.quota import adopt_resize
 from nri_plugin.nri.events import Event
 from nri_plugin.nri.simulator import RuntimeSimulator
 

@@ -19,16 +19,11 @@ from mixedcpu_support import PERIOD
 from test_pod_quota_state import _mutate
 
 from nri_plugin.common.clock import ManualClock
+from nri_plugin.mixedcpu import bookkeeper
 from nri_plugin.mixedcpu import store as state_file
+from nri_plugin.mixedcpu.bookkeeper import COMPACT_MIN_BYTES, FLUSH_DELAY, Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
-from nri_plugin.mixedcpu.store import (
-    COMPACT_MIN_BYTES,
-    FLUSH_DELAY,
-    STATE_FILE_NAME,
-    Bookkeeper,
-    StateStore,
-    apply_operation,
-)
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore, apply_operation
 
 
 def _pods(count: int) -> Books:
@@ -162,8 +157,8 @@ def test_killed_in_the_middle_of_a_compaction(tmp_path: Path, monkeypatch: pytes
         raise OSError("killed")
 
     monkeypatch.setattr(state_file, "write_atomically", killed)
-    monkeypatch.setattr(state_file, "COMPACT_MIN_BYTES", 0)
-    monkeypatch.setattr(state_file, "_COMPACT_RATIO", 0)
+    monkeypatch.setattr(bookkeeper, "COMPACT_MIN_BYTES", 0)
+    monkeypatch.setattr(bookkeeper, "_COMPACT_RATIO", 0)
     _new_pod(keeper.books, 2)
     keeper.commit()  # appends to journal n, starts a compaction to n + 1, which dies before renaming
     assert keeper._compaction is not None

@@ -31,10 +31,11 @@ from mixedcpu_support import (
 from redteam_support import GUARD, NAMING, daemon_node, is_shared, short_directory
 
 from api.nri import api_pb2 as api
+from nri_plugin.mixedcpu.bookkeeper import Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
 from nri_plugin.mixedcpu.bounds import out_of_range
 from nri_plugin.mixedcpu.policy import MAX_CFS_QUOTA
-from nri_plugin.mixedcpu.store import STATE_FILE_NAME, Bookkeeper, StateStore
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore
 
 SET_ASIDE = "saved pod record out of range: set aside, the pod is rebuilt from the runtime's view"
 

@@ -1,7 +1,7 @@
 """The mixed-CPU NRI plugin's handlers: the policy (`nri_plugin.mixedcpu.policy`) applied at each event.
 
 The stub drives one `MixedCpuPlugin`. Each handler decides with the policy, then delegates: the pod
-cgroup's quota to `quota.PodQuotas`, the books and their state file to `store.Bookkeeper`,
+cgroup's quota to `quota.PodQuotas`, the books and their state file to `bookkeeper.Bookkeeper`,
 Synchronize's rebuilding of the books to `resync`. What it does per event:
 
 * **CreateContainer** of a container that proves a request (with an allocation marker: kubelet's
@@ -53,6 +53,7 @@ from cgroups import CgroupLayout, CpuQuota
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.mixedcpu import trace
 from nri_plugin.mixedcpu.allocations import AllocationRecord, ContainerDevices, PodRef, devices_of
+from nri_plugin.mixedcpu.bookkeeper import Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.heal import Healer, HealObserver
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, LaterLines, pod_fields, show_quota
@@ -77,7 +78,7 @@ from nri_plugin.mixedcpu.policy import (
 )
 from nri_plugin.mixedcpu.quota import CgroupObserver, PodQuotas
 from nri_plugin.mixedcpu.resync import needed_at_sync, rebuild_books, updates_to_send
-from nri_plugin.mixedcpu.store import Bookkeeper, StateStore
+from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri import handlers
 from nri_plugin.nri.errors import InvalidRequest, PluginRefusal, PreconditionFailed
 

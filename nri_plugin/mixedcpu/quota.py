@@ -62,7 +62,6 @@ import structlog
 
 from api.nri import api_pb2 as api
 from cgroups import (
-    MIN_CFS_QUOTA_US,
     Cgroup,
     CgroupDir,
     CgroupError,
@@ -81,17 +80,17 @@ from cgroups import (
     write_cpu_quota,
 )
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
+from nri_plugin.mixedcpu import baselines
+from nri_plugin.mixedcpu.bookkeeper import Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.bounds import above_runtime_limit
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import (
-    baseline_from_pod_resources,
     baseline_from_resources,
     cpus_or_empty,
     describe,
     pod_key,
 )
-from nri_plugin.mixedcpu.store import Bookkeeper
 from nri_plugin.nri.errors import PluginFailure, PluginRefusal, PreconditionFailed
 
 __all__ = [
@@ -103,9 +102,6 @@ __all__ = [
     "PodQuotaWriter",
     "PodQuotas",
     "PodState",
-    "adopt_resize",
-    "new_pod_record",
-    "rebase",
 ]
 
 log = structlog.get_logger(LOGGER_NAME)
@@ -175,102 +171,6 @@ class PodCheck:
     before: CpuQuota | None = None
     after: CpuQuota | None = None
     error: str = ""
-
-
-# -- the books' side: pure ---------------------------------------------------------------------------------
-
-
-def new_pod_record(pod: api.PodSandbox, current: CpuQuota) -> PodRecord:
-    """The record of a pod first seen with `current` in its cgroup (`_first_seen_baseline`)."""
-    baseline, source = _first_seen_baseline(pod, current)
-    return PodRecord(
-        cgroup_parent=pod.linux.cgroup_parent,
-        baseline=baseline,
-        period=current.period,
-        baseline_source=source,
-    )
-
-
-def _first_seen_baseline(pod: api.PodSandbox, current: CpuQuota) -> tuple[int | None, str]:
-    """The own quota of a pod first seen with `current` in its cgroup, and where it comes from: the
-    runtime's ``pod_resources`` when sent, else the quota it has now (None: unlimited)."""
-    if current.quota is None:
-        return None, "first-seen"
-    baseline = baseline_from_pod_resources(pod, current.period)
-    if baseline is not None:
-        return baseline, "pod-resources"
-    return current.quota, "first-seen"
-
-
-def rebase(record: PodRecord, current: CpuQuota) -> PodRecord:
-    """The record with its baseline in the terms of the pod cgroup's `current` limit (the record
-    itself when nothing changes).
-
-    Unlimited now: unlimited stays unlimited, whoever made it so. Limited now but no baseline yet:
-    that limit is the pod's own (minus the books' shares when the cgroup could not be read at
-    Synchronize). Another period: the baseline scaled to it, rounded up.
-    """
-    quota = current.quota
-    if current.period == record.period and (quota is None) == (record.baseline is None):
-        return record  # the same period, and limited as the books say (the common case)
-    if quota is None:
-        baseline, source = None, record.baseline_source
-    elif record.baseline is None:
-        baseline, source = _first_baseline(record, quota, current.period), "first-seen"
-    else:
-        baseline = -(-record.baseline * current.period // record.period)
-        source = record.baseline_source
-    if (baseline, current.period, source) == (record.baseline, record.period, record.baseline_source):
-        return record
-    return record.with_baseline(baseline, source, current.period)
-
-
-def adopt_resize(record: PodRecord, current: CpuQuota, written: int | None) -> PodRecord:
-    """The record with the pod's own quota as kubelet rewrote it at an in-place resize: `current`
-    (the record rebased on it) holds neither the pod's target nor `written`, the quota last written
-    (or found at its target) here; None when nothing was since the start, and then there is no
-    telling whose a value is. Unlimited stays with `rebase`."""
-    quota = current.quota
-    if written is None or quota is None or record.baseline is None:
-        return record
-    if quota in (written, record.target(), record.baseline):  # ours, or the pod's own (re-applied)
-        return record
-    return record.with_baseline(quota, "resized")
-
-
-def _first_baseline(record: PodRecord, quota: int, period: int) -> int:
-    if record.baseline_source != "unknown":
-        return quota  # unlimited when we first saw it, limited now: that limit is the pod's own
-    # The pod cgroup could not be read at Synchronize: assume the shares of the containers in the
-    # books are already in its quota.
-    guess = quota - sum(c.shared_cpus for c in record.containers.values()) * period
-    return guess if guess >= MIN_CFS_QUOTA_US else quota
-
-
-def _rebuilt(pod: api.PodSandbox, record: PodRecord, current: CpuQuota, applied: int) -> PodRecord:
-    """`record` with the baseline of a pod the saved books did not know, from its cgroup now.
-    `applied`: how many CPUs its shared containers already have beyond their exclusive ones."""
-    baseline, source = _first_seen_baseline(pod, current)
-    if baseline is not None and source == "first-seen" and applied:
-        # Shared CPUs were given before we (re)started: their share is in the pod quota.
-        own = baseline - applied * current.period
-        if own >= MIN_CFS_QUOTA_US:
-            baseline, source = own, "rebuilt"
-    return record.with_baseline(baseline, source, current.period)
-
-
-def _known(record: PodRecord, previous: PodRecord) -> PodRecord:
-    """`record` with the baseline the saved books knew."""
-    return record.with_baseline(previous.baseline, previous.baseline_source, previous.period)
-
-
-def _forget_if_done(pods: MutableMapping[str, PodRecord], key: str, now: CpuQuota, settled: bool) -> None:
-    """Drop a pod with no shared container left once its quota is back to its own, and `settled`
-    (the writer has nothing pending for it: `PodQuotaWriter.settled`). Kept until then, so that the
-    reconciler reads it back: a late answer of systemd's may yet put an older value there."""
-    record = pods[key]
-    if settled and not record.containers and (now.unlimited or now.quota == record.baseline):
-        del pods[key]
 
 
 # -- the cgroup side -----------------------------------------------------------------------------------------
@@ -357,7 +257,11 @@ class PodQuotas:
         try:
             pod_dir = self.open_pod(pod.linux.cgroup_parent)  # one walk for reads and write
             before = read_cpu_quota(pod_dir)
-            books.hold(slot, record, new_pod=None if slot.pod in books.pods else new_pod_record(pod, before))
+            books.hold(
+                slot,
+                record,
+                new_pod=None if slot.pod in books.pods else baselines.new_pod_record(pod, before),
+            )
             # Journaled ahead of the raise: killed right after it, the next start knows the pod's own
             # quota (and there is one append per creation, not two).
             after = await self._reconcile(
@@ -366,7 +270,7 @@ class PodQuotas:
             if self.keeper.waiting:  # left by the commit ahead (no journal yet)
                 self.keeper.commit()
         except (CgroupError, OSError) as exc:
-            _restore(books.pods, slot.pod, saved)
+            baselines.restore(books.pods, slot.pod, saved)
             books.restore_bindings(bindings)  # a failed creation binds no device
             undone = await self._undo(pod_dir, pod.linux.cgroup_parent, slot.pod, before)
             self.keeper.save_quietly()  # the books as they were, where the journal has the new ones
@@ -374,7 +278,7 @@ class PodQuotas:
         except asyncio.CancelledError:
             # The runtime gave up waiting (a write through systemd never answered): the books forget
             # the creation; the pod quota, if it moved, is brought to its target by the next check.
-            _restore(books.pods, slot.pod, saved)
+            baselines.restore(books.pods, slot.pod, saved)
             books.restore_bindings(bindings)
             raise
         finally:
@@ -548,7 +452,7 @@ class PodQuotas:
                 if resources is not None:
                     baseline = baseline_from_resources(resources, overhead, current.period)
                 if baseline is not None and current.quota is not None:
-                    record = rebase(record, current).with_baseline(baseline, "pod-resources")
+                    record = baselines.rebase(record, current).with_baseline(baseline, "pod-resources")
                     self.books.pods[key] = record
                 now = await self._reconcile(pod_dir, self.books.pods, key, current)
         except CgroupError as exc:
@@ -620,9 +524,9 @@ class PodQuotas:
             with self.open_pod(pod.linux.cgroup_parent) as pod_dir:  # one walk for all
                 current = read_cpu_quota(pod_dir)
                 if previous is not None:
-                    pods[key] = _known(pods[key], previous)
+                    pods[key] = baselines.known(pods[key], previous)
                 else:
-                    pods[key] = _rebuilt(pod, pods[key], current, applied)
+                    pods[key] = baselines.rebuilt(pod, pods[key], current, applied)
                     established = True
                 # A new baseline is written ahead of the raise: killed before the books are saved,
                 # the next start would take the raised quota for the pod's own.
@@ -634,14 +538,14 @@ class PodQuotas:
                     pod_quota=f"{show_quota(current)} -> {show_quota(now)}",
                     **pod_fields(pod, event="Synchronize"),
                 )
-            _forget_if_done(pods, key, now, self.writer.settled(pod.linux.cgroup_parent))
+            baselines.forget_if_done(pods, key, now, self.writer.settled(pod.linux.cgroup_parent))
         except CgroupError as exc:
             log.error(
                 "cannot bring the pod quota to its target",
                 error=str(exc),
                 **pod_fields(pod, event="Synchronize"),
             )
-            _sync_failed(pods, key, previous, established)
+            baselines.sync_failed(pods, key, previous, established)
             return False
         return True
 
@@ -651,7 +555,7 @@ class PodQuotas:
         record = self.books.pods.get(key)
         if record is None:
             return
-        _forget_if_done(self.books.pods, key, now, self.writer.settled(record.cgroup_parent))
+        baselines.forget_if_done(self.books.pods, key, now, self.writer.settled(record.cgroup_parent))
         if key not in self.books.pods:
             self._written.pop(key, None)
 
@@ -676,7 +580,7 @@ class PodQuotas:
         retry and logs nothing: its next check tries again.
         """
         held = pods[key]
-        record = self._adopted(rebase(held, current), current, key, pod_dir)
+        record = self._adopted(baselines.rebase(held, current), current, key, pod_dir)
         if record is not held:  # (the same record written again would only mark the pod as changed)
             pods[key] = record
         if ahead is not None:
@@ -722,7 +626,7 @@ class PodQuotas:
             return record  # nothing written here yet: no telling whose a value is
         if not self.writer.settled(record.cgroup_parent):
             return record  # an older value of ours may be landing late (systemd's answer): not a resize
-        resized = adopt_resize(record, current, written)
+        resized = baselines.adopt_resize(record, current, written)
         if resized is not record:
             log.info(
                 "the pod's own quota changed (an in-place resize): its target follows",
@@ -744,24 +648,3 @@ class PodQuotas:
     def _write_failed(self, kind: str) -> None:
         if self.observer is not None:
             self.observer.cgroup_write_failed(kind)
-
-
-def _restore(pods: MutableMapping[str, PodRecord], key: str, saved: PodRecord | None) -> None:
-    if saved is None:
-        pods.pop(key, None)
-    else:
-        pods[key] = saved
-
-
-def _sync_failed(
-    pods: MutableMapping[str, PodRecord], key: str, previous: PodRecord | None, established: bool
-) -> None:
-    """What the books keep of a pod whose cgroup failed us at Synchronize."""
-    record = pods[key]
-    if previous is not None:
-        # Keep what the books knew: the pod's own quota must outlive an unreadable cgroup.
-        pods[key] = _known(record, previous)
-    elif not record.containers:
-        del pods[key]
-    elif not established:
-        pods[key] = record.with_baseline(None, "unknown")

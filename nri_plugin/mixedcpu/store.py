@@ -1,4 +1,4 @@
-"""The books on disk, and when they are written: a snapshot, ``<state_dir>/pod-quotas.json``, and a
+"""The books on disk: a snapshot, ``<state_dir>/pod-quotas.json``, and a
 journal of the changes made since, ``pod-quotas.json.journal.<n>``.
 
 Why a journal: the runtime waits for the plugin on the creation path of every container. Writing the
@@ -29,11 +29,8 @@ fsynced (temporary file, fsync, rename), in the worker thread.
   from empty books that Synchronize rebuilds, as for a corrupt file. It never hangs the start, never
   fills the memory, and never leaves a daemon that is ready but cannot save. Only when it cannot even
   be set aside does the load raise `StateFileError` (the daemon then exits 2 with one line).
-* `Bookkeeper` holds the plugin's current `Books` and decides when they are written: at once (before
-  the reply that depends on it) when something Synchronize cannot rebuild changed, a pod's baseline
-  or a device binding; else within `FLUSH_DELAY`, so that a burst of slot changes costs one write.
-  `Books` notes which pods and devices each event wrote (`Books.take_changes`): no write looks at the
-  pods that did not change.
+When the files are written (at once, deferred, compacted in a worker thread) is the
+`nri_plugin.mixedcpu.bookkeeper.Bookkeeper`'s business; this module is the format and the files.
 
 The snapshot (version 1): ``{"devices": {id: {"pod", "container"}}, "journal": n, "pods": {key:
 {"cgroup_parent", "baseline", "period", "baseline_source", "target", "containers": {name: {"id",
@@ -52,7 +49,7 @@ in the snapshot is harmless; a line cut short loses one write whole. A compactio
 appends to the next number, then writes the snapshot naming that number, then deletes the journals
 before it: killed at any step, the files on disk still replay to the books of some instant after
 the last reply. A pod's own quota is journaled ahead of the write that raises its cgroup
-(`Bookkeeper.write_ahead`): killed in between, the next start still knows it.
+(`bookkeeper.Bookkeeper.write_ahead`): killed in between, the next start still knows it.
 
 Saving a snapshot costs what changed, not the number of pods: the store keeps each pod's encoded
 text with the `PodRecord` it was made from, and reuses it while the books still hold that same
@@ -68,7 +65,6 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final
@@ -76,45 +72,33 @@ from typing import Any, Final
 import structlog
 
 from nri_plugin.common.atomicfile import write_atomically
-from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.common.smallfile import NotRegularFile, SymbolicLink, TooLarge, read_small_file
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
 from nri_plugin.mixedcpu.bounds import set_aside_out_of_range
-from nri_plugin.mixedcpu.logfields import LOGGER_NAME
 
 __all__ = [
-    "COMPACT_MIN_BYTES",
-    "FLUSH_DELAY",
     "MAX_STATE_SIZE",
     "STATE_FILE_NAME",
     "STATE_VERSION",
-    "Bookkeeper",
     "Loaded",
     "StateFileError",
     "StateStore",
     "apply_operation",
     "books_from_json",
     "books_to_json",
+    "changes_line",
+    "header_line",
     "pod_operations",
     "pod_to_json",
+    "same_header",
 ]
 
 log = structlog.get_logger("nri_plugin.mixedcpu.store")
-# A failed save is about the plugin's work: logged with the rest of it.
-plugin_log = structlog.get_logger(LOGGER_NAME)
 
 STATE_FILE_NAME: Final = "pod-quotas.json"
 STATE_VERSION: Final = 1
-# Changes to the books that Synchronize can rebuild (which container holds a slot) are written to the
-# state file this long after they happen; a new or dropped pod baseline is written at once.
-FLUSH_DELAY = 1.0
 # The books of 1,000 pods take some 600 KB; a file larger than this was not written by us.
 MAX_STATE_SIZE: Final = 8 << 20
-# The journal is compacted into a new snapshot once it holds this much, and twice the snapshot.
-COMPACT_MIN_BYTES: Final = 16 * 1024
-_COMPACT_RATIO: Final = 2
-# After a compaction failed (a full disk), none is tried again for this long.
-_COMPACT_COOLDOWN: Final = 10.0
 
 
 # -- the format ----------------------------------------------------------------------------------------
@@ -286,6 +270,31 @@ def _device_operation(device: str, slot: Slot | None) -> Operation:
     if slot is None:
         return f'["U",{_text_json(device)}]'
     return f'["B",{_text_json(device)},{_text_json(slot.pod)},{_text_json(slot.name)}]'
+
+
+def same_header(old: PodRecord, new: PodRecord) -> bool:
+    """Whether two records of a pod agree on what a journal's ``P`` operation holds (the cgroup
+    parent, baseline, period and its source): only their slots differ."""
+    return _header(old) == _header(new)
+
+
+def header_line(key: str, record: PodRecord) -> bytes:
+    """The journal line that sets pod `key`'s own record (`record` bar its slots)."""
+    return _encode_operations([_header_operation(_text_json(key), record)])
+
+
+def changes_line(books: Books, pods: dict[str, PodRecord | None], devices: dict[str, Slot | None]) -> bytes:
+    """The journal line that turns what the files hold (`pods` and `devices`: each key changed, with
+    its value in the files) into `books`; empty when nothing differs."""
+    ops: list[Operation] = []
+    for key, old in pods.items():
+        ops += pod_operations(key, old, books.pods.get(key))
+    ops += [
+        _device_operation(device, now)
+        for device, old in devices.items()
+        if (now := books.devices.get(device)) != old
+    ]
+    return _encode_operations(ops)
 
 
 def _encode_operations(ops: list[Operation]) -> bytes:
@@ -666,288 +675,3 @@ def _replay_journal(books: Books, data: bytes, path: str) -> bool:
 
 def _pod_text(key: str, pod: PodRecord) -> bytes:
     return f"{encode_basestring_ascii(key)}:{_dumps(pod_to_json(pod))}".encode()
-
-
-# -- when the files are written -----------------------------------------------------------------------
-
-
-class Bookkeeper:
-    """The plugin's current books and their writing to `store` (see the module docstring).
-
-    ``books`` may be replaced as a whole (Synchronize does). Timers run on `clock`; without a running
-    loop to run them (a script, a plain test), what would wait is written at once. Given `books`
-    (rather than loading them) were never written: the first write is a snapshot.
-    """
-
-    def __init__(self, store: StateStore, books: Books | None = None, *, clock: Clock = LOOP_CLOCK) -> None:
-        self.store = store
-        loaded = store.load_state() if books is None else Loaded(books)
-        self._books = loaded.books
-        self._books.take_changes()
-        self._clock = clock
-        # The journal appends go to (None: the next write must be a snapshot), the bytes it and its
-        # predecessors hold since the snapshot, the snapshot's size.
-        self._journal = loaded.journal
-        self._journal_bytes = loaded.journal_bytes
-        self._snapshot_bytes = loaded.snapshot_bytes
-        self._unsaved = books is not None  # books never written at all
-        # Changed since the last write: pod key (device id) -> what the files hold for it.
-        self._pods: dict[str, PodRecord | None] = {}
-        self._devices: dict[str, Slot | None] = {}
-        self._flush_timer: Timer | None = None
-        self._compaction: Future[int] | None = None
-        self._compacted_bytes = 0  # of the journal, by the compaction under way
-        self._compact_not_before = 0.0
-        self._compact_timer: Timer | None = None
-        self._executor: ThreadPoolExecutor | None = None
-
-    @property
-    def books(self) -> Books:
-        return self._books
-
-    @books.setter
-    def books(self, books: Books) -> None:
-        """Replace the books as a whole: every pod and device that differs is written as changed."""
-        old = self._books
-        self._absorb()
-        books.take_changes()
-        for key in old.pods.keys() | books.pods.keys():
-            if books.pods.get(key) is not old.pods.get(key):
-                self._pods.setdefault(key, old.pods.get(key))
-        for device in old.devices.keys() | books.devices.keys():
-            if books.devices.get(device) != old.devices.get(device):
-                self._devices.setdefault(device, old.devices.get(device))
-        self._books = books
-        if self._journal is None:
-            self._unsaved = True  # Synchronize: start the journal now, not at the first creation
-
-    @property
-    def flush_pending(self) -> bool:
-        """True while a change waits for the deferred write."""
-        return self._flush_timer is not None
-
-    def commit(self, *, establish: bool = True) -> None:
-        """Persist the changes: at once when what Synchronize cannot rebuild changed (raises OSError),
-        else within `FLUSH_DELAY`. `establish` False: when that would take a whole snapshot (no journal
-        yet), leave it to the next commit (a creation writes its books ahead of the pod cgroup only
-        when that costs one append)."""
-        if not establish and self._journal is None:
-            return
-        self._absorb()
-        if self._pods or self._devices or self._unsaved:
-            if self._unrebuildable_changed() or (self._unsaved and self._journal is None and self._pods):
-                self._write()
-            elif (self._pods or self._devices or self._unsaved) and self._flush_timer is None:
-                self._defer()
-        self._maybe_compact()
-
-    def commit_ahead(self) -> None:
-        """A creation's books journaled before its pod cgroup is raised: `commit` with `establish`
-        False. What it leaves (no journal yet: the next write is a snapshot) is `waiting`."""
-        self.commit(establish=False)
-
-    @property
-    def waiting(self) -> bool:
-        """Whether the books hold changes a `commit` would write or schedule (without any, it only
-        looks at the compaction: a creation's commit after a commit ahead that wrote its books
-        can be left out)."""
-        return bool(self._books.changed or self._pods or self._devices or self._unsaved)
-
-    def _defer(self) -> None:
-        try:
-            self._flush_timer = self._clock.call_later(FLUSH_DELAY, self._deferred_flush)
-        except RuntimeError:  # no running loop: nothing would ever fire the timer
-            self._write()
-
-    def flush(self, *, force: bool = False) -> None:
-        """Write the books now as one snapshot if anything is waiting or journaled (or `force`), after
-        any compaction under way. Raises OSError."""
-        self._absorb()
-        self._cancel_timer()
-        self._finish_compaction(wait=True)
-        if (
-            force
-            or self._pods
-            or self._devices
-            or self._unsaved
-            or self._journal_bytes
-            or self._journal is None
-        ):
-            self._compact_now()
-
-    def write_ahead(self, key: str, record: PodRecord, *, establish: bool = True) -> None:
-        """Journal a pod's own quota (its record bar the slots) now, before its pod cgroup is raised:
-        a process killed right after that write must not take the raised quota for the pod's own at
-        its next start. `record` may be in other books than these (Synchronize builds the books that
-        replace them). Without a journal yet, a snapshot starts one, or with `establish` False nothing
-        is written (the write after the raise will be a snapshot). Raises OSError."""
-        if self._journal is None:
-            if not establish:
-                return
-            self._compact_now()
-        self._absorb()
-        on_disk = self._pods[key] if key in self._pods else self._books.pods.get(key)
-        if on_disk is None or _header(on_disk) != _header(record):
-            self._append(_encode_operations([_header_operation(_text_json(key), record)]))
-        # What the files replay to once this is appended: its header, the slots they held.
-        self._pods[key] = record.with_slots(on_disk.containers if on_disk is not None else _NO_SLOTS)
-
-    def save_quietly(self, *, force: bool = False) -> None:
-        """`commit` (or `flush` when `force`), logging a failure instead of raising it: for changes
-        that are already made and that the next save or Synchronize will carry."""
-        try:
-            if force:
-                self.flush(force=True)
-            else:
-                self.commit()
-        except OSError as exc:
-            plugin_log.error("cannot save the plugin's state", path=self.store.path, error=str(exc))
-
-    # -- steps ---------------------------------------------------------------------------------------
-
-    def _absorb(self) -> None:
-        """Take the books' changes; for a key already waiting, the files still hold the older value."""
-        pods, devices = self._books.take_changes()
-        if not self._pods:
-            self._pods = pods  # (the books start new ones: these are ours)
-        else:
-            for key, old in pods.items():
-                self._pods.setdefault(key, old)
-        if not self._devices:
-            self._devices = devices
-        else:
-            for device, slot in devices.items():
-                self._devices.setdefault(device, slot)
-
-    def _unrebuildable_changed(self) -> bool:
-        """Whether a waiting change is one Synchronize cannot rebuild: a pod's baseline (or the pod
-        itself), a device binding."""
-        pods = self._books.pods
-        for key, old in self._pods.items():
-            new = pods.get(key)
-            if new is not old and (old is None or new is None or _header(old) != _header(new)):
-                return True
-        if self._devices:
-            devices = self._books.devices
-            return any(devices.get(device) != slot for device, slot in self._devices.items())
-        return False
-
-    def _write(self) -> None:
-        """Append what waits to the journal, or write a snapshot when the journal cannot take it."""
-        if self._flush_timer is not None:
-            self._cancel_timer()
-        if self._journal is None:
-            self._compact_now()
-            return
-        data = _encode_operations(self._operations())
-        if data:
-            self._append(data)
-        self._pods.clear()
-        self._devices.clear()
-
-    def _append(self, data: bytes) -> None:
-        assert self._journal is not None
-        try:
-            self.store.append(self._journal, data)
-        except OSError:
-            self._journal = None  # the file may end in part of a line: the next write is a snapshot
-            raise
-        self._journal_bytes += len(data)
-
-    def _operations(self) -> list[Operation]:
-        pods = self._books.pods
-        ops: list[Operation] = []
-        for key, old in self._pods.items():
-            ops += pod_operations(key, old, pods.get(key))
-        if self._devices:
-            devices = self._books.devices
-            ops += [
-                _device_operation(device, now)
-                for device, old in self._devices.items()
-                if (now := devices.get(device)) != old
-            ]
-        return ops
-
-    def _compact_now(self) -> None:
-        """Write the whole books as a new snapshot, here and now, starting a new journal."""
-        self._cancel_compaction_timer()
-        self._finish_compaction(wait=True)
-        first = max([self._journal or 0, *self.store.journal_numbers()]) + 1
-        data = self.store.encode(self._books, b"\n", journal=first)
-        self.store.write_snapshot(data, first)
-        self.store.close_journal()
-        self._journal, self._journal_bytes, self._snapshot_bytes = first, 0, len(data)
-        self._pods.clear()
-        self._devices.clear()
-        self._unsaved = False
-
-    def _maybe_compact(self) -> None:
-        """Have a compaction started, right after the current event, once the journal holds enough
-        to be worth it (without a running loop: now)."""
-        if self._compaction is not None:
-            self._finish_compaction(wait=False)
-        if (
-            self._compaction is not None
-            or self._compact_timer is not None
-            or self._journal is None
-            or self._journal_bytes < max(COMPACT_MIN_BYTES, _COMPACT_RATIO * self._snapshot_bytes)
-            or time.monotonic() < self._compact_not_before
-        ):
-            return
-        try:
-            self._compact_timer = self._clock.call_later(0.0, self._start_compaction)
-        except RuntimeError:
-            self._start_compaction()
-
-    def _start_compaction(self) -> None:
-        """Rotate the journal and hand the snapshot to the worker thread (see the module docstring)."""
-        self._compact_timer = None
-        if self._compaction is not None or self._journal is None:
-            return
-        try:
-            self._write()  # what waits goes to the journal being closed: the snapshot may yet fail
-        except OSError as exc:
-            plugin_log.error("cannot save the plugin's state", path=self.store.path, error=str(exc))
-            return
-        assert self._journal is not None
-        first = self._journal + 1
-        data = self.store.encode(self._books, b"\n", journal=first)
-        self.store.close_journal()
-        self._journal, self._compacted_bytes = first, self._journal_bytes
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-compaction")
-        self._compaction = self._executor.submit(self.store.write_snapshot, data, first)
-
-    def _finish_compaction(self, *, wait: bool) -> None:
-        """Take the outcome of the compaction under way, if it is done (or once it is, with `wait`)."""
-        compaction = self._compaction
-        if compaction is None or not (wait or compaction.done()):
-            return
-        self._compaction = None
-        try:
-            size = compaction.result()
-        except OSError as exc:
-            # The journals still follow the previous snapshot: nothing is lost, the next one retries.
-            plugin_log.error("cannot compact the plugin's state", path=self.store.path, error=str(exc))
-            self._compact_not_before = time.monotonic() + _COMPACT_COOLDOWN
-            return
-        self._snapshot_bytes = size
-        self._journal_bytes -= self._compacted_bytes
-
-    def _cancel_timer(self) -> None:
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
-
-    def _cancel_compaction_timer(self) -> None:
-        if self._compact_timer is not None:
-            self._compact_timer.cancel()
-            self._compact_timer = None
-
-    def _deferred_flush(self) -> None:
-        self._flush_timer = None
-        try:
-            self._write()
-            self._maybe_compact()
-        except OSError as exc:
-            plugin_log.error("cannot save the plugin's state", path=self.store.path, error=str(exc))
