@@ -79,6 +79,16 @@ def plugin_behind_trunk(plugin: MixedCpuPlugin) -> tuple[mux.Trunk, _CountingTra
     return trunk, transport
 
 
+async def answered(trunk: mux.Trunk, transport: _CountingTransport, frame: bytes) -> None:
+    """Feed the trunk one request and return once its reply is written: within `data_received` where
+    a handler that never waits is started eagerly (Python 3.12 and later), else after the turns of
+    the event loop its task takes (3.10, 3.11). Either way the cost counted is the whole of it."""
+    expected = transport.written + 1
+    trunk.data_received(frame)
+    while transport.written < expected:  # noqa: ASYNC110 - a turn of the loop, no waiter measured
+        await asyncio.sleep(0)
+
+
 def fake_layout(cgroup_root: str) -> CgroupLayout:
     return CgroupLayout(
         CgroupMode.V1,
@@ -155,14 +165,14 @@ async def per_create(
         if idle:
             time.sleep(idle)  # noqa: ASYNC251 - idle between requests, as a live plugin is; untimed
         started = clock()
-        trunk.data_received(frame)
+        await answered(trunk, transport, frame)
         replied = clock()
         plugin.later.flush()
         before += replied - started
         after += clock() - replied
     if profiler is not None:
         profiler.disable()
-    assert transport.written == len(frames), "every request must be answered without waiting"
+    assert transport.written == len(frames), "every request must be answered"
     assert plugin.books.shared_containers == books + len(frames), "every container was given shared CPUs"
     plugin.flush()
     return Cost(before / len(frames), after / len(frames))

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from asking_create import SHARED_CPUS, _frames, fake_layout, plugin_behind_trunk
+from asking_create import SHARED_CPUS, _frames, answered, fake_layout, plugin_behind_trunk
 from workload import fake_node, realistic_pod
 
 from nri_plugin.daemon.logs import configure_logging
@@ -91,12 +91,12 @@ async def _count(root: Path, calls: int, warm: int) -> OpcodeCounter:
     trunk, transport = plugin_behind_trunk(plugin)
     frames = _frames(parents, 0)
     for frame in frames[:warm]:
-        trunk.data_received(frame)
+        await answered(trunk, transport, frame)
     counter = OpcodeCounter()
     with counter:
         for frame in frames[warm:]:
-            trunk.data_received(frame)
-    assert transport.written == pods, "every request must be answered without waiting"
+            await answered(trunk, transport, frame)
+    assert transport.written == pods, "every request must be answered"
     assert plugin.books.shared_containers == pods, "every container was given shared CPUs"
     plugin.flush()
     return counter
