@@ -18,6 +18,8 @@ tests=(
   tests/test_mux.py
   tests/test_nri_end_to_end.py
   tests/test_mixedcpu_end_to_end.py
+  tests/test_mixedcpu_numa_end_to_end.py
+  tests/test_nri_routes.py
   tests/test_systemd.py
   tests/test_systemd_bus.py
   tests/test_heal.py

@@ -209,7 +209,7 @@ async def test_synchronize_brings_containers_to_their_subset_as_the_key_changes(
         plugin = node.plugin()
         with structlog.testing.capture_logs() as logs:
             async with plugin_running(plugin, node.socket):
-                await sim.wait_for_plugins(1, GUARD)
+                await sim.wait_for_synchronizations(1, GUARD)
         assert node.running("fwd")[:2] == ("8-9,12-13", 4 * PERIOD)
         assert tree.pod_quota(pod) == BASELINE + 2 * PERIOD
         assert node.saved_shares(plugin) == {"fwd": 2}
@@ -219,20 +219,20 @@ async def test_synchronize_brings_containers_to_their_subset_as_the_key_changes(
         # The admin turns the key off: the whole pool, and the pod quota for all of it.
         plugin = node.plugin(WHOLE)
         async with plugin_running(plugin, node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(2, GUARD)
         assert node.running("fwd")[:2] == ("0-1,8-9,12-13", 6 * PERIOD)
         assert tree.pod_quota(pod) == BASELINE + 4 * PERIOD
         assert node.saved_shares(plugin) == {"fwd": 4}
 
         # ... and on again: back to node 1's, the pod quota down with it.
         async with plugin_running(node.plugin(), node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(3, GUARD)
         assert node.running("fwd")[:2] == ("8-9,12-13", 4 * PERIOD)
         assert tree.pod_quota(pod) == BASELINE + 2 * PERIOD
 
         # ... then narrows node 1's part of the pool.
         async with plugin_running(node.plugin(SharedPool(frozenset({0, 1, 8}), TWO_NODES)), node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(4, GUARD)
         assert node.running("fwd")[:2] == ("8,12-13", 3 * PERIOD)
         assert tree.pod_quota(pod) == BASELINE + PERIOD
 
@@ -240,7 +240,7 @@ async def test_synchronize_brings_containers_to_their_subset_as_the_key_changes(
         os.unlink(node.state / "pod-quotas.json")
         updates = len(sim.applied_updates)
         async with plugin_running(node.plugin(SharedPool(frozenset({0, 1, 8}), TWO_NODES)), node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(5, GUARD)
             assert len(sim.applied_updates) == updates
             assert tree.pod_quota(pod) == BASELINE + PERIOD
             await sim.stop_container("fwd")
