@@ -33,6 +33,7 @@ from nri_plugin.mixedcpu import store as state_file
 from nri_plugin.mixedcpu.baselines import rebase
 from nri_plugin.mixedcpu.bookkeeper import FLUSH_DELAY, Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
+from nri_plugin.mixedcpu.bounds import out_of_range
 from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore, books_to_json
 
 CGROUPFS = Naming("containerd", "cgroupfs")
@@ -448,7 +449,10 @@ def test_saved_file_is_always_a_full_encoding_of_the_books(seed: int, steps: int
             if rng.random() < 0.6:  # not after every change: several may pile up between saves
                 store.save(books)
                 assert (Path(tmp) / STATE_FILE_NAME).read_bytes() == _full(books)
-                assert store.load().pods == books.pods  # (devices: the file adds the live ones)
+                # (devices: the file adds the live ones; a record the mutations took out of the
+                # kernel's ranges, a baseline rescaled below 1 ms, is set aside at load)
+                in_range = {key: pod for key, pod in books.pods.items() if out_of_range(pod) is None}
+                assert store.load().pods == in_range
         store.save(books)
         assert (Path(tmp) / STATE_FILE_NAME).read_bytes() == _full(books)
 
