@@ -26,6 +26,7 @@ from probe_support import (
     daemon_with_probes,
     exchange,
     get,
+    parse_reply,
     probes_during,
     samples,
     scrape,
@@ -318,6 +319,48 @@ async def test_evictions_are_counted_by_reason_for_the_scrape(monkeypatch: pytes
             for writer in held:
                 writer.close()
     assert server.evicted == 3
+
+
+def _connected(port: int, source: str, sent: bytes = b"") -> socket.socket:
+    """A blocking connection from `source`, with `sent` sent on it: the kernel completes it and holds
+    the bytes whether or not the server has taken it yet."""
+    sock = socket.create_connection((HOST, port), timeout=GUARD, source_address=(source, 0))
+    sock.sendall(sent)
+    return sock
+
+
+@pytest.mark.asyncio
+async def test_a_probe_whose_request_is_whole_is_never_evicted_on_a_slow_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 25, break 7, found again on a loaded machine: a probe's request came with its connection,
+    but the loop, short of CPU, had not read it after `HEARD_TIME`, and it was evicted as if it were
+    a slow client; kubelet saw its connection closed with no answer. Here a request head begun is
+    fair game at once (`HEARD_TIME` 0) and the idle newcomers are not yet (a long `FAIR_TIME`), and
+    all of them come in one turn of the loop: the partial head goes, the whole one is answered."""
+    monkeypatch.setattr(probes, "FAIR_TURNS", 0)
+    monkeypatch.setattr(probes, "FAIR_TIME", 60.0)
+    monkeypatch.setattr(probes, "HEARD_TIME", 0.0)
+    monkeypatch.setattr(probes, "MAX_CONNECTIONS", 4)
+    async with serving() as (server, port):
+        # No await until all are queued: the server takes them in one turn, in this order.
+        probe = _connected(port, HOST, f"GET /healthz HTTP/1.1\r\nHost: {HOST}:{port}\r\n\r\n".encode())
+        partial = _connected(port, "127.0.0.2", b"GET /healthz HTTP/1.1\r\n")
+        idle = [_connected(port, f"127.0.0.{n}") for n in (3, 4, 5)]  # the last one finds 4 open
+        try:
+            probe.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=probe)
+            reply = parse_reply(await asyncio.wait_for(reader.read(), GUARD))
+            writer.close()
+            assert (reply.status, reply.text) == (200, "ok\n")
+            partial.setblocking(False)
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(ConnectionResetError):
+                assert await asyncio.wait_for(loop.sock_recv(partial, 64), GUARD) == b""  # evicted
+            assert server.evicted == 1
+        finally:
+            for sock in (partial, *idle):
+                sock.close()
 
 
 def test_a_peer_at_its_limit_evicts_its_own_oldest() -> None:
