@@ -329,27 +329,73 @@ async def start_churn(
     )
 
 
+# What became of one probe (`ProbeOutcome.kind`): answered (any status), closed by the daemon before
+# a whole answer (EOF or reset: evicted unread), its connection refused, or no answer by the guard.
+ANSWERED, CLOSED, REFUSED, WAITING = "answered", "closed", "refused", "waiting"
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """One probe: its `kind` (above), the seconds from its connect until then (until the guard when
+    still waiting), the answer's status when answered, and what the client saw otherwise."""
+
+    kind: str
+    seconds: float
+    status: int = 0
+    detail: str = ""
+
+
+async def probe_once(host: str, port: int, *, path: str = "/healthz") -> ProbeOutcome:
+    """kubelet's probe: a connection of its own from 127.0.0.1, the request sent with it, the answer
+    read until the server closes. No guard of its own: the caller bounds it (`probes_during`)."""
+    request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: kube-probe/1.31\r\n\r\n"
+    begin = time.perf_counter()
+    try:
+        reader, writer = await connect(host, port, "127.0.0.1")
+    except OSError as exc:
+        return ProbeOutcome(REFUSED, time.perf_counter() - begin, detail=repr(exc))
+    try:
+        writer.write(request.encode())
+        await writer.drain()
+        data = await reader.read()
+    except ConnectionError as exc:  # reset: the daemon closed it with the request unread
+        return ProbeOutcome(CLOSED, time.perf_counter() - begin, detail=repr(exc))
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    seconds = time.perf_counter() - begin
+    try:
+        reply = parse_reply(data)
+    except AssertionError:  # the end of the stream before a whole answer
+        return ProbeOutcome(CLOSED, seconds, detail=f"{len(data)} bytes, then the end: {data[:80]!r}")
+    return ProbeOutcome(ANSWERED, seconds, status=reply.status, detail=reply.text)
+
+
 async def probes_during(
-    host: str, port: int, attack: asyncio.subprocess.Process, *, every: float = 0.05
-) -> list[float | None]:
-    """kubelet's probes of ``/healthz`` from 127.0.0.1, one every `every` seconds, each on its own
-    connection and without waiting for the one before, until `attack` exits; for each, the seconds
-    it took to be answered 200, or None when it was not within `PROBE_TIMEOUT`."""
-
-    async def probe() -> float | None:
-        begin = time.perf_counter()
-        try:
-            reply = await asyncio.wait_for(get(host, port, "/healthz", source="127.0.0.1"), PROBE_TIMEOUT)
-        except (OSError, asyncio.TimeoutError, AssertionError, asyncio.IncompleteReadError):
-            return None
-        return time.perf_counter() - begin if (reply.status, reply.text) == (200, "ok\n") else None
-
+    host: str, port: int, attack: asyncio.subprocess.Process, *, every: float = 0.05, guard: float = 30.0
+) -> list[ProbeOutcome]:
+    """kubelet's probes of ``/healthz`` (`probe_once`), one every `every` seconds, each on its own
+    connection and without waiting for the one before, until `attack` exits; then each probe still
+    out gets up to `guard` seconds more (a bound against a hang, far above any answer's time). What
+    became of each, in the order they were sent; those out at the guard are `WAITING`."""
     waiter = asyncio.ensure_future(attack.wait())
-    sent: list[asyncio.Task[float | None]] = []
+    sent: list[tuple[float, asyncio.Task[ProbeOutcome]]] = []
     while not waiter.done():
-        sent.append(asyncio.ensure_future(probe()))
+        sent.append((time.perf_counter(), asyncio.ensure_future(probe_once(host, port))))
         await asyncio.wait([waiter], timeout=every)
-    return list(await asyncio.gather(*sent))
+    tasks = [task for _, task in sent]
+    _, pending = await asyncio.wait(tasks, timeout=guard)
+    now = time.perf_counter()
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return [
+        ProbeOutcome(WAITING, now - begin, detail=f"no answer {guard:g} s after the attack")
+        if task in pending
+        else task.result()
+        for begin, task in sent
+    ]
 
 
 def churn_main() -> None:

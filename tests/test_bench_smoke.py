@@ -108,3 +108,20 @@ def test_in_process_synchronize_counts_both_kinds() -> None:
     assert first > restart > 0, out
     for path in ("nri_plugin/nri/stub.py", "nri_plugin/mixedcpu/quota.py", "cgroups/files.py"):
         assert f"| {path} | " in out, out
+
+
+def test_probe_churn_prints_its_table() -> None:
+    """A churn too slow to evict anything: the bench starts the daemon, probes it through the churn
+    and prints one row per rate (no figure judged)."""
+    out = _bench("probe_churn.py", "--rates", "40,80", "--sources", "3", "--duration", "0.3")
+    lines = out.splitlines()
+    assert lines[0].startswith("load average "), out
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line]
+    header, body = rows[0], rows[1:]
+    assert header.startswith("| new connections/s | opened | evicted |"), out
+    assert [row.split(" | ")[0] for row in body] == ["| 40", "| 80"], out
+    for row in body:
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert len(cells) == len(header.strip("|").split(" | ")), row
+        assert int(cells[4]) >= 1, row  # probes sent
+        assert cells[-1] in {"yes", "**no**"}, row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import re
@@ -18,6 +19,7 @@ import pytest
 import structlog
 from mixedcpu_support import daemon_process, run_cli, terminate, write_daemon_config
 from probe_support import (
+    ANSWERED,
     GUARD,
     PROBE_TIMEOUT,
     Reply,
@@ -26,6 +28,7 @@ from probe_support import (
     daemon_with_probes,
     exchange,
     get,
+    parse_reply,
     probes_during,
     samples,
     scrape,
@@ -318,6 +321,48 @@ async def test_evictions_are_counted_by_reason_for_the_scrape(monkeypatch: pytes
             for writer in held:
                 writer.close()
     assert server.evicted == 3
+
+
+def _connected(port: int, source: str, sent: bytes = b"") -> socket.socket:
+    """A blocking connection from `source`, with `sent` sent on it: the kernel completes it and holds
+    the bytes whether or not the server has taken it yet."""
+    sock = socket.create_connection((HOST, port), timeout=GUARD, source_address=(source, 0))
+    sock.sendall(sent)
+    return sock
+
+
+@pytest.mark.asyncio
+async def test_a_probe_whose_request_is_whole_is_never_evicted_on_a_slow_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 25, break 7, found again on a loaded machine: a probe's request came with its connection,
+    but the loop, short of CPU, had not read it after `HEARD_TIME`, and it was evicted as if it were
+    a slow client; kubelet saw its connection closed with no answer. Here a request head begun is
+    fair game at once (`HEARD_TIME` 0) and the idle newcomers are not yet (a long `FAIR_TIME`), and
+    all of them come in one turn of the loop: the partial head goes, the whole one is answered."""
+    monkeypatch.setattr(probes, "FAIR_TURNS", 0)
+    monkeypatch.setattr(probes, "FAIR_TIME", 60.0)
+    monkeypatch.setattr(probes, "HEARD_TIME", 0.0)
+    monkeypatch.setattr(probes, "MAX_CONNECTIONS", 4)
+    async with serving() as (server, port):
+        # No await until all are queued: the server takes them in one turn, in this order.
+        probe = _connected(port, HOST, f"GET /healthz HTTP/1.1\r\nHost: {HOST}:{port}\r\n\r\n".encode())
+        partial = _connected(port, "127.0.0.2", b"GET /healthz HTTP/1.1\r\n")
+        idle = [_connected(port, f"127.0.0.{n}") for n in (3, 4, 5)]  # the last one finds 4 open
+        try:
+            probe.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=probe)
+            reply = parse_reply(await asyncio.wait_for(reader.read(), GUARD))
+            writer.close()
+            assert (reply.status, reply.text) == (200, "ok\n")
+            partial.setblocking(False)
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(ConnectionResetError):
+                assert await asyncio.wait_for(loop.sock_recv(partial, 64), GUARD) == b""  # evicted
+            assert server.evicted == 1
+        finally:
+            for sock in (partial, *idle):
+                sock.close()
 
 
 def test_a_peer_at_its_limit_evicts_its_own_oldest() -> None:
@@ -630,28 +675,33 @@ async def test_daemon_liveness_survives_a_churn_of_connections_from_many_address
     """Issue 25, break 7: new idle connections at `rate` a second from 80 loopback addresses, held
     until evicted. Every newcomer has to evict, and the peers all tie at one connection or so; a probe
     connection was evicted before the daemon had read it, and 30 % of probes (all of them at 5,000 a
-    second) failed. A connection not yet given its chance to be read is never the one evicted: at
-    least 99 % of kubelet's probes are answered within its 2 s, and each eviction is counted."""
+    second) failed. A connection not yet given its chance to be read is never the one evicted: no
+    probe is closed unanswered, every one is answered 200 (a probe queued by the kernel while the
+    daemon gets little CPU is answered late, within a generous guard: how fast is
+    bench/probe_churn.py's to measure, not this test's), and the evictions are counted."""
     config = write_daemon_config(tmp_path, device_plugins)
     seen: list[str] = []
     async with daemon_with_probes(config, tmp_path / "nri.sock", seen) as (proc, host, port):
         attack = await start_churn(host, port, sources=80, rate=rate, duration=3.0)
-        took = await probes_during(host, port, attack)
+        outcomes = await probes_during(host, port, attack, guard=30.0)
         out, err = await attack.communicate()
         assert attack.returncode == 0, err.decode()
         opened = int(out)
-        answered = [seconds for seconds in took if seconds is not None]
-        assert len(answered) >= 0.99 * len(took), (len(answered), len(took), opened)
         found = await scrape(host, port)
         evicted = sum(
             value(found, "mixed_cpu_probe_connections_evicted_total", reason=reason)
             for reason in probes.EVICTION_REASONS
         )
+        kinds = collections.Counter(outcome.kind for outcome in outcomes)
+        slowest = max(outcome.seconds for outcome in outcomes)
         print(
-            f"rate {rate}: opened {opened}, probes {len(answered)}/{len(took)}, evicted {evicted:g}, "
-            f"slowest {max(answered):.3f} s"
+            f"rate {rate}: opened {opened}, probes {dict(kinds)}, evicted {evicted:g}, slowest {slowest:.2f}"
         )
-        assert evicted > 0
+        unanswered = [outcome for outcome in outcomes if outcome.kind != ANSWERED]
+        assert not unanswered, (len(unanswered), len(outcomes), unanswered[:5])  # closed, refused, waiting
+        assert {(outcome.status, outcome.detail) for outcome in outcomes} == {(200, "ok\n")}
+        assert len(outcomes) >= 10, outcomes  # one every 50 ms through the attack's 3 s (or more)
+        assert evicted > 0, opened
     assert proc.returncode == 0, "\n".join(seen)
     warnings = [line for line in seen if "are evicted to make room" in line]
     assert len(warnings) == 1, warnings  # once a minute at most, with the count

@@ -21,10 +21,12 @@ connection that has said nothing goes first, then the oldest still sending its h
 
 Nor by a churn of new connections from many addresses (issue 25): a connection is evicted only
 after it has had its chance to be read (`FAIR_TURNS` turns of the loop and `FAIR_TIME` seconds), so
-kubelet's probe, whose request comes with its connection, is read before it could go. Until then
-newcomers are taken beyond the limit, up to `HARD_MAX_CONNECTIONS`. A connection costs no task until
-its first bytes arrive (a bare socket waiting for them), so a churn of idle ones is cheap to take and
-drop, and the kernel queues `BACKLOG` of them between two turns of the loop. One that says nothing for
+kubelet's probe, whose request comes with its connection, is read before it could go; and one whose
+whole request head has arrived counts as being answered, never evicted, however long a loop short
+of CPU takes to read it. Until then newcomers are taken beyond the limit, up to
+`HARD_MAX_CONNECTIONS`. A connection costs no task until its first bytes arrive (a bare socket
+waiting for them), so a churn of idle ones is cheap to take and drop, and the kernel queues
+`BACKLOG` of them between two turns of the loop. One that says nothing for
 `READ_TIMEOUT` is closed; one whose head is not complete by then is answered 408 (the deadline is for
 the whole head: trickling bytes does not extend it). Evictions are logged at warning, at most once
 per `EVICTION_WARNING_PERIOD`, with their count, and each is counted by its reason (`ProbeObserver`:
@@ -385,6 +387,7 @@ class _Connection:
     loop: asyncio.AbstractEventLoop
     task: asyncio.Task[None] | None = None
     writer: asyncio.StreamWriter | None = None
+    started: bool = False  # its handler has begun to run (a task cancelled before that never runs)
     ended: bool = False
 
     def end(self) -> None:
@@ -393,7 +396,7 @@ class _Connection:
         self.ended = True
         if self.writer is not None:
             self.writer.transport.abort()
-        elif self.task is None:
+        elif not self.started:  # nothing else will close it
             self.loop.remove_reader(self.sock.fileno())
             self.sock.close()
         if self.task is not None:
@@ -406,6 +409,14 @@ def _said(sock: socket.socket) -> bool | None:
         return sock.recv(1, socket.MSG_PEEK) != b""
     except (BlockingIOError, InterruptedError):
         return None
+    except OSError:
+        return False
+
+
+def _whole_head(sock: socket.socket) -> bool:
+    """Whether a whole request head (up to its blank line) waits on `sock`, not yet read."""
+    try:
+        return b"\r\n\r\n" in sock.recv(MAX_HEAD, socket.MSG_PEEK)
     except OSError:
         return False
 
@@ -571,10 +582,16 @@ class ProbeServer:
         self._serve_now(peer, connection)
 
     def _serve_now(self, peer: str, connection: _Connection) -> None:
+        """Its handler, for a connection whose bytes arrived. One whose whole request head is there
+        already (kubelet's probe) counts as being answered from now: on a loop short of CPU its
+        handler may take longer than `HEARD_TIME` to read it, and it must not be evicted meanwhile."""
         self._open.heard(connection)
+        if _whole_head(connection.sock):
+            self._open.answering(connection, True)
         connection.task = asyncio.ensure_future(self._serve(peer, connection))
 
     async def _serve(self, peer: str, me: _Connection) -> None:
+        me.started = True
         writer = None
         try:
             reader, writer = await asyncio.open_connection(sock=me.sock, limit=MAX_HEAD)
