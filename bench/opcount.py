@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from asking_create import SHARED_CPUS, _frames, fake_layout, plugin_behind_trunk
+from asking_create import SHARED_CPUS, _frames, answered, fake_layout, plugin_behind_trunk
 from workload import fake_node, realistic_pod
 
 from nri_plugin.daemon.logs import configure_logging
@@ -90,12 +90,14 @@ async def _count(root: Path, calls: int, warm: int) -> OpcodeCounter:
     )
     trunk, transport = plugin_behind_trunk(plugin)
     frames = _frames(parents, 0)
-    for frame in frames[:warm]:
+    for n, frame in enumerate(frames[:warm], 1):
         trunk.data_received(frame)
+        await answered(transport, n)
     counter = OpcodeCounter()
     with counter:
-        for frame in frames[warm:]:
+        for n, frame in enumerate(frames[warm:], warm + 1):
             trunk.data_received(frame)
+            await answered(transport, n)
     assert transport.written == pods, "every request must be answered without waiting"
     assert plugin.books.shared_containers == pods, "every container was given shared CPUs"
     plugin.flush()

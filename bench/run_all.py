@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import logging
 import os
@@ -71,8 +70,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+from asking_create import answered, kernel_available, plugin_behind_trunk
 from asking_create import fake_tree_cost as asking_fake_tree_cost
-from asking_create import kernel_available
 from asking_create import kernel_cost as asking_kernel_cost
 from echo_floor import measure as echo_measure
 from google.protobuf.internal import api_implementation
@@ -93,8 +92,7 @@ from api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.store import FLUSH_DELAY
 from nri_plugin.nri import mux
 from nri_plugin.nri.simulator import RuntimeSimulator
-from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub
-from nri_plugin.ttrpc.aio import Server
+from nri_plugin.nri.stub import PLUGIN_SERVICE
 from nri_plugin.ttrpc.protocol import ClientSession
 
 MB = 1_000_000 / (1 << 20)  # one MB in MiB
@@ -476,31 +474,11 @@ def _shared(
 # -- the plugin's own processing, in this process -----------------------------------------------------
 
 
-class _CapturingTransport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = 0
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += 1
-
-    def writelines(self, list_of_data: object) -> None:
-        self.written += 1
-
-    def is_closing(self) -> bool:
-        return False
-
-
 async def plugin_processing(table: Table, calls: int, node: Path) -> None:
     """The plugin's work per CreateContainer, bytes in to bytes out, with no socket or peer."""
     from plugin_child import bench_plugin
 
-    stub = Stub(bench_plugin(*fake_node(node, 1)), name="bench", index="10", socket_path="/nonexistent")
-    trunk = mux.Trunk()
-    transport = _CapturingTransport()
-    trunk.connection_made(transport)
-    server = Server({PLUGIN_SERVICE: stub._methods()}, functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
-    trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
+    trunk, transport = plugin_behind_trunk(bench_plugin(*fake_node(node, 1)))
     pod = realistic_pod(0)
     session = ClientSession()
     frames = []
@@ -511,10 +489,10 @@ async def plugin_processing(table: Table, calls: int, node: Path) -> None:
         )
         frames.append(b"".join(mux.encode(mux.PLUGIN_SERVICE_CONN, message)))
     started = time.perf_counter()
-    for frame in frames:
+    for n, frame in enumerate(frames, 1):
         trunk.data_received(frame)
+        await answered(transport, n)
     elapsed = time.perf_counter() - started
-    assert transport.written == calls, "every request must be answered without waiting"
     table.add(
         "  plugin's own processing per CreateContainer (in-process, no socket)",
         elapsed / calls * 1e6,
