@@ -335,12 +335,12 @@ def decode_payload(request_type: type[ReqT], payload: bytes | memoryview) -> Req
 
 class _Running:
     """One request being handled: its task (once it has one), the timer that ends its budget (once
-    it has a task) and whether the budget ran out. (No __init__: the class's values are the start,
-    so making one per request runs no Python code.)"""
+    it has a task) and whether the budget ran out."""
 
-    task: asyncio.Task[Any] | None = None
-    timer: asyncio.TimerHandle | None = None
-    expired = False
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False
 
     def arm(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
         """Cancel the task at `deadline` (loop time; a past one fires at the next iteration)."""
