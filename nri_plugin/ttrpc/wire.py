@@ -8,7 +8,6 @@ the protobuf decoder, which parses (or refuses) it as it always does.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from typing import Final, NamedTuple
 
@@ -55,10 +54,6 @@ class Malformed(Exception):
     """The bytes are not a plainly well-formed message (see `each_field`)."""
 
 
-# A Field made from a tuple in C: its generated __new__ is Python, run once per field otherwise.
-_field: Final = functools.partial(tuple.__new__, Field)
-
-
 def each_field(data: bytes | memoryview) -> Iterator[Field]:
     """Every top-level field of the message in `data`, in order, one at a time (no list of them all:
     a 4 MiB Synchronize chunk has thousands); `Malformed` as soon as the bytes are not plainly well
@@ -98,7 +93,7 @@ def each_field(data: bytes | memoryview) -> Iterator[Field]:
                 pos = _skip_value(data, pos, wire, start)
             if pos > end:
                 raise Malformed(f"the field at byte {start} is cut short")
-            yield _field((number, wire, start, begin, pos))
+            yield Field(number, wire, start, begin, pos)
     except (IndexError, ValueError) as exc:  # a varint cut short, or longer than 10 bytes
         raise Malformed(f"at byte {start}: {exc}") from exc
 
