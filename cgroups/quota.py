@@ -48,8 +48,7 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 
 def _check_period(period: object) -> None:
-    """Raise unless `period` is an int (not a bool) within the kernel's bounds. The common case, a
-    plain int in range, is decided by the caller's inline test (`_valid_period`)."""
+    """Raise unless `period` is an int (not a bool) within the kernel's bounds."""
     if not _is_int(period) or not MIN_CFS_PERIOD_US <= period <= MAX_CFS_PERIOD_US:
         raise CgroupValueError(
             f"invalid CFS period {period!r}: expected microseconds from "
@@ -80,12 +79,8 @@ class CpuQuota:
     period: int
 
     def __init__(self, quota: int | None, period: int) -> None:
-        # A plain int in range passes on the inline test; anything else goes to the full check,
-        # which raises (or accepts an int subclass other than bool).
-        if type(period) is not int or not MIN_CFS_PERIOD_US <= period <= MAX_CFS_PERIOD_US:
-            _check_period(period)
-        if quota is not None and (type(quota) is not int or quota < MIN_CFS_QUOTA_US):
-            _check_quota(quota)
+        _check_period(period)
+        _check_quota(quota)
         _set_quota(self, quota)
         _set_period(self, period)
 
@@ -95,8 +90,7 @@ class CpuQuota:
 
     def with_quota(self, quota: int | None) -> CpuQuota:
         """The same period with another quota: only the quota is checked (the period was)."""
-        if quota is not None and (type(quota) is not int or quota < MIN_CFS_QUOTA_US):
-            _check_quota(quota)
+        _check_quota(quota)
         limit = _new_quota(CpuQuota)
         _set_quota(limit, quota)
         _set_period(limit, self.period)
