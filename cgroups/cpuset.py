@@ -105,14 +105,9 @@ def _check_cpus(values: Iterable[object]) -> None:
 def format(cpus: Iterable[int]) -> str:
     """Canonical cpu list of `cpus`: ``{0, 1, 2, 3, 8}`` -> ``"0-3,8"``, the empty set -> ``""``.
 
-    Every id is checked first, so that the one refused is named. One run, as most sets are, needs
-    no scan."""
+    Every id is checked first, so that the one refused is named."""
     values = set(cpus)
     if not values:
         return ""
     _check_cpus(values)
-    ordered = sorted(values)
-    first, last = ordered[0], ordered[-1]
-    if last - first == len(ordered) - 1:  # one run
-        return str(first) if first == last else f"{first}-{last}"
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(ordered))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(sorted(values)))
