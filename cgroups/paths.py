@@ -161,14 +161,12 @@ class CgroupPath:
             raise _refused("cgroup path", str(self), str(exc)) from None
 
     @classmethod
-    def _of_checked(cls, parts: tuple[str, ...]) -> CgroupPath:
-        """The path of `parts` each already checked with `_check_component` (by the parsers below):
-        only the whole length is left to check. Raises `_Reject`."""
+    def _of_parts(cls, parts: tuple[str, ...]) -> CgroupPath:
+        """The path of `parts`, made by a parser below: `_Reject` when too long, so that the
+        parser's message names its input (the components, which it checked, are checked again)."""
         if len("/".join(parts)) >= PATH_MAX:  # the path is "/" and that
             raise _Reject(_TOO_LONG)
-        path = object.__new__(cls)
-        object.__setattr__(path, "parts", parts)
-        return path
+        return cls(parts)
 
     def __str__(self) -> str:
         return "/" + "/".join(self.parts)
@@ -206,7 +204,7 @@ def _cgroupfs_parts(text: str) -> tuple[str, ...]:
 def parse_cgroupfs_path(text: str) -> CgroupPath:
     """``"/kubepods/burstable/pod<uid>"`` -> `CgroupPath`; ``"/"`` is the root."""
     try:
-        return CgroupPath._of_checked(_cgroupfs_parts(text))
+        return CgroupPath._of_parts(_cgroupfs_parts(text))
     except _Reject as exc:
         raise _refused("cgroupfs path", text, str(exc)) from None
 
@@ -247,7 +245,7 @@ def expand_slice(name: str) -> CgroupPath:
     ``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice``;
     ``"-.slice"`` -> the root. Raises `CgroupPathError` for names systemd would refuse."""
     try:
-        return CgroupPath._of_checked(_expanded_parts(name))
+        return CgroupPath._of_parts(_expanded_parts(name))
     except _Reject as exc:
         raise _refused("slice name", name, str(exc)) from None
 
@@ -287,7 +285,7 @@ def pod_cgroup_path(cgroup_parent: str) -> CgroupPath:
     * ``/kubepods/burstable/pod<uid>`` (cgroupfs) -> as given; it must be absolute.
     """
     try:
-        return CgroupPath._of_checked(_pod_parts(cgroup_parent))
+        return CgroupPath._of_parts(_pod_parts(cgroup_parent))
     except _Reject as exc:
         raise _refused("pod cgroup parent", cgroup_parent, str(exc)) from None
 
@@ -338,7 +336,7 @@ def container_cgroup_path(cgroups_path: str) -> CgroupPath:
     * ``/kubepods/pod<uid>/crio-<id>`` or ``/kubepods/pod<uid>/<id>`` (cgroupfs) -> as given.
     """
     try:
-        return CgroupPath._of_checked(_container_parts(cgroups_path))
+        return CgroupPath._of_parts(_container_parts(cgroups_path))
     except _Reject as exc:
         raise _refused("container cgroups path", cgroups_path, str(exc)) from None
 
