@@ -69,11 +69,6 @@ _COMPONENT: Final = re.compile(r"[A-Za-z0-9_.:@-]+")
 # itself also takes `@` (template instances) and `\` (escapes), which kubelet never produces.
 _UNIT_NAME: Final = re.compile(r"[A-Za-z0-9_.:-]+")
 
-# A whole absolute cgroupfs path of valid components (what `_check_component` takes, each): one
-# match of a valid path instead of one per component; an invalid one is then checked part by part
-# to say what is wrong.
-_CGROUPFS_PATH: Final = re.compile(rf"(?:/(?!\.+(?:/|\Z))[A-Za-z0-9_.:@-]{{1,{NAME_MAX}}})+")
-
 _ALLOWED_TEXT: Final = "letters, digits and _ . : @ -"
 _SLICE: Final = ".slice"
 _SCOPE: Final = ".scope"
@@ -187,8 +182,6 @@ class CgroupPath:
 def _cgroupfs_parts(text: str) -> tuple[str, ...]:
     if len(text) > PATH_MAX:
         raise _Reject(_TOO_LONG)
-    if _CGROUPFS_PATH.fullmatch(text) is not None:  # valid, as nearly every path is: one match decides
-        return tuple(text[1:].split("/"))
     if not text.startswith("/"):
         # libcontainer would take a relative path relative to the *runtime's* own cgroup, which we
         # cannot know; runtimes always hand over absolute paths.
