@@ -101,24 +101,13 @@ def _check_cpus(values: Iterable[object]) -> None:
             raise CpusetError(f"cannot format cpu {cpu!r}: expected an integer from 0 to {MAX_CPU}")
 
 
-_PLAIN_INT: Final = frozenset({int})
-
-
 # Shadows the builtin on purpose: callers write `cpuset.format(cpus)`, the module is the namespace.
 def format(cpus: Iterable[int]) -> str:
     """Canonical cpu list of `cpus`: ``{0, 1, 2, 3, 8}`` -> ``"0-3,8"``, the empty set -> ``""``.
 
-    Plain ints are checked at once (their types in C, the range on the lowest and highest); anything
-    else one by one, so that the one refused is named. One run, as most sets are, needs no scan."""
+    Every id is checked first, so that the one refused is named."""
     values = set(cpus)
     if not values:
         return ""
-    if not _PLAIN_INT.issuperset(map(type, values)):
-        _check_cpus(values)
-    ordered = sorted(values)
-    first, last = ordered[0], ordered[-1]
-    if first < 0 or last > MAX_CPU:
-        _check_cpus(values)
-    if last - first == len(ordered) - 1:  # one run
-        return str(first) if first == last else f"{first}-{last}"
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(ordered))
+    _check_cpus(values)
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(sorted(values)))

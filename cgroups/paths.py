@@ -69,11 +69,6 @@ _COMPONENT: Final = re.compile(r"[A-Za-z0-9_.:@-]+")
 # itself also takes `@` (template instances) and `\` (escapes), which kubelet never produces.
 _UNIT_NAME: Final = re.compile(r"[A-Za-z0-9_.:-]+")
 
-# A whole absolute cgroupfs path of valid components (what `_check_component` takes, each): one
-# match of a valid path instead of one per component; an invalid one is then checked part by part
-# to say what is wrong.
-_CGROUPFS_PATH: Final = re.compile(rf"(?:/(?!\.+(?:/|\Z))[A-Za-z0-9_.:@-]{{1,{NAME_MAX}}})+")
-
 _ALLOWED_TEXT: Final = "letters, digits and _ . : @ -"
 _SLICE: Final = ".slice"
 _SCOPE: Final = ".scope"
@@ -161,14 +156,12 @@ class CgroupPath:
             raise _refused("cgroup path", str(self), str(exc)) from None
 
     @classmethod
-    def _of_checked(cls, parts: tuple[str, ...]) -> CgroupPath:
-        """The path of `parts` each already checked with `_check_component` (by the parsers below):
-        only the whole length is left to check. Raises `_Reject`."""
+    def _of_parts(cls, parts: tuple[str, ...]) -> CgroupPath:
+        """The path of `parts`, made by a parser below: `_Reject` when too long, so that the
+        parser's message names its input (the components, which it checked, are checked again)."""
         if len("/".join(parts)) >= PATH_MAX:  # the path is "/" and that
             raise _Reject(_TOO_LONG)
-        path = object.__new__(cls)
-        object.__setattr__(path, "parts", parts)
-        return path
+        return cls(parts)
 
     def __str__(self) -> str:
         return "/" + "/".join(self.parts)
@@ -189,8 +182,6 @@ class CgroupPath:
 def _cgroupfs_parts(text: str) -> tuple[str, ...]:
     if len(text) > PATH_MAX:
         raise _Reject(_TOO_LONG)
-    if _CGROUPFS_PATH.fullmatch(text) is not None:  # valid, as nearly every path is: one match decides
-        return tuple(text[1:].split("/"))
     if not text.startswith("/"):
         # libcontainer would take a relative path relative to the *runtime's* own cgroup, which we
         # cannot know; runtimes always hand over absolute paths.
@@ -206,7 +197,7 @@ def _cgroupfs_parts(text: str) -> tuple[str, ...]:
 def parse_cgroupfs_path(text: str) -> CgroupPath:
     """``"/kubepods/burstable/pod<uid>"`` -> `CgroupPath`; ``"/"`` is the root."""
     try:
-        return CgroupPath._of_checked(_cgroupfs_parts(text))
+        return CgroupPath._of_parts(_cgroupfs_parts(text))
     except _Reject as exc:
         raise _refused("cgroupfs path", text, str(exc)) from None
 
@@ -247,7 +238,7 @@ def expand_slice(name: str) -> CgroupPath:
     ``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice``;
     ``"-.slice"`` -> the root. Raises `CgroupPathError` for names systemd would refuse."""
     try:
-        return CgroupPath._of_checked(_expanded_parts(name))
+        return CgroupPath._of_parts(_expanded_parts(name))
     except _Reject as exc:
         raise _refused("slice name", name, str(exc)) from None
 
@@ -287,7 +278,7 @@ def pod_cgroup_path(cgroup_parent: str) -> CgroupPath:
     * ``/kubepods/burstable/pod<uid>`` (cgroupfs) -> as given; it must be absolute.
     """
     try:
-        return CgroupPath._of_checked(_pod_parts(cgroup_parent))
+        return CgroupPath._of_parts(_pod_parts(cgroup_parent))
     except _Reject as exc:
         raise _refused("pod cgroup parent", cgroup_parent, str(exc)) from None
 
@@ -338,7 +329,7 @@ def container_cgroup_path(cgroups_path: str) -> CgroupPath:
     * ``/kubepods/pod<uid>/crio-<id>`` or ``/kubepods/pod<uid>/<id>`` (cgroupfs) -> as given.
     """
     try:
-        return CgroupPath._of_checked(_container_parts(cgroups_path))
+        return CgroupPath._of_parts(_container_parts(cgroups_path))
     except _Reject as exc:
         raise _refused("container cgroups path", cgroups_path, str(exc)) from None
 

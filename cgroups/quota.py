@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeGuard
 
@@ -48,8 +47,7 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 
 def _check_period(period: object) -> None:
-    """Raise unless `period` is an int (not a bool) within the kernel's bounds. The common case, a
-    plain int in range, is decided by the caller's inline test (`_valid_period`)."""
+    """Raise unless `period` is an int (not a bool) within the kernel's bounds."""
     if not _is_int(period) or not MIN_CFS_PERIOD_US <= period <= MAX_CFS_PERIOD_US:
         raise CgroupValueError(
             f"invalid CFS period {period!r}: expected microseconds from "
@@ -66,47 +64,28 @@ def _check_quota(quota: object) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class CpuQuota:
     """A CFS bandwidth limit: `quota` microseconds of CPU time per `period` microseconds.
 
     `quota` is None when unlimited (v1 `-1`, v2 `max`). `quota / period` is the limit in CPUs.
-    Frozen: equality, hash and repr are the dataclass's; `__init__` is ours, to check and set both
-    fields in one step (the generated one sets each through ``object.__setattr__``, then calls
-    ``__post_init__``: twice the work, on every pod quota read).
+    Both values are checked when one is made (`CgroupValueError`).
     """
 
     quota: int | None
     period: int
 
-    def __init__(self, quota: int | None, period: int) -> None:
-        # A plain int in range passes on the inline test; anything else goes to the full check,
-        # which raises (or accepts an int subclass other than bool).
-        if type(period) is not int or not MIN_CFS_PERIOD_US <= period <= MAX_CFS_PERIOD_US:
-            _check_period(period)
-        if quota is not None and (type(quota) is not int or quota < MIN_CFS_QUOTA_US):
-            _check_quota(quota)
-        _set_quota(self, quota)
-        _set_period(self, period)
+    def __post_init__(self) -> None:
+        _check_period(self.period)
+        _check_quota(self.quota)
 
     @property
     def unlimited(self) -> bool:
         return self.quota is None
 
     def with_quota(self, quota: int | None) -> CpuQuota:
-        """The same period with another quota: only the quota is checked (the period was)."""
-        if quota is not None and (type(quota) is not int or quota < MIN_CFS_QUOTA_US):
-            _check_quota(quota)
-        limit = _new_quota(CpuQuota)
-        _set_quota(limit, quota)
-        _set_period(limit, self.period)
-        return limit
-
-
-# The slots' own setters: a frozen class's fields set once, when checked.
-_new_quota = object.__new__
-_set_quota: Callable[[CpuQuota, int | None], None] = CpuQuota.__dict__["quota"].__set__
-_set_period: Callable[[CpuQuota, int], None] = CpuQuota.__dict__["period"].__set__
+        """The same period with another quota."""
+        return CpuQuota(quota, self.period)
 
 
 def _number(text: str, what: str, expected: str) -> int:

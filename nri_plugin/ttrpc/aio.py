@@ -13,13 +13,12 @@ or another channel) without blocking the requests that come after it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar, cast
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
 
@@ -79,8 +78,7 @@ class Receiver(Protocol):
 
 
 class CallContext(NamedTuple):
-    """What a handler knows about the call besides the request message. (A named tuple: one is
-    made per request, where a frozen dataclass's generated __init__ costs four times the bytecodes.)"""
+    """What a handler knows about the call besides the request message."""
 
     service: str
     method: str
@@ -100,10 +98,6 @@ class CallContext(NamedTuple):
         if self.deadline is None:
             return None
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
-
-
-# Made for every request from a tuple in C: a named tuple's generated __new__ is Python code.
-_new_context: Final = functools.partial(tuple.__new__, CallContext)
 
 
 @dataclass(frozen=True)
@@ -319,8 +313,14 @@ def _context(event: RequestReceived) -> CallContext:
     # Like Go, only a positive timeout sets a deadline; 0 (and nonsense below it) means none.
     deadline = asyncio.get_running_loop().time() + timeout_nano / _NANO if timeout_nano > 0 else None
     metadata = tuple((kv.key, kv.value) for kv in request.metadata) if request.metadata else ()
-    return _new_context(
-        (request.service, request.method, event.stream_id, metadata, timeout_nano, deadline, event.size)
+    return CallContext(
+        service=request.service,
+        method=request.method,
+        stream_id=event.stream_id,
+        metadata=metadata,
+        timeout_nano=timeout_nano,
+        deadline=deadline,
+        request_size=event.size,
     )
 
 
@@ -335,12 +335,12 @@ def decode_payload(request_type: type[ReqT], payload: bytes | memoryview) -> Req
 
 class _Running:
     """One request being handled: its task (once it has one), the timer that ends its budget (once
-    it has a task) and whether the budget ran out. (No __init__: the class's values are the start,
-    so making one per request runs no Python code.)"""
+    it has a task) and whether the budget ran out."""
 
-    task: asyncio.Task[Any] | None = None
-    timer: asyncio.TimerHandle | None = None
-    expired = False
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False
 
     def arm(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
         """Cancel the task at `deadline` (loop time; a past one fires at the next iteration)."""

@@ -14,7 +14,6 @@ supported: Data frames (type 3, streaming) are refused.
 from __future__ import annotations
 
 import enum
-import functools
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -253,10 +252,6 @@ class UnexpectedResponse(NamedTuple):
 
 ClientEvent = ResponseReceived | UnexpectedResponse
 
-# The named tuples made for every message, made from a tuple in C: a named tuple's generated
-# __new__ is Python code, run once per message otherwise.
-_new_request_received: Final = functools.partial(tuple.__new__, RequestReceived)
-
 
 # upb parses any buffer, a view in place (the stubs say bytes): the parsers, typed once as they are.
 _parse_request = cast(Callable[[bytes | memoryview], request_pb2.Request], request_pb2.Request.FromString)
@@ -382,7 +377,7 @@ class ServerSession:
             self._reply(stream_id, Code.INTERNAL, f"ttrpc: error unmarshalling request: {exc}")
             return None
         self._active.add(stream_id)
-        return _new_request_received((stream_id, request, size, payload))
+        return RequestReceived(stream_id, request, size, payload)
 
 
 # --- client --------------------------------------------------------------------------------------
