@@ -68,13 +68,14 @@ def test_argument_errors_are_one_line(
 @pytest.mark.parametrize(
     ("command", "words"),
     [
-        ([], ["run", "check", "demo", "version", "--log-level"]),
+        ([], ["run", "check", "config", "demo", "version", "--log-level"]),
         (["run"], ["--config", "--socket", "--nri-plugin-index", "SIGUSR1", "Exit status"]),
         (["check"], ["--config", "--kubelet-config", "reservedSystemCPUs", "Exit status: 0"]),
+        (["config"], ["--config", "TOML", "environment", "Exit status: 0"]),
         (["demo"], ["--runtime", "simulator"]),
         (["version"], ["Print the version"]),
     ],
-    ids=["top", "run", "check", "demo", "version"],
+    ids=["top", "run", "check", "config", "demo", "version"],
 )
 def test_every_command_has_help(
     capsys: pytest.CaptureFixture[str], command: list[str], words: list[str]

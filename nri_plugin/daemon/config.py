@@ -64,6 +64,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "TRUSTED_SOURCES_TABLE",
+    "TRUSTED_SOURCE_KEYS",
     "Config",
     "ConfigError",
     "ConfigMissing",
@@ -75,6 +77,7 @@ __all__ = [
     "parse_config",
     "plugin_index_problem",
     "plugin_name_problem",
+    "read_document",
     "read_numa_nodes",
     "state_dir_problem",
 ]
@@ -169,6 +172,9 @@ _SOURCE_KEYS: Final = {
     "device_plugin_marker": "trust_device_plugin_marker",
     "pod_annotation": "trust_pod_annotation",
 }
+# The [trusted_sources] table, its keys and the `Config` field each one sets (`config` prints them).
+TRUSTED_SOURCES_TABLE: Final = _SOURCES_TABLE
+TRUSTED_SOURCE_KEYS: Final = _SOURCE_KEYS
 
 
 class _Checker:
@@ -513,6 +519,16 @@ def check_machine(config: Config) -> frozenset[int]:
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bool = True) -> Config:
     """Read, parse and validate the TOML file at `path` (and check it against the machine)."""
     source = os.fspath(path)
+    config = parse_config(read_document(source), source=source)
+    if check:
+        check_machine(config)
+    return config
+
+
+def read_document(source: str) -> dict[str, Any]:
+    """The TOML document in the file at `source`, not yet checked (`parse_config` does that).
+    Raises `ConfigMissing` when there is no such file, `ConfigError` when it cannot be read or is
+    no TOML."""
     try:
         with open(source, "rb") as file:
             data = file.read(MAX_CONFIG_SIZE + 1)
@@ -539,10 +555,7 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bo
         raise ConfigError(
             f"{source}: not valid TOML: arrays or inline tables nested too deeply; fix the syntax there"
         ) from None
-    config = parse_config(document, source=source)
-    if check:
-        check_machine(config)
-    return config
+    return document
 
 
 def build_layout(config: Config, *, mountinfo_path: str = DEFAULT_MOUNTINFO) -> CgroupLayout:
