@@ -77,8 +77,9 @@ Each line is OK, WARN or FAIL, with a fix under each WARN and FAIL. Checked: the
 shared CPUs online with some left over, the NRI socket (that the runtime accepts a connection on
 it), the cgroup mode and kubelet's cgroup driver, the state directory (only root may write it),
 kubelet's device-plugin directory, and, with --kubelet-config, that kubelet reserves the shared
-CPUs (reservedSystemCPUs) and runs the static CPU manager policy. Without a config file, the node
-is still checked, with the defaults, and the report says so.
+CPUs (reservedSystemCPUs) and runs the static CPU manager policy. A config error is the first
+FAIL, and the node is still checked: with the config's valid keys, or with the defaults when there
+is no config file or it is no TOML; the report says which.
 
 The connection to the NRI socket is closed at once; the runtime may log it as a plugin that did
 not register.
