@@ -258,13 +258,28 @@ def test_unusable_kubelet_config_fails_with_one_line(
     assert code == 1
 
 
-def test_a_wrong_config_is_the_one_failure_reported(node: Node, capsys: pytest.CaptureFixture[str]) -> None:
-    node.config.write_text('shared_cpuset = "0-1"\nstate_dirr = "/x"\n')
+def test_a_wrong_config_is_said_first_and_the_node_still_checked(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The config's valid keys (here the node's paths) are what the node is checked with."""
+    _, good = check(capsys, "--config", str(node.config))
+    node.config.write_text('state_dirr = "/x"\n' + node.config.read_text())
     code, lines = check(capsys, "--config", str(node.config))
+    assert lines[0] == (
+        f"mixed-cpu-nri-plugin check of {node.config} (config error: the node checked with its valid "
+        "keys, the wrong ones at their defaults)"
+    )
     assert lines[1].startswith(
         f"FAIL  config                 {node.config}: state_dirr: unknown key (a typo?)"
     )
-    assert lines[2:] == ["0 OK, 0 WARN, 1 FAIL: not ready: fix each FAIL above"]
+    assert lines[2:-1] == good[2:-1]  # every check of the node, as with the config put right
+    assert lines[-1].endswith(" 1 FAIL: not ready: fix each FAIL above")
+    assert code == 1
+    node.config.write_text("shared_cpuset = 0-1\n")  # no TOML: the defaults
+    code, lines = check(capsys, "--config", str(node.config))
+    assert lines[0].endswith("(config error: the node checked with the defaults)")
+    assert lines[1].endswith('quote it, shared_cpuset = "0-1"')
+    assert line_of(lines, "NRI socket")[29:].startswith("/var/run/nri/nri.sock ")
     assert code == 1
     missing = node.root / "absent.toml"
     code, lines = check(capsys, "--config", str(missing))
@@ -417,10 +432,16 @@ def test_device_plugin_dir(node: Node, capsys: pytest.CaptureFixture[str]) -> No
     shutil.rmtree(node.plugin_dir)
     code, lines = check(capsys, "--config", str(node.config))
     assert line_of(lines, "device-plugin dir") == (
-        f"FAIL  device-plugin dir      {node.plugin_dir} is not a directory"
+        f"FAIL  device-plugin dir      {node.plugin_dir} does not exist"
     )
     assert "mount the host's /var/lib/kubelet/device-plugins" in fix_of(lines, "device-plugin dir")
     assert code == 1
+    node.plugin_dir.write_text("")
+    _, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "device-plugin dir") == (
+        f"FAIL  device-plugin dir      {node.plugin_dir} is not a directory"
+    )
+    node.plugin_dir.unlink()
     # Without the device plugin, kubelet's directory is not needed.
     node.write_config("[trusted_sources]\npod_annotation = true\n")
     with node.config.open("a") as file:

@@ -68,13 +68,14 @@ def test_argument_errors_are_one_line(
 @pytest.mark.parametrize(
     ("command", "words"),
     [
-        ([], ["run", "check", "demo", "version", "--log-level"]),
+        ([], ["run", "check", "config", "demo", "version", "--log-level"]),
         (["run"], ["--config", "--socket", "--nri-plugin-index", "SIGUSR1", "Exit status"]),
         (["check"], ["--config", "--kubelet-config", "reservedSystemCPUs", "Exit status: 0"]),
+        (["config"], ["--config", "TOML", "environment", "Exit status: 0"]),
         (["demo"], ["--runtime", "simulator"]),
         (["version"], ["Print the version"]),
     ],
-    ids=["top", "run", "check", "demo", "version"],
+    ids=["top", "run", "check", "config", "demo", "version"],
 )
 def test_every_command_has_help(
     capsys: pytest.CaptureFixture[str], command: list[str], words: list[str]
@@ -182,9 +183,12 @@ async def test_demo_shows_numa_local_shared_cpus_on_two_nodes() -> None:
     out = io.StringIO()
     assert await run_demo(out) == 0
     text = out.getvalue()
-    assert (
-        "NUMA: node0 CPUs 0,2,4,6 (shared 0), node1 CPUs 1,3,5,7 (shared 1); numa_local_shared_cpus = true"
-    ) in text
+    assert "NUMA: node0 CPUs 0,2,4,6 (shared 0), node1 CPUs 1,3,5,7 (shared 1)\n" in text
+    # The demo says it turns on what is off by default, before any container is shown.
+    said = (
+        "this demo turns numa_local_shared_cpus on (off by default: then every container gets the whole pool)"
+    )
+    assert said in text.split("CreateContainer")[0]
     # The forwarder's exclusive CPUs are on both nodes: it gets the shared CPUs of each.
     assert (
         "  NUMA: exclusive CPUs 4-5 on node0 and node1: shared CPUs 0-1, so its pod quota gains 2 CPU(s)\n"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,7 +64,7 @@ def test_every_key(tmp_path: Path, sysfs: Path) -> None:
             """
 shared_cpuset = "0-1"
 plugin_name = "shared-cpus"
-plugin_index = 5
+plugin_index = "05"
 nri_socket = "/run/nri//nri.sock"
 cgroup_root = "/host/sys/fs/cgroup/"
 cgroup_version = "v2"
@@ -97,7 +100,7 @@ WRONG = [
     ('shared_cpuset = "3-1"', "shared_cpuset: invalid cpu list", "is reversed"),
     ('shared_cpuset = "1,,2"', "shared_cpuset: invalid cpu list", "empty item"),
     ('shared_cpuset = " 1, 2"', "shared_cpuset: invalid cpu list", "whitespace"),
-    ("shared_cpuset = 3", "shared_cpuset: must be a string, not int", "3"),
+    ("shared_cpuset = 3", "shared_cpuset: is the number 3", 'quote it, shared_cpuset = "3"'),
     (
         'shared_cpuset = "0-1"\nshared_cpus = "2"',
         "shared_cpus: unknown key (a typo?)",
@@ -109,6 +112,12 @@ WRONG = [
         'exactly two digits, e.g. plugin_index = "10"',
     ),
     ('shared_cpuset = "0"\nplugin_index = 100', "plugin_index:", "exactly two digits"),
+    (
+        'shared_cpuset = "0"\nplugin_index = 10',
+        "plugin_index: is the number 10",
+        'a string of exactly two digits: quote it, plugin_index = "10"',
+    ),
+    ('shared_cpuset = "0"\nplugin_index = 5', "plugin_index: is the number 5", 'plugin_index = "05"'),
     ('shared_cpuset = "0"\nplugin_index = true', "plugin_index:", "exactly two digits"),
     ('shared_cpuset = "0"\nplugin_name = "mixed cpu"', "plugin_name:", "letters, digits and _ . + - only"),
     ('shared_cpuset = "0"\nstate_dir = "var/lib/x"', "state_dir:", "must be an absolute path"),
@@ -202,6 +211,68 @@ def test_syntax_errors_missing_file_and_encoding(tmp_path: Path) -> None:
         load_config(tmp_path / "latin1.toml")
     with pytest.raises(ConfigError, match="cannot read the config file"):
         load_config(tmp_path)  # a directory
+
+
+@pytest.mark.parametrize(
+    ("text", "fix"),
+    [
+        (
+            "shared_cpuset = 0-1\n",
+            'line 1, column 18); a cpu list is a string in TOML: quote it, shared_cpuset = "0-1"',
+        ),
+        ('log_level = "info"\nshared_cpuset = 0,2  # two\n', 'quote it, shared_cpuset = "0,2"'),
+        (
+            'shared_cpuset = "0"\nlog_format = json\n',
+            'text is a string in TOML: quote it, log_format = "json"',
+        ),
+        ('shared_cpuset = "0-1\n', "; fix the syntax there"),
+    ],
+    ids=["cpu-list", "cpu-list-commented", "word", "other"],
+)
+def test_an_unquoted_string_is_told_to_be_quoted(tmp_path: Path, text: str, fix: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'config.toml'}: not valid TOML: ")
+    assert message.endswith(fix)
+    assert "\n" not in message
+
+
+def test_an_unreadable_config_says_who_may_read_it(tmp_path: Path) -> None:
+    """Run as uid 65534, as a user who forgot sudo: the file is root's, mode 0600."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a file only root may read and to become another user")
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o755)
+        path = Path(directory) / "config.toml"
+        path.write_text('shared_cpuset = "0-1"\n')
+        path.chmod(0o600)
+        nested = Path(directory) / "closed"
+        nested.mkdir(mode=0o700)
+        (nested / "config.toml").write_text('shared_cpuset = "0-1"\n')
+        file_line, directory_line = as_nobody(str(path)), as_nobody(str(nested / "config.toml"))
+    assert file_line == (
+        f"{path}: cannot read the config file: Permission denied to uid 65534: mode 0600, owner uid 0, so "
+        f"only root may read it; run as root, as the daemon runs, or let uid 65534 read it (chmod o+r {path})"
+    )
+    assert directory_line == (
+        f"{nested / 'config.toml'}: cannot read the config file: Permission denied to uid 65534, which may "
+        "not search a directory on its way; run as root, as the daemon runs"
+    )
+
+
+def as_nobody(path: str) -> str:
+    """load_config's error for `path`, in a child that became uid 65534 once it had imported it (the
+    interpreter's own files may be where that user cannot read them)."""
+    code = (
+        "import os, sys; from nri_plugin.daemon.config import ConfigError, load_config; "
+        "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+        "try:\n    load_config(sys.argv[1], check=False)\nexcept ConfigError as exc:\n    print(exc)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60, check=True
+    )
+    return result.stdout.strip()
 
 
 def test_parse_config_alone_needs_no_machine() -> None:

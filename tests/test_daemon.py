@@ -417,7 +417,10 @@ def test_run_without_reconnect_exits_1_when_there_is_no_runtime(tmp_path: Path, 
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
-        f"error: cannot connect to the NRI socket {socket_path}: [Errno 2] No such file or directory"
+        f"error: cannot connect to the NRI socket {socket_path}: it does not exist; check that the runtime "
+        'runs with NRI on (containerd 1.7: [plugins."io.containerd.nri.v1.nri"] disable = false; CRI-O: '
+        "[crio.nri] enable_nri = true), that nri_socket (or --socket) is its NRI socket_path, and in a pod "
+        "that the host's /var/run/nri directory is mounted"
     ], result.stderr
 
 

@@ -9,8 +9,9 @@ that connection as a plugin that never registered.
 
 What is checked:
 
-* the config file loads (the same `ConfigError` line ``run`` would stop with); when there is no
-  config file at all, the rest is still checked, with the defaults, and the report says so;
+* the config file loads (the same `ConfigError` line ``run`` would stop with); when it does not,
+  the rest is still checked, with its valid keys (or the defaults, without a file or with one that
+  is no TOML), and the report says so;
 * the shared CPUs are online and leave some CPUs over;
 * with ``numa_local_shared_cpus``: the shared CPUs of each NUMA node (a node with none is a warning:
   containers on it get the whole pool);
@@ -35,6 +36,7 @@ What is checked:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
 import os
@@ -58,6 +60,8 @@ from nri_plugin.daemon.config import (
     check_machine,
     load_config,
     online_cpus,
+    parse_config,
+    read_document,
     read_numa_nodes,
     state_dir_problem,
 )
@@ -422,11 +426,13 @@ def check_device_plugin_dir(device_plugin: DevicePluginConfig) -> Finding:
         return _ok(topic, "not used: [device_plugin] enabled = false (kubelet must advertise the resource)")
     directory = str(device_plugin.plugin_dir)
     if not os.path.isdir(directory):
+        exists = "is not a directory" if os.path.lexists(directory) else "does not exist"
         return _fail(
             topic,
-            f"{directory} is not a directory",
-            "set [device_plugin] plugin_dir to kubelet's device-plugin directory; in a pod, mount the "
-            "host's /var/lib/kubelet/device-plugins (the directory, not the socket files)",
+            f"{directory} {exists}",
+            "set [device_plugin] plugin_dir to kubelet's device-plugin directory (kubelet creates it when "
+            "it starts); in a pod, mount the host's /var/lib/kubelet/device-plugins (the directory, not "
+            "the socket files)",
         )
     if not os.access(directory, os.W_OK | os.X_OK):
         return _not_writable(topic, directory, _permission_fix("make it writable by root, as kubelet has it"))
@@ -595,9 +601,10 @@ def run_checks(
     kubelet_config: str | None = None,
     mountinfo_path: str = DEFAULT_MOUNTINFO,
 ) -> Report:
-    """Every check, in the order a newcomer would fix them. A config that does not load stops the
-    report there (the other checks need its paths), unless there is no config file at all: an
-    operator's first run, which still gets the node checked, with the defaults."""
+    """Every check, in the order a newcomer would fix them. A config that does not load is the first
+    FAIL, and the node is still checked: with the config's valid keys (the wrong ones at their
+    defaults), or with the defaults when there is no config file (an operator's first run) or it is
+    no TOML at all. The heading says which."""
     note = ""
     try:
         config = load_config(config_path, check=False)
@@ -606,8 +613,35 @@ def run_checks(
         config = Config(shared_cpuset=frozenset(), source=config_path)
         first, note = _fail("config", str(exc)), " (no such file: the node checked with the defaults)"
     except ConfigError as exc:
-        return Report(config_path, (_fail("config", str(exc)),))
+        config, note = _valid_part(config_path)
+        first = _fail("config", str(exc))
     return Report(config.source, (first, *_node_findings(config, kubelet_config, mountinfo_path)), note)
+
+
+def _valid_part(path: str) -> tuple[Config, str]:
+    """The config of the keys of the file at `path` that are valid (each top-level key or table
+    whole, tried one at a time in the file's order), the others at their defaults; and the note for
+    the heading. The defaults alone when the file is no TOML."""
+    try:
+        document = read_document(path)
+    except ConfigError:
+        return Config(
+            shared_cpuset=frozenset(), source=path
+        ), " (config error: the node checked with the defaults)"
+    # shared_cpuset is required: a stand-in while the other keys are tried, dropped unless valid.
+    kept: dict[str, Any] = {"shared_cpuset": "0"}
+    has_shared = False
+    for key, value in document.items():
+        try:
+            parse_config({**kept, key: value}, source=path)
+        except ConfigError:
+            continue
+        kept[key] = value
+        has_shared = has_shared or key == "shared_cpuset"
+    config = parse_config(kept, source=path)
+    if not has_shared:
+        config = dataclasses.replace(config, shared_cpuset=frozenset())
+    return config, " (config error: the node checked with its valid keys, the wrong ones at their defaults)"
 
 
 def _node_findings(config: Config, kubelet_config: str | None, mountinfo_path: str) -> list[Finding]:

@@ -1,4 +1,4 @@
-"""Command line: ``mixed-cpu-nri-plugin run | check | demo | enable-nri | version``.
+"""Command line: ``mixed-cpu-nri-plugin run | check | config | demo | enable-nri | version``.
 
 Parsing the arguments and printing failures is all this module does: ``run`` is
 `nri_plugin.daemon.wiring.build_daemon` (the parts, from the config) and `Daemon.run`
@@ -77,13 +77,20 @@ Each line is OK, WARN or FAIL, with a fix under each WARN and FAIL. Checked: the
 shared CPUs online with some left over, the NRI socket (that the runtime accepts a connection on
 it), the cgroup mode and kubelet's cgroup driver, the state directory (only root may write it),
 kubelet's device-plugin directory, and, with --kubelet-config, that kubelet reserves the shared
-CPUs (reservedSystemCPUs) and runs the static CPU manager policy. Without a config file, the node
-is still checked, with the defaults, and the report says so.
+CPUs (reservedSystemCPUs) and runs the static CPU manager policy. A config error is the first
+FAIL, and the node is still checked: with the config's valid keys, or with the defaults when there
+is no config file or it is no TOML; the report says which.
 
 The connection to the NRI socket is closed at once; the runtime may log it as a plugin that did
 not register.
 
 Exit status: 0 when nothing FAILs (warnings included), 1 otherwise."""
+
+_CONFIG_EPILOG: Final = f"""\
+Only the file is read: '{_PROG} check' tells whether the config suits this node. run's own
+options (--socket, --nri-plugin-name, --nri-plugin-index, --log-level) win over what is printed.
+
+Exit status: 0 when printed; 2 when run would refuse the config (one line names the key and the fix)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,6 +170,26 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_MOUNTINFO,
         metavar="PATH",
         help=f"where to read the cgroup mounts when cgroup_version is auto (default: {DEFAULT_MOUNTINFO})",
+    )
+
+    # A command of its own, not an option of check: its standard output is nothing but a config
+    # file (`config > file` is one run takes), it reads nothing but the file, and it exits 2 on a
+    # config error as run does, where check prints a report, probes the node and exits 1.
+    config = commands.add_parser(
+        "config",
+        parents=[level],
+        help="print the effective config: every key, its value and where it comes from, as TOML",
+        description="Print every key of the config as the daemon would use it, as TOML that\n"
+        "'run --config' takes back, each value's origin in a comment beside it: file, default, or\n"
+        "environment (NRI_PLUGIN_NAME, NRI_PLUGIN_IDX win over the file, as for run).",
+        epilog=_CONFIG_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    config.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG_PATH,
+        metavar="PATH",
+        help=f"the TOML config file (default: {DEFAULT_CONFIG_PATH})",
     )
 
     demo = commands.add_parser(
@@ -254,6 +281,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from nri_plugin.daemon.enable_nri import enable_nri
 
         return enable_nri(args.runtime, host_root=args.host_root)
+    if args.command == "config":
+        return _config(args.config)
     if args.command == "check":
         from nri_plugin.daemon.check import run_checks
 
@@ -264,6 +293,20 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     name, version = _DEMO_RUNTIMES[_DEMO_RUNTIME_ALIASES.get(args.runtime, args.runtime)]
     return asyncio.run(run_demo(sys.stdout, runtime_name=name, runtime_version=version, keep=args.keep))
+
+
+def _config(path: str) -> int:
+    """Print the effective config (`nri_plugin.daemon.effective`); a config error is one line, exit 2."""
+    from nri_plugin.daemon.config import ConfigError
+    from nri_plugin.daemon.effective import config_command
+
+    try:
+        text = config_command(path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
 
 
 def _stdout_closed() -> bool:

@@ -38,6 +38,7 @@ against the machine (every shared CPU online).
 from __future__ import annotations
 
 import difflib
+import errno
 import functools
 import json
 import os
@@ -64,6 +65,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "TRUSTED_SOURCES_TABLE",
+    "TRUSTED_SOURCE_KEYS",
     "Config",
     "ConfigError",
     "ConfigMissing",
@@ -75,6 +78,7 @@ __all__ = [
     "parse_config",
     "plugin_index_problem",
     "plugin_name_problem",
+    "read_document",
     "read_numa_nodes",
     "state_dir_problem",
 ]
@@ -169,6 +173,9 @@ _SOURCE_KEYS: Final = {
     "device_plugin_marker": "trust_device_plugin_marker",
     "pod_annotation": "trust_pod_annotation",
 }
+# The [trusted_sources] table, its keys and the `Config` field each one sets (`config` prints them).
+TRUSTED_SOURCES_TABLE: Final = _SOURCES_TABLE
+TRUSTED_SOURCE_KEYS: Final = _SOURCE_KEYS
 
 
 class _Checker:
@@ -226,6 +233,11 @@ def _nearest_key(key: str, known: tuple[str, ...]) -> str | None:
 
 
 def _shared_cpuset(check: _Checker, value: object) -> frozenset[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise check.error(
+            "shared_cpuset",
+            f'is the number {value}; a cpu list is a string: quote it, shared_cpuset = "{value}"',
+        )
     text = check.string("shared_cpuset", value)
     try:
         cpus = cgroups.parse_cpuset(text)
@@ -241,10 +253,16 @@ def _shared_cpuset(check: _Checker, value: object) -> frozenset[int]:
 
 
 def _plugin_index(check: _Checker, value: object) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 99:
-        return f"{value:02d}"
+    """Two digits in a string, as NRI has it: the index is text (sorted as text, part of a file name
+    "10-name"), and NRI refuses "5" rather than pad it, so a number is refused too."""
     if isinstance(value, str) and _INDEX.fullmatch(value):
         return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 99:
+        raise check.error(
+            "plugin_index",
+            f"is the number {value}; NRI's index is a string of exactly two digits: quote it, "
+            f'plugin_index = "{value:02d}"',
+        )
     raise check.error(
         "plugin_index", f'{_show(value)} is invalid; use exactly two digits, e.g. plugin_index = "10"'
     )
@@ -513,6 +531,16 @@ def check_machine(config: Config) -> frozenset[int]:
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bool = True) -> Config:
     """Read, parse and validate the TOML file at `path` (and check it against the machine)."""
     source = os.fspath(path)
+    config = parse_config(read_document(source), source=source)
+    if check:
+        check_machine(config)
+    return config
+
+
+def read_document(source: str) -> dict[str, Any]:
+    """The TOML document in the file at `source`, not yet checked (`parse_config` does that).
+    Raises `ConfigMissing` when there is no such file, `ConfigError` when it cannot be read or is
+    no TOML."""
     try:
         with open(source, "rb") as file:
             data = file.read(MAX_CONFIG_SIZE + 1)
@@ -522,7 +550,7 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bo
             "or pass --config PATH"
         ) from None
     except OSError as exc:
-        raise ConfigError(f"{source}: cannot read the config file: {exc.strerror}") from None
+        raise ConfigError(_unreadable(source, exc)) from None
     if len(data) > MAX_CONFIG_SIZE:
         raise ConfigError(
             f"{source}: larger than {MAX_CONFIG_SIZE} bytes, which no config is; is it the right file?"
@@ -533,16 +561,62 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH, *, check: bo
     except UnicodeDecodeError:
         raise ConfigError(f"{source}: not UTF-8 text; save the config file as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source}: not valid TOML: {exc}; fix the syntax there") from None
+        raise ConfigError(f"{source}: not valid TOML: {exc}; {_toml_fix(text, exc)}") from None
     except RecursionError:
         # tomllib parses nested arrays and inline tables recursively.
         raise ConfigError(
             f"{source}: not valid TOML: arrays or inline tables nested too deeply; fix the syntax there"
         ) from None
-    config = parse_config(document, source=source)
-    if check:
-        check_machine(config)
-    return config
+    return document
+
+
+def _unreadable(source: str, exc: OSError) -> str:
+    """Why the config file cannot be read, and the fix; for a permission denied, who may read it."""
+    problem = f"{source}: cannot read the config file: {exc.strerror}"
+    if exc.errno not in (errno.EACCES, errno.EPERM):
+        return problem
+    uid = os.geteuid()
+    if uid == 0:
+        return f"{problem}, even to root: a security policy (SELinux, AppArmor) denies it; see the audit log"
+    fix = "run as root, as the daemon runs"
+    try:
+        info = os.stat(source)
+    except OSError:
+        return f"{problem} to uid {uid}, which may not search a directory on its way; {fix}"
+    mode = stat.S_IMODE(info.st_mode)
+    readers = ["root"]
+    if mode & stat.S_IRUSR and info.st_uid != 0:
+        readers.append(f"uid {info.st_uid}")
+    if mode & stat.S_IRGRP:
+        readers.append(f"group {info.st_gid}")
+    return (
+        f"{problem} to uid {uid}: mode {mode:04o}, owner uid {info.st_uid}, so only {' and '.join(readers)} "
+        f"may read it; {fix}, or let uid {uid} read it (chmod o+r {source})"
+    )
+
+
+_TOML_LINE: Final = re.compile(r"at line ([0-9]+)")
+# key = value, the value unquoted (not a string, array or table), up to a comment.
+_BARE_VALUE: Final = re.compile(r"\s*([A-Za-z0-9_-]+)\s*=\s*([^\s\"'\[{#][^#]*?)\s*(#.*)?")
+
+
+def _toml_fix(text: str, exc: tomllib.TOMLDecodeError) -> str:
+    """The fix for a TOML syntax error: to quote an unquoted string (a cpu list 0-1, a word) on the
+    line the error names, else to fix the syntax there."""
+    line_number = _TOML_LINE.search(str(exc))
+    lines = text.splitlines()
+    if line_number is None or not 0 < int(line_number[1]) <= len(lines):
+        return "fix the syntax there"
+    match = _BARE_VALUE.fullmatch(lines[int(line_number[1]) - 1])
+    if match is None:
+        return "fix the syntax there"
+    key, value = match[1], match[2]
+    try:
+        tomllib.loads(f"value = {value}")
+    except tomllib.TOMLDecodeError:
+        what = "a cpu list" if key == "shared_cpuset" else "text"
+        return f"{what} is a string in TOML: quote it, {key} = {_show(value)}"
+    return "fix the syntax there"
 
 
 def build_layout(config: Config, *, mountinfo_path: str = DEFAULT_MOUNTINFO) -> CgroupLayout:

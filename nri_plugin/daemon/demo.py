@@ -8,7 +8,8 @@ names them: containerd with the cgroupfs driver (``/kubepods/pod<uid>/<id>``), C
 driver (``kubepods-pod<uid>.slice`` and ``crio-<id>.scope``).
 
 The node has two NUMA nodes, numbered as many two-socket machines do (even CPUs on node 0, odd ones on
-node 1), one shared CPU on each, and NUMA-local shared CPUs on: a container gets the shared CPUs of
+node 1), one shared CPU on each, and NUMA-local shared CPUs on (``numa_local_shared_cpus``, off by
+default, and the demo says it turns it on): a container gets the shared CPUs of
 the nodes its exclusive CPUs are on. The forwarder's are on both nodes, so it gets both; the last
 container's are on node 1 alone, so it gets node 1's.
 
@@ -50,6 +51,7 @@ cgroup_root = "{root}/cgroup"
 cgroup_version = "v1"
 sysfs_root = "{root}/sys"
 state_dir = "{root}/state"
+# Off by default; on here, to show a container given only its NUMA nodes' shared CPUs.
 numa_local_shared_cpus = true
 """
 
@@ -255,7 +257,10 @@ class _Scenario:
                 f"node{node} CPUs {format_cpuset(numa[node])} (shared {format_cpuset(cpus)})"
                 for node, cpus in split.items()
             )
-            + "; numa_local_shared_cpus = true: a container gets the shared CPUs of its exclusive CPUs' nodes"
+        )
+        self.say(
+            "this demo turns numa_local_shared_cpus on (off by default: then every container gets the whole "
+            "pool): a container gets the shared CPUs of its exclusive CPUs' NUMA nodes"
         )
 
     async def connect(self) -> None:

@@ -58,6 +58,7 @@ from nri_plugin.nri.routes import (
     Call,
     Deliver,
 )
+from nri_plugin.nri.unreachable import ConnectWarnings, why_unreachable
 from nri_plugin.ttrpc import wire
 from nri_plugin.ttrpc.aio import CallContext, Client, Server, UnaryMethod, decode_payload
 from nri_plugin.ttrpc.errors import Code, ConnectionClosed, TtrpcError
@@ -416,6 +417,7 @@ class Stub:
         self.registration_timeout = DEFAULT_REGISTRATION_TIMEOUT
         self.backoff = backoff or Backoff(DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX)
         self.clock = clock
+        self._connect_warnings = ConnectWarnings(clock)
         self._handlers = _PluginHandlers.of(plugin)
         if not self._handlers.calls and self._handlers.synchronize is None:
             raise StubError(f"{type(plugin).__name__} defines no NRI handler (e.g. create_container)")
@@ -502,16 +504,15 @@ class Stub:
             return None
         if isinstance(opened, OSError):
             delay = self.backoff.next()
-            log.warning(
-                "nri connect failed, retrying", socket=self.socket_path, error=str(opened), retry_in=delay
-            )
+            self._connect_warnings.failed(self.socket_path, opened, delay)
             return delay
+        self._connect_warnings.connected()
         if await self._serve(opened):
             self.backoff.reset()
         if self.stopping or not self.reconnect:
             return None
         delay = self.backoff.next()
-        log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=delay)
+        log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=round(delay, 2))
         if self.observer is not None:
             self.observer.reconnecting()
         return delay
@@ -538,7 +539,10 @@ class Stub:
         except OSError as exc:
             self._disconnected()
             if not self.reconnect:
-                raise StubError(f"cannot connect to the NRI socket {self.socket_path}: {exc}") from exc
+                why = why_unreachable(self.socket_path, exc)
+                raise StubError(
+                    f"cannot connect to the NRI socket {self.socket_path}: {why.cause}; check {why.check}"
+                ) from exc
             return exc
         return trunk
 

@@ -1,0 +1,163 @@
+"""``mixed-cpu-nri-plugin config``: the effective configuration, every key, as TOML.
+
+Every key of the config file is printed with the value the daemon would use and, in a comment,
+where that value comes from::
+
+    shared_cpuset = "0-1"                # file
+    plugin_index = "10"                  # default
+    plugin_name = "mine"                 # environment (NRI_PLUGIN_NAME)
+
+``file`` is a key the file sets, ``default`` one it leaves out; ``environment`` is a key the
+daemon takes from its environment before the file (NRI_PLUGIN_NAME, NRI_PLUGIN_IDX, as `run`
+does in `nri_plugin.daemon.wiring.resolve_identity`). The text is a config file `run --config`
+takes back, and gives the same configuration. The file is only read: whether it suits this node
+(the CPUs online, the sockets there) is `check`'s job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import PurePosixPath
+from typing import Any, Final
+
+import cgroups
+from nri_plugin.daemon.config import (
+    TRUSTED_SOURCE_KEYS,
+    TRUSTED_SOURCES_TABLE,
+    Config,
+    ConfigError,
+    parse_config,
+    plugin_index_problem,
+    plugin_name_problem,
+    read_document,
+)
+from nri_plugin.deviceplugin.config import TABLE as DEVICE_PLUGIN_TABLE
+
+__all__ = ["Setting", "config_command", "effective_settings", "render"]
+
+FILE: Final = "file"
+DEFAULT: Final = "default"
+# The keys the daemon takes from its environment before the config file, and from which variable.
+ENVIRONMENT_KEYS: Final = {"plugin_name": "NRI_PLUGIN_NAME", "plugin_index": "NRI_PLUGIN_IDX"}
+_INHERITED_SOCKET: Final = "NRI_PLUGIN_SOCKET"
+# What the `Config` holds that no key sets.
+_NOT_KEYS: Final = frozenset({"source", "device_plugin", *TRUSTED_SOURCE_KEYS.values()})
+# TOML's escapes for the control characters that have a short one; the rest are written \\uXXXX.
+_SHORT_ESCAPES: Final = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One key: its table ("" for the top level), its name, its value as TOML holds it (a string,
+    boolean, integer or float), and where the value comes from."""
+
+    table: str
+    key: str
+    value: str | bool | int | float
+    origin: str
+
+
+def effective_settings(path: str, environ: Mapping[str, str]) -> tuple[Config, list[Setting]]:
+    """The configuration `run --config path` would use with `environ`, and every key of it in the
+    order the file's tables take. Raises `ConfigError` (`ConfigMissing` without a file) as `run`
+    would, an environment variable it would refuse included."""
+    document = read_document(path)
+    config = parse_config(document, source=path)
+    settings: list[Setting] = []
+    for name in (f.name for f in fields(Config) if f.name not in _NOT_KEYS):
+        settings.append(_top_level(name, getattr(config, name), document, environ))
+    sources = document.get(TRUSTED_SOURCES_TABLE, {})
+    for key, name in TRUSTED_SOURCE_KEYS.items():
+        settings.append(Setting(TRUSTED_SOURCES_TABLE, key, getattr(config, name), _origin(key, sources)))
+    table = document.get(DEVICE_PLUGIN_TABLE, {})
+    for field in fields(config.device_plugin):
+        value = _toml_value(getattr(config.device_plugin, field.name))
+        settings.append(Setting(DEVICE_PLUGIN_TABLE, field.name, value, _origin(field.name, table)))
+    overridden = {s.key: s.value for s in settings if s.origin.startswith("environment")}
+    return parse_config({**document, **overridden}, source=path), settings
+
+
+def _top_level(name: str, value: object, document: Mapping[str, Any], environ: Mapping[str, str]) -> Setting:
+    variable = ENVIRONMENT_KEYS.get(name)
+    given = environ.get(variable) if variable is not None else None
+    if given:  # as `run`: an empty variable is no value
+        problem = plugin_index_problem(given) if name == "plugin_index" else plugin_name_problem(given)
+        if problem is not None:
+            raise ConfigError(f"{variable}: {problem}")
+        return Setting("", name, given, f"environment ({variable})")
+    origin = _origin(name, document)
+    if name == "nri_socket" and environ.get(_INHERITED_SOCKET):
+        origin += (
+            f"; not used while {_INHERITED_SOCKET}={environ[_INHERITED_SOCKET]} hands over the "
+            "runtime's connection"
+        )
+    return Setting("", name, _toml_value(value), origin)
+
+
+def _origin(key: str, table: object) -> str:
+    return FILE if isinstance(table, Mapping) and key in table else DEFAULT
+
+
+def _toml_value(value: object) -> str | bool | int | float:
+    """A `Config` value as the config file writes it."""
+    if isinstance(value, frozenset):
+        return cgroups.format_cpuset(value)
+    if isinstance(value, PurePosixPath):
+        return str(value)
+    if value is None:  # pod_resources_socket: not asked
+        return ""
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    raise TypeError(f"no TOML form for {type(value).__name__} {value!r}")
+
+
+def render(path: str, settings: list[Setting]) -> str:
+    """The settings as a TOML config file, each value's origin in a comment beside it."""
+    lines = [
+        f"# The effective configuration of {_comment(path)}: every key, with where its value comes from.",
+        "# `mixed-cpu-nri-plugin run --config FILE` takes this text back as it is.",
+        "",
+    ]
+    width = max(len(_assignment(s)) for s in settings) + 2
+    table = ""
+    for setting in settings:
+        if setting.table != table:
+            table = setting.table
+            lines.extend(("", f"[{table}]"))
+        lines.append(f"{_assignment(setting):<{width}}# {_comment(setting.origin)}")
+    return "\n".join(lines) + "\n"
+
+
+def _assignment(setting: Setting) -> str:
+    return f"{setting.key} = {_toml(setting.value)}"
+
+
+def _toml(value: str | bool | int | float) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    escaped = []
+    for char in value:
+        if char in ('"', "\\"):
+            escaped.append("\\" + char)
+        elif char in _SHORT_ESCAPES:
+            escaped.append(_SHORT_ESCAPES[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\u{ord(char):04X}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+def _comment(text: str) -> str:
+    """`text` fit for a TOML comment: one line, no control characters (which TOML refuses there)."""
+    return "".join(char if char.isprintable() else "?" for char in text)
+
+
+def config_command(path: str, environ: Mapping[str, str] | None = None) -> str:
+    """What ``config --config path`` prints. Raises `ConfigError`."""
+    settings = effective_settings(path, os.environ if environ is None else environ)[1]
+    return render(path, settings)

@@ -1,0 +1,157 @@
+"""``config``: every key of the effective config, with its origin, as TOML that ``run --config`` takes
+back and that gives the same configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from nri_plugin.daemon.cli import main
+from nri_plugin.daemon.config import TRUSTED_SOURCE_KEYS, Config, load_config
+from nri_plugin.daemon.effective import config_command, effective_settings
+from nri_plugin.deviceplugin.config import DevicePluginConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+# Every value other than its default: a key printed from the wrong field shows.
+EVERY_KEY = """\
+shared_cpuset = "2,3"
+plugin_name = "mine"
+plugin_index = "42"
+nri_socket = "/run/nri/other.sock"
+cgroup_root = "/host/cgroup"
+cgroup_version = "v2"
+sysfs_root = "/host/sys"
+numa_local_shared_cpus = true
+state_dir = "/var/lib/other"
+log_level = "debug"
+log_format = "json"
+metrics_address = ":9000"
+reconcile_interval = 7.5
+max_synchronize_mib = 64
+systemd_bus = ""
+
+[trusted_sources]
+device_plugin_marker = false
+pod_annotation = true
+
+[device_plugin]
+enabled = false
+resource_name = "example.com/shared"
+device_count = 12
+plugin_dir = "/dp"
+endpoint = "x.sock"
+pod_resources_socket = ""
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "config.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def keys_of_the_model() -> set[str]:
+    """Every key the config model knows, from its fields: a new field is a new key to print."""
+    attributes = {f.name for f in dataclasses.fields(Config)} - {"source", "device_plugin"}
+    sources = {f"trusted_sources.{key}" for key in TRUSTED_SOURCE_KEYS}
+    top = attributes - set(TRUSTED_SOURCE_KEYS.values())
+    device_plugin = {f"device_plugin.{f.name}" for f in dataclasses.fields(DevicePluginConfig)}
+    return top | sources | device_plugin
+
+
+def printed_keys(document: dict[str, object]) -> set[str]:
+    keys = set()
+    for key, value in document.items():
+        if isinstance(value, dict):
+            keys |= {f"{key}.{inner}" for inner in value}
+        else:
+            keys.add(key)
+    return keys
+
+
+def same(config: Config, other: Config) -> bool:
+    return dataclasses.replace(config, source="") == dataclasses.replace(other, source="")
+
+
+@pytest.mark.parametrize("text", ['shared_cpuset = "0-1"\n', EVERY_KEY], ids=["defaults", "every-key"])
+def test_every_key_is_printed_and_read_back_the_same(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text)
+    output = config_command(path, environ={})
+    document = tomllib.loads(output)
+    assert printed_keys(document) == keys_of_the_model()
+    effective = load_config(path, check=False)
+    # The printed file, given to run's loader, is the same configuration.
+    again = load_config(write(tmp_path, output, "printed.toml"), check=False)
+    assert same(again, effective)
+
+
+def test_each_value_says_where_it_comes_from(tmp_path: Path) -> None:
+    path = write(tmp_path, 'shared_cpuset = "0-1"\n\n[device_plugin]\ndevice_count = 3\n')
+    lines = config_command(path, environ={}).splitlines()
+    origins = {line.split(" = ")[0]: line.rsplit("# ", 1)[1] for line in lines if " = " in line}
+    assert origins.pop("shared_cpuset") == "file"
+    assert origins.pop("device_count") == "file"
+    assert set(origins.values()) == {"default"}, origins
+    assert lines[:3] == [*lines[:2], ""]  # the heading, set apart
+    assert lines[3].startswith('shared_cpuset = "0-1"  ')
+    assert "[device_plugin]" in lines
+    assert any(line.startswith("reconcile_interval = 30.0 ") for line in lines)
+    pod_resources = 'pod_resources_socket = "/var/lib/kubelet/pod-resources/kubelet.sock" '
+    assert any(line.startswith(pod_resources) for line in lines)
+
+
+def test_the_environment_wins_over_the_file_as_for_run(tmp_path: Path) -> None:
+    path = write(tmp_path, 'shared_cpuset = "0-1"\nplugin_index = "20"\n')
+    environ = {"NRI_PLUGIN_IDX": "30", "NRI_PLUGIN_NAME": "", "NRI_PLUGIN_SOCKET": "3"}
+    config, settings = effective_settings(path, environ)
+    assert (config.plugin_index, config.plugin_name) == ("30", "mixed-cpu")
+    output = config_command(path, environ=environ)
+    assert 'plugin_index = "30"' in output
+    assert output.count("# environment (NRI_PLUGIN_IDX)") == 1
+    [socket_line] = [line for line in output.splitlines() if line.startswith("nri_socket")]
+    assert "not used while NRI_PLUGIN_SOCKET=3" in socket_line
+    again = load_config(write(tmp_path, output, "printed.toml"), check=False)
+    assert same(again, config)
+    assert [s.origin for s in settings if s.key == "plugin_name"] == ["default"]
+
+
+def test_strings_are_escaped_as_toml_wants(tmp_path: Path) -> None:
+    path = write(tmp_path, 'shared_cpuset = "0"\nstate_dir = "/var/lib/a \\"b\\" \\\\ c\\u007f\\t"\n')
+    output = config_command(path, environ={})
+    again = load_config(write(tmp_path, output, "printed.toml"), check=False)
+    assert again.state_dir == '/var/lib/a "b" \\ c\x7f\t'
+
+
+def test_the_command_prints_it_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, 'shared_cpuset = "0-1"\n')
+    assert main(["config", "--config", path]) == 0
+    out, err = capsys.readouterr()
+    assert tomllib.loads(out)["shared_cpuset"] == "0-1"
+    assert err == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "no such file"),
+        ('shared_cpuset = "0-1"\nstate_dirr = "/x"\n', "did you mean state_dir?"),
+    ],
+    ids=["missing", "typo"],
+)
+def test_a_config_run_refuses_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | None, message: str
+) -> None:
+    path = write(tmp_path, text) if text is not None else str(tmp_path / "none.toml")
+    assert main(["config", "--config", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    [line] = err.splitlines()
+    assert line.startswith(f"error: {path}: ")
+    assert message in line
