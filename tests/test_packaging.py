@@ -665,6 +665,33 @@ def test_helm_pod_monitor_scrapes_the_pods_metrics_port() -> None:
     assert not [d for d in helm_template() if d["kind"] == "PodMonitor"], "off by default"
 
 
+def test_helm_dashboard_config_map_only_when_asked_for() -> None:
+    """Off by default; on, a ConfigMap with the label Grafana's sidecar watches, holding the dashboard
+    file of the chart byte for byte."""
+    assert values()["dashboard"]["enabled"] is False
+    assert not [d for d in helm_template() if d["metadata"]["name"].endswith("-dashboard")]
+    docs = helm_template("dashboard.enabled=true", "dashboard.namespace=monitoring", "dashboard.folder=NRI")
+    [board] = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rel-mixed-cpu-nri-plugin-dashboard"
+    ]
+    assert board["metadata"]["namespace"] == "monitoring"
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["metadata"]["annotations"] == {"grafana_folder": "NRI"}
+    [(key, text)] = board["data"].items()
+    assert key == "mixed-cpu-nri-plugin.json"
+    assert text == (CHART / "dashboards" / key).read_text().rstrip("\n")
+    assert json.loads(text)["uid"] == "mixed-cpu-nri-plugin"
+    other = helm_template(
+        "dashboard.enabled=true", "dashboard.label=my_dashboards", "dashboard.labelValue=yes"
+    )
+    [board] = [d for d in other if d["metadata"]["name"].endswith("-dashboard")]
+    assert board["metadata"]["namespace"] == "nri-test"
+    assert board["metadata"]["labels"]["my_dashboards"] == "yes"
+    assert "grafana_dashboard" not in board["metadata"]["labels"]
+
+
 def test_helm_env_names_the_node_and_takes_extra_variables() -> None:
     docs = helm_template("extraEnv[0].name=HTTPS_PROXY", "extraEnv[0].value=http://proxy:3128")
     [container] = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"]

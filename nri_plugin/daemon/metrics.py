@@ -35,7 +35,7 @@ cost nothing per request.
 | `mixed_cpu_nri_synchronize_bytes` | gauge | | that Synchronize's size, all chunks |
 | `process_resident_memory_bytes`, `process_cpu_seconds_total`, ... | | | the daemon process (Linux) |
 
-The dashboard (``packaging/grafana/mixed-cpu-nri-plugin.json``) queries only these names.
+The Grafana dashboard (``packaging/helm/mixed-cpu-nri-plugin/dashboards/``) queries only these names.
 
 Labels:
 
