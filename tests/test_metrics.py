@@ -43,6 +43,7 @@ from nri_plugin.nri.stub import Stub
 NAMING = Naming("containerd", "cgroupfs")
 REQUESTS = "mixed_cpu_nri_requests_total"
 DURATION_COUNT = "mixed_cpu_nri_request_duration_seconds_count"
+CREATIONS = "mixed_cpu_shared_creations_total"
 
 # An open for writing: the plugin holds a pod's quota file read-write from its read to its write.
 _FOR_WRITING = os.O_WRONLY | os.O_RDWR
@@ -77,6 +78,7 @@ async def observed(
 ) -> AsyncIterator[Observed]:
     metrics = Metrics()  # first: the parts are built with it as their observer, as `run` does
     plugin, key = make_plugin(root / "state", layout, observer=metrics)
+    plugin.creations = metrics  # as `build_plugin` sets it
     socket_path = root / "nri.sock"
     sim = RuntimeSimulator(socket_path)
     if sim_started:
@@ -142,6 +144,9 @@ async def test_requests_and_shared_containers_follow_the_container_lifecycle(sho
         assert value(after_error, REQUESTS, event="create_container", outcome="ok") == 2
         assert value(after_error, DURATION_COUNT, event="create_container") == 3
         assert value(after_error, "mixed_cpu_shared_containers") == 1
+        assert value(after_error, CREATIONS, outcome="granted") == 1, "the plain container asked nothing"
+        assert value(after_error, CREATIONS, outcome="pod_spec") == 1
+        assert value(after_error, CREATIONS, outcome="node") == 0
 
         await node.sim.stop_container("c-fwd")
         after_stop = await node.scrape()
@@ -153,6 +158,38 @@ async def test_requests_and_shared_containers_follow_the_container_lifecycle(sho
         assert value(after_remove, REQUESTS, event="remove_container", outcome="ok") == 1
         assert value(after_remove, "mixed_cpu_shared_containers") == 0
         assert value(after_remove, "mixed_cpu_cgroup_write_failures_total", kind="pod_quota_raise") == 0
+
+
+@pytest.mark.asyncio
+async def test_synchronize_size_and_the_process_are_exported(short_dir: Path) -> None:
+    """The runtime restarts with a pod and two containers running: the second Synchronize's size."""
+    tree = FakeCgroups(short_dir / "cgroup", 1)
+    async with observed(short_dir, tree.layout, reconnect=True, backoff=Backoff(0.01, 0.05)) as node:
+        await node.sim.wait_for_plugins(1, GUARD)
+        empty = await node.scrape()
+        assert value(empty, "mixed_cpu_nri_synchronize_pods") == 0
+        assert value(empty, "mixed_cpu_nri_synchronize_containers") == 0
+        assert value(empty, "mixed_cpu_nri_synchronize_bytes") > 0, "an empty request still has bytes"
+        assert value(empty, "process_resident_memory_bytes") > 0
+        pod = make_pod(NAMING, "1212-3434", name="fwd")
+        tree.add_pod(pod, 3 * PERIOD)
+        await node.sim.run_pod_sandbox(pod)
+        await node.sim.create_container(asking(pod, node.key, "c-fwd", "fwd", "shared-cpus-0"))
+        await node.sim.create_container(make_container(NAMING, pod, "c-side", "sidecar", cpus="6"))
+
+        second = RuntimeSimulator(node.sim.socket_path)
+        second.restore(node.sim)
+        await node.sim.close()
+        node.sim = second
+        await second.start()
+        await second.wait_for_plugins(1, GUARD)
+        await asyncio.wait_for(node.stub.ready.wait(), GUARD)
+        found = await node.scrape()
+        assert value(found, REQUESTS, event="synchronize", outcome="ok") == 2
+        assert value(found, "mixed_cpu_nri_synchronize_pods") == 1
+        assert value(found, "mixed_cpu_nri_synchronize_containers") == 2
+        grown = value(found, "mixed_cpu_nri_synchronize_bytes")
+        assert grown > value(empty, "mixed_cpu_nri_synchronize_bytes")
 
 
 @pytest.mark.asyncio
@@ -207,6 +244,8 @@ async def test_cgroup_write_failure_is_counted(short_dir: Path, monkeypatch: pyt
         assert value(found, "mixed_cpu_cgroup_write_failures_total", kind="pod_quota_raise") == 1
         assert value(found, "mixed_cpu_cgroup_write_failures_total", kind="pod_quota_lower") == 0
         assert value(found, REQUESTS, event="create_container", outcome="error") == 1
+        assert value(found, CREATIONS, outcome="cgroup") == 1
+        assert value(found, CREATIONS, outcome="granted") == 0
         assert value(found, "mixed_cpu_shared_containers") == 0
         # Writable again: the same request succeeds.
         await node.sim.create_container(asking(pod, node.key, "c2", "fwd", "shared-cpus-0"))
@@ -291,6 +330,9 @@ def test_every_metric_is_exposed_before_anything_happens() -> None:
         "mixed_cpu_nri_ready",
         "mixed_cpu_kubelet_registered",
         "mixed_cpu_probe_connections_evicted",
+        "mixed_cpu_shared_creations",
+        "mixed_cpu_nri_synchronize_containers",
+        "process_resident_memory_bytes",
     ):
         assert f"# TYPE {name}" in text, name
     assert 'mixed_cpu_cgroup_write_failures_total{kind="pod_quota_lower"} 0.0' in text
@@ -298,6 +340,7 @@ def test_every_metric_is_exposed_before_anything_happens() -> None:
     assert 'mixed_cpu_probe_connections_evicted_total{reason="peer_limit"} 0.0' in text
     assert 'mixed_cpu_probe_connections_evicted_total{reason="total_limit"} 0.0' in text
     assert 'mixed_cpu_probe_connections_evicted_total{reason="hard_limit"} 0.0' in text
+    assert 'mixed_cpu_shared_creations_total{outcome="state_file"} 0.0' in text
 
 
 def test_observer_cost_per_request() -> None:

@@ -63,6 +63,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 HOST_VENV = "/opt/mixed-cpu-nri-plugin"  # where the image and the host install both put the venv
 GUARD = 20.0
 TOLERATION_KEY = "tolerate-missing-nri-plugins.noderesource.dev"
+IMAGE = "registry.example.com/you/mixed-cpu-nri-plugin"
 
 Doc = dict[str, Any]
 
@@ -424,6 +425,10 @@ def test_values_and_schema_agree() -> None:
     assert schema["additionalProperties"] is False
     assert set(values()) == set(schema["properties"])
     assert set(schema["required"]) <= set(values())
+    # gojsonschema reports a oneOf/anyOf refusal as a bare "oneOf": the templates check those values.
+    text = (CHART / "values.schema.json").read_text()
+    assert "oneOf" not in text
+    assert "anyOf" not in text
     assert values()["runtime"] in schema["properties"]["runtime"]["enum"]
     # The chart's defaults are the daemon's defaults where both have one.
     defaults = values()
@@ -442,12 +447,16 @@ def helm_binary() -> str:
     return helm
 
 
+# What every install must set (the chart has no default for either: issue 22, item 5).
+REQUIRED = ("--set", f"image.repository={IMAGE}", "--set", "sharedCpuset=0-1")
+
+
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=GUARD, check=False)
 
 
 def helm_template(*sets: str) -> list[Doc]:
-    args = ["template", "rel", str(CHART), "--namespace", "nri-test"]
+    args = ["template", "rel", str(CHART), "--namespace", "nri-test", *REQUIRED]
     for item in sets:
         args += ["--set", item]
     result = helm(*args)
@@ -456,7 +465,7 @@ def helm_template(*sets: str) -> list[Doc]:
 
 
 def test_helm_lint_is_clean() -> None:
-    result = helm("lint", "--strict", str(CHART))
+    result = helm("lint", "--strict", str(CHART), *REQUIRED)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -467,7 +476,11 @@ def test_helm_default_render_matches_the_kustomize_base() -> None:
     assert {d["kind"] for d in docs} == {"ServiceAccount", "ConfigMap", "DaemonSet", "ResourceQuota"}
     assert ds["metadata"]["namespace"] == "nri-test"
     config = config_of(docs)
-    assert config.shared_cpuset_text == values()["sharedCpuset"]
+    assert config.shared_cpuset_text == "0-1"
+    assert (
+        ds["spec"]["template"]["spec"]["containers"][0]["image"]
+        == f"{IMAGE}:{values()['image']['tag'] or '0.1.0'}"
+    )
     assert not config.trust_pod_annotation
     assert config.device_plugin.enabled
     # The chart's containerd flavour and the kustomize containerd overlay run the same pod.
@@ -525,16 +538,70 @@ def test_helm_ipv6_bind_address() -> None:
     "bad",
     [
         "runtime=docker",
-        "sharedCpuset=0-1\\,x",
-        "plugin.index=7",
         "metrics.port=0",
         "hostPaths.stateDir=state",
     ],
 )
 def test_helm_schema_rejects_bad_values(bad: str) -> None:
-    result = helm("template", "rel", str(CHART), "--set", bad)
+    result = helm("template", "rel", str(CHART), *REQUIRED, "--set", bad)
     assert result.returncode != 0
     assert "values don't meet the specifications of the schema" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ["sharedCpuset=0-1"],
+            "image.repository is not set: no image is published; build packaging/Dockerfile, push it to a "
+            "registry the nodes can pull from, and name it: --set image.repository=",
+        ),
+        (
+            [f"image.repository={IMAGE}"],
+            "sharedCpuset is not set: give the node's shared CPUs, a Linux cpu list that is also in "
+            "kubelet's reservedSystemCPUs, e.g. --set sharedCpuset=0-1",
+        ),
+        (
+            [f"image.repository={IMAGE}", "sharedCpuset=0-1\\,x"],
+            'sharedCpuset "0-1,x" is not a Linux cpu list: write CPU numbers and low-high ranges joined by '
+            "commas",
+        ),
+        (
+            [f"image.repository={IMAGE}", "sharedCpuset=-1"],
+            'sharedCpuset "-1" is not a Linux cpu list',
+        ),
+        (
+            [f"image.repository={IMAGE}", "sharedCpuset=0-1", "plugin.index=7"],
+            "plugin.index=7 is not two digits: NRI orders plugins by a two-digit index from 00 to 99; use "
+            "--set plugin.index=10 (any of 10-99), or --set-string plugin.index=07",
+        ),
+        (
+            [f"image.repository={IMAGE}", "sharedCpuset=0-1", "plugin.index=100"],
+            "plugin.index=100 is not two digits",
+        ),
+    ],
+    ids=["no-image", "no-cpus", "bad-cpus", "negative-cpus", "index-7", "index-100"],
+)
+def test_helm_says_what_to_set(sets: list[str], message: str) -> None:
+    """No placeholder image and no guessed CPUs: a missing or malformed value is refused with one line
+    naming the value, what is wrong, and the --set that fixes it (not a schema "oneOf")."""
+    args = ["template", "rel", str(CHART)]
+    for item in sets:
+        args += ["--set", item]
+    result = helm(*args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert "oneOf" not in result.stderr
+    assert values()["image"]["repository"] == ""
+    assert values()["sharedCpuset"] == ""
+
+
+def test_helm_takes_what_the_messages_advise() -> None:
+    assert config_of(helm_template("plugin.index=42")).plugin_index == "42"
+    result = helm("template", "rel", str(CHART), *REQUIRED, "--set-string", "plugin.index=07")
+    assert result.returncode == 0, result.stderr
+    assert config_of(load_documents(result.stdout)).plugin_index == "07"
+    assert config_of(helm_template("sharedCpuset=0\\,2\\,4-5")).shared_cpuset_text == "0,2,4-5"
 
 
 # -- what operators tripped over (issue 15) ----------------------------------------------------------
@@ -565,7 +632,7 @@ def test_kustomize_pods_get_their_critical_pod_quota_and_node_name() -> None:
 def test_helm_critical_pod_quota_only_where_it_is_needed() -> None:
     docs = helm_template()
     check_critical_pod_quota(docs, one(docs, "DaemonSet"))
-    result = helm("template", "rel", str(CHART), "--namespace", "kube-system")
+    result = helm("template", "rel", str(CHART), "--namespace", "kube-system", *REQUIRED)
     assert result.returncode == 0, result.stderr
     assert not [d for d in load_documents(result.stdout) if d["kind"] == "ResourceQuota"]
     for values in ("priorityClassName=", "criticalPodQuota.create=false"):
@@ -612,7 +679,7 @@ def test_helm_takes_a_lone_cpu_as_a_number() -> None:
 def test_helm_refuses_what_the_daemon_would_refuse(values: list[str], message: str) -> None:
     """Values the schema lets through but the daemon (or kubelet's probes) would not: refused at install
     with the reason, instead of a crash loop (or a pod never ready) on every node."""
-    args = ["template", "rel", str(CHART)]
+    args = ["template", "rel", str(CHART), *REQUIRED]
     for value in values:
         args += ["--set", value]
     result = helm(*args)
@@ -640,7 +707,7 @@ def test_helm_still_renders_what_the_daemon_takes() -> None:
     ],
 )
 def test_helm_object_names(release: str, extra: list[str], name: str) -> None:
-    args = ["template", release, str(CHART), "--namespace", "nri-test"]
+    args = ["template", release, str(CHART), "--namespace", "nri-test", *REQUIRED]
     for value in extra:
         args += ["--set", value]
     result = helm(*args)
@@ -663,6 +730,33 @@ def test_helm_pod_monitor_scrapes_the_pods_metrics_port() -> None:
     [port] = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert (endpoint["port"], endpoint["path"]) == (port["name"], "/metrics")
     assert not [d for d in helm_template() if d["kind"] == "PodMonitor"], "off by default"
+
+
+def test_helm_dashboard_config_map_only_when_asked_for() -> None:
+    """Off by default; on, a ConfigMap with the label Grafana's sidecar watches, holding the dashboard
+    file of the chart byte for byte."""
+    assert values()["dashboard"]["enabled"] is False
+    assert not [d for d in helm_template() if d["metadata"]["name"].endswith("-dashboard")]
+    docs = helm_template("dashboard.enabled=true", "dashboard.namespace=monitoring", "dashboard.folder=NRI")
+    [board] = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rel-mixed-cpu-nri-plugin-dashboard"
+    ]
+    assert board["metadata"]["namespace"] == "monitoring"
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["metadata"]["annotations"] == {"grafana_folder": "NRI"}
+    [(key, text)] = board["data"].items()
+    assert key == "mixed-cpu-nri-plugin.json"
+    assert text == (CHART / "dashboards" / key).read_text().rstrip("\n")
+    assert json.loads(text)["uid"] == "mixed-cpu-nri-plugin"
+    other = helm_template(
+        "dashboard.enabled=true", "dashboard.label=my_dashboards", "dashboard.labelValue=yes"
+    )
+    [board] = [d for d in other if d["metadata"]["name"].endswith("-dashboard")]
+    assert board["metadata"]["namespace"] == "nri-test"
+    assert board["metadata"]["labels"]["my_dashboards"] == "yes"
+    assert "grafana_dashboard" not in board["metadata"]["labels"]
 
 
 def test_helm_env_names_the_node_and_takes_extra_variables() -> None:
@@ -771,7 +865,7 @@ def test_helm_no_network_policy_where_it_would_cut_a_scraper_off_or_guard_nothin
     ],
 )
 def test_helm_schema_rejects_bad_network_policy_values(bad: str) -> None:
-    result = helm("template", "rel", str(CHART), "--set", bad)
+    result = helm("template", "rel", str(CHART), *REQUIRED, "--set", bad)
     assert result.returncode != 0
     assert "values don't meet the specifications of the schema" in result.stderr
 

@@ -7,7 +7,8 @@ none of them imports this module. The stub calls ``request_done`` and ``reconnec
 (`nri_plugin.mixedcpu.plugin.PluginObserver`), the device plugin ``registration_done``
 (`nri_plugin.deviceplugin.server.RegistrationObserver`), the pod-resources client
 ``pod_resources_lookup`` (`nri_plugin.deviceplugin.podresources.PodResourcesObserver`), the probe
-server ``probe_connection_evicted`` (`nri_plugin.daemon.probes.ProbeObserver`).
+server ``probe_connection_evicted`` (`nri_plugin.daemon.probes.ProbeObserver`); the stub also calls
+``synchronized``, and the plugin ``creation_decided`` (`nri_plugin.mixedcpu.plugin.CreationObserver`).
 Gauges are read from their owners when scraped, through callables bound once the owners exist
 (``track``; `nri_plugin.daemon.wiring` does it): the shared-container count from the plugin's books,
 readiness from the stub and the device plugin, so they cannot drift from what they describe and
@@ -28,6 +29,13 @@ cost nothing per request.
 | `mixed_cpu_pod_resources_reachable` | gauge | | 1 while kubelet's record proves requests (0: marker alone) |
 | `mixed_cpu_pod_resources_degraded` | gauge | | 1 while List (no Get) or the marker alone proves |
 | `mixed_cpu_probe_connections_evicted_total` | counter | `reason` | probe connections closed for newer ones |
+| `mixed_cpu_shared_creations_total` | counter | `outcome` | creations that asked: granted, or refused |
+| `mixed_cpu_nri_synchronize_pods` | gauge | | pods the runtime listed at its last Synchronize |
+| `mixed_cpu_nri_synchronize_containers` | gauge | | containers it listed then |
+| `mixed_cpu_nri_synchronize_bytes` | gauge | | that Synchronize's size, all chunks |
+| `process_resident_memory_bytes`, `process_cpu_seconds_total`, ... | | | the daemon process (Linux) |
+
+The Grafana dashboard (``packaging/helm/mixed-cpu-nri-plugin/dashboards/``) queries only these names.
 
 Labels:
 
@@ -59,18 +67,37 @@ Labels:
   having had its chance to be read yet: new connections come faster than the loop reads them). Any
   rise means something holds the port's connections open (the warning log line names the last
   address); kubelet's probes and the scrape still get through.
+* `outcome` of a creation that proved a request for the shared CPUs (`nri_plugin.mixedcpu.plugin`):
+  `granted`, or why it was refused: `pod_spec` (the pod spec must change: no exclusive CPUs, no
+  limit, ...), `node` (the node's setup must), `cgroup` (the pod quota could not be raised),
+  `state_file` (the books could not be saved). A creation the runtime gave up waiting for counts
+  in none (the request's own `outcome` is then `cancelled`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from nri_plugin.daemon.probes import EVICTION_REASONS
 from nri_plugin.mixedcpu.heal import HEAL_KINDS
 
-__all__ = ["DURATION_BUCKETS", "EVICTION_REASONS", "HEAL_KINDS", "WRITE_FAILURE_KINDS", "Metrics"]
+__all__ = [
+    "CREATION_OUTCOMES",
+    "DURATION_BUCKETS",
+    "EVICTION_REASONS",
+    "HEAL_KINDS",
+    "WRITE_FAILURE_KINDS",
+    "Metrics",
+]
 
 # From 100 µs (a cheap event) to 2 s, the runtime's default request deadline.
 DURATION_BUCKETS = (
@@ -92,6 +119,7 @@ DURATION_BUCKETS = (
 WRITE_FAILURE_KINDS = ("pod_quota_raise", "pod_quota_lower", "pod_quota_restore", "container_quota_lower")
 REGISTRATION_OUTCOMES = ("ok", "failed")
 LOOKUP_OUTCOMES = ("ok", "list", "unavailable")
+CREATION_OUTCOMES = ("granted", "pod_spec", "node", "cgroup", "state_file")
 
 
 class Metrics:
@@ -165,6 +193,27 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.creations = Counter(
+            "mixed_cpu_shared_creations",
+            "Creations that proved a request for the shared CPUs: granted, or refused and why.",
+            ["outcome"],
+            registry=r,
+        )
+        self.sync_pods = Gauge(
+            "mixed_cpu_nri_synchronize_pods", "Pods the runtime listed at its last Synchronize.", registry=r
+        )
+        self.sync_containers = Gauge(
+            "mixed_cpu_nri_synchronize_containers",
+            "Containers the runtime listed at its last Synchronize.",
+            registry=r,
+        )
+        self.sync_bytes = Gauge(
+            "mixed_cpu_nri_synchronize_bytes",
+            "Size of the last Synchronize, all of its chunks, as received.",
+            registry=r,
+        )
+        # RSS, CPU time, open files of the daemon (read from /proc/self at each scrape).
+        ProcessCollector(registry=r)
         for kind in WRITE_FAILURE_KINDS:
             self.write_failures.labels(kind)
         for kind in HEAL_KINDS:
@@ -175,6 +224,8 @@ class Metrics:
             self.pod_resources_lookups.labels(outcome)
         for reason in EVICTION_REASONS:
             self.probe_evictions.labels(reason)
+        for outcome in CREATION_OUTCOMES:
+            self.creations.labels(outcome)
         # Label lookups take a lock and build tuples; a request pays a dict lookup instead.
         self._request_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
@@ -205,6 +256,14 @@ class Metrics:
 
     def probe_connection_evicted(self, reason: str) -> None:
         self.probe_evictions.labels(reason).inc()
+
+    def creation_decided(self, outcome: str) -> None:
+        self.creations.labels(outcome).inc()
+
+    def synchronized(self, pods: int, containers: int, size: int) -> None:
+        self.sync_pods.set(pods)
+        self.sync_containers.set(containers)
+        self.sync_bytes.set(size)
 
     # -- gauges read at scrape time --------------------------------------------------------------------
 

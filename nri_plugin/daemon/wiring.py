@@ -301,6 +301,7 @@ def build_plugin(
         raise _state_dir_error(config, exc) from None
     if writer is not None:
         plugin.quotas.writer = writer
+    plugin.creations = observer
     return plugin
 
 

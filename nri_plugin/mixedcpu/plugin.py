@@ -80,9 +80,16 @@ from nri_plugin.mixedcpu.quota import CgroupObserver, PodQuotas
 from nri_plugin.mixedcpu.resync import needed_at_sync, rebuild_books, updates_to_send
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri import handlers
-from nri_plugin.nri.errors import InvalidRequest, PluginRefusal, PreconditionFailed
+from nri_plugin.nri.errors import InvalidRequest, PluginFailure, PluginRefusal, PreconditionFailed
 
-__all__ = ["AllocationRecord", "CgroupObserver", "MixedCpuPlugin", "PluginObserver", "TrustedSources"]
+__all__ = [
+    "AllocationRecord",
+    "CgroupObserver",
+    "CreationObserver",
+    "MixedCpuPlugin",
+    "PluginObserver",
+    "TrustedSources",
+]
 
 log = structlog.get_logger(LOGGER_NAME)
 
@@ -107,6 +114,14 @@ def _holding_the_books(
 
 class PluginObserver(CgroupObserver, HealObserver, Protocol):
     """Told of failed cgroup writes and of heals (`nri_plugin.daemon.metrics.Metrics` is one)."""
+
+
+class CreationObserver(Protocol):
+    """Told how each creation that proved a request ended (`nri_plugin.daemon.metrics.Metrics`)."""
+
+    def creation_decided(self, outcome: str) -> None:
+        """`outcome`: ``granted``, or why it was refused: ``pod_spec`` or ``node`` (the policy's
+        `PolicyError.kind`), ``cgroup`` (the pod quota could not be raised), ``state_file``."""
 
 
 def _refusal(exc: PolicyError) -> PluginRefusal:
@@ -175,6 +190,7 @@ class MixedCpuPlugin(
         # Without kubelet's record, a device binding is the only proof against a replayed marker.
         self.healer.keep_bindings = trusted.allocations is None
         self.later = LaterLines()  # the info line of each creation, written after its reply
+        self.creations: CreationObserver | None = None  # settable, as `observer` is
 
     @property
     def books(self) -> Books:
@@ -267,6 +283,7 @@ class MixedCpuPlugin(
                 "refused shared CPUs", reason=str(exc), **pod_fields(pod, container, event="CreateContainer")
             )
             await self._settle_displaced(displaced, pod)
+            self._creation_decided(exc.kind.replace("-", "_"))
             raise _refusal(exc) from None
         _log_fallback(plan.shared, pod, container, "CreateContainer")
         if tracing:
@@ -278,7 +295,12 @@ class MixedCpuPlugin(
             exclusive=format_cpuset(plan.exclusive),
             device=check.proof.device,
         )
-        quotas = await self.quotas.raise_for(pod, container, slot, record, saved)
+        try:
+            quotas = await self.quotas.raise_for(pod, container, slot, record, saved)
+        except PluginRefusal as exc:
+            self._creation_decided("state_file" if isinstance(exc, PluginFailure) else "cgroup")
+            raise
+        self._creation_decided("granted")
         if tracing:
             trace.pod_quota_raised(pod, container, quotas, books.pods.get(slot.pod), "CreateContainer")
         self.healer.watch_creation(slot, container)
@@ -418,6 +440,10 @@ class MixedCpuPlugin(
         return updates
 
     # -- steps -------------------------------------------------------------------------------------
+
+    def _creation_decided(self, outcome: str) -> None:
+        if self.creations is not None:
+            self.creations.creation_decided(outcome)
 
     def _check(
         self,

@@ -133,6 +133,10 @@ class StubObserver(Protocol):
     def reconnecting(self) -> None:
         """The connection to the runtime was lost; the stub connects again."""
 
+    def synchronized(self, pods: int, containers: int, size: int) -> None:
+        """A Synchronize ended well: the pods and containers the runtime listed, its `size` in bytes
+        (all of its chunks)."""
+
 
 # Whether the plugin's `synchronize` must see a container, given its pod (None: not come yet).
 SyncFilter = Callable[[api.PodSandbox | None, api.Container], bool]
@@ -768,7 +772,7 @@ class Stub:
             heap.release_free_memory()
         if more:
             return api.SynchronizeResponse(more=True)
-        seen = session.seen
+        seen, size = session.seen, session.size
         pods, containers = session.take()
         try:
             updates = await self._synchronize_plugin(pods, containers)
@@ -784,6 +788,8 @@ class Stub:
             containers=seen,
             updates=len(updates),
         )
+        if self.observer is not None:
+            self.observer.synchronized(len(pods), seen, size)
         return api.SynchronizeResponse(update=updates)
 
     def _gather(self, session: _Session, data: api.SynchronizeRequest | bytes | memoryview) -> bool:

@@ -19,7 +19,20 @@
 {{/* What the schema cannot say and the daemon would refuse at start (a pod in a crash loop on every
      node): refused here, at install, with the daemon's reason. */}}
 {{- define "mixed-cpu-nri-plugin.validate" -}}
+{{- if not .Values.image.repository -}}
+{{- fail "image.repository is not set: no image is published; build packaging/Dockerfile, push it to a registry the nodes can pull from, and name it: --set image.repository=registry.example.com/you/mixed-cpu-nri-plugin (the chart's README, Install)" -}}
+{{- end -}}
 {{- $cpus := include "mixed-cpu-nri-plugin.sharedCpuset" . -}}
+{{- if not $cpus -}}
+{{- fail "sharedCpuset is not set: give the node's shared CPUs, a Linux cpu list that is also in kubelet's reservedSystemCPUs, e.g. --set sharedCpuset=0-1 (commas escaped: --set sharedCpuset=0\\,2)" -}}
+{{- end -}}
+{{- if not (regexMatch "^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$" $cpus) -}}
+{{- fail (printf "sharedCpuset %q is not a Linux cpu list: write CPU numbers and low-high ranges joined by commas, e.g. --set sharedCpuset=0-1 or --set sharedCpuset=0\\,2\\,4-5" $cpus) -}}
+{{- end -}}
+{{- $index := toString .Values.plugin.index -}}
+{{- if not (regexMatch "^[0-9]{2}$" $index) -}}
+{{- fail (printf "plugin.index=%s is not two digits: NRI orders plugins by a two-digit index from 00 to 99; use --set plugin.index=10 (any of 10-99), or --set-string plugin.index=07 for one below 10 (--set reads 07 as the number 7)" $index) -}}
+{{- end -}}
 {{- range $part := splitList "," $cpus -}}
 {{- $ends := splitList "-" $part -}}
 {{- if and (eq (len $ends) 2) (gt (atoi (index $ends 0)) (atoi (index $ends 1))) -}}
