@@ -143,3 +143,25 @@ def test_the_roster_keeps_only_what_the_books_hold() -> None:
     assert roster.get("live") == Holder("ns", "p", "pod-annotation", T0)
     roster.released("live")
     assert roster.get("live") is None
+
+
+def _field_names(schema: dict[str, object]) -> set[str]:
+    """Every property name the schema defines, at any depth."""
+    names: set[str] = set()
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        names |= set(properties)
+        for sub in properties.values():
+            if isinstance(sub, dict):
+                names |= _field_names(sub)
+    items = schema.get("items")
+    if isinstance(items, dict):
+        names |= _field_names(items)
+    return names
+
+
+def test_docs_status_md_documents_every_field_of_the_schema() -> None:
+    schema = json.loads(SCHEMA_FILE.read_text())
+    documented = (SCHEMA_FILE.parent / "status.md").read_text()
+    missing = sorted(name for name in _field_names(schema) if f"`{name}`" not in documented)
+    assert missing == []
