@@ -142,3 +142,22 @@ async def test_a_path_that_cannot_be_served_is_a_warning_not_a_failed_start(stat
     with structlog.testing.capture_logs() as logs:
         await StatusServer(status_socket_path(str(long_dir)), _document).start()
     assert "over 107" in logs[0]["error"]
+
+
+@pytest.mark.asyncio
+async def test_a_document_that_cannot_be_made_is_a_500_and_a_logged_error(state_dir: Path) -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("a bug")
+
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, broken)
+    await server.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            answer = await _ask(path, b"GET /status HTTP/1.0\r\n\r\n")
+        assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.0 500 Internal Server Error"
+        assert [(entry["log_level"], entry["event"]) for entry in logs] == [
+            ("error", "cannot make the status document")
+        ]
+    finally:
+        await server.close()

@@ -83,6 +83,10 @@ def _document(path: str, answer: bytes) -> dict[str, Any]:
     """The JSON document of an HTTP answer, checked to be the version this command reads."""
     head, _, body = answer.partition(b"\r\n\r\n")
     status_line = head.split(b"\r\n", 1)[0].decode("ascii", "replace")
+    if status_line.startswith("HTTP/1.0 500"):
+        raise StatusError(
+            f"the daemon on {path} could not make its status (a bug): its log says why; report it"
+        )
     if not status_line.startswith("HTTP/1.0 200"):
         raise StatusError(
             f"{path} answered {status_line or 'nothing'!r}, not a status: is it the daemon's socket? "
