@@ -225,7 +225,7 @@ class StatusServer:
         if path.split("?", 1)[0] not in ("/", "/status"):
             return _http(404, "Not Found", "only GET /status\n")
         try:
-            body = json.dumps(self.document(), indent=2) + "\n"
+            body = json.dumps(self.document(), separators=(",", ":")) + "\n"
         except Exception:  # a bug: said, and answered, and the daemon goes on
             log.exception("cannot make the status document")
             return _http(500, "Internal Server Error", "the daemon could not make its status; see its log\n")
