@@ -37,6 +37,7 @@ PURE_MODULES = (
     "nri_plugin.deviceplugin.marker",
     "nri_plugin.mixedcpu.books",
     "nri_plugin.mixedcpu.baselines",
+    "nri_plugin.mixedcpu.status",
     "nri_plugin.common.backoff",
 )
 IO_MODULES = ("asyncio", "socket", "selectors", "grpc", "structlog", "prometheus_client")

@@ -34,6 +34,7 @@ from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, NRI_ENDED, Dae
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
+from nri_plugin.daemon.status import StatusServer
 from nri_plugin.daemon.wiring import LAUNCHED_ENDED, RunOptions, build_daemon
 from nri_plugin.deviceplugin.keyfile import KEY_FILE_NAME, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
@@ -442,7 +443,9 @@ def test_every_part_is_built_with_the_metrics_as_its_observer(
     assert isinstance(stub, Stub)
     assert isinstance(plugin, MixedCpuPlugin)
     assert stub.plugin is plugin
-    probes, device_plugin, warnings = daemon.services
+    probes, device_plugin, status, warnings = daemon.services
+    assert isinstance(status, StatusServer)
+    assert status.path == str(tmp_path / "state" / "status.sock")
     assert isinstance(probes, ProbeServer)
     assert isinstance(device_plugin, DevicePluginServer)
     assert isinstance(warnings, NotReadyWarnings)
@@ -469,8 +472,9 @@ def test_with_metrics_off_nothing_observes_and_no_port_is_served(
     assert isinstance(daemon.state, MixedCpuPlugin)
     assert daemon.nri.observer is None
     assert daemon.state.observer is None
-    device_plugin, warnings = daemon.services
+    device_plugin, status, warnings = daemon.services
     assert isinstance(device_plugin, DevicePluginServer)
+    assert isinstance(status, StatusServer), "the status does not need the metrics"
     assert device_plugin.observer is None
     assert isinstance(warnings, NotReadyWarnings), "not-ready warnings do not need the metrics"
 
@@ -648,7 +652,7 @@ def test_readiness_names_a_missing_kubelet_directory(
     missing_dir = device_plugins / "absent"
     daemon = build_daemon(RunOptions(config_path=str(write_daemon_config(tmp_path, missing_dir))), environ={})
     stub = daemon.nri
-    _, device_plugin, _ = daemon.services
+    _, device_plugin, _, _ = daemon.services
     assert isinstance(stub, Stub)
     assert isinstance(device_plugin, DevicePluginServer)
     stub.ready.set()

@@ -920,6 +920,9 @@ def test_dockerfile_builds_a_venv_and_runs_it_without_a_shell() -> None:
     assert entrypoint == [f"{HOST_VENV}/bin/python", f"{HOST_VENV}/bin/{CONSOLE_SCRIPT}"]
     cmd = json.loads(next(rest for instruction, rest in final if instruction == "CMD"))
     assert cmd == ["run", "--config", DEFAULT_CONFIG_PATH]
+    # `kubectl exec ds/... -- mixed-cpu-nri-plugin status` runs the console script by name, with no shell.
+    envs = [rest for instruction, rest in final if instruction == "ENV"]
+    assert any(env.startswith(f"PATH={HOST_VENV}/bin:") for env in envs), envs
     assert ("USER", "nonroot") not in final
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``mixed-cpu-nri-plugin run | check | config | demo | enable-nri | version``.
+"""Command line: ``mixed-cpu-nri-plugin run | status | check | config | demo | enable-nri | version``.
 
 Parsing the arguments and printing failures is all this module does: ``run`` is
 `nri_plugin.daemon.wiring.build_daemon` (the parts, from the config) and `Daemon.run`
@@ -93,6 +93,26 @@ options (--socket, --nri-plugin-name, --nri-plugin-index, --log-level) win over 
 Exit status: 0 when printed; 2 when run would refuse the config (one line names the key and the fix)."""
 
 
+_STATUS_EPILOG: Final = f"""\
+The socket is <state_dir>/status.sock, mode 0600: run the command as root on the node, or inside the
+daemon's own pod (the image has no shell; this needs none):
+  kubectl exec -n <namespace> ds/<daemonset> -- {_PROG} status
+docs/status.md describes every field of --output json.
+
+Exit status: 0 when the daemon answered, 1 when it cannot be asked (not running, or not root: one
+line says which, and the fix), 2 when the config file cannot be read."""
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.1 <= seconds <= 86400:
+        raise argparse.ArgumentTypeError(f"{text} is not between 0.1 and 86400 seconds")
+    return seconds
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=_PROG,
@@ -141,6 +161,40 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--no-reconnect", action="store_true", help="exit when the runtime closes the connection"
+    )
+
+    status = commands.add_parser(
+        "status",
+        parents=[level],
+        help="ask the running daemon who holds the shared CPUs now, and why",
+        description="Ask the running daemon, on its root-only status socket in state_dir, and print its\n"
+        "runtime connection, device plugin and kubelet record, the shared pool, one row per container\n"
+        "holding shared CPUs (with what proved its request, and for how long), each pod's CFS quota now\n"
+        "against its target and baseline, and the latest heals.",
+        epilog=_STATUS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    status.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG_PATH,
+        metavar="PATH",
+        help=f"the daemon's config file, which names its state_dir (default: {DEFAULT_CONFIG_PATH})",
+    )
+    status.add_argument(
+        "--output",
+        "-o",
+        choices=("table", "json"),
+        default="table",
+        help="table (default), or json: the documented schema mixed-cpu-nri-plugin/status/v1",
+    )
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=_positive_seconds,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="ask again every SECONDS (default 2) until interrupted; with --output json, one line each",
     )
 
     check = commands.add_parser(
@@ -283,6 +337,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return enable_nri(args.runtime, host_root=args.host_root)
     if args.command == "config":
         return _config(args.config)
+    if args.command == "status":
+        from nri_plugin.daemon.status_client import run_status
+
+        return run_status(args.config, output=args.output, watch=args.watch)
     if args.command == "check":
         from nri_plugin.daemon.check import run_checks
 

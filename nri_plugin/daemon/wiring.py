@@ -10,7 +10,7 @@
    names a bus), then the mixed-CPU plugin (which checks markers with the key and the record);
 4. the NRI stub serving that plugin;
 5. the kubelet device plugin (which signs markers with the same key);
-6. the probe server, and the gauges bound to the parts they read at scrape time;
+6. the probe server, and the gauges bound to the parts they read at scrape time; the status socket;
 7. the not-ready warnings, which read what ``/readyz`` reads, metrics or not.
 
 A config problem is a `DaemonError` with exit status 2, one line the command line prints. Whatever
@@ -54,6 +54,7 @@ from nri_plugin.daemon.instance import (
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
+from nri_plugin.daemon.status import StatusParts, StatusServer, status_document, status_socket_path
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.deviceplugin.podresources import PodResourcesClient
@@ -78,6 +79,7 @@ __all__ = [
     "build_plugin",
     "build_probes",
     "build_quota_writer",
+    "build_status_server",
     "build_stub",
     "load_marker_key",
     "load_settings",
@@ -164,6 +166,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     # kubelet or the runtime ever see us.
     # The bus first: the pod quotas go through systemd from the first event on when it is there.
     services: list[Service] = [part for part in (writer, probes, device_plugin) if part is not None]
+    services.append(build_status_server(config, options, plugin, stub, device_plugin))
     if options.node_lock:
         services.append(lock_watch)
     services.append(NotReadyWarnings(readiness(stub, device_plugin)))
@@ -370,6 +373,18 @@ def build_probes(
         readiness=readiness(stub, device_plugin),
         observer=metrics,
     )
+
+
+def build_status_server(
+    config: Config,
+    options: RunOptions,
+    plugin: MixedCpuPlugin,
+    stub: Stub,
+    device_plugin: DevicePluginServer | None,
+) -> StatusServer:
+    """The status socket in state_dir, for ``mixed-cpu-nri-plugin status``."""
+    parts = StatusParts(plugin, stub, device_plugin, options.config_path, config.state_dir)
+    return StatusServer(status_socket_path(config.state_dir), functools.partial(status_document, parts))
 
 
 def bind_gauges(

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple, Protocol, TypeVar
@@ -61,6 +62,7 @@ from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota
 from nri_plugin.mixedcpu.policy import pod_key
 from nri_plugin.mixedcpu.quota import PodQuotas, PodState
+from nri_plugin.mixedcpu.status import RECENT_HEALS, HealNote
 
 __all__ = [
     "CREATION_GRACE",
@@ -174,6 +176,7 @@ class Healer:
         self._running: set[asyncio.Task[None]] = set()  # timer work in flight
         self._grace_due = 0.0
         self._deferred: list[str] = []  # pod keys a pass over its budget left for the next one
+        self.recent: deque[HealNote] = deque(maxlen=RECENT_HEALS)  # the latest heals, newest first
 
     @property
     def books(self) -> Books:
@@ -568,6 +571,7 @@ class Healer:
 
     def _healed(self, kind: str, message: str, **fields: object) -> None:
         log.info(message, heal=kind, **fields)
+        self.recent.appendleft(HealNote(time.time(), kind, message, fields))
         if self.observer is not None:
             self.observer.healed(kind)
 

@@ -42,6 +42,7 @@ Synchronize, and every `reconcile_interval` seconds once synchronized.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
@@ -78,6 +79,7 @@ from nri_plugin.mixedcpu.policy import (
 )
 from nri_plugin.mixedcpu.quota import CgroupObserver, PodQuotas
 from nri_plugin.mixedcpu.resync import needed_at_sync, rebuild_books, updates_to_send
+from nri_plugin.mixedcpu.status import Holder, Roster
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri import handlers
 from nri_plugin.nri.errors import InvalidRequest, PluginFailure, PluginRefusal, PreconditionFailed
@@ -191,6 +193,7 @@ class MixedCpuPlugin(
         self.healer.keep_bindings = trusted.allocations is None
         self.later = LaterLines()  # the info line of each creation, written after its reply
         self.creations: CreationObserver | None = None  # settable, as `observer` is
+        self.roster = Roster()  # who the shared containers are, for the status
 
     @property
     def books(self) -> Books:
@@ -304,6 +307,8 @@ class MixedCpuPlugin(
         if tracing:
             trace.pod_quota_raised(pod, container, quotas, books.pods.get(slot.pod), "CreateContainer")
         self.healer.watch_creation(slot, container)
+        holder = Holder(pod.namespace, pod.name, check.proof.source, time.time())
+        self.roster.given(container.id, holder, books)
         self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))
         return api.CreateContainerResponse(adjust=plan.adjustment)
 
@@ -414,12 +419,19 @@ class MixedCpuPlugin(
         previous = self.books
         pods = [_without_hostile_pod_resources(pod) for pod in pods]
         tracing = trace.tracing()  # asked once, not for each of thousands of containers
+        found: dict[str, Holder] = {}  # who the proven containers are, for the roster
 
         def check_at_sync(
             pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot]
         ) -> RequestCheck:
             kubelet = None if node is None else devices_of(node, pod.namespace, pod.name, container.name)
-            return self._check(pod, container, holders, event="Synchronize", kubelet=kubelet, tracing=tracing)
+            check = self._check(
+                pod, container, holders, event="Synchronize", kubelet=kubelet, tracing=tracing
+            )
+            if check.proof is not None:
+                created = container.created_at / 1e9 if container.created_at > 0 else None
+                found[container.id] = Holder(pod.namespace, pod.name, check.proof.source, created)
+            return check
 
         rebuilt = rebuild_books(
             self.shared,
@@ -435,6 +447,7 @@ class MixedCpuPlugin(
         failed = await self.quotas.sync_pods(present, rebuilt.books, previous, rebuilt.applied)
         updates = updates_to_send(rebuilt, failed)
         self.books = rebuilt.books
+        self.roster.rebuild(rebuilt.books, found)
         self.healer.after_sync(previous, pods, containers)
         self.keeper.save_quietly()
         return updates
@@ -542,6 +555,7 @@ class MixedCpuPlugin(
         held = self.books.release_holder(container.id)
         trace.released(pod, container, held, event)
         if held is not None:
+            self.roster.released(container.id)
             log.info(
                 f"shared container {why}: its pod quota share is released",
                 **pod_fields(pod, container, event=event),

@@ -428,6 +428,7 @@ class Stub:
         self.runtime = RuntimeInfo()
         self.connections = 0
         self.synchronizations = 0
+        self.connected_since: float | None = None  # wall time the live connection was opened
         self._machine = ConnectionMachine()
         # Set while synchronized with a live runtime (from READY until the connection ends).
         self.ready = asyncio.Event()
@@ -564,6 +565,7 @@ class Stub:
     async def _serve(self, trunk: mux.Trunk) -> bool:
         """One connection: register, then serve until it closes. True if registration succeeded."""
         self.connections += 1
+        self.connected_since = time.time()
         session = self._session = _Session()
         self._enter(S.REGISTERING)
         server = Server(
@@ -608,6 +610,7 @@ class Stub:
         self._session = None
         self._client = None
         self._trunk = None
+        self.connected_since = None
         self._disconnected()
         trunk.close()
         server.close()

@@ -1,0 +1,255 @@
+"""The daemon's status: the whole document (`status_document`) and the socket it is served on
+(`StatusServer`), for ``mixed-cpu-nri-plugin status`` (`nri_plugin.daemon.status_client`).
+
+The socket is ``status.sock`` in the state dir (`status_socket_path`): a unix socket of mode 0600
+in a directory only root may write, so only root on the node (or in the daemon's own container) can
+ask; never the metrics port, which listens on the pod network. It answers one HTTP/1.0 request per
+connection, ``GET /status``, with the JSON document (docs/status.md; its JSON Schema is
+docs/status.schema.json), so ``curl --unix-socket <state_dir>/status.sock http://localhost/status``
+reads it too. The document is made on the event loop when asked: nothing is kept up to date for it
+between questions, and asking costs one quota read per pod in the books.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import structlog
+
+from cgroups import CgroupError, CgroupNotFound, read_cpu_quota
+from nri_plugin import __version__
+from nri_plugin.deviceplugin.podresources import PodResourcesClient
+from nri_plugin.deviceplugin.server import DevicePluginServer
+from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.status import SCHEMA, QuotaReading, domain_snapshot, rfc3339
+from nri_plugin.nri.stub import Stub
+
+__all__ = [
+    "MAX_CONNECTIONS",
+    "REQUEST_TIMEOUT",
+    "STATUS_SOCKET_NAME",
+    "StatusParts",
+    "StatusServer",
+    "read_pod_quotas",
+    "status_document",
+    "status_socket_path",
+]
+
+log = structlog.get_logger("nri_plugin.daemon.status")
+
+STATUS_SOCKET_NAME: Final = "status.sock"
+# Seconds a client has to send its request; how many may be connected at once (more are closed).
+REQUEST_TIMEOUT: Final = 2.0
+MAX_CONNECTIONS: Final = 8
+# A request's head (its line and headers) is at most this long: a status request is one line.
+_MAX_HEAD: Final = 4096
+_MAX_HEADER_LINES: Final = 32
+# The longest unix socket path the kernel takes (sun_path is 108 bytes with its terminating NUL).
+_MAX_SOCKET_PATH: Final = 107
+
+
+def status_socket_path(state_dir: str) -> str:
+    """Where the daemon with this state dir serves its status."""
+    return os.path.join(state_dir, STATUS_SOCKET_NAME)
+
+
+@dataclass(frozen=True)
+class StatusParts:
+    """The parts of a running daemon the status reads (the wiring hands them over)."""
+
+    plugin: MixedCpuPlugin
+    stub: Stub
+    device_plugin: DevicePluginServer | None
+    config_path: str
+    state_dir: str
+
+
+def read_pod_quotas(plugin: MixedCpuPlugin) -> dict[str, QuotaReading]:
+    """Each pod in the books -> its cgroup's CFS quota now, or why it cannot be read."""
+    readings: dict[str, QuotaReading] = {}
+    for key, record in plugin.books.pods.items():
+        try:
+            with plugin.quotas.open_pod(record.cgroup_parent) as pod_dir:
+                readings[key] = QuotaReading(read_cpu_quota(pod_dir).quota)
+        except CgroupNotFound:
+            readings[key] = QuotaReading(None, "its cgroup directory is gone")
+        except CgroupError as exc:
+            readings[key] = QuotaReading(None, str(exc))
+    return readings
+
+
+def status_document(parts: StatusParts, now: float | None = None) -> dict[str, Any]:
+    """The status document (docs/status.md) as the daemon's parts say it now."""
+    plugin, stub, device_plugin = parts.plugin, parts.stub, parts.device_plugin
+    domain = domain_snapshot(
+        plugin.books,
+        plugin.roster,
+        plugin.pool,
+        quotas_now=read_pod_quotas(plugin),
+        retries=plugin.quotas.retries_pending,
+        heals=list(plugin.healer.recent),
+    )
+    runtime = stub.runtime
+    record = plugin.allocations
+    resources = record if isinstance(record, PodResourcesClient) else None
+    return {
+        "schema": SCHEMA,
+        "version": __version__,
+        "time": rfc3339(time.time() if now is None else now),
+        "daemon": {"pid": os.getpid(), "config": parts.config_path, "state_dir": parts.state_dir},
+        "runtime": {
+            "state": stub.state.value,
+            "name": runtime.name or None,
+            "version": runtime.version or None,
+            "nri_version": runtime.nri_version or None,
+            "connected_since": rfc3339(stub.connected_since),
+            "connections": stub.connections,
+            "synchronizations": stub.synchronizations,
+        },
+        "device_plugin": {
+            "enabled": device_plugin is not None,
+            "state": device_plugin.state.value if device_plugin is not None else None,
+            "resource_name": device_plugin.config.resource_name if device_plugin is not None else None,
+            "registered": device_plugin.registered if device_plugin is not None else False,
+            "registrations": device_plugin.registrations if device_plugin is not None else 0,
+        },
+        "pod_resources": {
+            "configured": resources is not None,
+            "socket": resources.socket_path if resources is not None else None,
+            "reachable": resources.answering if resources is not None else None,
+            "proof": resources.proof if resources is not None else None,
+        },
+        **domain,
+    }
+
+
+class StatusServer:
+    """Serves `document()` as JSON on the unix socket at `path`, mode 0600 (a `Service` of the
+    daemon). A socket that cannot be served is said at warning: the daemon runs on without it."""
+
+    def __init__(self, path: str, document: Callable[[], dict[str, Any]]) -> None:
+        self.path = path
+        self.document = document
+        self.connections = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._inode: int | None = None
+
+    async def start(self) -> None:
+        try:
+            sock = self._bind()
+        except OSError as exc:
+            log.warning(
+                "cannot serve the status socket: `mixed-cpu-nri-plugin status` will say the daemon is not "
+                "running",
+                socket=self.path,
+                error=str(exc),
+                fix="give state_dir a shorter path (unix socket paths are limited to 107 bytes), and "
+                "make sure nothing else is at that path",
+            )
+            return
+        self._server = await asyncio.start_unix_server(self._answer, sock=sock, limit=_MAX_HEAD)
+        log.info("serving the status", socket=self.path)
+
+    def _bind(self) -> socket.socket:
+        """A listening socket at `path`, mode 0600 from the moment it has that name: bound under a
+        temporary name, its mode set, then renamed over whatever socket a previous daemon left
+        (the state dir's lock says no other daemon uses this one)."""
+        if len(os.fsencode(self.path)) > _MAX_SOCKET_PATH:
+            raise OSError(f"the path is {len(os.fsencode(self.path))} bytes long, over {_MAX_SOCKET_PATH}")
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        if len(os.fsencode(temporary)) > _MAX_SOCKET_PATH:
+            temporary = os.path.join(os.path.dirname(self.path), f".status.{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(temporary)
+            os.chmod(temporary, 0o600)
+            if os.path.lexists(self.path) and not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise OSError(f"{self.path} exists and is not a socket; remove it")
+            os.rename(temporary, self.path)
+            self._inode = os.stat(self.path).st_ino
+            sock.listen(MAX_CONNECTIONS)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+        return sock
+
+    async def close(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == self._inode:  # ours still: not a newer daemon's
+                os.unlink(self.path)
+        await server.wait_closed()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request, one answer, then the connection is closed."""
+        self.connections += 1
+        try:
+            if self.connections > MAX_CONNECTIONS:
+                return
+            try:
+                target = await asyncio.wait_for(_read_request(reader), REQUEST_TIMEOUT)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+                target = None
+            writer.write(self._response(target))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+        finally:
+            self.connections -= 1
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def _response(self, target: tuple[str, str] | None) -> bytes:
+        if target is None:
+            return _http(400, "Bad Request", "a request is one line: GET /status HTTP/1.0\n")
+        method, path = target
+        if method != "GET":
+            return _http(405, "Method Not Allowed", "only GET /status\n")
+        if path.split("?", 1)[0] not in ("/", "/status"):
+            return _http(404, "Not Found", "only GET /status\n")
+        try:
+            body = json.dumps(self.document(), separators=(",", ":")) + "\n"
+        except Exception:  # a bug: said, and answered, and the daemon goes on
+            log.exception("cannot make the status document")
+            return _http(500, "Internal Server Error", "the daemon could not make its status; see its log\n")
+        return _http(200, "OK", body, "application/json")
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str]:
+    """The method and path of an HTTP request's head (its headers read and ignored). Raises
+    ValueError for what is no HTTP request line."""
+    line = (await reader.readuntil(b"\n")).decode("ascii", "replace").strip()
+    parts = line.split()
+    if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].startswith("HTTP/")):
+        raise ValueError(line)
+    if len(parts) == 3:  # HTTP/1.x: headers follow, up to an empty line
+        for _ in range(_MAX_HEADER_LINES):
+            if not (await reader.readuntil(b"\n")).strip():
+                break
+    return parts[0], parts[1]
+
+
+def _http(code: int, reason: str, body: str, content_type: str = "text/plain; charset=utf-8") -> bytes:
+    data = body.encode()
+    head = (
+        f"HTTP/1.0 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + data

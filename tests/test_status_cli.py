@@ -1,0 +1,276 @@
+"""``mixed-cpu-nri-plugin status`` against the real daemon process (``run``, driven by the runtime
+simulator): the JSON read back against the daemon's books (its state file) and the schema, the table,
+``--watch``; and each way it cannot ask, as one line with the fix: not running, a socket nobody
+listens on, not root, a config it cannot read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from mixedcpu_support import ROOT, Daemon, daemon_process, run_cli, write_daemon_config
+
+from api.nri import api_pb2 as api
+from nri_plugin.daemon.status_client import render_table
+from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
+from nri_plugin.nri.simulator import RuntimeSimulator
+
+GUARD = 20.0  # against hangs only
+SCHEMA = json.loads((ROOT / "docs" / "status.schema.json").read_text())
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to 107 bytes (the device plugin's, the status socket).
+    path = Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _status(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("status", *args, timeout=GUARD)
+
+
+def _books(state_file: Path) -> dict[str, Any]:
+    """The daemon's books as its state file (snapshot) holds them."""
+    return dict(json.loads(state_file.read_text())["pods"])
+
+
+@pytest.mark.asyncio
+async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None:
+    plugin_dir = short_dir / "dp"
+    plugin_dir.mkdir()
+    config = write_daemon_config(short_dir, plugin_dir)
+    pod_dir = short_dir / "cgroup" / "cpu" / "kubepods" / "pod1234"
+    pod_dir.mkdir(parents=True)
+    (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
+    (pod_dir / "cpu.cfs_period_us").write_text("100000\n")
+    socket_path = short_dir / "nri.sock"
+    argv = ("--log-level", "info", "run", "--config", str(config))
+    async with (
+        RuntimeSimulator(socket_path, runtime_name="containerd", runtime_version="v2.3.4") as sim,
+        daemon_process(*argv) as proc,
+    ):
+        daemon = Daemon(proc)
+        await sim.wait_for_synchronizations(1, GUARD)
+        await daemon.wait_log("serving the status")
+        key = load_or_create_host_key(short_dir / "state")
+        pod = api.PodSandbox(id="s1", uid="1234", name="web", namespace="shop")
+        pod.linux.cgroup_parent = "/kubepods/pod1234"
+        await sim.run_pod_sandbox(pod)
+        container = api.Container(id="c1", pod_sandbox_id="s1", name="main")
+        container.annotations[ANNOTATION_KEY] = key.sign("shared-cpus-0")
+        container.linux.cgroups_path = "/kubepods/pod1234/c1"
+        container.linux.resources.cpu.cpus = "2-3"
+        container.linux.resources.cpu.quota.value = 200000
+        container.linux.resources.cpu.period.value = 100000
+        await sim.create_container(container)
+
+        answer = await asyncio.to_thread(_status, "--config", str(config), "--output", "json")
+        assert answer.returncode == 0, answer.stderr
+        document = json.loads(answer.stdout)
+        jsonschema.Draft202012Validator(SCHEMA).validate(document)
+        books = _books(short_dir / "state" / "pod-quotas.json")  # a new baseline: saved before the reply
+        assert [row["container_id"] for row in document["containers"]] == [
+            entry["id"] for pod_entry in books.values() for entry in pod_entry["containers"].values()
+        ]
+        row = document["containers"][0]
+        assert (row["namespace"], row["pod"], row["container"], row["pod_key"]) == (
+            "shop",
+            "web",
+            "main",
+            "1234",
+        )
+        assert (row["exclusive_cpus"], row["shared_cpus"], row["device"]) == ("2-3", "0-1", "shared-cpus-0")
+        # kubelet's PodResources socket is absent here: the marker binding proves the request.
+        assert row["proof"] == "marker-binding"
+        assert document["pod_resources"]["configured"] is True
+        assert document["pod_resources"]["reachable"] is False
+        (pod_row,) = document["pods"]
+        assert pod_row["quota_baseline_us"] == books["1234"]["baseline"] == 200000
+        assert pod_row["quota_now_us"] == pod_row["quota_target_us"] == 400000
+        assert int((pod_dir / "cpu.cfs_quota_us").read_text()) == 400000
+        assert (document["runtime"]["name"], document["runtime"]["state"]) == ("containerd", "ready")
+        assert document["daemon"]["pid"] == proc.pid
+        assert document["daemon"]["state_dir"] == str(short_dir / "state")
+
+        table = await asyncio.to_thread(_status, "--config", str(config))
+        assert table.returncode == 0, table.stderr
+        lines = table.stdout.splitlines()
+        assert lines[1].startswith("runtime        containerd v2.3.4 (NRI v0.12.0): ready, connected ")
+        assert lines[3] == (
+            "pod resources  NOT reachable: the marker binding alone proves requests "
+            "(/var/lib/kubelet/pod-resources/kubelet.sock)"
+        )
+        assert "shared pool    0-1: 1 container" in lines
+        header = lines.index("SHARED CONTAINERS (1)") + 1
+        assert lines[header].split() == [
+            "NAMESPACE", "POD", "CONTAINER", "EXCLUSIVE", "SHARED", "PROOF", "DEVICE", "HELD", "FOR"
+        ]  # fmt: skip
+        assert lines[header + 1].split()[:7] == [
+            "shop", "web", "main", "2-3", "0-1", "marker-binding", "shared-cpus-0"
+        ]  # fmt: skip
+        quotas = lines.index("POD QUOTAS (1, in CPUs: quota / period)") + 2
+        assert lines[quotas].split() == ["shop", "web", "4", "4", "2", "(first-seen)", "at", "target"]
+
+        # --watch: one JSON line per refresh, until interrupted.
+        watcher = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "nri_plugin.daemon.cli", "status", "--config", str(config),
+            "--output", "json", "--watch", "0.1",
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert watcher.stdout is not None
+            for _ in range(2):
+                line = await asyncio.wait_for(watcher.stdout.readline(), GUARD)
+                assert json.loads(line)["containers"][0]["container_id"] == "c1"
+        finally:
+            watcher.kill()
+            await watcher.wait()
+        assert await daemon.stop() == 0
+
+    gone = await asyncio.to_thread(_status, "--config", str(config))
+    assert gone.returncode == 1
+    status_socket = short_dir / "state" / "status.sock"
+    assert gone.stderr.splitlines() == [
+        f"error: no status socket at {status_socket}: the daemon is not running, or runs with another "
+        "state_dir; start it (systemctl start mixed-cpu-nri-plugin, or look at its pod), or pass the "
+        "--config it runs with"
+    ]
+    assert gone.stdout == ""
+
+
+def test_a_socket_nobody_listens_on_says_the_daemon_stopped(short_dir: Path) -> None:
+    config = short_dir / "config.toml"
+    state = short_dir / "state"
+    state.mkdir(mode=0o700)
+    config.write_text(f'shared_cpuset = "0-1"\nstate_dir = "{state}"\n')
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(state / "status.sock"))
+    left.close()
+    result = _status("--config", str(config))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"error: nothing answers on {state}/status.sock: the daemon that made it has stopped; start the "
+        "daemon again"
+    ]
+
+
+def test_not_root_is_told_to_run_as_root_or_in_the_pod(short_dir: Path) -> None:
+    """As a user other than root, with the config readable: the state dir (0700, root's) refuses."""
+    if shutil.which("setpriv") is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to run the command as another user")
+    short_dir.chmod(0o755)
+    state = short_dir / "state"
+    state.mkdir(mode=0o700)
+    config = short_dir / "config.toml"
+    config.write_text(f'shared_cpuset = "0-1"\nstate_dir = "{state}"\n')
+    config.chmod(0o644)
+    result = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+         "nri_plugin.daemon.cli", "status", "--config", str(config)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True, text=True, timeout=GUARD, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: permission denied on {state}/status.sock: only root may ask the daemon; run the command "
+        "as root (sudo), or inside the daemon's pod: kubectl exec -n <namespace> ds/<daemonset> -- "
+        "mixed-cpu-nri-plugin status"
+    ]
+
+
+def test_a_config_it_cannot_read_is_status_2(short_dir: Path) -> None:
+    result = _status("--config", str(short_dir / "absent.toml"))
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith(f"error: {short_dir}/absent.toml: no such file")
+
+
+def test_a_watch_interval_must_be_a_sane_number_of_seconds() -> None:
+    result = _status("--watch", "0")
+    assert result.returncode == 2
+    assert "0 is not between 0.1 and 86400 seconds" in result.stderr
+
+
+def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
+    document: dict[str, Any] = {
+        "schema": "mixed-cpu-nri-plugin/status/v1",
+        "version": "0.1.0",
+        "time": "2025-11-27T10:00:00Z",
+        "daemon": {
+            "pid": 7,
+            "config": "/etc/mixed-cpu-nri/config.toml",
+            "state_dir": "/var/lib/mixed-cpu-nri",
+        },
+        "runtime": {
+            "state": "backing_off",
+            "name": None,
+            "version": None,
+            "nri_version": None,
+            "connected_since": None,
+            "connections": 0,
+            "synchronizations": 0,
+        },
+        "device_plugin": {
+            "enabled": False,
+            "state": None,
+            "resource_name": None,
+            "registered": False,
+            "registrations": 0,
+        },
+        "pod_resources": {"configured": False, "socket": None, "reachable": None, "proof": None},
+        "pool": {
+            "cpus": "0,4",
+            "numa_local": True,
+            "numa_nodes": [
+                {"node": 0, "cpus": "0", "containers": 0},
+                {"node": 1, "cpus": "", "containers": 0},
+            ],
+            "containers": 0,
+        },
+        "containers": [],
+        "pods": [],
+        "heals": [
+            {
+                "at": "2025-11-27T09:58:30Z",
+                "kind": "pod_gone",
+                "message": "pod gone: its books and device bindings are dropped",
+                "why": "its cgroup directory is gone",
+                "pod_key": "uid-1",
+                "container_id": None,
+            }
+        ],
+    }
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert render_table(document).splitlines() == [
+        "mixed-cpu-nri-plugin 0.1.0, pid 7, at 2025-11-27T10:00:00Z",
+        "runtime        backing_off: no runtime has configured the plugin yet",
+        "device plugin  off",
+        "pod resources  not asked (no pod_resources_socket, or markers not trusted)",
+        "shared pool    0,4: 0 containers",
+        "  NUMA node 0  0: 0 containers",
+        "  NUMA node 1  none (its containers get the whole pool): 0 containers",
+        "",
+        "SHARED CONTAINERS (0)",
+        "(none)",
+        "",
+        "POD QUOTAS (0, in CPUs: quota / period)",
+        "(none)",
+        "",
+        "LATEST HEALS (1)",
+        "AGO    KIND      POD    CONTAINER ID  WHAT",
+        "1m30s  pod_gone  uid-1  -             pod gone: its books and device bindings are dropped",
+    ]

@@ -1,0 +1,163 @@
+"""The status socket (`nri_plugin.daemon.status.StatusServer`) over a real unix socket, in this process:
+its mode, its one request, what it answers to anything else, a socket left by a previous daemon, and
+a path it cannot serve."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog.testing
+
+from nri_plugin.daemon.status import StatusServer, status_socket_path
+from nri_plugin.mixedcpu.status import SCHEMA
+
+GUARD = 10.0  # against hangs only
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path for long test ids is longer.
+    path = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _document() -> dict[str, Any]:
+    return {"schema": SCHEMA, "containers": []}
+
+
+async def _fetch(path: str) -> Any:
+    """The JSON body of the answer to ``GET /status``."""
+    head, _, body = (await _ask(path, b"GET /status HTTP/1.0\r\n\r\n")).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 OK\r\n"), head
+    return json.loads(body)
+
+
+async def _ask(path: str, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(request)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), GUARD)
+    writer.close()
+    await writer.wait_closed()
+    return answer
+
+
+@pytest.mark.asyncio
+async def test_the_socket_is_roots_alone_and_answers_the_document(state_dir: Path) -> None:
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, _document)
+    await server.start()
+    try:
+        mode = os.lstat(path).st_mode
+        assert stat.S_ISSOCK(mode)
+        assert stat.S_IMODE(mode) == 0o600
+        assert os.listdir(state_dir) == ["status.sock"], "no temporary name left behind"
+        assert await _fetch(path) == _document()
+        answer = await _ask(path, b"GET /status HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n")
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200 OK\r\n")
+        assert b"Content-Type: application/json" in head
+        assert f"Content-Length: {len(body)}".encode() in head
+    finally:
+        await server.close()
+    assert "status.sock" not in os.listdir(state_dir), "the socket goes with the daemon"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("request_bytes", "status_line"),
+    [
+        (b"GET /metrics HTTP/1.0\r\n\r\n", b"HTTP/1.0 404 Not Found"),
+        (b"POST /status HTTP/1.0\r\n\r\n", b"HTTP/1.0 405 Method Not Allowed"),
+        (b"hello\n", b"HTTP/1.0 400 Bad Request"),
+        (b"GET /status SMTP\r\n\r\n", b"HTTP/1.0 400 Bad Request"),
+        (b"GET /" + b"x" * 5000 + b" HTTP/1.0\r\n\r\n", b"HTTP/1.0 400 Bad Request"),
+        (b"GET /status", b"HTTP/1.0 400 Bad Request"),  # cut short: the client closed its side
+    ],
+    ids=["other-path", "other-method", "no-request", "not-http", "too-long", "cut-short"],
+)
+async def test_anything_but_get_status_is_refused_in_one_line(
+    state_dir: Path, request_bytes: bytes, status_line: bytes
+) -> None:
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, _document)
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(request_bytes)
+        if request_bytes.endswith(b"/status"):
+            writer.write_eof()
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), GUARD)
+        writer.close()
+        assert answer.split(b"\r\n", 1)[0] == status_line
+        assert await _fetch(path) == _document(), "still serving"
+    finally:
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_socket_left_by_a_previous_daemon_is_replaced(state_dir: Path) -> None:
+    path = status_socket_path(str(state_dir))
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(path)
+    left.close()  # a socket file nobody listens on any more
+    with pytest.raises(ConnectionRefusedError):
+        await _fetch(path)
+    server = StatusServer(path, _document)
+    await server.start()
+    try:
+        assert await _fetch(path) == _document()
+    finally:
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_path_that_cannot_be_served_is_a_warning_not_a_failed_start(state_dir: Path) -> None:
+    path = status_socket_path(str(state_dir))
+    os.mkdir(path)  # something else is there
+    server = StatusServer(path, _document)
+    with structlog.testing.capture_logs() as logs:
+        await server.start()
+    await server.close()
+    assert [entry["event"] for entry in logs] == [
+        "cannot serve the status socket: `mixed-cpu-nri-plugin status` will say the daemon is not running"
+    ]
+    assert "is not a socket" in logs[0]["error"]
+    assert stat.S_ISDIR(os.lstat(path).st_mode), "left as it was"
+    assert os.listdir(state_dir) == ["status.sock"], "no temporary socket left behind"
+    long_dir = state_dir / ("d" * 100)
+    long_dir.mkdir()
+    with structlog.testing.capture_logs() as logs:
+        await StatusServer(status_socket_path(str(long_dir)), _document).start()
+    assert "over 107" in logs[0]["error"]
+
+
+@pytest.mark.asyncio
+async def test_a_document_that_cannot_be_made_is_a_500_and_a_logged_error(state_dir: Path) -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("a bug")
+
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, broken)
+    await server.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            answer = await _ask(path, b"GET /status HTTP/1.0\r\n\r\n")
+        assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.0 500 Internal Server Error"
+        assert [(entry["log_level"], entry["event"]) for entry in logs] == [
+            ("error", "cannot make the status document")
+        ]
+    finally:
+        await server.close()
