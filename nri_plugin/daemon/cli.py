@@ -17,7 +17,7 @@ import os
 import select
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, NoReturn
 
 import structlog
@@ -328,25 +328,35 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args)
     # The demo prints what happens; the plugin's own refusal warnings would repeat it on stderr.
     configure_logging(args.log_level or ("error" if args.command == "demo" else "warning"))
-    if args.command == "version":
-        print(f"{_PROG} {__version__}")
-        return 0
-    if args.command == "enable-nri":
-        from nri_plugin.daemon.enable_nri import enable_nri
+    return _COMMANDS[args.command](args)
 
-        return enable_nri(args.runtime, host_root=args.host_root)
-    if args.command == "config":
-        return _config(args.config)
-    if args.command == "status":
-        from nri_plugin.daemon.status_client import run_status
 
-        return run_status(args.config, output=args.output, watch=args.watch)
-    if args.command == "check":
-        from nri_plugin.daemon.check import run_checks
+def _version(_args: argparse.Namespace) -> int:
+    print(f"{_PROG} {__version__}")
+    return 0
 
-        report = run_checks(args.config, kubelet_config=args.kubelet_config, mountinfo_path=args.mountinfo)
-        print(report.render())
-        return report.exit_code
+
+def _enable_nri(args: argparse.Namespace) -> int:
+    from nri_plugin.daemon.enable_nri import enable_nri
+
+    return enable_nri(args.runtime, host_root=args.host_root)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from nri_plugin.daemon.status_client import run_status
+
+    return run_status(args.config, output=args.output, watch=args.watch)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from nri_plugin.daemon.check import run_checks
+
+    report = run_checks(args.config, kubelet_config=args.kubelet_config, mountinfo_path=args.mountinfo)
+    print(report.render())
+    return report.exit_code
+
+
+def _demo(args: argparse.Namespace) -> int:
     from nri_plugin.daemon.demo import run_demo
 
     name, version = _DEMO_RUNTIMES[_DEMO_RUNTIME_ALIASES.get(args.runtime, args.runtime)]
@@ -365,6 +375,17 @@ def _config(path: str) -> int:
         return 2
     sys.stdout.write(text)
     return 0
+
+
+# Every command but run, by name (each imports what it needs only when it runs).
+_COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
+    "version": _version,
+    "enable-nri": _enable_nri,
+    "config": lambda args: _config(args.config),
+    "status": _status,
+    "check": _check,
+    "demo": _demo,
+}
 
 
 def _stdout_closed() -> bool:
