@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Every measure the table must show, by the start of its label.
@@ -42,6 +44,13 @@ EXPECTED_ROWS = (
     "plugin RSS right after Synchronize",
     "plugin RSS 0.5 s after Synchronize",
     "reconcile pass over 200 shared pods",
+)
+
+
+# The bytecode counters trace with sys.settrace's opcode events, which Python 3.12 and later do not
+# deliver that way (bench/opcount.py then stops with a line saying so).
+_OPCODE_EVENTS = pytest.mark.skipif(
+    sys.version_info >= (3, 12), reason="sys.settrace delivers no opcode events from Python 3.12"
 )
 
 
@@ -80,6 +89,7 @@ def _count_in(line: str, label: str) -> int:
     return int(line.removeprefix(label + ": ").split(" ")[0].replace(",", ""))
 
 
+@_OPCODE_EVENTS
 def test_opcode_count_names_the_layers_of_an_asking_creation() -> None:
     out = _bench("opcount.py", "--calls", "2", "--warm", "1", "--top", "5")
     assert _count_in(out.splitlines()[0], "bytecodes per asking CreateContainer") > 0, out
@@ -88,6 +98,7 @@ def test_opcode_count_names_the_layers_of_an_asking_creation() -> None:
         assert f"| {path} | " in out, out
 
 
+@_OPCODE_EVENTS
 def test_simulator_opcode_count_names_the_layers_of_a_round_trip() -> None:
     out = _bench("sim_opcount.py", "--calls", "2", "--warm", "1", "--cpu-calls", "2", "--top", "5")
     first, second = out.splitlines()[:2]
@@ -98,6 +109,7 @@ def test_simulator_opcode_count_names_the_layers_of_a_round_trip() -> None:
         assert f"| {path} | " in out, out
 
 
+@_OPCODE_EVENTS
 def test_in_process_synchronize_counts_both_kinds() -> None:
     """The bench checks each Synchronize shared every asking container; a first start does more than a
     restart over what it left (updates to answer, every pod quota raised)."""

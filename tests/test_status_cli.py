@@ -169,7 +169,9 @@ def test_a_socket_nobody_listens_on_says_the_daemon_stopped(short_dir: Path) -> 
 
 
 def test_not_root_is_told_to_run_as_root_or_in_the_pod(short_dir: Path) -> None:
-    """As a user other than root, with the config readable: the state dir (0700, root's) refuses."""
+    """As a user other than root, with the config readable: the socket (0600, root's) refuses. The
+    user may read any file (CAP_DAC_READ_SEARCH), as in the other not-root tests, so that the
+    interpreter and its shared library under root's home load, and the state dir is searched."""
     if shutil.which("setpriv") is None or os.geteuid() != 0:
         pytest.skip("needs root and setpriv to run the command as another user")
     short_dir.chmod(0o755)
@@ -178,12 +180,18 @@ def test_not_root_is_told_to_run_as_root_or_in_the_pod(short_dir: Path) -> None:
     config = short_dir / "config.toml"
     config.write_text(f'shared_cpuset = "0-1"\nstate_dir = "{state}"\n')
     config.chmod(0o644)
-    result = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-         "nri_plugin.daemon.cli", "status", "--config", str(config)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"},
-        capture_output=True, text=True, timeout=GUARD, check=False,
-    )  # fmt: skip
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # the daemon's socket, as it makes it
+    listening.bind(str(state / "status.sock"))
+    os.chmod(state / "status.sock", 0o600)
+    listening.listen(1)
+    with listening:
+        result = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", sys.executable, "-m",
+             "nri_plugin.daemon.cli", "status", "--config", str(config)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"},
+            capture_output=True, text=True, timeout=GUARD, check=False,
+        )  # fmt: skip
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
         f"error: permission denied on {state}/status.sock: only root may ask the daemon; run the command "
