@@ -124,10 +124,14 @@ async def daemon_node(
             "--log-level", log_level, "run", "--config", str(config), "--socket", str(socket_path)
         )
         daemon = Daemon(proc, GUARD)
+        node = DaemonNode(root, plugin_dir, sim, FakeCgroups(root / "cgroup", 1), daemon)
         try:
             await sim.wait_for_plugins(1, GUARD)
-            yield DaemonNode(root, plugin_dir, sim, FakeCgroups(root / "cgroup", 1), daemon)
+            yield node
         finally:
+            if node.daemon is not daemon:  # a test that restarted the daemon: the one it runs now too
+                await node.daemon.stop()
+                print(f"restarted daemon's stderr:\n{node.daemon.stderr}")  # shown if the test fails
             status = await daemon.stop()
             print(f"daemon stderr (exit status {status}):\n{daemon.stderr}")  # shown if the test fails
     if expect_status is not None:
