@@ -131,11 +131,18 @@ async def test_routes() -> None:
 @pytest.mark.asyncio
 async def test_head_has_the_headers_of_get_and_no_body() -> None:
     async with serving() as (_, port):
-        full = await get(HOST, port, "/metrics")
-        head = await get(HOST, port, "/metrics", method="HEAD")
-        assert head.status == 200
-        assert head.body == b""
-        assert head.headers["content-length"] == full.headers["content-length"]
+        for path in ("/healthz", "/metrics"):
+            full = await get(HOST, port, path)
+            head = await get(HOST, port, path, method="HEAD")
+            assert head.status == full.status == 200
+            assert head.body == b""
+            assert head.headers["content-type"] == full.headers["content-type"]
+            assert int(head.headers["content-length"]) > 0
+        # The same length as GET's where the body cannot change between the two (the process
+        # collector's figures in /metrics, CPU seconds and memory, move from one scrape to the next).
+        full = await get(HOST, port, "/healthz")
+        head = await get(HOST, port, "/healthz", method="HEAD")
+        assert head.headers["content-length"] == full.headers["content-length"] == str(len(full.body))
 
 
 @pytest.mark.asyncio
