@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class Timer(Protocol):
@@ -43,6 +45,31 @@ class LoopClock:
 
 
 LOOP_CLOCK = LoopClock()
+
+
+async def within(clock: Clock, seconds: float, awaitable: Awaitable[T]) -> T:
+    """What `awaitable` gives, or TimeoutError (and `awaitable` cancelled) after `seconds` on `clock`.
+
+    Not ``asyncio.wait_for``: that waits on the loop's time, not on the clock given, and from Python
+    3.12 it raises when no task runs its caller; this needs neither.
+    """
+    work = asyncio.ensure_future(awaitable)
+    work.add_done_callback(_retrieve_outcome)
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        await asyncio.wait((work, sleeper), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done():
+        raise TimeoutError
+    return work.result()
+
+
+def _retrieve_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # an abandoned call's error is no news; asyncio must not report it
 
 
 async def sleep_unless(clock: Clock, event: asyncio.Event, seconds: float) -> bool:

@@ -55,7 +55,7 @@ import os
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import structlog
@@ -63,7 +63,7 @@ import structlog
 from api.deviceplugin.v1beta1 import api_pb2 as api
 from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 from nri_plugin.common.backoff import Backoff
-from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless
+from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless, within
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.deviceplugin.registration import RegistrationState, check_transition
@@ -98,8 +98,6 @@ GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
 # same address, and a new channel would inherit the refused connection of the last attempt, with its
 # reconnect backoff, instead of dialing the kubelet that just appeared.
 _FRESH_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
-
-T = TypeVar("T")
 
 
 def default_backoff() -> Backoff:
@@ -341,30 +339,6 @@ async def _first_of(*events: asyncio.Event) -> None:
     finally:
         for waiter in waiters:
             waiter.cancel()
-
-
-def _retrieve_outcome(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # an abandoned call's error is no news; asyncio must not report it
-
-
-async def _within(clock: Clock, seconds: float, awaitable: Awaitable[T]) -> T:
-    """The result of `awaitable`, or TimeoutError (and `awaitable` cancelled) after `seconds` on `clock`.
-
-    Not ``asyncio.wait_for``: that waits on the loop's time, not on the clock we are given.
-    """
-    work = asyncio.ensure_future(awaitable)
-    work.add_done_callback(_retrieve_outcome)
-    sleeper = asyncio.ensure_future(clock.sleep(seconds))
-    try:
-        await asyncio.wait((work, sleeper), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        sleeper.cancel()
-        if not work.done():
-            work.cancel()
-    if not work.done():
-        raise TimeoutError
-    return work.result()
 
 
 class RegistrationObserver(Protocol):
@@ -726,7 +700,7 @@ class DevicePluginServer:
         async with grpc.aio.insecure_channel(target, options=_FRESH_CONNECTION) as channel:
             stub = api_grpc.RegistrationStub(channel)
             try:
-                await _within(self.clock, self.register_timeout, stub.Register(request))
+                await within(self.clock, self.register_timeout, stub.Register(request))
             except grpc.aio.AioRpcError as exc:
                 return f"{where}: {exc.code().name}: {exc.details()}"
             except TimeoutError:

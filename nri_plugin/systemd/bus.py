@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Any, Final, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Final
 
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import AuthError
+
+from nri_plugin.common.clock import LOOP_CLOCK, within
 
 __all__ = [
     "CALL_TIMEOUT",
@@ -50,9 +52,6 @@ CONNECT_TIMEOUT: Final = 2.0
 CALL_TIMEOUT: Final = 30.0
 # The bytes a D-Bus address value may hold unescaped (the specification's "optionally escaped").
 _PLAIN: Final = re.compile(rb"[-0-9A-Za-z_/.\\*]")
-
-
-T = TypeVar("T")
 
 
 class BusError(Exception):
@@ -86,8 +85,8 @@ async def connect(path: str = SYSTEM_BUS, *, timeout: float = CONNECT_TIMEOUT) -
     `BusError` (authentication refused)."""
     bus = MessageBus(bus_address=bus_address(path))
     try:
-        return await _within(bus.connect(), timeout)
-    except asyncio.TimeoutError:
+        return await within(LOOP_CLOCK, timeout, bus.connect())
+    except TimeoutError:  # (`within` raises the builtin, on 3.10 too)
         bus.disconnect()
         raise BusTimeout(f"the bus at {path} did not answer within {timeout:g} s") from None
     except AuthError as exc:
@@ -109,7 +108,7 @@ async def disconnect(bus: MessageBus, *, timeout: float = CONNECT_TIMEOUT) -> No
     """Close the connection and wait (at most `timeout`) until its socket is closed."""
     bus.disconnect()
     with contextlib.suppress(Exception):  # how it ended does not matter any more
-        await _within(bus.wait_for_disconnect(), timeout)  # type: ignore[no-untyped-call]
+        await within(LOOP_CLOCK, timeout, bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
 
 
 async def call_method(bus: MessageBus, message: Message, *, timeout: float) -> list[Any]:
@@ -119,8 +118,8 @@ async def call_method(bus: MessageBus, message: Message, *, timeout: float) -> l
     if not bus.connected:
         raise BusLost("not connected to the bus")
     try:
-        reply = await _within(bus.call(message), timeout)
-    except asyncio.TimeoutError:
+        reply = await within(LOOP_CLOCK, timeout, bus.call(message))
+    except TimeoutError:  # (`within` raises the builtin, on 3.10 too)
         raise BusTimeout(f"{message.member}: no reply within {timeout:g} s") from None
     except Exception as exc:  # dbus-fast fails pending calls with whatever ended the connection
         raise BusLost(
@@ -131,22 +130,6 @@ async def call_method(bus: MessageBus, message: Message, *, timeout: float) -> l
         name = reply.error_name or "unknown"
         raise BusError(f"{message.member}: {name}: {text}".rstrip(": "), name)
     return list(reply.body)
-
-
-async def _within(awaitable: Awaitable[T], timeout: float) -> T:
-    """What `awaitable` gives, or asyncio.TimeoutError once `timeout` seconds have passed (it is then
-    cancelled). Unlike asyncio.wait_for, which from Python 3.12 raises when no task is running it,
-    this needs no current task: a bus call is bounded whatever awaits it."""
-    future = asyncio.ensure_future(awaitable)
-    try:
-        done, _ = await asyncio.wait((future,), timeout=timeout)
-    except BaseException:  # the caller was cancelled: so is what it waited for
-        future.cancel()
-        raise
-    if not done:
-        future.cancel()
-        raise asyncio.TimeoutError
-    return future.result()
 
 
 async def _call_once(path: str, message: Message, timeout: float) -> list[Any]:
