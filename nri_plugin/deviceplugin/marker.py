@@ -18,6 +18,10 @@ is a valid value replayed onto a second container: the NRI side must also refuse
 to a different container (until that container's pod sandbox stops). Bare environment variables and
 unsigned annotations are never proof.
 
+Through DRA (`nri_plugin.dra`) the same signed value arrives in the :data:`MARKER_ENV` variable, set
+by the CDI spec our driver writes when kubelet prepares a claim; the device id it signs is
+``dra.<device name>`` (:func:`dra_device_id`).
+
 Pure: the policy imports this module, so it touches no file, socket or logger (the key file is
 :mod:`.keyfile`'s business).
 """
@@ -36,6 +40,13 @@ if TYPE_CHECKING:
 
 # Namespaced to this project; "allocation" says what it records (kubelet's allocation of one device).
 ANNOTATION_KEY = "mixed-cpu.openshift.io/shared-cpus-allocation"
+# The same marker where it comes through DRA: a CDI spec's container edits can set env entries but
+# no annotations, so the DRA driver's spec sets this variable to the signed value. The checks are the
+# same; only where the NRI side finds the value differs.
+MARKER_ENV = "MIXED_CPU_SHARED_CPUS_ALLOCATION"
+# A DRA device's marker id: its device name behind this prefix, so it can never equal a device-plugin
+# device id ("shared-cpus-<n>") that kubelet hands out on the same node at the same time.
+DRA_ID_PREFIX = "dra."
 KEY_SIZE = 32
 
 _VERSION = "v1"
@@ -45,6 +56,11 @@ _CONTEXT = b"mixed-cpu-nri-plugin shared-cpus-allocation v1\0"
 _DEVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _MAC_CHARS = 43  # 32 bytes in unpadded base64url
 _MARKER = re.compile(rf"{_VERSION}:({_DEVICE_ID.pattern}):([A-Za-z0-9_-]{{{_MAC_CHARS}}})")
+
+
+def dra_device_id(device_name: str) -> str:
+    """The marker id of the DRA device `device_name` (a device of our ResourceSlice)."""
+    return DRA_ID_PREFIX + device_name
 
 
 class HostKey:

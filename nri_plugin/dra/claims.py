@@ -1,0 +1,40 @@
+"""What preparing a ResourceClaim needs to know of it: the devices of our driver it was allocated.
+
+kubelet's ``NodePrepareResources`` names a claim (namespace, name, uid) and nothing more; the
+allocation lives in the claim's ``status.allocation.devices.results`` on the API server. The kubelet
+plugin (``kubeletplugin``) asks a :class:`ClaimSource` for it; ``apiserver.ApiClaimSource`` reads the
+claim with the node's credentials, tests give a fake. Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["AllocatedDevice", "ClaimError", "ClaimSource"]
+
+
+@dataclass(frozen=True)
+class AllocatedDevice:
+    """One result of a claim's allocation that names our driver."""
+
+    request: str  # the claim's request this device serves (for an extended resource: the generated one)
+    pool: str  # the ResourceSlice pool: our node's name
+    device: str  # a device of that pool, e.g. "shared-cpus-3"
+
+
+class ClaimError(Exception):
+    """The claim cannot be prepared now; the message, sent back to kubelet, says why and what to do
+    (the claim is gone or was re-created with another uid, it is not allocated, it names no device of
+    ours, or the API server could not be asked)."""
+
+
+class ClaimSource(Protocol):
+    """Where a prepare learns what a claim was allocated."""
+
+    async def allocated_devices(self, namespace: str, name: str, uid: str) -> tuple[AllocatedDevice, ...]:
+        """Our driver's devices in the claim's allocation, in the order the allocation lists them.
+
+        Raises :class:`ClaimError` when the claim cannot be read, its uid is not `uid`, it is not
+        allocated, or none of its results names our driver."""
+        ...
