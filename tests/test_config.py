@@ -512,7 +512,8 @@ def test_the_dra_table_is_read_and_its_mistakes_are_named() -> None:
     config = parse_config(
         {"shared_cpuset": "0-1", "dra": {"enabled": True, "node_name": "worker-1", "cdi_dir": "/etc/cdi"}}
     )
-    assert config.dra.enabled and config.dra.node_name == "worker-1"
+    assert config.dra.enabled
+    assert config.dra.node_name == "worker-1"
     assert str(config.dra.cdi_dir) == "/etc/cdi"
     assert str(config.dra.registration_socket) == (
         "/var/lib/kubelet/plugins_registry/shared-cpus.mixed-cpu.openshift.io-reg.sock"
@@ -546,4 +547,5 @@ def test_dra_needs_the_marker_trusted_and_stands_in_for_the_device_plugin() -> N
     config = parse_config(
         {"shared_cpuset": "0-1", "device_plugin": {"enabled": False}, "dra": {"enabled": True}}
     )
-    assert config.dra.enabled and not config.device_plugin.enabled
+    assert config.dra.enabled
+    assert not config.device_plugin.enabled
