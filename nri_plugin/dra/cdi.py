@@ -46,12 +46,14 @@ __all__ = [
     "VENDOR",
     "CdiError",
     "ClaimRef",
+    "PreparedDevice",
     "build_spec",
     "cdi_device_id",
     "cdi_device_name",
     "check_claim",
     "check_device",
     "encode_spec",
+    "prepared_devices",
     "read_recorded",
     "remove_spec",
     "spec_path",
@@ -100,6 +102,16 @@ class ClaimRef:
     namespace: str
     name: str
     uid: str
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a prepared claim as kubelet is told of it (one ``dra.v1`` Device)."""
+
+    requests: tuple[str, ...]  # the claim's requests it serves
+    pool: str
+    device: str
+    cdi_device_id: str  # the one CDI device kubelet passes to the runtime for it
 
 
 def check_claim(claim: ClaimRef) -> None:
@@ -195,6 +207,15 @@ def build_spec(claim: ClaimRef, devices: Sequence[AllocatedDevice], key: HostKey
             }
         )
     return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": cdi_devices}
+
+
+def prepared_devices(claim_uid: str, devices: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
+    """What kubelet is answered for `devices` of the claim `claim_uid`: one entry per device (as in
+    its spec, in the same order), with every request it serves and its CDI device id."""
+    return tuple(
+        PreparedDevice(tuple(requests), pool, name, cdi_device_id(claim_uid, name))
+        for name, (pool, requests) in _grouped(devices).items()
+    )
 
 
 def encode_spec(spec: Mapping[str, Any]) -> bytes:
