@@ -3,10 +3,11 @@
 
 Usage: python scripts/gen_proto.py [--out DIR]
 
-Every proto gets *_pb2.py and *_pb2.pyi. Protos under api/deviceplugin/ and
-api/podresources/ (kubelet's device-plugin and pod-resources APIs, spoken over
-gRPC) also get *_pb2_grpc.py and *_pb2_grpc.pyi; the others are spoken over
-ttrpc and need messages only.
+Every proto gets *_pb2.py and *_pb2.pyi. Protos under api/deviceplugin/,
+api/podresources/, api/pluginregistration/, api/dra/ and api/drahealth/
+(kubelet's device-plugin, pod-resources, plugin-registration and DRA APIs,
+spoken over gRPC) also get *_pb2_grpc.py and *_pb2_grpc.pyi; the others are
+spoken over ttrpc and need messages only.
 
 With --out, the generated files are written below DIR instead of the source
 tree (the test suite uses this to check that the committed files are current).
@@ -23,7 +24,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Protos whose services are served or called over gRPC (grpcio) rather than ttrpc.
-GRPC_DIRS = ("api/deviceplugin/", "api/podresources/")
+GRPC_DIRS = (
+    "api/deviceplugin/",
+    "api/podresources/",
+    "api/pluginregistration/",
+    "api/dra/",
+    "api/drahealth/",
+)
 
 
 def proto_files() -> list[str]:

@@ -1,0 +1,312 @@
+"""The CDI spec written for a prepared ResourceClaim: how the signed marker reaches the container.
+
+kubelet's ``NodePrepareResources`` answer names CDI devices (Container Device Interface,
+``<vendor>/<class>=<name>``); kubelet hands those names to the runtime with the container, and the
+runtime (containerd, CRI-O) applies the ``containerEdits`` it finds for them in the spec files of its
+CDI directories (``/var/run/cdi`` among them) before the container is created. Our edit is one
+environment entry, ``MIXED_CPU_SHARED_CPUS_ALLOCATION=<key.sign("dra.<device>")>`` (see
+`nri_plugin.deviceplugin.marker`), which the NRI side checks like the device plugin's annotation.
+
+One spec file per claim, named by the claim's uid, so unprepare removes exactly what prepare wrote
+and two claims never share a file. Inside, one CDI device per allocated device of ours, named
+``<claim uid>-<device>``; its annotations record the claim (namespace, name, uid), the pool, the
+device and the claim's requests it serves, so that a prepare repeated after a daemon restart can be
+answered from the file alone when the API server cannot be asked (:func:`read_recorded`).
+
+``cdiVersion`` is 0.6.0, the oldest version with the fields we write (annotations on a device);
+runtimes refuse a spec whose version is older than its fields need, and accept any older version
+than they speak, so the oldest that fits is the most widely read.
+
+What reaches a file path is checked first (:func:`check_claim`): the uid must be a Kubernetes UID
+(a lowercase RFC 4122 UUID), so no claim can name a file outside ``cdi_dir``. Pure building and
+checking, plus the three file operations (:func:`write_spec`, :func:`read_recorded`,
+:func:`remove_spec`); no logging, no asyncio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from nri_plugin.common.atomicfile import write_atomically
+from nri_plugin.common.smallfile import RefusedFile, read_small_file
+from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey, dra_device_id
+from nri_plugin.dra.claims import AllocatedDevice
+
+__all__ = [
+    "CDI_VERSION",
+    "CLASS",
+    "KIND",
+    "SPEC_MODE",
+    "VENDOR",
+    "CdiError",
+    "ClaimRef",
+    "PreparedDevice",
+    "build_spec",
+    "cdi_device_id",
+    "cdi_device_name",
+    "check_claim",
+    "check_device",
+    "encode_spec",
+    "prepared_devices",
+    "read_recorded",
+    "remove_spec",
+    "spec_path",
+    "write_spec",
+]
+
+VENDOR: Final = "mixed-cpu.openshift.io"
+CLASS: Final = "shared-cpus"
+KIND: Final = f"{VENDOR}/{CLASS}"
+CDI_VERSION: Final = "0.6.0"
+SPEC_MODE: Final = 0o644  # the runtime reads it; nothing in it is secret (the marker is bound on use)
+# The file-name prefix: the kind with its slash made a dash, as CDI's own tools name spec files.
+_FILE_PREFIX: Final = f"{VENDOR}-{CLASS}_"
+# Our spec files are a few hundred bytes a device; anything near this is not one of ours.
+_READ_LIMIT: Final = 1 << 20
+
+# Annotation keys on each CDI device (Kubernetes-style qualified names, as CDI requires).
+ANN_NAMESPACE: Final = f"{VENDOR}/claim-namespace"
+ANN_NAME: Final = f"{VENDOR}/claim-name"
+ANN_UID: Final = f"{VENDOR}/claim-uid"
+ANN_POOL: Final = f"{VENDOR}/pool"
+ANN_DEVICE: Final = f"{VENDOR}/device"
+ANN_REQUESTS: Final = f"{VENDOR}/requests"  # comma-separated: request names are DNS labels
+_RECORDED: Final = (ANN_NAMESPACE, ANN_NAME, ANN_UID, ANN_POOL, ANN_DEVICE, ANN_REQUESTS)
+
+# metadata.uid as the API server makes it: a lowercase RFC 4122 UUID.
+_UID: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_DNS_LABEL: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN: Final = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_SUBDOMAIN_MAX: Final = 253
+# The marker signs "dra.<device>", at most 63 characters (marker.HostKey.sign).
+_DEVICE_MAX: Final = 63 - len(dra_device_id(""))
+# A pool name: DNS subdomains joined by slashes, 253 characters at most (resource.k8s.io/v1).
+_POOL_MAX: Final = 253
+
+
+class CdiError(Exception):
+    """A claim or device that cannot be written as (or read back from) a CDI spec; the message says
+    which value, why, and what to do. Sent back to kubelet as the claim's error."""
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """A ResourceClaim as kubelet names it in a prepare or unprepare request."""
+
+    namespace: str
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a prepared claim as kubelet is told of it (one ``dra.v1`` Device)."""
+
+    requests: tuple[str, ...]  # the claim's requests it serves
+    pool: str
+    device: str
+    cdi_device_id: str  # the one CDI device kubelet passes to the runtime for it
+
+
+def check_claim(claim: ClaimRef) -> None:
+    """Raise `CdiError` unless the claim's uid is a Kubernetes UID and its namespace and name are
+    valid Kubernetes names. The uid names the spec file: this is what keeps it inside ``cdi_dir``."""
+    if not _UID.fullmatch(claim.uid):
+        raise CdiError(
+            f"claim uid {_show(claim.uid)} is not a Kubernetes UID (a lowercase UUID such as "
+            "0b5f6a1e-3c1d-4e8a-9f00-5a1b2c3d4e5f); refusing to name a CDI spec file after it: "
+            "kubelet sends the claim's metadata.uid, so check what sent this request"
+        )
+    if not _DNS_LABEL.fullmatch(claim.namespace):
+        raise CdiError(
+            f"claim namespace {_show(claim.namespace)} of claim {claim.uid} is not a Kubernetes "
+            "namespace name (a DNS label: 1-63 of [a-z0-9-]); check what sent this request"
+        )
+    if len(claim.name) > _SUBDOMAIN_MAX or not _DNS_SUBDOMAIN.fullmatch(claim.name):
+        raise CdiError(
+            f"claim name {_show(claim.name)} of claim {claim.uid} is not a ResourceClaim name "
+            "(a DNS subdomain: 1-253 of [a-z0-9.-]); check what sent this request"
+        )
+
+
+def check_device(device: AllocatedDevice) -> None:
+    """Raise `CdiError` unless `device` can be written into a spec: its device name a DNS label short
+    enough for the marker (59 characters), its request name a DNS label, its pool name set."""
+    if len(device.device) > _DEVICE_MAX or not _DNS_LABEL.fullmatch(device.device):
+        raise CdiError(
+            f"allocated device name {_show(device.device)} is not a DNS label of at most "
+            f"{_DEVICE_MAX} characters, so it cannot be signed into a marker; our ResourceSlice "
+            "publishes shared-cpus-<n>: check the claim's allocation"
+        )
+    if not _DNS_LABEL.fullmatch(device.request):
+        raise CdiError(
+            f"request name {_show(device.request)} of device {device.device} is not a DNS label; "
+            "check the claim's allocation"
+        )
+    if not device.pool or len(device.pool) > _POOL_MAX or not device.pool.isprintable():
+        raise CdiError(
+            f"pool name {_show(device.pool)} of device {device.device} is empty, too long or not "
+            "printable; check the claim's allocation"
+        )
+
+
+def spec_path(cdi_dir: str | os.PathLike[str], claim_uid: str) -> Path:
+    """Where the spec of the claim with uid `claim_uid` lives. Raises `CdiError` for a uid that is
+    not a Kubernetes UID (so the path stays in `cdi_dir`)."""
+    if not _UID.fullmatch(claim_uid):
+        raise CdiError(
+            f"claim uid {_show(claim_uid)} is not a Kubernetes UID (a lowercase UUID); "
+            "refusing to name a CDI spec file after it"
+        )
+    return Path(cdi_dir) / f"{_FILE_PREFIX}{claim_uid}.json"
+
+
+def cdi_device_name(claim_uid: str, device: str) -> str:
+    """The CDI device name, inside our spec, of `device` prepared for the claim `claim_uid`."""
+    return f"{claim_uid}-{device}"
+
+
+def cdi_device_id(claim_uid: str, device: str) -> str:
+    """The fully qualified CDI device id kubelet passes to the runtime: ``<kind>=<name>``."""
+    return f"{KIND}={cdi_device_name(claim_uid, device)}"
+
+
+def build_spec(claim: ClaimRef, devices: Sequence[AllocatedDevice], key: HostKey) -> dict[str, Any]:
+    """The CDI spec (a JSON-ready dict) for `claim` allocated `devices`, each device's edits setting
+    the marker variable to its signed ``dra.<device>`` id. A device listed for several requests of
+    the claim is one CDI device recording all of them. Raises `CdiError` for a bad claim or device,
+    or none at all."""
+    check_claim(claim)
+    if not devices:
+        raise CdiError(
+            f"claim {claim.namespace}/{claim.name} ({claim.uid}) has no device of ours to prepare; "
+            "check its allocation"
+        )
+    for device in devices:
+        check_device(device)
+    cdi_devices = []
+    for name, (pool, requests) in _grouped(devices).items():
+        cdi_devices.append(
+            {
+                "name": cdi_device_name(claim.uid, name),
+                "annotations": {
+                    ANN_NAMESPACE: claim.namespace,
+                    ANN_NAME: claim.name,
+                    ANN_UID: claim.uid,
+                    ANN_POOL: pool,
+                    ANN_DEVICE: name,
+                    ANN_REQUESTS: ",".join(requests),
+                },
+                "containerEdits": {"env": [f"{MARKER_ENV}={key.sign(dra_device_id(name))}"]},
+            }
+        )
+    return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": cdi_devices}
+
+
+def prepared_devices(claim_uid: str, devices: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
+    """What kubelet is answered for `devices` of the claim `claim_uid`: one entry per device (as in
+    its spec, in the same order), with every request it serves and its CDI device id."""
+    return tuple(
+        PreparedDevice(tuple(requests), pool, name, cdi_device_id(claim_uid, name))
+        for name, (pool, requests) in _grouped(devices).items()
+    )
+
+
+def encode_spec(spec: Mapping[str, Any]) -> bytes:
+    """The bytes of a spec file: sorted keys and a fixed layout, so the same spec is the same file."""
+    return (json.dumps(spec, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_spec(
+    cdi_dir: str | os.PathLike[str], claim: ClaimRef, spec: Mapping[str, Any], *, fsync: bool = True
+) -> Path:
+    """Publish `spec` as the claim's spec file (atomically, mode 0644, replacing an earlier one) and
+    return its path. Raises `CdiError` for a bad uid, `OSError` when the file cannot be written."""
+    path = spec_path(cdi_dir, claim.uid)
+    write_atomically(path, encode_spec(spec), mode=SPEC_MODE, fsync=fsync)
+    return path
+
+
+def remove_spec(cdi_dir: str | os.PathLike[str], claim_uid: str) -> bool:
+    """Remove the claim's spec file; True if there was one. Absent is fine (unprepare is retried).
+    Raises `CdiError` for a bad uid, `OSError` when it cannot be removed."""
+    path = spec_path(cdi_dir, claim_uid)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def read_recorded(cdi_dir: str | os.PathLike[str], claim: ClaimRef) -> tuple[AllocatedDevice, ...] | None:
+    """The devices a spec file written earlier for `claim` records (one per request it serves, in
+    the file's order), or None when the claim has no spec file. Raises `CdiError` when the file is
+    not one of ours, is damaged, or records another claim; `OSError` when it cannot be read."""
+    check_claim(claim)
+    path = spec_path(cdi_dir, claim.uid)
+    try:
+        data = read_small_file(path, _READ_LIMIT)
+    except FileNotFoundError:
+        return None
+    except RefusedFile as exc:
+        raise CdiError(
+            f"CDI spec {path} is {exc}; remove it and let kubelet prepare the claim again"
+        ) from None
+    try:
+        devices = _recorded_devices(json.loads(data), claim)
+        for device in devices:
+            check_device(device)
+    except (ValueError, KeyError, TypeError, AttributeError, CdiError) as exc:
+        raise CdiError(
+            f"CDI spec {path} is not one this driver wrote for claim {claim.namespace}/{claim.name} "
+            f"({exc}); remove it and let kubelet prepare the claim again"
+        ) from None
+    return devices
+
+
+def _recorded_devices(spec: Any, claim: ClaimRef) -> tuple[AllocatedDevice, ...]:
+    if spec.get("kind") != KIND:
+        raise ValueError(f"kind {spec.get('kind')!r}, not {KIND}")
+    recorded: list[AllocatedDevice] = []
+    for entry in spec["devices"]:
+        notes = entry["annotations"]
+        if not all(isinstance(notes[k], str) for k in _RECORDED):
+            raise ValueError("an annotation is not a string")
+        seen = ClaimRef(notes[ANN_NAMESPACE], notes[ANN_NAME], notes[ANN_UID])
+        if seen != claim:
+            raise ValueError(f"it records claim {seen.namespace}/{seen.name} ({seen.uid})")
+        device = notes[ANN_DEVICE]
+        if entry["name"] != cdi_device_name(claim.uid, device):
+            raise ValueError(f"device {entry['name']!r} does not match its annotations")
+        for request in notes[ANN_REQUESTS].split(","):
+            recorded.append(AllocatedDevice(request=request, pool=notes[ANN_POOL], device=device))
+    if not recorded:
+        raise ValueError("no devices")
+    return tuple(recorded)
+
+
+def _grouped(devices: Iterable[AllocatedDevice]) -> dict[str, tuple[str, list[str]]]:
+    """device name -> (its pool, the requests it serves, each once, in first-seen order). Raises
+    `CdiError` for one device name in two pools (CDI device names must be unique in a spec)."""
+    grouped: dict[str, tuple[str, list[str]]] = {}
+    for device in devices:
+        pool, requests = grouped.setdefault(device.device, (device.pool, []))
+        if pool != device.pool:
+            raise CdiError(
+                f"device {device.device} is allocated from two pools ({pool}, {device.pool}); "
+                "this driver serves one pool per node: check the claim's allocation"
+            )
+        if device.request not in requests:
+            requests.append(device.request)
+    return grouped
+
+
+def _show(value: str, limit: int = 80) -> str:
+    """`value` quoted for a message, cut to `limit` characters (a hostile value can be huge)."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
