@@ -17,7 +17,7 @@ from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_p
 
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset, parse_cpuset
-from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, MARKER_ENV, HostKey, dra_device_id
 from nri_plugin.mixedcpu.books import Slot
 from nri_plugin.mixedcpu.policy import (
     ISOLATED_ENV,
@@ -33,6 +33,7 @@ from nri_plugin.mixedcpu.policy import (
     plan_sync,
     plan_update,
     pod_quota_target,
+    presents_marker,
     shows_evidence,
 )
 from nri_plugin.nri.errors import PluginRefusal
@@ -540,6 +541,9 @@ _ENV_ENTRIES = st.sampled_from(
         "NOTE=OPENSHIFT_SHARED_CPUS=1",
         "PATH=/bin",
         "OPENSHIFT_X=1",
+        f"{MARKER_ENV}=forged",
+        f"NOTE={MARKER_ENV}=x",
+        f"{MARKER_ENV}_X=1",
     ]
 )
 
@@ -581,6 +585,8 @@ def test_shows_evidence_sees_each_kind() -> None:
     assert shows_evidence(*_request(pod_annotations={"cpu-shared.crio.io/main": "no"}))
     assert not shows_evidence(*_request(pod_annotations={"cpu-shared.crio.io/other": "enable"}))
     assert shows_evidence(*_request(env=("OPENSHIFT_SHARED_CPUS=0-1",)))
+    assert shows_evidence(*_request(env=(f"{MARKER_ENV}=forged",)))
+    assert not shows_evidence(*_request(env=(f"{MARKER_ENV}_OTHER", "PATH=/bin")))
 
 
 def test_forged_marker_does_not_hide_a_trusted_annotation() -> None:
@@ -589,6 +595,142 @@ def test_forged_marker_does_not_hide_a_trusted_annotation() -> None:
     assert check.proof is not None
     assert check.proof.source == "pod-annotation"
     assert check.refusals
+
+
+# -- the marker through DRA: the env entry the DRA driver's CDI spec sets ---------------------------------
+
+DRA_ID = dra_device_id("shared-cpus-4")
+IN_ENV = f"the {MARKER_ENV} env entry (set by the DRA driver's CDI spec)"
+
+
+def _dra_request(value: str, *more_env: str) -> tuple[api.PodSandbox, api.Container]:
+    return _request(env=("PATH=/bin", f"{MARKER_ENV}={value}", *more_env))
+
+
+def test_signed_env_marker_proves_a_request_as_a_dra_marker() -> None:
+    pod, container = _dra_request(KEY.sign(DRA_ID))
+    assert presents_marker(container)
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is not None
+    assert (check.proof.source, check.proof.device) == ("device-plugin", "dra.shared-cpus-4")
+    assert str(check.proof) == "DRA marker (dra.shared-cpus-4)"
+    assert (check.notes, check.refusals) == ((), ())
+
+
+def test_the_env_marker_is_not_mistaken_for_a_cpu_variable() -> None:
+    """The OPENSHIFT_ env notes name only the CPU variables: the marker entry gets none, valid or not."""
+    for value in (KEY.sign(DRA_ID), "forged"):
+        pod, container = _dra_request(value)
+        check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=True, device_holders={})
+        assert not any("is not a request" in note for note in check.notes)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "v1:dra.shared-cpus-4:" + "A" * 43,  # right shape, wrong MAC
+        HostKey(b"x" * 32).sign(DRA_ID),  # another node's key
+        KEY.sign(DRA_ID).replace("shared-cpus-4", "shared-cpus-5"),  # MAC of another device
+        "",
+    ],
+    ids=["wrong-mac", "other-node-key", "device-swapped", "empty"],
+)
+def test_forged_env_marker_is_refused_naming_the_env_entry(value: str) -> None:
+    pod, container = _dra_request(value)
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is None
+    assert check.refusals == (
+        f"refused {IN_ENV}: it was not signed with this node's key (forged, or copied from another node)",
+    )
+
+
+def test_replayed_env_marker_is_refused_but_a_restart_of_the_holder_is_not() -> None:
+    pod, container = _dra_request(KEY.sign(DRA_ID))
+    other = Slot("other-pod", "main")
+    check = check_request(
+        pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={DRA_ID: other}
+    )
+    assert check.proof is None
+    assert check.refusals == (
+        f"refused {IN_ENV}: device dra.shared-cpus-4 is already held by container other-pod/main "
+        "(a replayed marker)",
+    )
+    same = container_slot(pod, container)
+    check = check_request(
+        pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={DRA_ID: same}
+    )
+    assert check.proof is not None
+
+
+def test_the_last_env_marker_entry_is_the_one_checked() -> None:
+    """As for the CPU variables, the last entry of a name is the one the process sees."""
+    pod, container = _dra_request("forged", f"{MARKER_ENV}={KEY.sign(DRA_ID)}")
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is not None
+    pod, container = _dra_request(KEY.sign(DRA_ID), f"{MARKER_ENV}=forged")
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is None
+
+
+def test_kubelets_record_decides_an_env_marker_first() -> None:
+    pod, container = _dra_request(KEY.sign(DRA_ID))
+    check = check_request(
+        pod,
+        container,
+        marker_key=KEY,
+        trust_pod_annotation=False,
+        device_holders={DRA_ID: Slot("other-pod", "main")},  # not looked at: kubelet answered
+        kubelet_devices=frozenset({DRA_ID}),
+    )
+    assert check.proof is not None
+    assert (check.proof.source, check.proof.device) == ("kubelet", DRA_ID)
+    check = check_request(
+        pod,
+        container,
+        marker_key=KEY,
+        trust_pod_annotation=False,
+        device_holders={},
+        kubelet_devices=frozenset(),
+    )
+    assert check.proof is None
+    assert check.refusals == (
+        f"refused {IN_ENV}: kubelet's record shows no shared-CPUs device allocated to container "
+        f"{pod.namespace}/{pod.name}/main (a replayed, harvested or planted marker)",
+    )
+
+
+def test_env_marker_ignored_when_markers_are_not_trusted() -> None:
+    pod, container = _dra_request(KEY.sign(DRA_ID))
+    check = check_request(pod, container, marker_key=None, trust_pod_annotation=False, device_holders={})
+    assert check.proof is None
+    assert check.notes == ("DRA marker ignored: trusted_sources.device_plugin_marker is false",)
+
+
+def test_the_annotation_is_preferred_to_the_env_marker_and_a_difference_noted() -> None:
+    env = (f"{MARKER_ENV}={KEY.sign(DRA_ID)}",)
+    pod, container = _request(marker(KEY, "shared-cpus-7"), env=env)
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is not None
+    assert check.proof.device == "shared-cpus-7"
+    assert check.notes == (
+        f"{IN_ENV} ignored: the container also has the {ANNOTATION_KEY} annotation, which is checked instead",
+    )
+    # The annotation decides even when it fails: it is refused, naming the annotation.
+    pod, container = _request({ANNOTATION_KEY: "forged"}, env=env)
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is None
+    assert check.refusals[0].startswith(f"refused the {ANNOTATION_KEY} annotation: it was not signed")
+    # The same value in both: nothing to note.
+    same = KEY.sign("shared-cpus-7")
+    pod, container = _request({ANNOTATION_KEY: same}, env=(f"{MARKER_ENV}={same}",))
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert (check.proof is not None, check.notes) == (True, ())
+
+
+def test_presents_marker() -> None:
+    assert presents_marker(_request(marker(KEY))[1])
+    assert presents_marker(_request(env=(f"{MARKER_ENV}=",))[1])
+    assert not presents_marker(_request(env=(f"{MARKER_ENV}_X=1", f"X{MARKER_ENV}=1", MARKER_ENV))[1])
 
 
 # -- pure planning functions ---------------------------------------------------------------------------------

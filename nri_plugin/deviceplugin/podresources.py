@@ -18,6 +18,12 @@ How it asks
     device of our resource is remembered for `CACHE_TTL` seconds (several shared containers of one
     pod, and the List of a Synchronize, cost one question); anything else is asked again each time.
 
+Requests served through DRA
+    Given the name of our DRA driver (`dra_driver`), a container's ids of our resource also hold
+    ``dra.<device name>`` (`marker.dra_device_id`) for every device kubelet's record lists under the
+    container's dynamic resources (KEP-3695) with that driver: the id the DRA marker signs. Devices of
+    other drivers are not ours, whatever their names.
+
 When kubelet cannot be asked
     No socket, a refused connection, an error, or no answer in time: the lookup answers None, and the
     plugin falls back to the marker binding alone. It says so: a warning when kubelet stops answering
@@ -47,6 +53,7 @@ from api.podresources.v1 import api_pb2 as api
 from api.podresources.v1 import api_pb2_grpc as api_grpc
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
+from nri_plugin.deviceplugin.marker import dra_device_id
 
 __all__ = [
     "CACHE_TTL",
@@ -120,13 +127,15 @@ def socket_state(path: str) -> str | None:
 
 class PodResourcesClient:
     """kubelet's record of the devices of `resource_name` it allocated (an
-    `nri_plugin.mixedcpu.allocations.AllocationRecord`); see the module docstring."""
+    `nri_plugin.mixedcpu.allocations.AllocationRecord`), and of the devices of our DRA driver
+    `dra_driver` (None: no DRA) as ``dra.<device name>``; see the module docstring."""
 
     def __init__(
         self,
         socket_path: str,
         resource_name: str,
         *,
+        dra_driver: str | None = None,
         timeout: float = LOOKUP_TIMEOUT,
         ttl: float = CACHE_TTL,
         observer: PodResourcesObserver | None = None,
@@ -134,6 +143,7 @@ class PodResourcesClient:
     ) -> None:
         self.socket_path = socket_path
         self.resource_name = resource_name
+        self.dra_driver = dra_driver
         self.timeout = timeout
         self.ttl = ttl
         self.observer = observer
@@ -272,17 +282,25 @@ class PodResourcesClient:
             return response
 
     def _devices(self, pod: api.PodResources) -> ContainerDevices:
-        """Container name -> its device ids of our resource (containers with none left out)."""
+        """Container name -> its device ids of our resource, device plugin's and DRA's (containers
+        with none left out)."""
         found: dict[str, frozenset[str]] = {}
         for container in pod.containers:
-            ids = frozenset(
+            ids = {
                 device_id
                 for devices in container.devices
                 if devices.resource_name == self.resource_name
                 for device_id in devices.device_ids
-            )
+            }
+            if self.dra_driver is not None:
+                ids.update(
+                    dra_device_id(device.device_name)
+                    for claim in container.dynamic_resources
+                    for device in claim.claim_resources
+                    if device.driver_name == self.dra_driver and device.device_name
+                )
             if ids:
-                found[container.name] = ids
+                found[container.name] = frozenset(ids)
         return found
 
     def _remember(self, ref: PodRef, devices: ContainerDevices) -> None:

@@ -59,7 +59,6 @@ from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
 from nri_plugin.mixedcpu.heal import Healer, HealObserver
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, LaterLines, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import (
-    MARKER_ANNOTATION,
     CreatePlan,
     MarkerKey,
     PolicyError,
@@ -76,6 +75,7 @@ from nri_plugin.mixedcpu.policy import (
     plan_create,
     plan_update,
     pod_key,
+    presents_marker,
 )
 from nri_plugin.mixedcpu.quota import CgroupObserver, PodQuotas
 from nri_plugin.mixedcpu.resync import needed_at_sync, rebuild_books, updates_to_send
@@ -472,7 +472,7 @@ class MixedCpuPlugin(
         gives it, None when not asked), its refusals and notes logged; traced when `tracing` (None:
         `trace.tracing`)."""
         if holders is None:
-            holders = self.books.device_holders() if MARKER_ANNOTATION in container.annotations else {}
+            holders = self.books.device_holders() if presents_marker(container) else {}
         check = check_request(
             pod,
             container,
@@ -492,11 +492,7 @@ class MixedCpuPlugin(
     async def _kubelet_devices(self, pod: api.PodSandbox, container: api.Container) -> frozenset[str] | None:
         """What kubelet's record says it allocated to a container that presents a marker; None when
         there is nothing to ask (no marker, markers not trusted, no record) or kubelet cannot answer."""
-        if (
-            self.allocations is None
-            or self.marker_key is None
-            or MARKER_ANNOTATION not in container.annotations
-        ):
+        if self.allocations is None or self.marker_key is None or not presents_marker(container):
             return None
         found = await self.allocations.pod_allocations(pod.namespace, pod.name)
         return None if found is None else found.get(container.name, frozenset())
@@ -507,7 +503,7 @@ class MixedCpuPlugin(
         """kubelet's record for the whole node, when some container presents a marker to check."""
         if self.allocations is None or self.marker_key is None:
             return None
-        if not any(MARKER_ANNOTATION in container.annotations for container in containers):
+        if not any(presents_marker(container) for container in containers):
             return None
         return await self.allocations.node_allocations()
 

@@ -2,19 +2,24 @@
 
 Who gets shared CPUs: a container whose request is *proven* by a trusted source (`check_request`):
 
-* the device plugin's allocation marker in ``container.annotations``, backed by kubelet's own record
-  when it can be asked (`nri_plugin.mixedcpu.allocations`): the device ids kubelet's PodResources API
-  says it allocated to this very container are the proof, and a marker on a container kubelet gave
-  none is refused, however valid its signature (replayed, harvested from kubelet's checkpoint, or
-  planted). When kubelet cannot be asked, the marker alone: verified with the node's `HostKey`; a
-  forged value is refused, and so is a valid one whose device id is bound to another slot (pod and
+* the signed allocation marker, backed by kubelet's own record when it can be asked
+  (`nri_plugin.mixedcpu.allocations`): the device ids kubelet's PodResources API says it allocated
+  to this very container are the proof, and a marker on a container kubelet gave none is refused,
+  however valid its signature (replayed, harvested from kubelet's checkpoint, or planted). When
+  kubelet cannot be asked, the marker alone: verified with the node's `HostKey`; a forged value is
+  refused, and so is a valid one whose device id is bound to another slot (pod and
   container name, see `nri_plugin.mixedcpu.books`; bound from the first presentation until that
-  pod's sandbox stops), running or not: a replay;
+  pod's sandbox stops), running or not: a replay. The marker is found in ``container.annotations``
+  (the device plugin's ``Allocate`` answer) or, for a request served through DRA, in the container's
+  env as ``MIXED_CPU_SHARED_CPUS_ALLOCATION=<marker>`` (set by our DRA driver's CDI spec; its device
+  id is ``dra.<device name>``). Both get the same checks; a container with both is judged by the
+  annotation;
 * when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
   that OpenShift's admission plugin adds.
 
 An ``OPENSHIFT_SHARED_CPUS`` / ``OPENSHIFT_ISOLATED_CPUS`` (or the older ``OPENSHIFT_MUTUAL_CPUS``)
-variable in the container's env is never proof: anyone writing a pod spec can set it.
+variable in the container's env is never proof: anyone writing a pod spec can set it. (So can they
+the marker's env entry; but not its signature, and kubelet's record or the binding still decide.)
 
 What a proven container gets (`plan_create`): cpus = exclusive | shared; CFS quota = n(cpus) * its
 period (an unlimited quota stays unlimited); both sets in its environment, canonical, replacing what
@@ -41,6 +46,7 @@ from cgroups.cpuset import CpusetError
 from cgroups.cpuset import format as _format_cpus
 from cgroups.cpuset import parse as parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY as MARKER_ANNOTATION
+from nri_plugin.deviceplugin.marker import DRA_ID_PREFIX, MARKER_ENV
 from nri_plugin.mixedcpu.books import Slot
 
 __all__ = [
@@ -48,6 +54,7 @@ __all__ = [
     "ISOLATED_ENV",
     "LEGACY_SHARED_ENV",
     "MARKER_ANNOTATION",
+    "MARKER_ENV",
     "POD_ANNOTATION_PREFIX",
     "SHARED_ENV",
     "CreatePlan",
@@ -75,6 +82,7 @@ __all__ = [
     "plan_update",
     "pod_key",
     "pod_quota_target",
+    "presents_marker",
     "shared_by_node",
     "shows_evidence",
 ]
@@ -86,6 +94,8 @@ ISOLATED_ENV: Final = "OPENSHIFT_ISOLATED_CPUS"
 LEGACY_SHARED_ENV: Final = "OPENSHIFT_MUTUAL_CPUS"
 # What the three names above begin with: an env without it sets none of them.
 _ENV_PREFIX: Final = "OPENSHIFT_"
+# The env entry of the DRA marker, up to its value.
+_MARKER_ENV_ENTRY: Final = MARKER_ENV + "="
 POD_ANNOTATION_PREFIX: Final = "cpu-shared.crio.io/"
 POD_ANNOTATION_VALUE: Final = "enable"
 REQUEST_RESOURCE: Final = "workload.openshift.io/enable-shared-cpus"
@@ -155,7 +165,12 @@ class Proof(NamedTuple):
     def __str__(self) -> str:
         if self.source == "kubelet":
             return f"kubelet's allocation ({self.device})"
-        return f"device-plugin marker ({self.device})" if self.device else "pod annotation"
+        if self.device is None:
+            return "pod annotation"
+        # The same source either way (a signed marker, bound to its device id); a DRA device's id
+        # tells where it came from.
+        kind = "DRA marker" if self.device.startswith(DRA_ID_PREFIX) else "device-plugin marker"
+        return f"{kind} ({self.device})"
 
 
 class RequestCheck(NamedTuple):
@@ -172,7 +187,7 @@ _BY_ANNOTATION: Final = Proof("pod-annotation")
 
 
 class MarkerKey(Protocol):
-    """What checks a device-plugin marker: the node's `HostKey` (`nri_plugin.deviceplugin.marker`)."""
+    """What checks an allocation marker: the node's `HostKey` (`nri_plugin.deviceplugin.marker`)."""
 
     def verify(self, value: str) -> str | None:
         """The device id the marker was signed for; None for a marker not made with this key."""
@@ -189,7 +204,8 @@ def check_request(
 ) -> RequestCheck:
     """Does a trusted source prove that this container asked for shared CPUs?
 
-    `marker_key` is None when the device-plugin marker is not a trusted source. `device_holders`
+    `marker_key` is None when the allocation marker (annotation or DRA env entry, `presents_marker`)
+    is not a trusted source. `device_holders`
     maps device ids to the slots they are bound to (`Books.device_holders`). `kubelet_devices`: the
     device ids of our resource kubelet's record says it allocated to this container, or None when
     kubelet could not be asked (then the marker and its binding decide). The marker is looked at
@@ -197,10 +213,13 @@ def check_request(
     """
     notes: list[str] = []
     refusals: list[str] = []
-    if kubelet_devices is not None and marker_key is not None:
-        proof = _kubelet_proof(pod, container, kubelet_devices, refusals)
+    marker = _find_marker(container, notes)
+    if marker is None:
+        proof = None
+    elif kubelet_devices is not None and marker_key is not None:
+        proof = _kubelet_proof(pod, container, marker, kubelet_devices, refusals)
     else:
-        proof = _marker_proof(pod, container, marker_key, device_holders, notes, refusals)
+        proof = _marker_proof(pod, container, marker, marker_key, device_holders, notes, refusals)
     if proof is None:
         proof = _annotation_proof(pod, container, trust_pod_annotation, notes)
     if proof is None:
@@ -209,43 +228,86 @@ def check_request(
 
 
 def shows_evidence(pod: api.PodSandbox, container: api.Container) -> bool:
-    """Whether the container carries anything `check_request` looks at: the device-plugin marker,
-    its pod annotation, or a CPU variable in its env. Without any, `check_request` proves nothing and
-    notes nothing: Synchronize skips such containers (most of a node's) with this one test."""
+    """Whether the container carries anything `check_request` looks at: the allocation marker (an
+    annotation, or the DRA env entry), its pod annotation, or a CPU variable in its env. Without any,
+    `check_request` proves nothing and notes nothing: Synchronize skips such containers (most of a
+    node's) with this one test (a look-alike env text costs a `check_request`, nothing more)."""
     if MARKER_ANNOTATION in container.annotations:
         return True
     if POD_ANNOTATION_PREFIX + container.name in pod.annotations:
         return True
     env = container.env
-    return bool(env) and _ENV_PREFIX in "\n".join(env)
+    if not env:
+        return False
+    text = "\n".join(env)
+    return _ENV_PREFIX in text or _MARKER_ENV_ENTRY in text
+
+
+def presents_marker(container: api.Container) -> bool:
+    """Whether the container presents an allocation marker, valid or not: the annotation (device
+    plugin) or the env entry (DRA). Such a container is checked against kubelet's record and the
+    device bindings."""
+    return MARKER_ANNOTATION in container.annotations or _env_marker(container) is not None
+
+
+class _Marker(NamedTuple):
+    """A marker the container presents, and where it was found, for messages."""
+
+    value: str
+    kind: str  # "device-plugin marker" or "DRA marker"
+    where: str  # "the <annotation key> annotation" or "the <env name> env entry (...)"
+
+
+_IN_ENV: Final = f"the {MARKER_ENV} env entry (set by the DRA driver's CDI spec)"
+_IN_ANNOTATION: Final = f"the {MARKER_ANNOTATION} annotation"
+
+
+def _env_marker(container: api.Container) -> str | None:
+    """The value of the container's DRA marker env entry (the last one wins, as for the CPU
+    variables), None when it has none."""
+    for entry in reversed(container.env):
+        if entry.startswith(_MARKER_ENV_ENTRY):
+            return entry[len(_MARKER_ENV_ENTRY) :]
+    return None
+
+
+def _find_marker(container: api.Container, notes: list[str]) -> _Marker | None:
+    """The marker the container presents: the annotation when it has one (a differing env entry is
+    noted as ignored), else the DRA env entry; None when it presents neither."""
+    annotation = container.annotations.get(MARKER_ANNOTATION)
+    env = _env_marker(container)
+    if annotation is None:
+        return None if env is None else _Marker(env, "DRA marker", _IN_ENV)
+    if env is not None and env != annotation:
+        notes.append(f"{_IN_ENV} ignored: the container also has {_IN_ANNOTATION}, which is checked instead")
+    return _Marker(annotation, "device-plugin marker", _IN_ANNOTATION)
 
 
 def _marker_proof(
     pod: api.PodSandbox,
     container: api.Container,
+    marker: _Marker,
     marker_key: MarkerKey | None,
     device_holders: Mapping[str, Slot],
     notes: list[str],
     refusals: list[str],
 ) -> Proof | None:
-    """The device-plugin marker's proof, if it holds one; why not goes to `notes` or `refusals`."""
-    marker = container.annotations.get(MARKER_ANNOTATION)
-    if marker is None:
-        return None
+    """The marker's own proof (kubelet not asked), if it holds one; why not goes to `notes` or
+    `refusals`."""
     if marker_key is None:
-        notes.append("device-plugin marker ignored: trusted_sources.device_plugin_marker is false")
+        notes.append(f"{marker.kind} ignored: trusted_sources.device_plugin_marker is false")
         return None
-    device = marker_key.verify(marker)
+    device = marker_key.verify(marker.value)
     if device is None:
         refusals.append(
-            f"refused the {MARKER_ANNOTATION} annotation: it was not signed with this node's key "
+            f"refused {marker.where}: it was not signed with this node's key "
             "(forged, or copied from another node)"
         )
         return None
     holder = device_holders.get(device)
     if holder is not None and holder != container_slot(pod, container):
         refusals.append(
-            f"refused the {MARKER_ANNOTATION} annotation: device {device} is already held by "
+            f"refused {marker.where}: device {device} is already held by "
             f"container {holder} (a replayed marker)"
         )
         return None
@@ -253,16 +315,19 @@ def _marker_proof(
 
 
 def _kubelet_proof(
-    pod: api.PodSandbox, container: api.Container, devices: frozenset[str], refusals: list[str]
+    pod: api.PodSandbox,
+    container: api.Container,
+    marker: _Marker,
+    devices: frozenset[str],
+    refusals: list[str],
 ) -> Proof | None:
     """kubelet's record as the proof of a container that presents a marker: the device kubelet
-    allocated to it, whatever the marker says; none allocated: the marker is refused."""
-    if MARKER_ANNOTATION not in container.annotations:
-        return None
+    allocated to it (by the device plugin or our DRA driver), whatever the marker says; none
+    allocated: the marker is refused."""
     if devices:
         return Proof("kubelet", min(devices))
     refusals.append(
-        f"refused the {MARKER_ANNOTATION} annotation: kubelet's record shows no shared-CPUs device "
+        f"refused {marker.where}: kubelet's record shows no shared-CPUs device "
         f"allocated to container {describe(pod, container)} (a replayed, harvested or planted marker)"
     )
     return None

@@ -52,10 +52,10 @@ log = structlog.get_logger(LOGGER_NAME)
 
 # How each trusted source proved a request (the policy's `Proof.source`).
 _PROVEN_BY: Final = {
-    "device-plugin": "the device plugin's marker: signed with this node's key, for a device id no other "
-    "container holds",
-    "kubelet": "kubelet's PodResources record: it allocated the marker's device of our resource to this "
-    "pod's container",
+    "device-plugin": "the allocation marker (the device plugin's annotation or the DRA driver's env "
+    "entry): signed with this node's key, for a device id no other container holds",
+    "kubelet": "kubelet's PodResources record: it allocated a device of our resource (device plugin or "
+    "DRA) to this pod's container",
     "pod-annotation": "the pod annotation cpu-shared.crio.io/<container>: enable "
     "(trusted_sources.pod_annotation is on)",
 }

@@ -15,6 +15,12 @@ containers whose resources linger until removal. The simulator holds no resource
 `RuntimeSimulator.release_resources` when the runtime would delete a container's cgroup, for a
 subclass that plays the cgroups (the tests' fake tree) to do it.
 
+A container may be created with CDI devices (``create_container(..., cdi_devices=...)``): their env
+edits, read from the spec files in the directories of ``sim.cdi`` (a `CdiSpecs`), are applied before
+plugins see the container, as containerd and CRI-O do (`nri_plugin.nri.cdispecs`; device nodes,
+mounts and hooks are not simulated); a device no spec defines fails the creation
+(`CdiInjectionFailed`) without a plugin hearing of it.
+
 It uses the same ttrpc and multiplexer modules as the plugin side.
 """
 
@@ -37,6 +43,7 @@ from google.protobuf.message import Message
 from api.nri import api_pb2 as api
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.nri import mux
+from nri_plugin.nri.cdispecs import CdiError, CdiSpecs, apply_env
 from nri_plugin.nri.events import Event, events_in, parse_version, valid_events
 from nri_plugin.nri.routes import EVENT_ROUTES, STATE_CHANGE, STATE_CHANGE_EVENTS
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE
@@ -71,6 +78,17 @@ class CreationFailed(Exception):
             '(exec: "no-such-command": executable file not found in $PATH)'
         )
         self.container_id = container_id
+
+
+class CdiInjectionFailed(Exception):
+    """The container names a CDI device no spec file defines: the runtime fails the CRI call before
+    any NRI plugin hears of the container, with its CDI library's message."""
+
+    def __init__(self, container_id: str, reason: str, spec_errors: tuple[str, ...] = ()) -> None:
+        super().__init__(f"failed to create container {container_id}: CDI device injection failed: {reason}")
+        self.container_id = container_id
+        self.reason = reason
+        self.spec_errors = spec_errors  # the spec files that could not be used, and why
 
 
 @dataclass
@@ -176,6 +194,9 @@ class RuntimeSimulator:
         # ttrpc refuses anything larger whatever the runtime wants: chunking is the only way past it.
         self.max_message_size = min(max_message_size, MAX_DATA)
         self.plugin_config = plugin_config
+        # The CDI spec directories, lowest precedence first: none (no CDI device resolves) until set,
+        # as ``sim.cdi = CdiSpecs([...])`` (set like `modes`: the constructor is at its argument limit).
+        self.cdi = CdiSpecs()
         self.valid_events = valid_events(
             nri_version=nri_version, runtime_name=runtime_name, runtime_version=runtime_version
         )
@@ -606,8 +627,14 @@ class RuntimeSimulator:
                 await self._state_event(Event.REMOVE_POD_SANDBOX, pod, None)
             self.forgotten_pods.discard(pod_id)
 
-    async def create_container(self, container: api.Container) -> CreateResult:
+    async def create_container(
+        self, container: api.Container, *, cdi_devices: Sequence[str] = ()
+    ) -> CreateResult:
         """CreateContainer through every subscribed plugin; the adjusted container is stored.
+
+        `cdi_devices`: fully qualified CDI device names (``<vendor>/<class>=<name>``, as kubelet passes
+        them in the CRI request); their env edits are applied first, and one no spec defines raises
+        `CdiInjectionFailed` before any plugin is called (see `cdi`).
 
         Each plugin is sent the pod and the container as the plugins before it adjusted it; its
         adjustment is claimed, merged and applied at once (`_take_adjustment`). The request goes
@@ -617,6 +644,8 @@ class RuntimeSimulator:
             current = _copy(container)
             current.state = api.CONTAINER_CREATED
             ident = current.id  # (each read of a message's field makes a new str)
+            if cdi_devices:
+                self._inject_cdi(current, cdi_devices)
             merged = api.ContainerAdjustment()
             claims: dict[str, str] = {}
             updates: list[api.ContainerUpdate] = []
@@ -644,6 +673,20 @@ class RuntimeSimulator:
             for update in updates:
                 self._apply_update(update, source=_CREATE.method)
             return CreateResult(merged, current, updates)
+
+    def _inject_cdi(self, container: api.Container, names: Sequence[str]) -> None:
+        """The CDI devices' env edits, applied to `container`; `CdiInjectionFailed` as the runtime."""
+        try:
+            edits = self.cdi.env_edits(names)
+        except CdiError as exc:
+            log.warning(
+                "CDI device injection failed",
+                container=container.id,
+                reason=str(exc),
+                spec_errors=self.cdi.errors,
+            )
+            raise CdiInjectionFailed(container.id, str(exc), self.cdi.errors) from None
+        apply_env(container.env, edits)
 
     async def _validate(
         self,
@@ -679,11 +722,16 @@ class RuntimeSimulator:
             await self._state_event(Event.START_CONTAINER, self.pods[container.pod_sandbox_id], container)
 
     async def create_and_start(
-        self, container: api.Container, *, gap: float = 0.0, clock: Clock = LOOP_CLOCK
+        self,
+        container: api.Container,
+        *,
+        gap: float = 0.0,
+        clock: Clock = LOOP_CLOCK,
+        cdi_devices: Sequence[str] = (),
     ) -> CreateResult:
-        """kubelet's CreateContainer, then its StartContainer `gap` seconds later on `clock` (a loaded
-        node, an image pull or a volume between the two make long gaps ordinary)."""
-        result = await self.create_container(container)
+        """kubelet's CreateContainer (with its CDI devices), then its StartContainer `gap` seconds later
+        on `clock` (a loaded node, an image pull or a volume between the two make long gaps ordinary)."""
+        result = await self.create_container(container, cdi_devices=cdi_devices)
         if gap > 0:
             await clock.sleep(gap)
         await self.start_container(container.id)
@@ -968,6 +1016,7 @@ def env_of(container: api.Container) -> dict[str, str]:
 
 __all__ = [
     "AdjustmentConflict",
+    "CdiInjectionFailed",
     "CreateResult",
     "CreationFailed",
     "PluginConnection",

@@ -14,7 +14,9 @@ It does what kubelet's device manager does, in the same order:
 Given `pod_resources` (a socket path), it also serves ``v1.PodResourcesLister`` there (``List``, and
 ``Get`` unless `get_enabled` is false, when it answers as kubelet does with the feature gate off):
 ``admit()`` allocates a device to a pod's container through the plugin's ``Allocate`` and records
-it, as kubelet's device manager does; ``forget()`` drops a pod (deleted).
+it, as kubelet's device manager does; ``forget()`` drops a pod (deleted). ``records.claim()`` records
+a device a DRA driver prepared for a container (its ``dynamic_resources``, as kubelet's DRA manager
+reports them).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class FakeKubelet(api_grpc.RegistrationServicer):
 
     def forget(self, namespace: str, pod: str) -> None:
         """The pod is gone from kubelet: its allocations with it."""
-        self.records.pods.pop((namespace, pod), None)
+        self.records.forget(namespace, pod)
 
     async def drop_stream(self, resource: str) -> None:
         """End the ListAndWatch stream of ``resource`` and forget the plugin, keeping kubelet.sock."""
@@ -203,6 +205,8 @@ class PodResourcesRecord(podresources_grpc.PodResourcesListerServicer):
         self.get_enabled = get_enabled
         # (namespace, pod) -> container -> resource -> device ids
         self.pods: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
+        # (namespace, pod) -> container -> its DRA claims, as kubelet reports them
+        self.claims: dict[tuple[str, str], dict[str, list[podresources.DynamicResource]]] = {}
         self.calls: list[str] = []
         self._server: grpc.aio.Server | None = None
 
@@ -215,6 +219,35 @@ class PodResourcesRecord(podresources_grpc.PodResourcesListerServicer):
     def assign(self, namespace: str, pod: str, container: str, resource: str, device: str) -> None:
         containers = self.pods.setdefault((namespace, pod), {})
         containers.setdefault(container, {}).setdefault(resource, []).append(device)
+
+    def claim(
+        self,
+        namespace: str,
+        pod: str,
+        container: str,
+        claim: str,
+        driver: str,
+        device: str,
+        *,
+        pool: str = "node-1",
+        cdi_devices: tuple[str, ...] = (),
+    ) -> None:
+        """A DRA driver prepared `device` (of `pool`) for the container through the claim `claim`
+        (a ResourceClaim of the pod's namespace), with the CDI devices it returned."""
+        self.run(namespace, pod, container)
+        claims = self.claims.setdefault((namespace, pod), {}).setdefault(container, [])
+        entry = next((c for c in claims if c.claim_name == claim), None)
+        if entry is None:
+            entry = podresources.DynamicResource(claim_name=claim, claim_namespace=namespace)
+            claims.append(entry)
+        resource = entry.claim_resources.add(driver_name=driver, pool_name=pool, device_name=device)
+        for name in cdi_devices:
+            resource.cdi_devices.add(name=name)
+
+    def forget(self, namespace: str, pod: str) -> None:
+        """The pod is gone from kubelet: its allocations with it."""
+        self.pods.pop((namespace, pod), None)
+        self.claims.pop((namespace, pod), None)
 
     def crowd(self, pods: int = 110, containers: int = 10, devices: int = 72) -> None:
         """A full node: `pods` pods (kubelet's default maxPods) of `containers` containers, each
@@ -253,6 +286,7 @@ class PodResourcesRecord(podresources_grpc.PodResourcesListerServicer):
             entry = message.containers.add(name=container, cpu_ids=[2, 3])
             for resource, ids in resources.items():
                 entry.devices.add(resource_name=resource, device_ids=ids)
+            entry.dynamic_resources.extend(self.claims.get((namespace, pod), {}).get(container, []))
         return message
 
     async def List(

@@ -324,3 +324,76 @@ async def test_check_says_when_kubelet_does_not_serve_get(
         "are proven by List, a whole-node answer per lookup"
     )
     assert "KubeletPodResourcesGet" in finding.fix
+
+
+# -- requests served through DRA (kubelet's dynamic_resources, KEP-3695) --------------------------------
+
+DRIVER = "shared-cpus.mixed-cpu.openshift.io"
+
+
+def record_dra(served: PodResourcesRecord) -> None:
+    """A pod whose "main" holds a DRA device of ours beside a device-plugin one, its "sidecar" one of
+    ours only, and its "gpu-user" a device of another driver under a name like ours."""
+    served.assign("ns", "dra", "main", RESOURCE, "shared-cpus-1")
+    cdi = ("mixed-cpu.openshift.io/shared-cpus=uid-1-shared-cpus-7",)
+    served.claim("ns", "dra", "main", "cpus", DRIVER, "shared-cpus-7", cdi_devices=cdi)
+    served.claim("ns", "dra", "sidecar", "cpus-2", DRIVER, "shared-cpus-8")
+    served.claim("ns", "dra", "sidecar", "cpus-2", DRIVER, "shared-cpus-9")
+    served.claim("ns", "dra", "gpu-user", "gpus", "gpu.example.com", "shared-cpus-5")
+
+
+DRA_PROOF = {
+    "main": frozenset({"shared-cpus-1", "dra.shared-cpus-7"}),
+    "sidecar": frozenset({"dra.shared-cpus-8", "dra.shared-cpus-9"}),
+}
+
+
+@pytest.mark.asyncio
+async def test_get_gives_a_container_its_dra_devices_of_our_driver_as_marker_ids(
+    record: PodResourcesRecord, directory: Path
+) -> None:
+    record_dra(record)
+    asked, lookups = client(directory / "kubelet.sock", ttl=0.0, dra_driver=DRIVER)
+    assert await asked.pod_allocations("ns", "dra") == DRA_PROOF
+    assert await asked.pod_allocations("ns", "fwd") == {"main": frozenset({"shared-cpus-3"})}
+    assert record.calls == ["Get", "Get"]
+    assert lookups.outcomes == ["ok", "ok"]
+    # Without a DRA driver, DRA devices are nobody's proof: the device plugin's ids alone.
+    plain, _ = client(directory / "kubelet.sock", ttl=0.0)
+    assert await plain.pod_allocations("ns", "dra") == {"main": frozenset({"shared-cpus-1"})}
+
+
+@pytest.mark.asyncio
+async def test_list_gives_the_dra_devices_of_our_driver_too(
+    record: PodResourcesRecord, directory: Path
+) -> None:
+    record_dra(record)
+    record.get_enabled = False
+    asked, lookups = client(directory / "kubelet.sock", ttl=0.0, dra_driver=DRIVER)
+    assert await asked.pod_allocations("ns", "dra") == DRA_PROOF
+    assert record.calls == ["Get", "List"]
+    node = await asked.node_allocations()
+    assert node == {
+        ("ns", "fwd"): {"main": frozenset({"shared-cpus-3"})},
+        ("ns", "plain"): {},
+        ("ns", "dra"): DRA_PROOF,
+    }
+    assert lookups.outcomes == ["list"]
+
+
+@pytest.mark.asyncio
+async def test_a_pod_with_only_a_dra_device_of_ours_is_remembered(
+    record: PodResourcesRecord, directory: Path
+) -> None:
+    record.claim("ns", "drapod", "main", "cpus", DRIVER, "shared-cpus-0")
+    record.claim("ns", "gpupod", "main", "gpus", "gpu.example.com", "gpu-0")
+    clock = ManualClock()
+    asked, _ = client(directory / "kubelet.sock", clock=clock, ttl=2.0, dra_driver=DRIVER)
+    for _ in range(3):
+        assert await asked.pod_allocations("ns", "drapod") == {"main": frozenset({"dra.shared-cpus-0"})}
+        assert await asked.pod_allocations("ns", "gpupod") == {}
+    assert record.calls == ["Get"] * 4, "ours: asked once; another driver's: every time"
+    # The claim's pod deleted: a List forgets it, and Get then finds nothing.
+    record.forget("ns", "drapod")
+    await asked.node_allocations()
+    assert await asked.pod_allocations("ns", "drapod") == {}

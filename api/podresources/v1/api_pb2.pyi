@@ -7,9 +7,10 @@ this project from the upstream API's names and numbers (k8s.io/kubelet
 pkg/apis/podresources/v1/api.proto): the package, the service and method
 names, and the field numbers and types below are kubelet's, so the gRPC
 method paths (/v1.PodResourcesLister/List, /v1.PodResourcesLister/Get) and
-the wire format are identical. Fields we do not read (exclusive CPU ids of
-the allocatable resources, memory, dynamic resources, topology) are left
-out: protobuf skips them as unknown fields.
+the wire format are identical. Fields we do not read (the allocatable
+resources, memory, topology) are left out: protobuf skips them as unknown
+fields. The dynamic resources (KEP-3695) are read: they prove a request
+served through our DRA driver.
 """
 
 from collections import abc as _abc
@@ -141,6 +142,7 @@ class ContainerResources(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
     CPU_IDS_FIELD_NUMBER: _builtins.int
+    DYNAMIC_RESOURCES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContainerDevices]: ...
@@ -148,16 +150,23 @@ class ContainerResources(_message.Message):
     def cpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The exclusive CPUs the CPU manager gave the container."""
 
+    @_builtins.property
+    def dynamic_resources(self) -> _containers.RepeatedCompositeFieldContainer[Global___DynamicResource]:
+        """Field 4 (memory) is not read.
+        The devices DRA drivers prepared for the container, claim by claim.
+        """
+
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         devices: _abc.Iterable[Global___ContainerDevices] | None = ...,
         cpu_ids: _abc.Iterable[_builtins.int] | None = ...,
+        dynamic_resources: _abc.Iterable[Global___DynamicResource] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_ids", b"cpu_ids", "devices", b"devices", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_ids", b"cpu_ids", "devices", b"devices", "dynamic_resources", b"dynamic_resources", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -187,3 +196,94 @@ class ContainerDevices(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ContainerDevices: _TypeAlias = ContainerDevices  # noqa: Y015
+
+@_typing.final
+class DynamicResource(_message.Message):
+    """One ResourceClaim the container uses, and the devices allocated through it.
+    (Field 1, a class name, was dropped upstream in Kubernetes 1.31.)
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLAIM_NAME_FIELD_NUMBER: _builtins.int
+    CLAIM_NAMESPACE_FIELD_NUMBER: _builtins.int
+    CLAIM_RESOURCES_FIELD_NUMBER: _builtins.int
+    claim_name: _builtins.str
+    claim_namespace: _builtins.str
+    @_builtins.property
+    def claim_resources(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimResource]: ...
+    def __init__(
+        self,
+        *,
+        claim_name: _builtins.str = ...,
+        claim_namespace: _builtins.str = ...,
+        claim_resources: _abc.Iterable[Global___ClaimResource] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_name", b"claim_name", "claim_namespace", b"claim_namespace", "claim_resources", b"claim_resources"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DynamicResource: _TypeAlias = DynamicResource  # noqa: Y015
+
+@_typing.final
+class ClaimResource(_message.Message):
+    """One allocated device of a claim, named by the driver, pool and device that
+    together identify it on the node, with the CDI devices its driver returned
+    when kubelet prepared the claim.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CDI_DEVICES_FIELD_NUMBER: _builtins.int
+    DRIVER_NAME_FIELD_NUMBER: _builtins.int
+    POOL_NAME_FIELD_NUMBER: _builtins.int
+    DEVICE_NAME_FIELD_NUMBER: _builtins.int
+    SHARE_ID_FIELD_NUMBER: _builtins.int
+    driver_name: _builtins.str
+    pool_name: _builtins.str
+    device_name: _builtins.str
+    share_id: _builtins.str
+    """Set when the device is shared between claims (consumable capacity)."""
+    @_builtins.property
+    def cdi_devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___CDIDevice]: ...
+    def __init__(
+        self,
+        *,
+        cdi_devices: _abc.Iterable[Global___CDIDevice] | None = ...,
+        driver_name: _builtins.str = ...,
+        pool_name: _builtins.str = ...,
+        device_name: _builtins.str = ...,
+        share_id: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_share_id", b"_share_id", "share_id", b"share_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_share_id", b"_share_id", "cdi_devices", b"cdi_devices", "device_name", b"device_name", "driver_name", b"driver_name", "pool_name", b"pool_name", "share_id", b"share_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__share_id: _TypeAlias = _typing.Literal["share_id"]  # noqa: Y015
+    _WhichOneofArgType__share_id: _TypeAlias = _typing.Literal["_share_id", b"_share_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__share_id) -> _WhichOneofReturnType__share_id | None: ...
+
+Global___ClaimResource: _TypeAlias = ClaimResource  # noqa: Y015
+
+@_typing.final
+class CDIDevice(_message.Message):
+    """A CDI device by its fully qualified name ("<vendor>/<class>=<name>")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CDIDevice: _TypeAlias = CDIDevice  # noqa: Y015

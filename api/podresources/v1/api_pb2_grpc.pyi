@@ -7,9 +7,10 @@ this project from the upstream API's names and numbers (k8s.io/kubelet
 pkg/apis/podresources/v1/api.proto): the package, the service and method
 names, and the field numbers and types below are kubelet's, so the gRPC
 method paths (/v1.PodResourcesLister/List, /v1.PodResourcesLister/Get) and
-the wire format are identical. Fields we do not read (exclusive CPU ids of
-the allocatable resources, memory, dynamic resources, topology) are left
-out: protobuf skips them as unknown fields.
+the wire format are identical. Fields we do not read (the allocatable
+resources, memory, topology) are left out: protobuf skips them as unknown
+fields. The dynamic resources (KEP-3695) are read: they prove a request
+served through our DRA driver.
 """
 
 from api.podresources.v1 import api_pb2 as _api_pb2
