@@ -545,7 +545,7 @@ def check_pod_resources(config: Config) -> Finding | None:
     """A warning when kubelet's PodResources API cannot prove requests; None when it can (or the
     device plugin's markers are not in use)."""
     device_plugin = config.device_plugin
-    if not config.trust_device_plugin_marker or not device_plugin.enabled:
+    if not config.trust_device_plugin_marker or not (device_plugin.enabled or config.dra.enabled):
         return None
     topic = "pod-resources API"
     fallback = "the allocation marker alone proves requests for shared CPUs"

@@ -265,6 +265,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the demo's temporary directory (config, cgroup tree, state file) and print where",
     )
+    demo.add_argument(
+        "--dra",
+        action="store_true",
+        help="ask through DRA instead: a claim prepared by the DRA kubelet plugin, the container "
+        "created with its CDI device, the shared CPUs granted",
+    )
     enable = commands.add_parser(
         "enable-nri",
         parents=[level],
@@ -360,6 +366,16 @@ def _demo(args: argparse.Namespace) -> int:
     from nri_plugin.daemon.demo import run_demo
 
     name, version = _DEMO_RUNTIMES[_DEMO_RUNTIME_ALIASES.get(args.runtime, args.runtime)]
+    if args.dra:
+        from nri_plugin.daemon.demo_dra import run_dra_demo
+
+        if args.keep:
+            print(
+                "demo: --keep is for the device-plugin demo; the DRA demo removes its directory",
+                file=sys.stderr,
+            )
+            return 2
+        return asyncio.run(run_dra_demo(sys.stdout, runtime_name=name, runtime_version=version))
     return asyncio.run(run_demo(sys.stdout, runtime_name=name, runtime_version=version, keep=args.keep))
 
 

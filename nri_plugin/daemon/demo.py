@@ -105,7 +105,7 @@ class Naming:
 NAMING = {"containerd": Naming("cgroupfs"), "cri-o": Naming("systemd")}
 
 
-def _describe(container: api.Container) -> str:
+def describe(container: api.Container) -> str:
     cpu = container.linux.resources.cpu
     quota = cpu.quota.value if cpu.HasField("quota") else "unset"
     env = env_of(container)
@@ -113,10 +113,11 @@ def _describe(container: api.Container) -> str:
     return f"cpus={cpu.cpus or '-':<11} quota={quota!s:<7} env: {shown}"
 
 
-class _Node:
-    """The synthetic node's files: sysfs, a v1 cgroup tree, the config."""
+class DemoNode:
+    """The synthetic node's files: sysfs, a v1 cgroup tree, the config (`config_text`, formatted
+    with the shared CPUs and the root)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, config_text: str = CONFIG) -> None:
         self.root = root
         online = root / "sys" / "devices" / "system" / "cpu"
         online.mkdir(parents=True)
@@ -129,7 +130,7 @@ class _Node:
             (root / "cgroup" / controller).mkdir(parents=True)
         (root / "state").mkdir(mode=0o700)
         self.config_path = root / "config.toml"
-        self.config_path.write_text(CONFIG.format(shared=SHARED_CPUS, root=root))
+        self.config_path.write_text(config_text.format(shared=SHARED_CPUS, root=root))
 
     def add_pod_cgroup(self, layout: CgroupLayout, pod: api.PodSandbox, quota: int) -> CgroupDir:
         """The pod cgroup kubelet would have made (quota = the sum of its containers' limits)."""
@@ -151,7 +152,7 @@ async def run_demo(
     tmp = tempfile.mkdtemp(prefix="mixed-cpu-demo-")
     try:
         root = Path(tmp)
-        node = _Node(root)
+        node = DemoNode(root)
         socket_path = str(root / "nri.sock")
         async with RuntimeSimulator(
             socket_path, runtime_name=runtime_name, runtime_version=runtime_version
@@ -172,7 +173,7 @@ async def run_demo(
 class _Scenario:
     """The demo's story, one method per part of it, printed to `out` as it happens."""
 
-    def __init__(self, sim: RuntimeSimulator, node: _Node, naming: Naming, out: TextIO) -> None:
+    def __init__(self, sim: RuntimeSimulator, node: DemoNode, naming: Naming, out: TextIO) -> None:
         self.sim = sim
         self.node = node
         self.naming = naming
@@ -316,14 +317,14 @@ class _Scenario:
 
     async def create(self, pod: api.PodSandbox, container: api.Container, why: str) -> None:
         self.say(f"CreateContainer {pod.namespace}/{pod.name}/{container.name} ({why})")
-        self.say(f"  before: {_describe(container)}")
+        self.say(f"  before: {describe(container)}")
         quota_before = self.pod_quota()
         try:
             result = await self.sim.create_container(container)
         except PluginFailed as exc:
             self.say(f"  FAILED: {exc.message}")
             return
-        self.say(f"  after:  {_describe(result.container)}")
+        self.say(f"  after:  {describe(result.container)}")
         self.say(f"  pod quota: {quota_before} -> {self.pod_quota()}")
 
     async def kubelet_update(self) -> None:
@@ -346,7 +347,7 @@ class _Scenario:
         steps.append(f"{self.pod_quota()} (fwd-2 created: the share again, once)")
         await self.sim.remove_container("fwd-1")
         steps.append(f"{self.pod_quota()} (fwd-1 removed)")
-        self.say(f"  after:  {_describe(result.container)}")
+        self.say(f"  after:  {describe(result.container)}")
         self.say(f"  pod quota: {' -> '.join(steps)}")
         self.say("fwd ends: StopContainer, RemoveContainer fwd-2")
         before = self.pod_quota()

@@ -256,14 +256,19 @@ def load_marker_key(config: Config) -> HostKey | None:
 def build_allocation_record(
     config: Config, key: HostKey | None, *, observer: Metrics | None = None
 ) -> PodResourcesClient | None:
-    """kubelet's PodResources client, when our device plugin's markers are trusted and
-    [device_plugin] pod_resources_socket is set (whether it can be asked is logged once the whole
-    daemon is built)."""
+    """kubelet's PodResources client, when our markers are trusted, one of the front doors hands
+    them out (the device plugin, or DRA: then the client also counts kubelet's DRA devices of our
+    driver) and [device_plugin] pod_resources_socket is set (whether it can be asked is logged once
+    the whole daemon is built)."""
     device_plugin = config.device_plugin
-    if key is None or not device_plugin.enabled or device_plugin.pod_resources_socket is None:
+    handed_out = device_plugin.enabled or config.dra.enabled
+    if key is None or not handed_out or device_plugin.pod_resources_socket is None:
         return None
     return PodResourcesClient(
-        str(device_plugin.pod_resources_socket), device_plugin.resource_name, observer=observer
+        str(device_plugin.pod_resources_socket),
+        device_plugin.resource_name,
+        dra_driver=config.dra.driver_name if config.dra.enabled else None,
+        observer=observer,
     )
 
 

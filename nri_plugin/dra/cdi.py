@@ -65,6 +65,7 @@ CLASS: Final = "shared-cpus"
 KIND: Final = f"{VENDOR}/{CLASS}"
 CDI_VERSION: Final = "0.6.0"
 SPEC_MODE: Final = 0o644  # the runtime reads it; nothing in it is secret (the marker is bound on use)
+DIR_MODE: Final = 0o755  # the spec directory, when we make it: the runtime reads it
 # The file-name prefix: the kind with its slash made a dash, as CDI's own tools name spec files.
 _FILE_PREFIX: Final = f"{VENDOR}-{CLASS}_"
 # Our spec files are a few hundred bytes a device; anything near this is not one of ours.
@@ -227,8 +228,11 @@ def write_spec(
     cdi_dir: str | os.PathLike[str], claim: ClaimRef, spec: Mapping[str, Any], *, fsync: bool = True
 ) -> Path:
     """Publish `spec` as the claim's spec file (atomically, mode 0644, replacing an earlier one) and
-    return its path. Raises `CdiError` for a bad uid, `OSError` when the file cannot be written."""
+    return its path. The directory is made (0755) when it is missing: ``/var/run/cdi`` is on a tmpfs
+    that a reboot empties, and nothing else may have made it yet. Raises `CdiError` for a bad uid,
+    `OSError` when the file cannot be written."""
     path = spec_path(cdi_dir, claim.uid)
+    os.makedirs(path.parent, mode=DIR_MODE, exist_ok=True)
     write_atomically(path, encode_spec(spec), mode=SPEC_MODE, fsync=fsync)
     return path
 

@@ -86,6 +86,14 @@ def test_write_publishes_one_file_per_claim_readable_by_the_runtime(key: HostKey
     assert sorted(p.name for p in cdi_dir.iterdir()) == [path.name]  # no temporary file left
 
 
+def test_write_makes_a_missing_spec_directory(key: HostKey, tmp_path: Path) -> None:
+    cdi_dir = tmp_path / "run" / "cdi"  # a tmpfs /var/run emptied by a reboot
+    path = cdi.write_spec(cdi_dir, CLAIM, cdi.build_spec(CLAIM, [_device()], key), fsync=False)
+    assert path.parent == cdi_dir
+    assert stat.S_IMODE(cdi_dir.stat().st_mode) & 0o755 == 0o755
+    assert load_valid_spec(path)["kind"] == cdi.KIND
+
+
 def test_read_recorded_gives_back_what_was_written(key: HostKey, cdi_dir: Path) -> None:
     devices = (_device("shared-cpus-1", "a"), _device("shared-cpus-1", "b"), _device("shared-cpus-2", "a"))
     cdi.write_spec(cdi_dir, CLAIM, cdi.build_spec(CLAIM, devices, key), fsync=False)
