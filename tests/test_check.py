@@ -22,8 +22,9 @@ import pytest
 from dbus_support import fake_systemd, private_bus
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
-from nri_plugin.daemon.check import Status, check_cgroup_driver, drivers_in, run_checks
+from nri_plugin.daemon.check import Status, check_cgroup_driver, check_dra, drivers_in, run_checks
 from nri_plugin.daemon.cli import main
+from nri_plugin.dra.config import DraConfig
 
 
 @dataclass
@@ -664,3 +665,53 @@ def test_check_run_by_another_user_says_you_are_not_root(node: Node) -> None:
     assert (
         fix_of(lines, "NRI socket") == "you are not root (uid 65534): run check as root, as the daemon runs"
     )
+
+
+def test_dra_lines_only_when_dra_is_on(
+    node: Node, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, lines = check(capsys, "--config", str(node.config))
+    assert not [line for line in lines if "DRA" in line or "CDI" in line]
+    for name in ("plugins_registry", "plugins"):
+        (node.root / name).mkdir()
+    kubeconfig = node.root / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
+    node.write_config(
+        f'[dra]\nenabled = true\nregistry_dir = "{node.root}/plugins_registry"\n'
+        f'plugins_dir = "{node.root}/plugins"\ncdi_dir = "{node.root}/cdi"\n'
+        f'kubeconfig = "{kubeconfig}"\n'
+    )
+    monkeypatch.setenv("NODE_NAME", "worker-1")
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "DRA plugin registry") == (
+        f"OK    DRA plugin registry    {node.root}/plugins_registry is writable"
+    )
+    assert line_of(lines, "DRA plugins dir").startswith("OK ")
+    assert line_of(lines, "CDI dir").endswith("does not exist yet; the daemon will create it")
+    assert line_of(lines, "node name").endswith("'worker-1' (pool and ResourceSlice are named after it)")
+    assert line_of(lines, "API credentials").endswith(f"kubeconfig {kubeconfig}")
+    assert code == 0
+    (node.root / "plugins_registry").rmdir()
+    monkeypatch.delenv("NODE_NAME")
+    code, lines = check(capsys, "--config", str(node.config))
+    assert line_of(lines, "DRA plugin registry").startswith("FAIL")
+    assert "mount the host's /var/lib/kubelet/plugins_registry" in fix_of(lines, "DRA plugin registry")
+    assert line_of(lines, "node name").endswith("neither [dra] node_name nor NODE_NAME is set")
+    assert "spec.nodeName" in fix_of(lines, "node name")
+    assert code == 1
+
+
+def test_dra_credentials_in_a_pod_or_not(tmp_path: Path) -> None:
+    dra = DraConfig(enabled=True, node_name="n1")
+    token = tmp_path / "token"
+    in_pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    [*_, found] = check_dra(dra, in_pod, token_path=str(token))
+    assert found.status is Status.FAIL
+    assert "no service account token" in found.detail
+    token.write_text("t")
+    [*_, found] = check_dra(dra, in_pod, token_path=str(token))
+    assert found.status is Status.OK
+    [*_, found] = check_dra(dra, {}, token_path=str(token))
+    assert found.status is Status.FAIL
+    assert "KUBERNETES_SERVICE_HOST" in found.detail
+    assert check_dra(DraConfig(), in_pod) == []

@@ -506,3 +506,46 @@ def test_a_relative_plugin_dir_is_shown_as_written_not_as_a_python_object() -> N
         parse_config({"shared_cpuset": "0", "device_plugin": {"plugin_dir": "relative"}}, source="c.toml")
     assert str(info.value).startswith("c.toml: [device_plugin] plugin_dir = 'relative': must be an absolute")
     assert "PurePosixPath" not in str(info.value)
+
+
+def test_the_dra_table_is_read_and_its_mistakes_are_named() -> None:
+    config = parse_config(
+        {"shared_cpuset": "0-1", "dra": {"enabled": True, "node_name": "worker-1", "cdi_dir": "/etc/cdi"}}
+    )
+    assert config.dra.enabled
+    assert config.dra.node_name == "worker-1"
+    assert str(config.dra.cdi_dir) == "/etc/cdi"
+    assert str(config.dra.registration_socket) == (
+        "/var/lib/kubelet/plugins_registry/shared-cpus.mixed-cpu.openshift.io-reg.sock"
+    )
+    assert str(config.dra.service_socket) == (
+        "/var/lib/kubelet/plugins/shared-cpus.mixed-cpu.openshift.io/dra.sock"
+    )
+    assert parse_config({"shared_cpuset": "0-1"}).dra.enabled is False
+    for table, words in (
+        ({"enabeld": True}, "enabled"),
+        ({"driver_name": "Shared_CPUs"}, "lowercase DNS subdomain"),
+        ({"cdi_dir": "var/run/cdi"}, "absolute path"),
+        ({"enabled": "yes"}, "true or false"),
+        ({"plugins_dir": "/" + "p" * 120}, "longer than the 107 bytes"),
+    ):
+        with pytest.raises(ConfigError, match="dra") as raised:
+            parse_config({"shared_cpuset": "0-1", "dra": table})
+        assert words in str(raised.value)
+
+
+def test_dra_needs_the_marker_trusted_and_stands_in_for_the_device_plugin() -> None:
+    with pytest.raises(ConfigError, match=r"device_plugin_marker.*\[dra\] enabled = true"):
+        parse_config(
+            {
+                "shared_cpuset": "0-1",
+                "trusted_sources": {"device_plugin_marker": False, "pod_annotation": True},
+                "dra": {"enabled": True},
+            }
+        )
+    # DRA alone (no device plugin) can prove requests: accepted.
+    config = parse_config(
+        {"shared_cpuset": "0-1", "device_plugin": {"enabled": False}, "dra": {"enabled": True}}
+    )
+    assert config.dra.enabled
+    assert not config.device_plugin.enabled

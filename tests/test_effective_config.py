@@ -13,6 +13,7 @@ from nri_plugin.daemon.cli import main
 from nri_plugin.daemon.config import TRUSTED_SOURCE_KEYS, Config, load_config
 from nri_plugin.daemon.effective import config_command, effective_settings
 from nri_plugin.deviceplugin.config import DevicePluginConfig
+from nri_plugin.dra.config import DraConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,6 +49,15 @@ device_count = 12
 plugin_dir = "/dp"
 endpoint = "x.sock"
 pod_resources_socket = ""
+
+[dra]
+driver_name = "shared.example.com"
+registry_dir = "/reg"
+plugins_dir = "/plugins"
+cdi_dir = "/cdi"
+node_name = "node-7"
+publish_resource_slices = false
+kubeconfig = "/etc/kubeconfig"
 """
 
 
@@ -59,11 +69,12 @@ def write(tmp_path: Path, text: str, name: str = "config.toml") -> str:
 
 def keys_of_the_model() -> set[str]:
     """Every key the config model knows, from its fields: a new field is a new key to print."""
-    attributes = {f.name for f in dataclasses.fields(Config)} - {"source", "device_plugin"}
+    attributes = {f.name for f in dataclasses.fields(Config)} - {"source", "device_plugin", "dra"}
     sources = {f"trusted_sources.{key}" for key in TRUSTED_SOURCE_KEYS}
     top = attributes - set(TRUSTED_SOURCE_KEYS.values())
     device_plugin = {f"device_plugin.{f.name}" for f in dataclasses.fields(DevicePluginConfig)}
-    return top | sources | device_plugin
+    dra = {f"dra.{f.name}" for f in dataclasses.fields(DraConfig)}
+    return top | sources | device_plugin | dra
 
 
 def printed_keys(document: dict[str, object]) -> set[str]:

@@ -25,6 +25,10 @@ What is checked:
   ``daemon-reload``); nothing is said when ``systemd_bus`` is "" (the operator's choice);
 * the state directory is root's alone (or can be created): it holds the key that signs requests;
 * kubelet's device-plugin directory is there and ours to write, when the device plugin is enabled;
+* with ``[dra] enabled``: kubelet's plugin-registry and plugins directories are there and ours to
+  write, the CDI directory is (or can be made), the node's name is known (``node_name`` or
+  ``NODE_NAME``), and there are credentials for the API server (a kubeconfig, or the pod's service
+  account);
 * kubelet's pod-resources socket: a warning (one line) when it is not there or not asked, since the
   allocation marker alone then proves requests (a copied marker is refused only while its device is
   bound to another container); nothing when it is there;
@@ -67,6 +71,7 @@ from nri_plugin.daemon.config import (
 )
 from nri_plugin.deviceplugin.config import DEFAULT_POD_RESOURCES_SOCKET, DevicePluginConfig
 from nri_plugin.deviceplugin.podresources import get_served, socket_state
+from nri_plugin.dra.config import DraConfig
 from nri_plugin.mixedcpu.policy import shared_by_node
 from nri_plugin.systemd import bus as dbus
 
@@ -77,6 +82,7 @@ __all__ = [
     "check_cgroup_driver",
     "check_cgroups",
     "check_device_plugin_dir",
+    "check_dra",
     "check_kubelet_config",
     "check_nri_socket",
     "check_numa_nodes",
@@ -92,6 +98,8 @@ SYSTEMD_TOP: Final = "kubepods.slice"
 CGROUPFS_TOP: Final = "kubepods"
 KUBELET_CONFIG_HINT: Final = "kubelet's --config file, often /var/lib/kubelet/config.yaml"
 _TOPIC_WIDTH: Final = 22
+# Where a pod's service account credentials are mounted (what an in-cluster client reads).
+SERVICE_ACCOUNT_TOKEN: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 _BUS_DAEMON: Final = "org.freedesktop.DBus"
 _BUS_DAEMON_PATH: Final = "/org/freedesktop/DBus"
 # A runtime answers a connection on its NRI socket at once; this only bounds a wedged one.
@@ -450,6 +458,86 @@ def check_device_plugin_dir(device_plugin: DevicePluginConfig) -> Finding:
     return _ok(topic, f"{directory} is writable, kubelet listens on {kubelet}")
 
 
+def check_dra(
+    dra: DraConfig, environ: Mapping[str, str], *, token_path: str = SERVICE_ACCOUNT_TOKEN
+) -> list[Finding]:
+    """The DRA front door's directories, node name and credentials; nothing when it is off."""
+    if not dra.enabled:
+        return []
+    findings = [
+        _kubelet_dir("DRA plugin registry", str(dra.registry_dir), "registry_dir", "plugins_registry"),
+        _kubelet_dir("DRA plugins dir", str(dra.plugins_dir), "plugins_dir", "plugins"),
+    ]
+    cdi = str(dra.cdi_dir)
+    if os.path.isdir(cdi):
+        writable = os.access(cdi, os.W_OK | os.X_OK)
+        findings.append(
+            _ok("CDI dir", f"{cdi} is writable")
+            if writable
+            else _not_writable("CDI dir", cdi, _permission_fix("make it writable by root"))
+        )
+    else:
+        parent = _nearest_existing(cdi)
+        if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+            findings.append(_ok("CDI dir", f"{cdi} does not exist yet; the daemon will create it"))
+        else:
+            findings.append(
+                _fail(
+                    "CDI dir",
+                    f"{cdi} does not exist, and {parent} is not a writable directory",
+                    "mount the host's /var/run/cdi (a directory the runtime reads CDI specs from), or "
+                    "set [dra] cdi_dir",
+                )
+            )
+    node = dra.node_name or environ.get("NODE_NAME", "")
+    if node:
+        findings.append(_ok("node name", f"{node!r} (pool and ResourceSlice are named after it)"))
+    else:
+        findings.append(
+            _fail(
+                "node name",
+                "neither [dra] node_name nor NODE_NAME is set",
+                "pass NODE_NAME from the pod's spec.nodeName (the chart does), or set [dra] node_name",
+            )
+        )
+    findings.append(_api_credentials(dra, environ, token_path))
+    return findings
+
+
+def _kubelet_dir(topic: str, directory: str, key: str, host_dir: str) -> Finding:
+    if not os.path.isdir(directory):
+        exists = "is not a directory" if os.path.lexists(directory) else "does not exist"
+        return _fail(
+            topic,
+            f"{directory} {exists}",
+            f"mount the host's /var/lib/kubelet/{host_dir} directory there, or set [dra] {key}",
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return _not_writable(topic, directory, _permission_fix("make it writable by root, as kubelet has it"))
+    return _ok(topic, f"{directory} is writable")
+
+
+def _api_credentials(dra: DraConfig, environ: Mapping[str, str], token_path: str) -> Finding:
+    topic = "API credentials"
+    if dra.kubeconfig:
+        if os.access(dra.kubeconfig, os.R_OK):
+            return _ok(topic, f"kubeconfig {dra.kubeconfig}")
+        return _fail(topic, f"kubeconfig {dra.kubeconfig} cannot be read", "fix [dra] kubeconfig")
+    if not environ.get("KUBERNETES_SERVICE_HOST"):
+        return _fail(
+            topic,
+            "not in a pod (no KUBERNETES_SERVICE_HOST) and no [dra] kubeconfig",
+            "run in the chart's pod, or set [dra] kubeconfig to a kubeconfig file",
+        )
+    if not os.access(token_path, os.R_OK):
+        return _fail(
+            topic,
+            f"no service account token at {token_path}",
+            "let the pod mount its service account token (automountServiceAccountToken)",
+        )
+    return _ok(topic, f"the pod's service account ({token_path})")
+
+
 # -- kubelet's config file -----------------------------------------------------------------------------
 
 
@@ -600,6 +688,7 @@ def run_checks(
     *,
     kubelet_config: str | None = None,
     mountinfo_path: str = DEFAULT_MOUNTINFO,
+    environ: Mapping[str, str] | None = None,
 ) -> Report:
     """Every check, in the order a newcomer would fix them. A config that does not load is the first
     FAIL, and the node is still checked: with the config's valid keys (the wrong ones at their
@@ -615,7 +704,9 @@ def run_checks(
     except ConfigError as exc:
         config, note = _valid_part(config_path)
         first = _fail("config", str(exc))
-    return Report(config.source, (first, *_node_findings(config, kubelet_config, mountinfo_path)), note)
+    findings = _node_findings(config, kubelet_config, mountinfo_path)
+    findings.extend(check_dra(config.dra, os.environ if environ is None else environ))
+    return Report(config.source, (first, *findings), note)
 
 
 def _valid_part(path: str) -> tuple[Config, str]:

@@ -28,6 +28,9 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     [device_plugin]                        # see nri_plugin.deviceplugin.config
     enabled = true
 
+    [dra]                                  # see nri_plugin.dra.config (DRA, off by default)
+    enabled = false
+
 Every problem is a `ConfigError` whose one-line message names the file, the key, what is wrong and
 how to fix it. Unknown keys are errors too, in every table alike, with the nearest known key offered:
 a misspelt key must not silently fall back to a default. A missing file is `ConfigMissing`.
@@ -53,6 +56,7 @@ import cgroups
 from cgroups import CgroupLayout, CgroupMode, CgroupModeError, CpusetError, Hierarchy
 from cgroups.mode import DEFAULT_CGROUP_ROOT, DEFAULT_MOUNTINFO
 from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
+from nri_plugin.dra.config import DraConfig, DraConfigError
 from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH
 from nri_plugin.nri.identity import PLUGIN_INDEX as _INDEX
 from nri_plugin.nri.identity import PLUGIN_NAME as _NAME
@@ -105,6 +109,7 @@ _BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
 MAX_CONFIG_SIZE: Final = 1 << 20
 _SOURCES_TABLE: Final = "trusted_sources"
 _DEVICE_PLUGIN_TABLE: Final = "device_plugin"
+_DRA_TABLE: Final = "dra"
 _EXAMPLE: Final = 'e.g. shared_cpuset = "0-1"'
 
 
@@ -144,6 +149,7 @@ class Config:
     max_synchronize_mib: int = DEFAULT_MAX_SYNCHRONIZE_MIB
     systemd_bus: str = DEFAULT_SYSTEMD_BUS
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
+    dra: DraConfig = field(default_factory=DraConfig)
     source: str = "<config>"
 
     @property
@@ -168,6 +174,7 @@ _TOP_KEYS: Final = (
     "systemd_bus",
     _SOURCES_TABLE,
     _DEVICE_PLUGIN_TABLE,
+    _DRA_TABLE,
 )
 _SOURCE_KEYS: Final = {
     "device_plugin_marker": "trust_device_plugin_marker",
@@ -380,6 +387,7 @@ def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Co
         **_optional_values(check, document),
         **_trusted_sources(check, document.get(_SOURCES_TABLE, {})),
         device_plugin=_device_plugin(check, document.get(_DEVICE_PLUGIN_TABLE, {})),
+        dra=_dra(check, document.get(_DRA_TABLE, {})),
     )
     _check_requests_provable(check, config)
     return config
@@ -435,6 +443,19 @@ def _device_plugin(check: _Checker, table: Any) -> DevicePluginConfig:
         raise ConfigError(f"{check.source}: {exc}") from None
 
 
+_DRA_KEYS: Final = tuple(f.name for f in fields(DraConfig))
+
+
+def _dra(check: _Checker, table: Any) -> DraConfig:
+    """The ``[dra]`` table; its unknown keys are refused as every other table's are."""
+    if isinstance(table, Mapping):
+        check.unknown(table, _DRA_KEYS, f"{_DRA_TABLE}.")
+    try:
+        return DraConfig.from_table(table)
+    except DraConfigError as exc:
+        raise ConfigError(f"{check.source}: {exc}") from None
+
+
 def _check_requests_provable(check: _Checker, config: Config) -> None:
     """Some trusted source must be able to prove a request, or no container ever gets shared CPUs."""
     if not config.trust_device_plugin_marker and not config.trust_pod_annotation:
@@ -444,11 +465,17 @@ def _check_requests_provable(check: _Checker, config: Config) -> None:
             f"{_SOURCES_TABLE}.device_plugin_marker = true (our device plugin) or "
             f"{_SOURCES_TABLE}.pod_annotation = true (OpenShift's admission plugin)",
         )
-    if not config.device_plugin.enabled and not config.trust_pod_annotation:
+    if config.dra.enabled and not config.trust_device_plugin_marker:
+        raise check.error(
+            f"{_SOURCES_TABLE}.device_plugin_marker",
+            "is false while [dra] enabled = true: a DRA-prepared container proves its request with "
+            "the same signed marker; set device_plugin_marker = true, or [dra] enabled = false",
+        )
+    if not config.device_plugin.enabled and not config.dra.enabled and not config.trust_pod_annotation:
         raise check.error(
             f"{_SOURCES_TABLE}.pod_annotation",
             "is false while [device_plugin] enabled = false, so nothing can prove a request: "
-            "enable the device plugin, or set pod_annotation = true where an admission plugin "
+            "enable the device plugin (or [dra]), or set pod_annotation = true where an admission plugin "
             "adds cpu-shared.crio.io/<container> annotations",
         )
 

@@ -34,6 +34,7 @@ from nri_plugin.daemon.config import (
     read_document,
 )
 from nri_plugin.deviceplugin.config import TABLE as DEVICE_PLUGIN_TABLE
+from nri_plugin.dra.config import TABLE as DRA_TABLE
 
 __all__ = ["Setting", "config_command", "effective_settings", "render"]
 
@@ -43,7 +44,7 @@ DEFAULT: Final = "default"
 ENVIRONMENT_KEYS: Final = {"plugin_name": "NRI_PLUGIN_NAME", "plugin_index": "NRI_PLUGIN_IDX"}
 _INHERITED_SOCKET: Final = "NRI_PLUGIN_SOCKET"
 # What the `Config` holds that no key sets.
-_NOT_KEYS: Final = frozenset({"source", "device_plugin", *TRUSTED_SOURCE_KEYS.values()})
+_NOT_KEYS: Final = frozenset({"source", "device_plugin", "dra", *TRUSTED_SOURCE_KEYS.values()})
 # TOML's escapes for the control characters that have a short one; the rest are written \\uXXXX.
 _SHORT_ESCAPES: Final = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 
@@ -71,10 +72,11 @@ def effective_settings(path: str, environ: Mapping[str, str]) -> tuple[Config, l
     sources = document.get(TRUSTED_SOURCES_TABLE, {})
     for key, name in TRUSTED_SOURCE_KEYS.items():
         settings.append(Setting(TRUSTED_SOURCES_TABLE, key, getattr(config, name), _origin(key, sources)))
-    table = document.get(DEVICE_PLUGIN_TABLE, {})
-    for field in fields(config.device_plugin):
-        value = _toml_value(getattr(config.device_plugin, field.name))
-        settings.append(Setting(DEVICE_PLUGIN_TABLE, field.name, value, _origin(field.name, table)))
+    for table_name, table_config in ((DEVICE_PLUGIN_TABLE, config.device_plugin), (DRA_TABLE, config.dra)):
+        table = document.get(table_name, {})
+        for field in fields(table_config):
+            value = _toml_value(getattr(table_config, field.name))
+            settings.append(Setting(table_name, field.name, value, _origin(field.name, table)))
     overridden = {s.key: s.value for s in settings if s.origin.startswith("environment")}
     return parse_config({**document, **overridden}, source=path), settings
 
