@@ -39,6 +39,7 @@ PURE_MODULES = (
     "nri_plugin.mixedcpu.baselines",
     "nri_plugin.mixedcpu.status",
     "nri_plugin.common.backoff",
+    "nri_plugin.dra.slices",
 )
 IO_MODULES = ("asyncio", "socket", "selectors", "grpc", "structlog", "prometheus_client")
 # What importing a module may not load at all (by name prefix): the contracts see import statements,

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from mixedcpu_support import ROOT, write_daemon_config
@@ -42,6 +43,8 @@ from nri_plugin.daemon.config import (
 from nri_plugin.daemon.enable_nri import CONTAINERD_CONFIG, CRIO_DROP_IN, NRI_SOCKET
 from nri_plugin.daemon.wiring import LAUNCHED_ENDED
 from nri_plugin.deviceplugin.config import DEFAULT_PLUGIN_DIR
+from nri_plugin.dra import slices as dra_slices
+from nri_plugin.dra.config import DEFAULT_DRIVER_NAME as DRIVER
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.systemd.bus import SYSTEM_BUS
 
@@ -104,7 +107,8 @@ def check_daemonset(docs: list[Doc]) -> Doc:
     assert spec["nodeSelector"]["kubernetes.io/os"] == "linux"
     assert spec["tolerations"], "node-level infrastructure: tolerate taints"
     assert pod["metadata"]["annotations"][TOLERATION_KEY] == "true"
-    assert spec["automountServiceAccountToken"] is False
+    # A token only for DRA, which talks to the API server (ResourceSlices, ResourceClaims).
+    assert spec["automountServiceAccountToken"] is config.dra.enabled
     assert spec["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
 
     # The command reads the mounted ConfigMap's config.toml.
@@ -149,6 +153,26 @@ def check_daemonset(docs: list[Doc]) -> Doc:
         assert mounted_at(plugin_dir)["mountPath"] == plugin_dir
     else:
         assert str(DEFAULT_PLUGIN_DIR) not in host_paths
+    kubelet_dra_dirs = {
+        str(config.dra.registry_dir),
+        posixpath.join(str(config.dra.plugins_dir), config.dra.driver_name),
+        str(config.dra.cdi_dir),
+    }
+    if config.dra.enabled:
+        # kubelet's plugin watcher, our own service socket's directory (not the other plugins'), and
+        # where the runtime reads CDI specs: each at the path the config names.
+        for path in kubelet_dra_dirs:
+            assert mounted_at(path)["mountPath"] == path
+            assert host_paths[path]["hostPath"]["type"] == "DirectoryOrCreate"
+        assert str(config.dra.plugins_dir) not in host_paths
+        assert not config.dra.node_name, "the node name comes from NODE_NAME"
+        assert {e["name"]: e for e in container["env"]}["NODE_NAME"]["valueFrom"] == {
+            "fieldRef": {"fieldPath": "spec.nodeName"}
+        }
+    else:
+        assert not kubelet_dra_dirs & set(host_paths)
+    if config.device_plugin.enabled or config.dra.enabled:
+        assert mounted_at("/var/lib/kubelet/pod-resources")["readOnly"] is True
 
     # Least privilege: root for the root-owned host objects, and nothing else.
     security = container["securityContext"]
@@ -868,6 +892,181 @@ def test_helm_schema_rejects_bad_network_policy_values(bad: str) -> None:
     result = helm("template", "rel", str(CHART), *REQUIRED, "--set", bad)
     assert result.returncode != 0
     assert "values don't meet the specifications of the schema" in result.stderr
+
+
+# -- the DRA front door (issue 23) -------------------------------------------------------------------
+
+# Kinds without a schema in kubernetes-validate: CRDs (Prometheus Operator, OpenShift).
+_NO_SCHEMA = {"PodMonitor", "SecurityContextConstraints"}
+
+
+def validate_manifests(docs: list[Doc]) -> None:
+    """Every rendered object against the Kubernetes OpenAPI schema of the newest version
+    kubernetes-validate knows (strict: unknown fields refused)."""
+    version = kubernetes_validate.latest_version()
+    for doc in docs:
+        if doc["kind"] in _NO_SCHEMA:
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(part) for part in exc.path)
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {path}: {exc.message}")
+
+
+DRA_KINDS = {"DeviceClass", "ClusterRole", "ClusterRoleBinding"}
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        ["dra.enabled=true"],
+        ["dra.enabled=true", "devicePlugin.enabled=false", "runtime=openshift", "hostNetwork=true"],
+        ["metrics.podMonitor.enabled=true", "dashboard.enabled=true", "nri.runtime.patchConfig=true"],
+        ["metrics.networkPolicy.scrapers[0].podSelector.matchLabels.app=prometheus"],
+    ],
+    ids=["default", "dra", "dra-openshift", "extras", "network-policy"],
+)
+def test_helm_every_rendered_manifest_validates(sets: list[str]) -> None:
+    validate_manifests(helm_template(*sets))
+
+
+def test_helm_dra_off_renders_nothing_of_it() -> None:
+    docs = helm_template()
+    assert not [d for d in docs if d["kind"] in DRA_KINDS]
+    assert not config_of(docs).dra.enabled
+    assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is False
+
+
+def test_helm_dra_on_renders_the_device_class_rbac_and_mounts() -> None:
+    docs = helm_template("dra.enabled=true")
+    ds = check_daemonset(docs)
+    validate_manifests(docs)
+    config = config_of(docs)
+    assert config.dra.enabled
+    assert config.dra.driver_name == DRIVER == values()["dra"]["driverName"]
+    assert config.trust_device_plugin_marker
+    assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is True
+
+    # The DeviceClass is the one nri_plugin.dra.slices describes for the driver.
+    device_class = one(docs, "DeviceClass")
+    expected = dra_slices.device_class(DRIVER)
+    assert {k: v for k, v in device_class.items() if k != "metadata"} == {
+        k: v for k, v in expected.items() if k != "metadata"
+    }
+    assert device_class["metadata"]["name"] == expected["metadata"]["name"] == DRIVER
+    assert device_class["spec"]["extendedResourceName"] == "workload.openshift.io/enable-shared-cpus"
+    assert "namespace" not in device_class["metadata"], "cluster-scoped"
+
+    # The ClusterRole grants what the publisher and the claim source call, bound to the pod's account.
+    role = one(docs, "ClusterRole")
+    grants = {
+        (rule["apiGroups"][0], resource): set(rule["verbs"])
+        for rule in role["rules"]
+        for resource in rule["resources"]
+    }
+    assert grants == {
+        ("resource.k8s.io", "resourceslices"): {
+            "get",
+            "list",
+            "watch",
+            "create",
+            "update",
+            "patch",
+            "delete",
+        },
+        ("resource.k8s.io", "resourceclaims"): {"get"},
+        ("", "nodes"): {"get"},
+    }
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": ds["spec"]["template"]["spec"]["serviceAccountName"],
+            "namespace": ds["metadata"]["namespace"],
+        }
+    ]
+
+
+def test_helm_dra_device_class_options() -> None:
+    docs = helm_template("dra.enabled=true", "dra.deviceClass.extendedResourceName=")
+    device_class = one(docs, "DeviceClass")
+    assert "extendedResourceName" not in device_class["spec"]
+    assert device_class == {**device_class, **{"spec": dra_slices.device_class(DRIVER, "")["spec"]}}
+    validate_manifests(docs)
+    docs = helm_template("dra.enabled=true", "dra.deviceClass.create=false")
+    assert not [d for d in docs if d["kind"] == "DeviceClass"]
+    assert {"ClusterRole", "ClusterRoleBinding"} <= {d["kind"] for d in docs}
+
+
+def test_helm_dra_driver_name_reaches_every_place() -> None:
+    driver = "cpus.example.com"
+    docs = helm_template("dra.enabled=true", f"dra.driverName={driver}")
+    check_daemonset(docs)  # the plugin's socket directory follows the driver name
+    validate_manifests(docs)
+    assert config_of(docs).dra.driver_name == driver
+    device_class = one(docs, "DeviceClass")
+    assert device_class["metadata"]["name"] == driver
+    assert device_class["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{driver}"'}}]
+
+
+def test_helm_dra_alone_proves_requests() -> None:
+    docs = helm_template("dra.enabled=true", "devicePlugin.enabled=false")
+    check_daemonset(docs)
+    config = config_of(docs)
+    assert config.dra.enabled
+    assert not config.device_plugin.enabled
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "dra.driverName=Shared_CPUs",
+        f"dra.driverName={'a' * 64}",
+        "dra.deviceClass.extendedResourceName=no-domain",
+        "dra.unknown=1",
+    ],
+)
+def test_helm_schema_rejects_bad_dra_values(bad: str) -> None:
+    result = helm("template", "rel", str(CHART), *REQUIRED, "--set", "dra.enabled=true", "--set", bad)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr, result.stderr
+
+
+def test_helm_refuses_dra_without_the_marker_trusted() -> None:
+    result = helm(
+        "template",
+        "rel",
+        str(CHART),
+        *REQUIRED,
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        "trustedSources.devicePluginMarker=false",
+        "--set",
+        "trustedSources.podAnnotation=true",
+    )
+    assert result.returncode != 0
+    assert "dra.enabled=true needs trustedSources.devicePluginMarker=true" in result.stderr, result.stderr
+
+
+def test_validate_manifests_catches_a_broken_object() -> None:
+    """The check above is not vacuous: a misspelled field in a rendered object fails it."""
+    docs = helm_template("dra.enabled=true")
+    broken = [dict(doc) for doc in docs]
+    for doc in broken:
+        if doc["kind"] == "DeviceClass":
+            doc["spec"] = {**doc["spec"], "extendedResource": doc["spec"]["extendedResourceName"]}
+    with pytest.raises(
+        pytest.fail.Exception, match=re.escape(f"DeviceClass {DRIVER}: spec: Additional properties")
+    ):
+        validate_manifests(broken)
 
 
 # -- the image -----------------------------------------------------------------------------------------

@@ -42,8 +42,11 @@
 {{- if not (or .Values.trustedSources.devicePluginMarker .Values.trustedSources.podAnnotation) -}}
 {{- fail "trustedSources: both sources are off, so no container could ever get shared CPUs; set trustedSources.devicePluginMarker=true (or podAnnotation=true where OpenShift's admission plugin adds the annotation)" -}}
 {{- end -}}
-{{- if and (not .Values.devicePlugin.enabled) (not .Values.trustedSources.podAnnotation) -}}
-{{- fail "devicePlugin.enabled=false leaves nothing to prove a request unless trustedSources.podAnnotation=true (where an admission plugin adds cpu-shared.crio.io annotations); keep the device plugin on otherwise" -}}
+{{- if and (not .Values.devicePlugin.enabled) (not .Values.dra.enabled) (not .Values.trustedSources.podAnnotation) -}}
+{{- fail "devicePlugin.enabled=false leaves nothing to prove a request unless trustedSources.podAnnotation=true (where an admission plugin adds cpu-shared.crio.io annotations) or dra.enabled=true; keep the device plugin on otherwise" -}}
+{{- end -}}
+{{- if and .Values.dra.enabled (not .Values.trustedSources.devicePluginMarker) -}}
+{{- fail "dra.enabled=true needs trustedSources.devicePluginMarker=true: a DRA-prepared container proves its request with the same signed marker; set it, or dra.enabled=false" -}}
 {{- end -}}
 {{- if and .Values.metrics.enabled (not .Values.hostNetwork) (regexMatch "^(127\\.|::1$|localhost$|\\[::1\\]$)" .Values.metrics.bindHost) -}}
 {{- fail (printf "metrics.bindHost=%s is the pod's own loopback, which kubelet's probes (sent to the pod IP) never reach; use 0.0.0.0 (or ::), or hostNetwork=true" .Values.metrics.bindHost) -}}
