@@ -376,3 +376,26 @@ def test_output_nobody_reads_ends_quietly_like_sigpipe(command: list[str]) -> No
         os.close(writer)
     assert result.stderr == ""
     assert result.returncode == 128 + signal.SIGPIPE == EXIT_OUTPUT_CLOSED
+
+
+def test_demo_dra_shows_a_prepared_claim_getting_the_shared_cpus(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--dra"]) == 0
+    out = capsys.readouterr().out
+    assert "GetInfo: type DRAPlugin, name shared-cpus.mixed-cpu.openshift.io" in out
+    assert (
+        "kubelet: NodePrepareResources -> device shared-cpus-0, CDI id mixed-cpu.openshift.io/shared-cpus="
+        in out
+    )
+    assert "its container edits: env MIXED_CPU_SHARED_CPUS_ALLOCATION=v1:dra.shared-cpus-0:" in out
+    assert "as it is created: cpus=0-1,4-5" in out
+    assert "OPENSHIFT_SHARED_CPUS=0-1 OPENSHIFT_ISOLATED_CPUS=4-5" in out
+    assert "pod quota: 200000 -> 400000" in out
+    assert "shared CPUs granted: yes" in out
+    # The copied marker is left alone, and the spec goes at unprepare.
+    assert "(left alone: the device is fwd's)" in out
+    assert "NodeUnprepareResources -> ok; CDI spec removed: yes" in out
+
+
+def test_demo_dra_with_keep_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--dra", "--keep"]) == 2
+    assert "--keep is for the device-plugin demo" in capsys.readouterr().err

@@ -171,14 +171,16 @@ class _DraScenario:
             registration = reg_grpc.RegistrationStub(channel)
             info = await registration.GetInfo(reg.InfoRequest(), timeout=CALL_TIMEOUT)
             self.say(
-                f"  GetInfo: type {info.type}, name {info.name}, versions {', '.join(info.supported_versions)}"
+                f"  GetInfo: type {info.type}, name {info.name}, "
+                f"versions {', '.join(info.supported_versions)}"
             )
             self.say(f"           endpoint {info.endpoint}")
             await registration.NotifyRegistrationStatus(
                 reg.RegistrationStatus(plugin_registered=True), timeout=CALL_TIMEOUT
             )
         self.say(
-            f"  NotifyRegistrationStatus(registered): the driver says registered={self.kubelet_plugin.registered}"
+            "  NotifyRegistrationStatus(registered): the driver says "
+            f"registered={self.kubelet_plugin.registered}"
         )
         self.say()
 
@@ -222,7 +224,8 @@ class _DraScenario:
         result = await self.sim.create_container(container, cdi_devices=[cdi_id])
         injected = MARKER_ENV in env_of(result.container)
         self.say(
-            f"  CDI injected {MARKER_ENV}: {'yes' if injected else 'no'}; the NRI plugin proves it and adjusts"
+            f"  CDI injected {MARKER_ENV}: {'yes' if injected else 'no'}; "
+            "the NRI plugin proves it and adjusts"
         )
         self.say(f"  as it is created: {describe(result.container)}")
         self.say(f"  pod quota: {before} -> {read_cpu_quota(pod_dir).quota} per {PERIOD} us")
@@ -240,7 +243,8 @@ class _DraScenario:
         copied = next(entry for entry in fwd.env if entry.startswith(MARKER_ENV + "="))
         container = self.container(thief_pod, "copy-1", "copy", env=(copied,))
         self.say(
-            f"runtime: CreateContainer {thief_pod.namespace}/{thief_pod.name}/copy (its spec copies the variable)"
+            f"runtime: CreateContainer {thief_pod.namespace}/{thief_pod.name}/copy "
+            "(its spec copies the variable)"
         )
         try:
             result = await self.sim.create_container(container)
@@ -262,5 +266,6 @@ class _DraScenario:
         error = answer.claims[CLAIM.uid].error
         gone = not cdi.spec_path(self.settings.cdi_dir, CLAIM.uid).exists()
         self.say(
-            f"pod gone; kubelet: NodeUnprepareResources -> {error or 'ok'}; CDI spec removed: {'yes' if gone else 'no'}"
+            f"pod gone; kubelet: NodeUnprepareResources -> {error or 'ok'}; "
+            f"CDI spec removed: {'yes' if gone else 'no'}"
         )

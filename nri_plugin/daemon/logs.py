@@ -366,6 +366,8 @@ def configure_logging(
         root.removeHandler(_Settings.handler)
     root.addHandler(handler)
     root.setLevel(threshold)
+    # The DRA front door's API client logs every HTTP request at info; its failures are ours to say.
+    logging.getLogger("httpx2").setLevel(max(threshold, logging.WARNING))
     _Settings.handler = handler
     _Settings.base_level = threshold
     if rendered == "json":

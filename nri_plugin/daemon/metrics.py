@@ -25,6 +25,8 @@ cost nothing per request.
 | `mixed_cpu_device_plugin_registrations_total` | counter | `outcome` | registrations with kubelet |
 | `mixed_cpu_nri_ready` | gauge | | 1 while registered with the runtime and synchronized |
 | `mixed_cpu_kubelet_registered` | gauge | | 1 while kubelet holds our registration (0 when off) |
+| `mixed_cpu_dra_registered` | gauge | | 1 while kubelet holds the DRA driver's registration (0 when off) |
+| `mixed_cpu_dra_resource_slices_published` | gauge | | 1 while the API server holds the node's pool |
 | `mixed_cpu_pod_resources_lookups_total` | counter | `outcome` | questions to kubelet's PodResources API |
 | `mixed_cpu_pod_resources_reachable` | gauge | | 1 while kubelet's record proves requests (0: marker alone) |
 | `mixed_cpu_pod_resources_degraded` | gauge | | 1 while List (no Get) or the marker alone proves |
@@ -171,6 +173,14 @@ class Metrics:
         self.kubelet_registered = Gauge(
             "mixed_cpu_kubelet_registered", "1 while registered with kubelet.", registry=r
         )
+        self.dra_registered = Gauge(
+            "mixed_cpu_dra_registered", "1 while kubelet holds the DRA driver's registration.", registry=r
+        )
+        self.dra_resource_slices_published = Gauge(
+            "mixed_cpu_dra_resource_slices_published",
+            "1 while the API server holds the node's ResourceSlices as the daemon last published them.",
+            registry=r,
+        )
         self.pod_resources_lookups = Counter(
             "mixed_cpu_pod_resources_lookups",
             "Questions to kubelet's PodResources API about a container's devices, by outcome.",
@@ -275,6 +285,8 @@ class Metrics:
         kubelet_registered: Callable[[], bool] | None = None,
         pod_resources_reachable: Callable[[], bool] | None = None,
         pod_resources_degraded: Callable[[], bool] | None = None,
+        dra_registered: Callable[[], bool] | None = None,
+        dra_resource_slices_published: Callable[[], bool] | None = None,
     ) -> None:
         """Read these gauges from their owners whenever the metrics are rendered (a gauge not
         tracked stays 0: ``kubelet_registered`` with the device plugin off)."""
@@ -284,6 +296,8 @@ class Metrics:
             (self.kubelet_registered, kubelet_registered),
             (self.pod_resources_reachable, pod_resources_reachable),
             (self.pod_resources_degraded, pod_resources_degraded),
+            (self.dra_registered, dra_registered),
+            (self.dra_resource_slices_published, dra_resource_slices_published),
         ):
             if read is not None:
                 gauge.set_function(_as_float(read))

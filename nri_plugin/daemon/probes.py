@@ -133,7 +133,16 @@ def parse_address(text: str) -> tuple[str, int]:
     return parsed
 
 
-def readiness(stub: Stub, device_plugin: DevicePluginServer | None) -> Callable[[], str | None]:
+class DraRegistration(Protocol):
+    """What readiness reads of the DRA front door (`nri_plugin.dra.frontdoor.DraFrontDoor`)."""
+
+    @property
+    def registered(self) -> bool: ...
+
+
+def readiness(
+    stub: Stub, device_plugin: DevicePluginServer | None, dra: DraRegistration | None = None
+) -> Callable[[], str | None]:
     """What ``/readyz`` asks: None when ready, else what is missing."""
 
     def check() -> str | None:
@@ -142,6 +151,8 @@ def readiness(stub: Stub, device_plugin: DevicePluginServer | None) -> Callable[
             missing.append("not registered with the runtime (NRI) yet")
         if device_plugin is not None and device_plugin.config.enabled and not device_plugin.registered:
             missing.append(_kubelet_missing(str(device_plugin.config.plugin_dir)))
+        if dra is not None and not dra.registered:
+            missing.append("the DRA driver is not registered with kubelet yet (its plugin watcher)")
         return "; ".join(missing) or None
 
     return check

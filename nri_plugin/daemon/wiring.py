@@ -9,7 +9,8 @@
    holder), the pod quota writer (through systemd for pods that are systemd slices, when the config
    names a bus), then the mixed-CPU plugin (which checks markers with the key and the record);
 4. the NRI stub serving that plugin;
-5. the kubelet device plugin (which signs markers with the same key);
+5. the kubelet device plugin (which signs markers with the same key), and with ``[dra] enabled`` the
+   DRA front door (its CDI specs carry markers signed with the same key);
 6. the probe server, and the gauges bound to the parts they read at scrape time; the status socket;
 7. the not-ready warnings, which read what ``/readyz`` reads, metrics or not.
 
@@ -26,6 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -59,6 +61,7 @@ from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_ke
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.deviceplugin.podresources import PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
+from nri_plugin.dra.kubeletplugin import DraPluginError
 from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool, shared_by_node
@@ -66,6 +69,9 @@ from nri_plugin.mixedcpu.quota import PodQuotaWriter
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import Stub, StubError
 from nri_plugin.systemd.podquota import SystemdPodQuotaWriter
+
+if TYPE_CHECKING:
+    from nri_plugin.dra.frontdoor import DraFrontDoor
 
 __all__ = [
     "LAUNCHED_ENDED",
@@ -75,6 +81,7 @@ __all__ = [
     "build_allocation_record",
     "build_daemon",
     "build_device_plugin",
+    "build_dra",
     "build_metrics",
     "build_plugin",
     "build_probes",
@@ -153,11 +160,12 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
             plugin, identity, options, max_sync_bytes=config.max_synchronize_mib << 20, observer=metrics
         )
         device_plugin = build_device_plugin(config, key, observer=metrics)
-        probes = build_probes(config, metrics, stub, device_plugin)
+        dra = build_dra(config, key, env)
+        probes = build_probes(config, metrics, stub, device_plugin, dra)
     except (ConfigError, StubError, ProbeError) as exc:
         raise DaemonError(str(exc), EXIT_CONFIG) from None
     if metrics is not None:
-        bind_gauges(metrics, stub, plugin, device_plugin)
+        bind_gauges(metrics, stub, plugin, device_plugin, dra)
     _log_start(config, layout, stub, identity)
     _log_numa(plugin.pool)
     if record is not None:
@@ -165,11 +173,11 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     # Started in this order and closed in the reverse: a port already taken fails the start before
     # kubelet or the runtime ever see us.
     # The bus first: the pod quotas go through systemd from the first event on when it is there.
-    services: list[Service] = [part for part in (writer, probes, device_plugin) if part is not None]
+    services: list[Service] = [part for part in (writer, probes, device_plugin, dra) if part is not None]
     services.append(build_status_server(config, options, plugin, stub, device_plugin))
     if options.node_lock:
         services.append(lock_watch)
-    services.append(NotReadyWarnings(readiness(stub, device_plugin)))
+    services.append(NotReadyWarnings(readiness(stub, device_plugin, dra)))
     ended = LAUNCHED_ENDED if identity.inherited_fd is not None else NRI_ENDED
     return Daemon(stub, services=services, state=plugin, nri_ended=ended)
 
@@ -365,8 +373,33 @@ def build_device_plugin(
     return DevicePluginServer(config.device_plugin, key, observer=observer)
 
 
+def build_dra(config: Config, key: HostKey | None, environ: Mapping[str, str]) -> DraFrontDoor | None:
+    """The DRA front door, when [dra] enables it (the config made sure markers are trusted then);
+    else None. Its node is [dra] node_name, else NODE_NAME. Raises `ConfigError`."""
+    if not config.dra.enabled or key is None:
+        return None
+    node_name = config.dra.node_name or environ.get("NODE_NAME", "")
+    if not node_name:
+        raise ConfigError(
+            f"{config.source}: [dra] enabled = true needs the node's name: set NODE_NAME from the "
+            "pod's spec.nodeName (the chart does), or [dra] node_name"
+        )
+    from nri_plugin.dra.frontdoor import DraFrontDoor  # lightkube and httpx2: only when DRA is on
+
+    try:
+        return DraFrontDoor(
+            config.dra, key, node_name=node_name, device_count=config.device_plugin.device_count
+        )
+    except (ValueError, DraPluginError) as exc:
+        raise ConfigError(f"{config.source}: [dra] {exc}") from None
+
+
 def build_probes(
-    config: Config, metrics: Metrics | None, stub: Stub, device_plugin: DevicePluginServer | None
+    config: Config,
+    metrics: Metrics | None,
+    stub: Stub,
+    device_plugin: DevicePluginServer | None,
+    dra: DraFrontDoor | None = None,
 ) -> ProbeServer | None:
     """``/metrics``, ``/healthz`` and ``/readyz`` on metrics_address (None when that is "").
     Raises `ProbeError`."""
@@ -375,7 +408,7 @@ def build_probes(
     return ProbeServer(
         config.metrics_address,
         metrics=metrics.render,
-        readiness=readiness(stub, device_plugin),
+        readiness=readiness(stub, device_plugin, dra),
         observer=metrics,
     )
 
@@ -393,12 +426,20 @@ def build_status_server(
 
 
 def bind_gauges(
-    metrics: Metrics, stub: Stub, plugin: MixedCpuPlugin, device_plugin: DevicePluginServer | None
+    metrics: Metrics,
+    stub: Stub,
+    plugin: MixedCpuPlugin,
+    device_plugin: DevicePluginServer | None,
+    dra: DraFrontDoor | None = None,
 ) -> None:
     """Point the gauges read at scrape time at the parts that know their values."""
     metrics.track(nri_ready=stub.ready.is_set, shared_containers=lambda: plugin.shared_containers)
     if device_plugin is not None:
         metrics.track(kubelet_registered=lambda: device_plugin.registered)
+    if dra is not None:
+        metrics.track(
+            dra_registered=lambda: dra.registered, dra_resource_slices_published=lambda: bool(dra.published)
+        )
     record = plugin.allocations
     if isinstance(record, PodResourcesClient):
         metrics.track(

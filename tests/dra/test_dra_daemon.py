@@ -1,0 +1,135 @@
+"""The DRA front door through the real daemon process: ``run`` with ``[dra] enabled``.
+
+Around the daemon: the NRI runtime simulator (with CDI injection from the daemon's CDI dir), the
+independent fake kubelet for DRA (plugin watcher and DRA manager, wire format by hand), and the fake
+API server (its kubeconfig given to the daemon), which holds the Node and the ResourceClaim and
+records the ResourceSlices the daemon publishes. What a cluster would do in between (the scheduler
+allocating a device to the claim) is the test's part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+from fake_apiserver import FakeApiServer
+from fake_kubelet_dra import Claim, FakeKubeletDra
+from mixedcpu_support import make_container
+from redteam_support import NAMING, DaemonNode, daemon_node, is_shared, short_directory, within
+from wait_support import wait_until
+
+from nri_plugin.deviceplugin.marker import MARKER_ENV
+from nri_plugin.dra import cdi
+from nri_plugin.nri.cdispecs import CdiSpecs
+from nri_plugin.nri.simulator import env_of
+
+pytestmark = pytest.mark.asyncio
+
+DRIVER = "shared-cpus.mixed-cpu.openshift.io"
+NODE = "node-1"
+
+
+@dataclass
+class DraNode:
+    node: DaemonNode
+    api: FakeApiServer
+    kubelet: FakeKubeletDra
+    cdi_dir: Path
+
+
+@asynccontextmanager
+async def dra_node(*, device_plugin: str = "") -> AsyncIterator[DraNode]:
+    with short_directory("dra-") as root:
+        async with FakeApiServer() as api:
+            api.add_node(NODE)
+            kubeconfig = api.write_kubeconfig(root / "kubeconfig")
+            for name in ("reg", "plugins"):
+                (root / name).mkdir()
+            extra = (
+                f'[dra]\nenabled = true\nregistry_dir = "{root}/reg"\nplugins_dir = "{root}/plugins"\n'
+                f'cdi_dir = "{root}/cdi"\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\n'
+            )
+            async with daemon_node(root, extra=extra, device_plugin_extra=device_plugin) as node:
+                node.sim.cdi = CdiSpecs([root / "cdi"])
+                kubelet = FakeKubeletDra(root / "reg")
+                try:
+                    yield DraNode(node, api, kubelet, root / "cdi")
+                finally:
+                    await kubelet.close()
+
+
+async def test_the_daemon_registers_publishes_prepares_and_the_container_gets_shared_cpus() -> None:
+    async with dra_node() as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        [socket] = dra.kubelet.registration_sockets()
+        registered = await within(dra.kubelet.register(socket))
+        assert registered.info.name == DRIVER
+        assert "v1.DRAPlugin" in registered.info.supported_versions
+
+        # The node's pool: 256 devices ([device_plugin] device_count) in slices of at most 128.
+        await wait_until(lambda: len(dra.api.slices()) == 2, what="the node's ResourceSlices")
+        published = dra.api.slices()
+        names = [d["name"] for s in published for d in s["spec"]["devices"]]
+        assert names == [f"shared-cpus-{i}" for i in range(256)]
+        for obj in published:
+            assert obj["spec"]["nodeName"] == NODE
+            assert obj["spec"]["pool"]["resourceSliceCount"] == 2
+            kubernetes_validate.validate(obj, "1.34", strict=True)
+
+        # The scheduler allocates shared-cpus-7 to the claim; kubelet prepares it.
+        results = [{"driver": DRIVER, "pool": NODE, "device": "shared-cpus-7", "request": "shared"}]
+        uid = dra.api.add_claim("telco", "fwd-shared", results=results)
+        answer = await within(dra.kubelet.prepare(DRIVER, [Claim("telco", "fwd-shared", uid)]))
+        assert answer[uid].error == ""
+        [device] = answer[uid].devices
+        assert device.device_name == "shared-cpus-7"
+        [cdi_id] = device.cdi_device_ids
+        assert cdi_id == cdi.cdi_device_id(uid, "shared-cpus-7")
+        assert cdi.spec_path(dra.cdi_dir, uid).exists()
+
+        # The runtime injects the CDI device; the daemon proves the marker and grants the shared CPUs.
+        node = dra.node
+        pod = node.pod("aaaa-1111", "fwd", namespace="telco")
+        await node.sim.run_pod_sandbox(pod)
+        container = make_container(NAMING, pod, "fwd-1", "fwd", cpus="2-3", quota=200000)
+        result = await within(node.sim.create_container(container, cdi_devices=[cdi_id]))
+        assert env_of(result.container)[MARKER_ENV] == node.key.sign("dra.shared-cpus-7")
+        assert is_shared(result)
+
+        # A second prepare (kubelet retries) answers the same; unprepare removes the spec, twice is fine.
+        again = await within(dra.kubelet.prepare(DRIVER, [Claim("telco", "fwd-shared", uid)]))
+        assert again == answer
+        for _ in range(2):
+            assert await within(dra.kubelet.unprepare(DRIVER, [Claim("telco", "fwd-shared", uid)])) == {
+                uid: ""
+            }
+        assert not cdi.spec_path(dra.cdi_dir, uid).exists()
+
+
+async def test_a_claim_the_api_server_does_not_know_fails_alone_and_the_daemon_runs_on() -> None:
+    async with dra_node() as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))
+        results = [{"driver": DRIVER, "pool": NODE, "device": "shared-cpus-1", "request": "shared"}]
+        good = dra.api.add_claim("telco", "good", results=results)
+        missing = "00000000-0000-4000-8000-000000000001"
+        answer = await within(
+            dra.kubelet.prepare(DRIVER, [Claim("telco", "gone", missing), Claim("telco", "good", good)])
+        )
+        assert "does not exist" in answer[missing].error
+        assert answer[good].error == ""
+        assert not cdi.spec_path(dra.cdi_dir, missing).exists()
+        assert dra.node.daemon.proc.returncode is None
+
+
+@pytest.mark.parametrize("table", ["enabled = false\n"])
+async def test_dra_alone_serves_with_the_device_plugin_off(table: str) -> None:
+    async with dra_node(device_plugin=table) as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        await wait_until(lambda: len(dra.api.slices()) == 2, what="the node's ResourceSlices")
+        assert not list(dra.node.plugin_dir.iterdir())  # no device-plugin socket
