@@ -233,8 +233,10 @@ class Runtime(RuntimeSimulator):
         again.restore(self)
         return again
 
-    async def create_container(self, container: api.Container) -> CreateResult:
-        result = await super().create_container(container)
+    async def create_container(
+        self, container: api.Container, *, cdi_devices: Sequence[str] = ()
+    ) -> CreateResult:
+        result = await super().create_container(container, cdi_devices=cdi_devices)
         self.tree.run_container(result.container)
         return result
 

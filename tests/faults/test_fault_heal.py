@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -181,8 +181,12 @@ class Containerd(Runtime):
     """containerd's order: a container's cgroup is made at StartContainer (its task's creation),
     however long after CreateContainer kubelet starts it."""
 
-    async def create_container(self, container: api.Container) -> CreateResult:
-        return await RuntimeSimulator.create_container(self, container)  # no cgroup yet
+    async def create_container(
+        self, container: api.Container, *, cdi_devices: Sequence[str] = ()
+    ) -> CreateResult:
+        return await RuntimeSimulator.create_container(
+            self, container, cdi_devices=cdi_devices
+        )  # no cgroup yet
 
     def make_resources(self, container: api.Container) -> None:
         self.tree.run_container(container)
