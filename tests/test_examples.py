@@ -50,6 +50,7 @@ else:  # pragma: no cover - 3.10 only
     import tomli as tomllib
 from nri_plugin.deviceplugin.config import DEFAULT_DEVICE_COUNT, DevicePluginConfig
 from nri_plugin.deviceplugin.server import AllocationError, allocate, device_ids
+from nri_plugin.dra.config import DraConfig
 from nri_plugin.mixedcpu.policy import ISOLATED_ENV, REQUEST_RESOURCE, SHARED_ENV
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 
@@ -66,11 +67,12 @@ GUARD = 30.0
 
 def _known_keys() -> dict[str, set[str]]:
     """The keys the config module accepts, per table ("" is the top level), from the module itself."""
-    tables = {config_module._SOURCES_TABLE, config_module._DEVICE_PLUGIN_TABLE}
+    tables = {config_module._SOURCES_TABLE, config_module._DEVICE_PLUGIN_TABLE, config_module._DRA_TABLE}
     return {
         "": set(config_module._TOP_KEYS) - tables,
         config_module._SOURCES_TABLE: set(config_module._SOURCE_KEYS),
         config_module._DEVICE_PLUGIN_TABLE: {f.name for f in fields(DevicePluginConfig)},
+        config_module._DRA_TABLE: {f.name for f in fields(DraConfig)},
     }
 
 
