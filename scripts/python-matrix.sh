@@ -3,7 +3,8 @@
 # README's test command runs (python3, 3.11 here: the image's), gets a venv of its own and runs the
 # part of the suite where interpreters differ: the ttrpc server and its handler tasks, the NRI
 # multiplexer, the simulator and its runtime restarts, systemd over D-Bus, the healer, the daemon as
-# a process, the config and log formats.
+# a process, the config and log formats, the DRA front door (gRPC aio, the API client over httpx2,
+# the simulator's CDI injection).
 #
 # Each minor version is taken from pyenv (the newest patch release installed), else from pythonX.Y
 # on PATH. Under CI=true a missing interpreter fails the run; elsewhere it is skipped, said once.
@@ -28,6 +29,8 @@ tests=(
   tests/test_logs.py
   tests/test_cli.py
   tests/test_enable_nri.py
+  tests/dra
+  tests/test_simulator_cdi.py
 )
 
 find_python() {
