@@ -26,7 +26,9 @@ from mixedcpu_support import (
     plugin_running,
 )
 
-from nri_plugin.daemon.status import StatusParts, status_document
+from nri_plugin.daemon.status import StatusParts, count_prepared_claims, status_document
+from nri_plugin.deviceplugin.marker import MARKER_ENV
+from nri_plugin.dra import cdi
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.policy import choose_shared, cpus_or_empty, format_cpuset
 from nri_plugin.mixedcpu.status import SCHEMA
@@ -57,10 +59,21 @@ def short_dir() -> Iterator[Path]:
 # -- read back against the books after a run through the simulator ----------------------------------------
 
 
+DRA_OFF = {
+    "enabled": False,
+    "driver": None,
+    "node": None,
+    "kubelet": None,
+    "resource_slices": None,
+    "prepared_claims": None,
+}
+
+
 def _document(plugin: MixedCpuPlugin, stub: Stub, state: Path) -> dict[str, Any]:
     document = status_document(StatusParts(plugin, stub, None, "/etc/config.toml", str(state)))
     validate(document)
     assert document["schema"] == SCHEMA
+    assert document["dra"] == DRA_OFF  # no DRA front door: off, like the device plugin's section
     return document
 
 
@@ -188,3 +201,62 @@ async def test_the_runtime_part_follows_the_connection(short_dir: Path) -> None:
     stopped = _document(plugin, stub, state)["runtime"]
     assert stopped["state"] == "stopped"
     assert stopped["connected_since"] is None
+
+
+@pytest.mark.asyncio
+async def test_containers_served_through_dra_show_their_dra_device(short_dir: Path) -> None:
+    """A DRA-served request shows as any other: its proof, and its device id ``dra.<device>``."""
+    tree = FakeCgroups(short_dir / "cgroup", 2)
+    state = short_dir / "state"
+    kubelet = FakeKubeletRecord()
+    plugin, key = make_plugin(state, tree.layout, allocations=kubelet)
+    socket = short_dir / "nri.sock"
+    sim = RuntimeSimulator(socket)
+    recorded = make_pod(NAMING, "uid-rec", name="recorded")
+    bound = make_pod(NAMING, "uid-bound", name="bound")
+    for pod in (recorded, bound):
+        tree.add_pod(pod, 2 * PERIOD)
+    kubelet.allocate(recorded, "main", "dra.shared-cpus-3")
+    async with sim, plugin_running(plugin, socket) as stub:
+        await sim.wait_for_synchronizations(1, GUARD)
+        for pod in (recorded, bound):
+            await sim.run_pod_sandbox(pod)
+        env = f"{MARKER_ENV}={key.sign('dra.shared-cpus-3')}"
+        await sim.create_container(make_container(NAMING, recorded, "c-rec", "main", cpus="4-5", env=(env,)))
+        kubelet.reachable = False  # kubelet cannot be asked: the marker binding alone proves
+        env = f"{MARKER_ENV}={key.sign('dra.shared-cpus-4')}"
+        await sim.create_container(make_container(NAMING, bound, "c-bound", "main", cpus="6", env=(env,)))
+        document = _document(plugin, stub, state)
+    _check_against_books(document, plugin)
+    rows = {row["pod"]: (row["proof"], row["device"]) for row in document["containers"]}
+    assert rows == {
+        "recorded": ("kubelet-record", "dra.shared-cpus-3"),
+        "bound": ("marker-binding", "dra.shared-cpus-4"),
+    }
+
+
+def test_prepared_claims_are_counted_from_our_spec_file_names(tmp_path: Path) -> None:
+    cdi_dir = tmp_path / "cdi"
+    assert count_prepared_claims(str(cdi_dir)) == {"count": 0, "capped": False, "read_error": None}
+    cdi_dir.mkdir()
+    uids = [f"{n:08x}-0000-4000-8000-000000000000" for n in range(5)]
+    for uid in uids:
+        cdi.spec_path(cdi_dir, uid).write_text("{}")  # the name is what counts: nothing is read
+    # Not ours, or not a spec: another vendor's spec, a spec being written (atomicfile's temporary
+    # name), a name that is no claim UID, a directory of our name.
+    (cdi_dir / "nvidia.com-gpu.json").write_text("{}")
+    (cdi_dir / f".{cdi.spec_path(cdi_dir, uids[0]).name}.0a1b2c3d4e5f.tmp").write_text("{}")
+    (cdi_dir / "mixed-cpu.openshift.io-shared-cpus_not-a-uid.json").write_text("{}")
+    cdi.spec_path(cdi_dir, "ffffffff-0000-4000-8000-000000000000").mkdir()
+    assert count_prepared_claims(str(cdi_dir)) == {"count": 5, "capped": False, "read_error": None}
+    assert count_prepared_claims(str(cdi_dir), limit=5) == {"count": 5, "capped": False, "read_error": None}
+    assert count_prepared_claims(str(cdi_dir), limit=3) == {"count": 3, "capped": True, "read_error": None}
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    unreadable = count_prepared_claims(str(not_a_dir))
+    assert unreadable == {
+        "count": None,
+        "capped": False,
+        "read_error": f"cannot list {not_a_dir}: Not a directory",
+    }

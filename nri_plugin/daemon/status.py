@@ -7,7 +7,8 @@ ask; never the metrics port, which listens on the pod network. It answers one HT
 connection, ``GET /status``, with the JSON document (docs/status.md; its JSON Schema is
 docs/status.schema.json), so ``curl --unix-socket <state_dir>/status.sock http://localhost/status``
 reads it too. The document is made on the event loop when asked: nothing is kept up to date for it
-between questions, and asking costs one quota read per pod in the books.
+between questions, and asking costs one quota read per pod in the books, and with the DRA front door
+one listing of the CDI spec directory (its prepared claims are counted from the file names there).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -29,16 +31,23 @@ from cgroups import CgroupError, CgroupNotFound, read_cpu_quota
 from nri_plugin import __version__
 from nri_plugin.deviceplugin.podresources import PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
+from nri_plugin.dra import cdi
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.status import SCHEMA, QuotaReading, domain_snapshot, rfc3339
 from nri_plugin.nri.stub import Stub
 
+if TYPE_CHECKING:
+    from nri_plugin.dra.frontdoor import DraFrontDoor  # lightkube: imported only where DRA is on
+
 __all__ = [
+    "MAX_CLAIMS_COUNTED",
     "MAX_CONNECTIONS",
     "REQUEST_TIMEOUT",
     "STATUS_SOCKET_NAME",
     "StatusParts",
     "StatusServer",
+    "count_prepared_claims",
+    "dra_status",
     "read_pod_quotas",
     "status_document",
     "status_socket_path",
@@ -55,6 +64,14 @@ _MAX_HEAD: Final = 4096
 _MAX_HEADER_LINES: Final = 32
 # The longest unix socket path the kernel takes (sun_path is 108 bytes with its terminating NUL).
 _MAX_SOCKET_PATH: Final = 107
+# The prepared claims are counted up to this many: past it the count says "at least".
+MAX_CLAIMS_COUNTED: Final = 10000
+# The name of a prepared claim's CDI spec (`nri_plugin.dra.cdi.spec_path`): our vendor and class, the
+# claim's UID. Other vendors' specs, and the temporary files of a spec being written, do not match.
+_CLAIM_SPEC: Final = re.compile(
+    re.escape(f"{cdi.VENDOR}-{cdi.CLASS}_")
+    + r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.json"
+)
 
 
 def status_socket_path(state_dir: str) -> str:
@@ -71,6 +88,7 @@ class StatusParts:
     device_plugin: DevicePluginServer | None
     config_path: str
     state_dir: str
+    dra: DraFrontDoor | None = None
 
 
 def read_pod_quotas(plugin: MixedCpuPlugin) -> dict[str, QuotaReading]:
@@ -128,8 +146,64 @@ def status_document(parts: StatusParts, now: float | None = None) -> dict[str, A
             "reachable": resources.answering if resources is not None else None,
             "proof": resources.proof if resources is not None else None,
         },
+        "dra": dra_status(parts.dra),
         **domain,
     }
+
+
+def dra_status(dra: DraFrontDoor | None) -> dict[str, Any]:
+    """The document's ``dra`` section: the DRA front door's driver, its registration with kubelet, the
+    node's ResourceSlices and the claims prepared now; ``enabled`` false and the rest null when off."""
+    if dra is None:
+        return {
+            "enabled": False,
+            "driver": None,
+            "node": None,
+            "kubelet": None,
+            "resource_slices": None,
+            "prepared_claims": None,
+        }
+    plugin, publisher = dra.kubelet_plugin, dra.publisher
+    return {
+        "enabled": True,
+        "driver": dra.config.driver_name,
+        "node": dra.node_name,
+        "kubelet": {
+            "registered": plugin.registered,
+            "registrations": plugin.registrations,
+            "last_error": plugin.registration_error or None,
+            "registration_socket": str(plugin.registration_socket),
+            "endpoint": str(plugin.endpoint),
+        },
+        "resource_slices": {
+            "published_here": publisher is not None,
+            "published": publisher.published if publisher is not None else None,
+            "generation": publisher.generation if publisher is not None else None,
+            "devices": publisher.device_count if publisher is not None else None,
+            "failures": publisher.failures if publisher is not None else None,
+            "last_error": publisher.last_error if publisher is not None else None,
+        },
+        "prepared_claims": count_prepared_claims(str(dra.config.cdi_dir)),
+    }
+
+
+def count_prepared_claims(cdi_dir: str, limit: int = MAX_CLAIMS_COUNTED) -> dict[str, Any]:
+    """How many claims are prepared on the node now: the CDI spec files of our kind in `cdi_dir`, by
+    their names alone (none is opened), counted up to `limit` (``capped``: there are more). A
+    directory that is not there holds none (the first prepare makes it)."""
+    count = 0
+    try:
+        with os.scandir(cdi_dir) as entries:
+            for entry in entries:
+                if _CLAIM_SPEC.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    if count == limit:
+                        return {"count": count, "capped": True, "read_error": None}
+                    count += 1
+    except FileNotFoundError:
+        return {"count": 0, "capped": False, "read_error": None}
+    except OSError as exc:
+        return {"count": None, "capped": False, "read_error": f"cannot list {cdi_dir}: {exc.strerror or exc}"}
+    return {"count": count, "capped": False, "read_error": None}
 
 
 class StatusServer:
