@@ -98,6 +98,7 @@ async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None
         assert row["proof"] == "marker-binding"
         assert document["pod_resources"]["configured"] is True
         assert document["pod_resources"]["reachable"] is False
+        assert document["dra"]["enabled"] is False  # [dra] not enabled
         (pod_row,) = document["pods"]
         assert pod_row["quota_baseline_us"] == books["1234"]["baseline"] == 200000
         assert pod_row["quota_now_us"] == pod_row["quota_target_us"] == 400000
@@ -114,6 +115,7 @@ async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None
             "pod resources  NOT reachable: the marker binding alone proves requests "
             "(/var/lib/kubelet/pod-resources/kubelet.sock)"
         )
+        assert lines[4] == "DRA            off"
         assert "shared pool    0-1: 1 container" in lines
         header = lines.index("SHARED CONTAINERS (1)") + 1
         assert lines[header].split() == [
@@ -240,6 +242,14 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
             "registrations": 0,
         },
         "pod_resources": {"configured": False, "socket": None, "reachable": None, "proof": None},
+        "dra": {
+            "enabled": False,
+            "driver": None,
+            "node": None,
+            "kubelet": None,
+            "resource_slices": None,
+            "prepared_claims": None,
+        },
         "pool": {
             "cpus": "0,4",
             "numa_local": True,
@@ -268,6 +278,7 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
         "runtime        backing_off: no runtime has configured the plugin yet",
         "device plugin  off",
         "pod resources  not asked (no pod_resources_socket, or markers not trusted)",
+        "DRA            off",
         "shared pool    0,4: 0 containers",
         "  NUMA node 0  0: 0 containers",
         "  NUMA node 1  none (its containers get the whole pool): 0 containers",
@@ -282,3 +293,145 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
         "AGO    KIND      POD    CONTAINER ID  WHAT",
         "1m30s  pod_gone  uid-1  -             pod gone: its books and device bindings are dropped",
     ]
+
+    # A daemon older than the dra section: its document is still v1, and its table has no DRA line.
+    del document["dra"]
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert not any(line.startswith("DRA") for line in render_table(document).splitlines())
+
+
+def _minimal_document(**parts: Any) -> dict[str, Any]:
+    """A status document of a node with no runtime yet and nothing shared, with `parts` put in."""
+    return {
+        "schema": "mixed-cpu-nri-plugin/status/v1",
+        "version": "0.1.0",
+        "time": "2025-11-27T10:00:00Z",
+        "daemon": {
+            "pid": 7,
+            "config": "/etc/mixed-cpu-nri/config.toml",
+            "state_dir": "/var/lib/mixed-cpu-nri",
+        },
+        "runtime": {
+            "state": "connecting",
+            "name": None,
+            "version": None,
+            "nri_version": None,
+            "connected_since": None,
+            "connections": 0,
+            "synchronizations": 0,
+        },
+        "device_plugin": {
+            "enabled": False,
+            "state": None,
+            "resource_name": None,
+            "registered": False,
+            "registrations": 0,
+        },
+        "pod_resources": {"configured": False, "socket": None, "reachable": None, "proof": None},
+        "pool": {"cpus": "0-1", "numa_local": False, "numa_nodes": [], "containers": 0},
+        "containers": [],
+        "pods": [],
+        "heals": [],
+        **parts,
+    }
+
+
+def _dra_section(**changes: Any) -> dict[str, Any]:
+    section: dict[str, Any] = {
+        "enabled": True,
+        "driver": "shared-cpus.mixed-cpu.openshift.io",
+        "node": "node-1",
+        "kubelet": {
+            "registered": True,
+            "registrations": 1,
+            "last_error": None,
+            "registration_socket": "/var/lib/kubelet/plugins_registry/shared-cpus-reg.sock",
+            "endpoint": "/var/lib/kubelet/plugins/shared-cpus/dra.sock",
+        },
+        "resource_slices": {
+            "published_here": True,
+            "published": True,
+            "generation": 2,
+            "devices": 256,
+            "failures": 0,
+            "last_error": None,
+        },
+        "prepared_claims": {"count": 3, "capped": False, "read_error": None},
+    }
+    for part, values in changes.items():
+        section[part] = {**section[part], **values}
+    return section
+
+
+@pytest.mark.parametrize(
+    ("changes", "lines"),
+    [
+        (
+            {},
+            [
+                "DRA            shared-cpus.mixed-cpu.openshift.io on node node-1",
+                "  kubelet      registered (1 registration)",
+                "  slices       published: generation 2, 256 devices",
+                "  claims       3 prepared",
+            ],
+        ),
+        (
+            {
+                "kubelet": {"registered": False, "registrations": 0},
+                "resource_slices": {"published": False, "generation": None},
+                "prepared_claims": {"count": 10000, "capped": True},
+            },
+            [
+                "DRA            shared-cpus.mixed-cpu.openshift.io on node node-1",
+                "  kubelet      NOT registered (0 registrations): waiting for kubelet's plugin watcher",
+                "  slices       publishing",
+                "  claims       10000 or more prepared",
+            ],
+        ),
+        (
+            {
+                "kubelet": {"registered": False, "registrations": 2, "last_error": "driver name taken"},
+                "resource_slices": {
+                    "published": False,
+                    "failures": 3,
+                    "last_error": "no service account token",
+                },
+                "prepared_claims": {
+                    "count": None,
+                    "read_error": "cannot list /var/run/cdi: Permission denied",
+                },
+            },
+            [
+                "DRA            shared-cpus.mixed-cpu.openshift.io on node node-1",
+                "  kubelet      REFUSED (2 registrations): driver name taken",
+                "  slices       NOT published (3 failed attempts, retrying): no service account token",
+                "  claims       ? (cannot list /var/run/cdi: Permission denied)",
+            ],
+        ),
+        (
+            {
+                "resource_slices": {
+                    "published_here": False,
+                    "published": None,
+                    "generation": None,
+                    "devices": None,
+                    "failures": None,
+                },
+            },
+            [
+                "DRA            shared-cpus.mixed-cpu.openshift.io on node node-1",
+                "  kubelet      registered (1 registration)",
+                "  slices       not published by this daemon (publish_resource_slices = false)",
+                "  claims       3 prepared",
+            ],
+        ),
+    ],
+)
+def test_the_table_shows_the_dra_front_door(changes: dict[str, Any], lines: list[str]) -> None:
+    section = _dra_section(**changes)
+    document = _minimal_document(dra=section)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    table = render_table(document).splitlines()
+    start = table.index(lines[0])
+    assert table[start : start + len(lines)] == lines
+    assert table[start - 1].startswith("pod resources")

@@ -151,8 +151,8 @@ def run_status(
 
 
 def render_table(document: dict[str, Any]) -> str:
-    """The status document as an operator reads it: the daemon's connections, the pool, one row per
-    shared container, one per pod quota, the latest heals."""
+    """The status document as an operator reads it: the daemon's connections (the DRA front door's
+    too), the pool, one row per shared container, one per pod quota, the latest heals."""
     now = _parse_time(document["time"])
     daemon = document["daemon"]
     lines = [f"mixed-cpu-nri-plugin {document['version']}, pid {daemon['pid']}, at {document['time']}"]
@@ -232,7 +232,48 @@ def _summary(document: dict[str, Any], now: datetime.datetime | None) -> list[st
         record = f"reachable: kubelet's record proves requests ({resources['socket']})"
     else:
         record = f"NOT reachable: the marker binding alone proves requests ({resources['socket']})"
-    return [f"{'runtime':<15}{text}", f"{'device plugin':<15}{plugin}", f"{'pod resources':<15}{record}"]
+    return [
+        f"{'runtime':<15}{text}",
+        f"{'device plugin':<15}{plugin}",
+        f"{'pod resources':<15}{record}",
+        *_dra(document.get("dra")),
+    ]
+
+
+def _dra(dra: dict[str, Any] | None) -> list[str]:
+    """The DRA front door's lines: none for a daemon older than the ``dra`` section."""
+    if dra is None:
+        return []
+    if not dra["enabled"]:
+        return [f"{'DRA':<15}off"]
+    kubelet, published, claims = dra["kubelet"], dra["resource_slices"], dra["prepared_claims"]
+    registrations = _count(kubelet["registrations"], "registration")
+    if kubelet["registered"]:
+        registration = f"registered ({registrations})"
+    elif kubelet["last_error"]:
+        registration = f"REFUSED ({registrations}): {kubelet['last_error']}"
+    else:
+        registration = f"NOT registered ({registrations}): waiting for kubelet's plugin watcher"
+    if not published["published_here"]:
+        slices = "not published by this daemon (publish_resource_slices = false)"
+    elif published["published"]:
+        devices = _count(published["devices"], "device")
+        slices = f"published: generation {published['generation']}, {devices}"
+    elif published["failures"]:
+        failures = _count(published["failures"], "failed attempt")
+        slices = f"NOT published ({failures}, retrying): {published['last_error']}"
+    else:
+        slices = "publishing"
+    if claims["count"] is None:
+        prepared = f"? ({claims['read_error']})"
+    else:
+        prepared = f"{claims['count']}{' or more' if claims['capped'] else ''} prepared"
+    return [
+        f"{'DRA':<15}{dra['driver']} on node {dra['node']}",
+        f"{'  kubelet':<15}{registration}",
+        f"{'  slices':<15}{slices}",
+        f"{'  claims':<15}{prepared}",
+    ]
 
 
 def _pod_state(row: dict[str, Any]) -> str:
