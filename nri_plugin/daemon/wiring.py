@@ -174,7 +174,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     # kubelet or the runtime ever see us.
     # The bus first: the pod quotas go through systemd from the first event on when it is there.
     services: list[Service] = [part for part in (writer, probes, device_plugin, dra) if part is not None]
-    services.append(build_status_server(config, options, plugin, stub, device_plugin))
+    services.append(build_status_server(config, options, plugin, stub, device_plugin, dra))
     if options.node_lock:
         services.append(lock_watch)
     services.append(NotReadyWarnings(readiness(stub, device_plugin, dra)))
@@ -419,9 +419,10 @@ def build_status_server(
     plugin: MixedCpuPlugin,
     stub: Stub,
     device_plugin: DevicePluginServer | None,
+    dra: DraFrontDoor | None = None,
 ) -> StatusServer:
     """The status socket in state_dir, for ``mixed-cpu-nri-plugin status``."""
-    parts = StatusParts(plugin, stub, device_plugin, options.config_path, config.state_dir)
+    parts = StatusParts(plugin, stub, device_plugin, options.config_path, config.state_dir, dra)
     return StatusServer(status_socket_path(config.state_dir), functools.partial(status_document, parts))
 
 

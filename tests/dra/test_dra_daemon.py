@@ -9,11 +9,14 @@ allocating a device to the claim) is the test's part.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 from fake_apiserver import FakeApiServer
@@ -22,6 +25,8 @@ from mixedcpu_support import make_container
 from redteam_support import NAMING, DaemonNode, daemon_node, is_shared, short_directory, within
 from wait_support import wait_until
 
+from nri_plugin.daemon.status import status_socket_path
+from nri_plugin.daemon.status_client import fetch_status, render_table
 from nri_plugin.deviceplugin.marker import MARKER_ENV
 from nri_plugin.dra import cdi
 from nri_plugin.nri.cdispecs import CdiSpecs
@@ -30,6 +35,7 @@ from nri_plugin.nri.simulator import env_of
 pytestmark = pytest.mark.asyncio
 
 DRIVER = "shared-cpus.mixed-cpu.openshift.io"
+STATUS_SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "status.schema.json").read_text())
 NODE = "node-1"
 
 
@@ -133,3 +139,59 @@ async def test_dra_alone_serves_with_the_device_plugin_off(table: str) -> None:
         await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
         await wait_until(lambda: len(dra.api.slices()) == 2, what="the node's ResourceSlices")
         assert not list(dra.node.plugin_dir.iterdir())  # no device-plugin socket
+
+
+async def test_the_status_shows_the_dra_front_door_and_its_claim() -> None:
+    async with dra_node() as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))
+        await wait_until(lambda: len(dra.api.slices()) == 2, what="the node's ResourceSlices")
+        results = [{"driver": DRIVER, "pool": NODE, "device": "shared-cpus-3", "request": "shared"}]
+        uid = dra.api.add_claim("telco", "fwd-shared", results=results)
+        answer = await within(dra.kubelet.prepare(DRIVER, [Claim("telco", "fwd-shared", uid)]))
+        [cdi_id] = answer[uid].devices[0].cdi_device_ids
+        node = dra.node
+        pod = node.pod("aaaa-3333", "fwd", namespace="telco")
+        await node.sim.run_pod_sandbox(pod)
+        container = make_container(NAMING, pod, "fwd-3", "fwd", cpus="2-3", quota=200000)
+        assert is_shared(await within(node.sim.create_container(container, cdi_devices=[cdi_id])))
+
+        path = status_socket_path(str(node.state_dir))
+
+        def published() -> bool:
+            return bool(fetch_status(path)["dra"]["resource_slices"]["published"])
+
+        # The daemon marks them published once the API server has answered: ask until it says so.
+        await wait_until(published, what="the status saying the slices are published")
+        document = await asyncio.to_thread(fetch_status, path)
+        jsonschema.Draft202012Validator(STATUS_SCHEMA).validate(document)
+        section = document["dra"]
+        assert (section["enabled"], section["driver"], section["node"]) == (True, DRIVER, NODE)
+        kubelet = section["kubelet"]
+        assert (kubelet["registered"], kubelet["registrations"], kubelet["last_error"]) == (True, 1, None)
+        assert kubelet["registration_socket"] == str(socket)
+        assert section["resource_slices"] == {
+            "published_here": True,
+            "published": True,
+            "generation": 1,
+            "devices": 256,
+            "failures": 0,
+            "last_error": None,
+        }
+        assert section["prepared_claims"] == {"count": 1, "capped": False, "read_error": None}
+        [row] = document["containers"]
+        assert (row["namespace"], row["container"], row["device"]) == ("telco", "fwd", "dra.shared-cpus-3")
+        assert row["proof"] == "marker-binding"  # no PodResources socket here: the marker binding proves
+
+        table = render_table(document).splitlines()
+        start = table.index(f"DRA            {DRIVER} on node {NODE}")
+        assert table[start + 1 : start + 4] == [
+            "  kubelet      registered (1 registration)",
+            "  slices       published: generation 1, 256 devices",
+            "  claims       1 prepared",
+        ]
+
+        await within(dra.kubelet.unprepare(DRIVER, [Claim("telco", "fwd-shared", uid)]))
+        after = await asyncio.to_thread(fetch_status, path)
+        assert after["dra"]["prepared_claims"]["count"] == 0
