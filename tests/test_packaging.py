@@ -28,9 +28,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import celpy
 import kubernetes_validate
 import pytest
 import yaml
+from celpy.adapter import json_to_cel
+from celpy.evaluation import CELEvalError
 from mixedcpu_support import ROOT, write_daemon_config
 
 from nri_plugin.daemon.config import (
@@ -914,7 +917,13 @@ def validate_manifests(docs: list[Doc]) -> None:
             pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {path}: {exc.message}")
 
 
-DRA_KINDS = {"DeviceClass", "ClusterRole", "ClusterRoleBinding"}
+DRA_KINDS = {
+    "DeviceClass",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
 
 
 @pytest.mark.parametrize(
@@ -1067,6 +1076,134 @@ def test_validate_manifests_catches_a_broken_object() -> None:
         pytest.fail.Exception, match=re.escape(f"DeviceClass {DRIVER}: spec: Additional properties")
     ):
         validate_manifests(broken)
+
+
+# -- the DRA admission policy: each node's daemon writes only its own node's ResourceSlices ----------
+
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+
+
+def admit(policy: Doc, operation: str, user: Doc, new: Doc | None, old: Doc | None) -> str | None:
+    """Evaluate the ValidatingAdmissionPolicy's CEL on one ResourceSlice request as kube-apiserver does:
+    unmatched (a matchCondition false) is admitted; else the variables in order, then every validation,
+    an error counting as a refusal (failurePolicy Fail). None when admitted, else the refusal's message."""
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    env = celpy.Environment()
+
+    def evaluate(expression: str, activation: dict[str, Any]) -> Any:
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    activation: dict[str, Any] = {
+        "request": json_to_cel({"operation": operation, "userInfo": user}),
+        "object": json_to_cel(new),
+        "oldObject": json_to_cel(old),
+    }
+    if not all(evaluate(c["expression"], activation) for c in spec["matchConditions"]):
+        return None
+    variables: dict[str, Any] = {}
+    for variable in spec.get("variables", []):
+        activation["variables"] = json_to_cel(variables)
+        variables[variable["name"]] = evaluate(variable["expression"], activation)
+    activation["variables"] = json_to_cel(variables)
+    for validation in spec["validations"]:
+        try:
+            passed = evaluate(validation["expression"], activation)
+        except CELEvalError as exc:
+            return f"error: {exc}"
+        if not passed:
+            if "messageExpression" in validation:
+                return str(evaluate(validation["messageExpression"], activation))
+            return str(validation["message"])
+    return None
+
+
+def resource_slice(node: str | None, driver: str = DRIVER) -> Doc:
+    """A ResourceSlice as the publisher writes it (nri_plugin.dra.slices), on `node`; None: allNodes."""
+    [obj] = dra_slices.resource_slices(
+        node_name=node or "elsewhere", node_uid="0" * 8, driver=driver, device_count=2, generation=1
+    )
+    if node is None:
+        del obj["spec"]["nodeName"]
+        obj["spec"]["allNodes"] = True
+    return obj
+
+
+def test_dra_admission_policy_keeps_each_daemon_to_its_own_node() -> None:
+    docs = helm_template("dra.enabled=true")
+    validate_manifests(docs)
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule == {
+        "apiGroups": ["resource.k8s.io"],
+        "apiVersions": ["*"],
+        "operations": ["CREATE", "UPDATE", "DELETE"],
+        "resources": ["resourceslices"],
+    }
+    # The user it matches is the daemon's service account, as bound by the ClusterRoleBinding.
+    [subject] = one(docs, "ClusterRoleBinding")["subjects"]
+    username = f"system:serviceaccount:{subject['namespace']}:{subject['name']}"
+    daemon = {"username": username, "extra": {NODE_NAME_EXTRA: ["node-a"]}}
+
+    mine, theirs = resource_slice("node-a"), resource_slice("node-b")
+    # Its own node's slices: created, updated (server-side apply), deleted.
+    assert admit(policy, "CREATE", daemon, mine, None) is None
+    assert admit(policy, "UPDATE", daemon, mine, mine) is None
+    assert admit(policy, "DELETE", daemon, None, mine) is None
+    # Another node's: refused, whichever way, with the node and the driver named.
+    refusal = admit(policy, "CREATE", daemon, theirs, None)
+    assert refusal is not None
+    assert "node-a" in refusal
+    assert DRIVER in refusal
+    assert admit(policy, "DELETE", daemon, None, theirs) is not None, "a delete is checked on the old object"
+    assert admit(policy, "UPDATE", daemon, mine, theirs) is not None, "no moving a slice to our node"
+    assert admit(policy, "UPDATE", daemon, theirs, mine) is not None, "nor away from it"
+    # Not for every node (allNodes), nor another driver's slice on our node.
+    assert admit(policy, "CREATE", daemon, resource_slice(None), None) is not None
+    assert admit(policy, "CREATE", daemon, resource_slice("node-a", "gpu.example.com"), None) is not None
+    # A token that names no node (not pod-bound, or an API server without ServiceAccountTokenPodNodeInfo)
+    # may write nothing.
+    extras: list[dict[str, list[str]]] = [{}, {NODE_NAME_EXTRA: []}, {NODE_NAME_EXTRA: ["node-a", "node-b"]}]
+    for extra in extras:
+        refusal = admit(policy, "CREATE", {"username": username, "extra": extra}, mine, None)
+        assert refusal is not None
+        assert NODE_NAME_EXTRA in refusal
+    assert admit(policy, "CREATE", {"username": username}, mine, None) is not None
+    # Anyone else (kubelet, an admin, another driver) is not this policy's business.
+    for user in ({"username": "system:node:node-b"}, {"username": "system:serviceaccount:other:sa"}):
+        assert admit(policy, "CREATE", user, theirs, None) is None
+        assert admit(policy, "DELETE", user, None, theirs) is None
+
+
+def test_dra_admission_policy_follows_the_release() -> None:
+    docs = helm_template(
+        "dra.enabled=true",
+        "serviceAccount.name=nri-daemon",
+        "dra.driverName=cpus.example.com",
+    )
+    validate_manifests(docs)
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    daemon = {"username": "system:serviceaccount:nri-test:nri-daemon", "extra": {NODE_NAME_EXTRA: ["n1"]}}
+    assert admit(policy, "CREATE", daemon, resource_slice("n1", "cpus.example.com"), None) is None
+    assert admit(policy, "CREATE", daemon, resource_slice("n2", "cpus.example.com"), None) is not None
+    assert admit(policy, "CREATE", daemon, resource_slice("n1"), None) is not None
+    # The release's default account name is no longer the daemon's: not matched.
+    [default_name] = {
+        d["metadata"]["name"] for d in helm_template("dra.enabled=true") if d["kind"] == "ServiceAccount"
+    }
+    other = {"username": f"system:serviceaccount:nri-test:{default_name}", "extra": {NODE_NAME_EXTRA: ["n1"]}}
+    assert admit(policy, "CREATE", other, resource_slice("n2", "cpus.example.com"), None) is None
+
+
+def test_dra_admission_policy_values() -> None:
+    kinds = {d["kind"] for d in helm_template("dra.enabled=true", "dra.admissionPolicy.create=false")}
+    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+    assert {"DeviceClass", "ClusterRole", "ClusterRoleBinding"} <= kinds
+    kinds = {d["kind"] for d in helm_template("dra.admissionPolicy.create=true")}
+    assert not kinds & DRA_KINDS, "nothing of DRA while dra.enabled is false"
+    assert values()["dra"]["admissionPolicy"]["create"] is True
 
 
 # -- the image -----------------------------------------------------------------------------------------
