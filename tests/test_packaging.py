@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import configparser
+import dataclasses
 import json
 import os
 import posixpath
@@ -1204,6 +1205,104 @@ def test_dra_admission_policy_values() -> None:
     kinds = {d["kind"] for d in helm_template("dra.admissionPolicy.create=true")}
     assert not kinds & DRA_KINDS, "nothing of DRA while dra.enabled is false"
     assert values()["dra"]["admissionPolicy"]["create"] is True
+
+
+# -- the DRA component of the kustomize manifests ------------------------------------------------------
+
+DRA_COMPONENT = KUSTOMIZE / "components" / "dra"
+
+
+def kustomize_with_dra(overlay: str, tmp_path: Path) -> list[Doc]:
+    """An overlay with the DRA component added, as an operator adds it."""
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
+    base = os.path.relpath(KUSTOMIZE / "overlays" / overlay, tmp_path)  # kustomize: relative only
+    component = os.path.relpath(DRA_COMPONENT, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {base}\ncomponents:\n  - {component}\n"
+    )
+    result = subprocess.run(
+        [KUBECTL, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=GUARD, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return load_documents(result.stdout)
+
+
+def test_kustomize_dra_config_is_the_base_config_plus_dra() -> None:
+    base = parse_config(tomllib.loads((KUSTOMIZE / "base" / "config.toml").read_text()))
+    with_dra = parse_config(tomllib.loads((DRA_COMPONENT / "config.toml").read_text()))
+    assert not base.dra.enabled
+    assert with_dra.dra.enabled
+    assert with_dra.dra.driver_name == DRIVER
+    assert not with_dra.dra.node_name, "the node name comes from NODE_NAME"
+    assert with_dra == dataclasses.replace(base, dra=with_dra.dra), "only [dra] differs from the base"
+
+
+@pytest.mark.parametrize("overlay", ["containerd", "cri-o"])
+def test_kustomize_dra_component_on_an_overlay(overlay: str, tmp_path: Path) -> None:
+    docs = kustomize_with_dra(overlay, tmp_path)
+    ds = check_daemonset(docs)  # with [dra] on: the kubelet directories, NODE_NAME and the token
+    validate_manifests(docs)
+    assert config_of(docs).dra.enabled
+    assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is True
+    assert {d["kind"] for d in docs} >= DRA_KINDS
+    # The binding and the policy name the pod's own service account.
+    account = ds["spec"]["template"]["spec"]["serviceAccountName"]
+    namespace = ds["metadata"]["namespace"]
+    assert one(docs, "ServiceAccount")["metadata"]["name"] == account
+    assert one(docs, "ClusterRoleBinding")["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": namespace}
+    ]
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    daemon = {"username": f"system:serviceaccount:{namespace}:{account}", "extra": {NODE_NAME_EXTRA: ["n1"]}}
+    assert admit(policy, "CREATE", daemon, resource_slice("n1"), None) is None
+    assert admit(policy, "CREATE", daemon, resource_slice("n2"), None) is not None
+    assert admit(policy, "DELETE", daemon, None, resource_slice("n2")) is not None
+    # The overlay's own settings stay (the cri-o overlay's SELinux type).
+    security = ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert ("seLinuxOptions" in security) == (overlay == "cri-o")
+
+
+def without_labels(doc: Doc) -> Doc:
+    return {**doc, "metadata": {k: v for k, v in doc["metadata"].items() if k != "labels"}}
+
+
+def test_kustomize_dra_component_matches_the_chart(tmp_path: Path) -> None:
+    """The component renders what the chart renders with dra.enabled=true, for the same names."""
+    kustomized = kustomize_with_dra("containerd", tmp_path)
+    namespace = one(kustomized, "Namespace")["metadata"]["name"]
+    result = helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--namespace",
+        namespace,
+        *REQUIRED,
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        f"fullnameOverride={one(kustomized, 'DaemonSet')['metadata']['name']}",
+    )
+    assert result.returncode == 0, result.stderr
+    charted = load_documents(result.stdout)
+    for kind in DRA_KINDS:
+        assert without_labels(one(kustomized, kind)) == without_labels(one(charted, kind)), kind
+    assert config_of(kustomized).dra == config_of(charted).dra
+    assert one(kustomized, "ServiceAccount")["automountServiceAccountToken"] is True
+    assert one(charted, "ServiceAccount")["automountServiceAccountToken"] is True
+
+    def dra_mounts(docs: list[Doc]) -> tuple[dict[str, Doc], dict[str, Doc]]:
+        spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is True
+        config = config_of(docs).dra
+        paths = {str(config.registry_dir), f"{config.plugins_dir}/{config.driver_name}", str(config.cdi_dir)}
+        volumes = {v["name"]: v for v in spec["volumes"] if v.get("hostPath", {}).get("path") in paths}
+        mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"] if m["name"] in volumes}
+        assert len(volumes) == len(mounts) == 3
+        return volumes, mounts
+
+    assert dra_mounts(kustomized) == dra_mounts(charted)
 
 
 # -- the image -----------------------------------------------------------------------------------------
