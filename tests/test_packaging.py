@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import configparser
+import dataclasses
 import json
 import os
 import posixpath
@@ -28,9 +29,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import celpy
 import kubernetes_validate
 import pytest
 import yaml
+from celpy.adapter import json_to_cel
+from celpy.evaluation import CELEvalError
 from mixedcpu_support import ROOT, write_daemon_config
 
 from nri_plugin.daemon.config import (
@@ -914,7 +918,13 @@ def validate_manifests(docs: list[Doc]) -> None:
             pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {path}: {exc.message}")
 
 
-DRA_KINDS = {"DeviceClass", "ClusterRole", "ClusterRoleBinding"}
+DRA_KINDS = {
+    "DeviceClass",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
 
 
 @pytest.mark.parametrize(
@@ -1067,6 +1077,232 @@ def test_validate_manifests_catches_a_broken_object() -> None:
         pytest.fail.Exception, match=re.escape(f"DeviceClass {DRIVER}: spec: Additional properties")
     ):
         validate_manifests(broken)
+
+
+# -- the DRA admission policy: each node's daemon writes only its own node's ResourceSlices ----------
+
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+
+
+def admit(policy: Doc, operation: str, user: Doc, new: Doc | None, old: Doc | None) -> str | None:
+    """Evaluate the ValidatingAdmissionPolicy's CEL on one ResourceSlice request as kube-apiserver does:
+    unmatched (a matchCondition false) is admitted; else the variables in order, then every validation,
+    an error counting as a refusal (failurePolicy Fail). None when admitted, else the refusal's message."""
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    env = celpy.Environment()
+
+    def evaluate(expression: str, activation: dict[str, Any]) -> Any:
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    activation: dict[str, Any] = {
+        "request": json_to_cel({"operation": operation, "userInfo": user}),
+        "object": json_to_cel(new),
+        "oldObject": json_to_cel(old),
+    }
+    if not all(evaluate(c["expression"], activation) for c in spec["matchConditions"]):
+        return None
+    variables: dict[str, Any] = {}
+    for variable in spec.get("variables", []):
+        activation["variables"] = json_to_cel(variables)
+        variables[variable["name"]] = evaluate(variable["expression"], activation)
+    activation["variables"] = json_to_cel(variables)
+    for validation in spec["validations"]:
+        try:
+            passed = evaluate(validation["expression"], activation)
+        except CELEvalError as exc:
+            return f"error: {exc}"
+        if not passed:
+            if "messageExpression" in validation:
+                return str(evaluate(validation["messageExpression"], activation))
+            return str(validation["message"])
+    return None
+
+
+def resource_slice(node: str | None, driver: str = DRIVER) -> Doc:
+    """A ResourceSlice as the publisher writes it (nri_plugin.dra.slices), on `node`; None: allNodes."""
+    [obj] = dra_slices.resource_slices(
+        node_name=node or "elsewhere", node_uid="0" * 8, driver=driver, device_count=2, generation=1
+    )
+    if node is None:
+        del obj["spec"]["nodeName"]
+        obj["spec"]["allNodes"] = True
+    return obj
+
+
+def test_dra_admission_policy_keeps_each_daemon_to_its_own_node() -> None:
+    docs = helm_template("dra.enabled=true")
+    validate_manifests(docs)
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule == {
+        "apiGroups": ["resource.k8s.io"],
+        "apiVersions": ["*"],
+        "operations": ["CREATE", "UPDATE", "DELETE"],
+        "resources": ["resourceslices"],
+    }
+    # The user it matches is the daemon's service account, as bound by the ClusterRoleBinding.
+    [subject] = one(docs, "ClusterRoleBinding")["subjects"]
+    username = f"system:serviceaccount:{subject['namespace']}:{subject['name']}"
+    daemon = {"username": username, "extra": {NODE_NAME_EXTRA: ["node-a"]}}
+
+    mine, theirs = resource_slice("node-a"), resource_slice("node-b")
+    # Its own node's slices: created, updated (server-side apply), deleted.
+    assert admit(policy, "CREATE", daemon, mine, None) is None
+    assert admit(policy, "UPDATE", daemon, mine, mine) is None
+    assert admit(policy, "DELETE", daemon, None, mine) is None
+    # Another node's: refused, whichever way, with the node and the driver named.
+    refusal = admit(policy, "CREATE", daemon, theirs, None)
+    assert refusal is not None
+    assert "node-a" in refusal
+    assert DRIVER in refusal
+    assert admit(policy, "DELETE", daemon, None, theirs) is not None, "a delete is checked on the old object"
+    assert admit(policy, "UPDATE", daemon, mine, theirs) is not None, "no moving a slice to our node"
+    assert admit(policy, "UPDATE", daemon, theirs, mine) is not None, "nor away from it"
+    # Not for every node (allNodes), nor another driver's slice on our node.
+    assert admit(policy, "CREATE", daemon, resource_slice(None), None) is not None
+    assert admit(policy, "CREATE", daemon, resource_slice("node-a", "gpu.example.com"), None) is not None
+    # A token that names no node (not pod-bound, or an API server without ServiceAccountTokenPodNodeInfo)
+    # may write nothing.
+    extras: list[dict[str, list[str]]] = [{}, {NODE_NAME_EXTRA: []}, {NODE_NAME_EXTRA: ["node-a", "node-b"]}]
+    for extra in extras:
+        refusal = admit(policy, "CREATE", {"username": username, "extra": extra}, mine, None)
+        assert refusal is not None
+        assert NODE_NAME_EXTRA in refusal
+    assert admit(policy, "CREATE", {"username": username}, mine, None) is not None
+    # Anyone else (kubelet, an admin, another driver) is not this policy's business.
+    for user in ({"username": "system:node:node-b"}, {"username": "system:serviceaccount:other:sa"}):
+        assert admit(policy, "CREATE", user, theirs, None) is None
+        assert admit(policy, "DELETE", user, None, theirs) is None
+
+
+def test_dra_admission_policy_follows_the_release() -> None:
+    docs = helm_template(
+        "dra.enabled=true",
+        "serviceAccount.name=nri-daemon",
+        "dra.driverName=cpus.example.com",
+    )
+    validate_manifests(docs)
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    daemon = {"username": "system:serviceaccount:nri-test:nri-daemon", "extra": {NODE_NAME_EXTRA: ["n1"]}}
+    assert admit(policy, "CREATE", daemon, resource_slice("n1", "cpus.example.com"), None) is None
+    assert admit(policy, "CREATE", daemon, resource_slice("n2", "cpus.example.com"), None) is not None
+    assert admit(policy, "CREATE", daemon, resource_slice("n1"), None) is not None
+    # The release's default account name is no longer the daemon's: not matched.
+    [default_name] = {
+        d["metadata"]["name"] for d in helm_template("dra.enabled=true") if d["kind"] == "ServiceAccount"
+    }
+    other = {"username": f"system:serviceaccount:nri-test:{default_name}", "extra": {NODE_NAME_EXTRA: ["n1"]}}
+    assert admit(policy, "CREATE", other, resource_slice("n2", "cpus.example.com"), None) is None
+
+
+def test_dra_admission_policy_values() -> None:
+    kinds = {d["kind"] for d in helm_template("dra.enabled=true", "dra.admissionPolicy.create=false")}
+    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+    assert {"DeviceClass", "ClusterRole", "ClusterRoleBinding"} <= kinds
+    kinds = {d["kind"] for d in helm_template("dra.admissionPolicy.create=true")}
+    assert not kinds & DRA_KINDS, "nothing of DRA while dra.enabled is false"
+    assert values()["dra"]["admissionPolicy"]["create"] is True
+
+
+# -- the DRA component of the kustomize manifests ------------------------------------------------------
+
+DRA_COMPONENT = KUSTOMIZE / "components" / "dra"
+
+
+def kustomize_with_dra(overlay: str, tmp_path: Path) -> list[Doc]:
+    """An overlay with the DRA component added, as an operator adds it."""
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
+    base = os.path.relpath(KUSTOMIZE / "overlays" / overlay, tmp_path)  # kustomize: relative only
+    component = os.path.relpath(DRA_COMPONENT, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {base}\ncomponents:\n  - {component}\n"
+    )
+    result = subprocess.run(
+        [KUBECTL, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=GUARD, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return load_documents(result.stdout)
+
+
+def test_kustomize_dra_config_is_the_base_config_plus_dra() -> None:
+    base = parse_config(tomllib.loads((KUSTOMIZE / "base" / "config.toml").read_text()))
+    with_dra = parse_config(tomllib.loads((DRA_COMPONENT / "config.toml").read_text()))
+    assert not base.dra.enabled
+    assert with_dra.dra.enabled
+    assert with_dra.dra.driver_name == DRIVER
+    assert not with_dra.dra.node_name, "the node name comes from NODE_NAME"
+    assert with_dra == dataclasses.replace(base, dra=with_dra.dra), "only [dra] differs from the base"
+
+
+@pytest.mark.parametrize("overlay", ["containerd", "cri-o"])
+def test_kustomize_dra_component_on_an_overlay(overlay: str, tmp_path: Path) -> None:
+    docs = kustomize_with_dra(overlay, tmp_path)
+    ds = check_daemonset(docs)  # with [dra] on: the kubelet directories, NODE_NAME and the token
+    validate_manifests(docs)
+    assert config_of(docs).dra.enabled
+    assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is True
+    assert {d["kind"] for d in docs} >= DRA_KINDS
+    # The binding and the policy name the pod's own service account.
+    account = ds["spec"]["template"]["spec"]["serviceAccountName"]
+    namespace = ds["metadata"]["namespace"]
+    assert one(docs, "ServiceAccount")["metadata"]["name"] == account
+    assert one(docs, "ClusterRoleBinding")["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": namespace}
+    ]
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    daemon = {"username": f"system:serviceaccount:{namespace}:{account}", "extra": {NODE_NAME_EXTRA: ["n1"]}}
+    assert admit(policy, "CREATE", daemon, resource_slice("n1"), None) is None
+    assert admit(policy, "CREATE", daemon, resource_slice("n2"), None) is not None
+    assert admit(policy, "DELETE", daemon, None, resource_slice("n2")) is not None
+    # The overlay's own settings stay (the cri-o overlay's SELinux type).
+    security = ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert ("seLinuxOptions" in security) == (overlay == "cri-o")
+
+
+def without_labels(doc: Doc) -> Doc:
+    return {**doc, "metadata": {k: v for k, v in doc["metadata"].items() if k != "labels"}}
+
+
+def test_kustomize_dra_component_matches_the_chart(tmp_path: Path) -> None:
+    """The component renders what the chart renders with dra.enabled=true, for the same names."""
+    kustomized = kustomize_with_dra("containerd", tmp_path)
+    namespace = one(kustomized, "Namespace")["metadata"]["name"]
+    result = helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--namespace",
+        namespace,
+        *REQUIRED,
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        f"fullnameOverride={one(kustomized, 'DaemonSet')['metadata']['name']}",
+    )
+    assert result.returncode == 0, result.stderr
+    charted = load_documents(result.stdout)
+    for kind in DRA_KINDS:
+        assert without_labels(one(kustomized, kind)) == without_labels(one(charted, kind)), kind
+    assert config_of(kustomized).dra == config_of(charted).dra
+    assert one(kustomized, "ServiceAccount")["automountServiceAccountToken"] is True
+    assert one(charted, "ServiceAccount")["automountServiceAccountToken"] is True
+
+    def dra_mounts(docs: list[Doc]) -> tuple[dict[str, Doc], dict[str, Doc]]:
+        spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is True
+        config = config_of(docs).dra
+        paths = {str(config.registry_dir), f"{config.plugins_dir}/{config.driver_name}", str(config.cdi_dir)}
+        volumes = {v["name"]: v for v in spec["volumes"] if v.get("hostPath", {}).get("path") in paths}
+        mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"] if m["name"] in volumes}
+        assert len(volumes) == len(mounts) == 3
+        return volumes, mounts
+
+    assert dra_mounts(kustomized) == dra_mounts(charted)
 
 
 # -- the image -----------------------------------------------------------------------------------------
