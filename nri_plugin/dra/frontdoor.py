@@ -20,7 +20,6 @@ retried failure of the publisher and an error kubelet shows for a prepare, never
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 
 import structlog
@@ -52,7 +51,10 @@ class _SharedClient:
     async def close(self) -> None:
         client, self.client = self.client, None
         if client is not None:
-            await client.close()
+            try:
+                await client.close()
+            except Exception as exc:  # closing must not keep the daemon from stopping
+                log.warning("the API client did not close cleanly", error=f"{type(exc).__name__}: {exc}")
 
 
 class DraFrontDoor:
@@ -101,6 +103,7 @@ class DraFrontDoor:
         await self.kubelet_plugin.start()
         if self.publisher is not None:
             self._publishing = asyncio.create_task(self.publisher.run(), name="dra-resource-slices")
+            self._publishing.add_done_callback(_say_if_failed)
         log.info(
             "DRA front door serving",
             driver=self.config.driver_name,
@@ -115,7 +118,16 @@ class DraFrontDoor:
         task, self._publishing = self._publishing, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait([task])  # a failure of its own was logged when it ended
         await self.kubelet_plugin.close()
         await self._client.close()
+
+
+def _say_if_failed(task: asyncio.Task[None]) -> None:
+    """The publisher retries every failure it knows; one it does not is a bug: said, not swallowed
+    (the kubelet plugin goes on serving, and the gauge and ``status`` show the slices unpublished)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error(
+            "the ResourceSlice publisher stopped on an unexpected error; restart the daemon to publish again",
+            exc_info=task.exception(),
+        )
