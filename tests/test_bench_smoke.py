@@ -137,3 +137,19 @@ def test_probe_churn_prints_its_table() -> None:
         assert len(cells) == len(header.strip("|").split(" | ")), row
         assert int(cells[4]) >= 1, row  # probes sent
         assert cells[-1] in {"yes", "**no**"}, row
+
+
+def test_dra_prepare_prints_its_table() -> None:
+    """A few claims through the real DRA kubelet plugin: one row per kind of call (no figure judged)."""
+    out = _bench("dra_prepare.py", "--claims", "8", "--batch", "4", "--no-fsync")
+    assert out.splitlines()[0].startswith("load average "), out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == "| call | calls | p50 (us) | p99 (us) | max (us) |", out
+    assert [row.split(" | ")[0] for row in rows[1:]] == [
+        "| NodePrepareResources, 1 claim (claim source answers, spec written)",
+        "| NodePrepareResources, 4 claims in one call",
+        "| NodePrepareResources, 1 claim, claim source down: answered from its spec",
+        "| NodeUnprepareResources, 1 claim (spec removed)",
+    ], out
+    for row in rows[1:]:
+        assert int(row.split(" | ")[1]) >= 1, row
