@@ -36,6 +36,8 @@ from dataclasses import dataclass, fields
 from pathlib import PurePosixPath
 from typing import Any
 
+from nri_plugin.common.k8snames import is_dns_subdomain
+
 TABLE = "device_plugin"
 
 DEFAULT_RESOURCE_NAME = "workload.openshift.io/enable-shared-cpus"
@@ -56,8 +58,6 @@ _KUBELET_FILES = frozenset({KUBELET_SOCKET_NAME, "kubelet_internal_checkpoint", 
 # An extended resource name as kubelet's Register accepts it (v1helper.IsExtendedResourceName):
 # "<DNS-1123 subdomain>/<name>", not in the kubernetes.io domain, and "requests.<prefix>" must still
 # be a valid subdomain of at most 253 characters (the quota form of the name).
-_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
@@ -185,7 +185,7 @@ def _check_resource_name(name: str) -> None:
     if prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io") or prefix.startswith("requests."):
         raise _error("resource_name", name, f"is reserved for Kubernetes' own resources; {fix}")
     quota_prefix = "requests." + prefix
-    if len(quota_prefix) > 253 or not _SUBDOMAIN.fullmatch(quota_prefix):
+    if not is_dns_subdomain(quota_prefix):
         raise _error(
             "resource_name",
             name,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from nri_plugin.common.atomicfile import write_atomically
+from nri_plugin.common.k8snames import is_dns_label, is_dns_subdomain
 from nri_plugin.common.smallfile import RefusedFile, read_small_file
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey, dra_device_id
 from nri_plugin.dra.claims import AllocatedDevice
@@ -82,9 +83,6 @@ _RECORDED: Final = (ANN_NAMESPACE, ANN_NAME, ANN_UID, ANN_POOL, ANN_DEVICE, ANN_
 
 # metadata.uid as the API server makes it: a lowercase RFC 4122 UUID.
 _UID: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-_DNS_LABEL: Final = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DNS_SUBDOMAIN: Final = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-_SUBDOMAIN_MAX: Final = 253
 # The marker signs "dra.<device>", at most 63 characters (marker.HostKey.sign).
 _DEVICE_MAX: Final = 63 - len(dra_device_id(""))
 # A pool name: DNS subdomains joined by slashes, 253 characters at most (resource.k8s.io/v1).
@@ -124,12 +122,12 @@ def check_claim(claim: ClaimRef) -> None:
             "0b5f6a1e-3c1d-4e8a-9f00-5a1b2c3d4e5f); refusing to name a CDI spec file after it: "
             "kubelet sends the claim's metadata.uid, so check what sent this request"
         )
-    if not _DNS_LABEL.fullmatch(claim.namespace):
+    if not is_dns_label(claim.namespace):
         raise CdiError(
             f"claim namespace {_show(claim.namespace)} of claim {claim.uid} is not a Kubernetes "
             "namespace name (a DNS label: 1-63 of [a-z0-9-]); check what sent this request"
         )
-    if len(claim.name) > _SUBDOMAIN_MAX or not _DNS_SUBDOMAIN.fullmatch(claim.name):
+    if not is_dns_subdomain(claim.name):
         raise CdiError(
             f"claim name {_show(claim.name)} of claim {claim.uid} is not a ResourceClaim name "
             "(a DNS subdomain: 1-253 of [a-z0-9.-]); check what sent this request"
@@ -139,13 +137,13 @@ def check_claim(claim: ClaimRef) -> None:
 def check_device(device: AllocatedDevice) -> None:
     """Raise `CdiError` unless `device` can be written into a spec: its device name a DNS label short
     enough for the marker (59 characters), its request name a DNS label, its pool name set."""
-    if len(device.device) > _DEVICE_MAX or not _DNS_LABEL.fullmatch(device.device):
+    if len(device.device) > _DEVICE_MAX or not is_dns_label(device.device):
         raise CdiError(
             f"allocated device name {_show(device.device)} is not a DNS label of at most "
             f"{_DEVICE_MAX} characters, so it cannot be signed into a marker; our ResourceSlice "
             "publishes shared-cpus-<n>: check the claim's allocation"
         )
-    if not _DNS_LABEL.fullmatch(device.request):
+    if not is_dns_label(device.request):
         raise CdiError(
             f"request name {_show(device.request)} of device {device.device} is not a DNS label; "
             "check the claim's allocation"

@@ -21,11 +21,12 @@ validated :class:`DraConfig`, or raises :class:`DraConfigError` naming the key a
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import PurePosixPath
 from typing import Any, Final
+
+from nri_plugin.common.k8snames import is_dns_subdomain
 
 __all__ = ["DEFAULT_DRIVER_NAME", "TABLE", "DraConfig", "DraConfigError"]
 
@@ -39,8 +40,7 @@ SERVICE_SOCKET_NAME: Final = "dra.sock"
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 MAX_SOCKET_PATH: Final = 107
 # A driver name is a DNS subdomain of at most 63 characters (ResourceSlice's spec.driver).
-_DNS_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_SUBDOMAIN: Final = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+DRIVER_NAME_MAX: Final = 63
 _PATH_KEYS: Final = ("registry_dir", "plugins_dir", "cdi_dir")
 
 
@@ -68,14 +68,14 @@ class DraConfig:
             _check_type(key, getattr(self, key), str, "a string")
         for key in _PATH_KEYS:
             object.__setattr__(self, key, _absolute(key, getattr(self, key)))
-        if len(self.driver_name) > 63 or not _SUBDOMAIN.fullmatch(self.driver_name):
+        if not is_dns_subdomain(self.driver_name, DRIVER_NAME_MAX):
             raise _error(
                 "driver_name",
                 self.driver_name,
                 "must be a lowercase DNS subdomain of at most 63 characters, e.g. "
                 f"{DEFAULT_DRIVER_NAME!r} (kubelet and the ResourceSlice name the driver by it)",
             )
-        if self.node_name and (len(self.node_name) > 253 or not _SUBDOMAIN.fullmatch(self.node_name)):
+        if self.node_name and not is_dns_subdomain(self.node_name):
             raise _error(
                 "node_name",
                 self.node_name,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import stat
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -50,9 +49,11 @@ from api.drahealth.v1 import api_pb2_grpc as health_grpc
 from api.pluginregistration.v1 import api_pb2 as reg
 from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless, within
+from nri_plugin.common.k8snames import is_dns_subdomain
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.dra import cdi
 from nri_plugin.dra.claims import AllocatedDevice, ClaimError, ClaimSource
+from nri_plugin.dra.config import DRIVER_NAME_MAX
 
 if TYPE_CHECKING:
     from grpc.aio import ServicerContext
@@ -76,7 +77,6 @@ HEALTH_REFRESH: Final = 10.0  # seconds between repeats of the (unchanging) heal
 CLAIM_TIMEOUT: Final = 10.0  # how long a prepare waits for the ClaimSource before it uses the file
 STOP_GRACE: Final = 1.0  # how long close() lets an in-flight call finish
 # A driver name is a DNS subdomain (resource.k8s.io/v1); it names a directory and a socket here.
-_DRIVER_NAME: Final = re.compile(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?")
 _SOCKET_PATH_MAX: Final = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
@@ -189,7 +189,7 @@ class DraPluginSettings:
     fsync: bool = True  # False only for tests on throw-away directories
 
     def __post_init__(self) -> None:
-        if not _DRIVER_NAME.fullmatch(self.driver_name):
+        if not is_dns_subdomain(self.driver_name, DRIVER_NAME_MAX):
             raise DraPluginError(
                 f"DRA driver name {self.driver_name!r} is not a DNS subdomain of at most 63 "
                 "characters (lowercase letters, digits, '-' and '.'); set [dra] driver_name"

@@ -28,8 +28,9 @@ checks and what lightkube sends as it is (a server-side apply body). Pure: no I/
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import Any, Final
+
+from nri_plugin.common.k8snames import SUBDOMAIN_MAX, is_dns_subdomain
 
 __all__ = [
     "API_VERSION",
@@ -52,15 +53,13 @@ MAX_DEVICES_PER_SLICE: Final = 128
 # The request pod specs already carry; the DeviceClass maps it onto our devices (KEP-5004).
 DEFAULT_EXTENDED_RESOURCE_NAME: Final = "workload.openshift.io/enable-shared-cpus"
 
-_DNS_SUBDOMAIN_MAX: Final = 253
+_DNS_SUBDOMAIN_MAX: Final = SUBDOMAIN_MAX
 _DRIVER_NAME_MAX: Final = 63  # a driver name is a DNS subdomain of at most 63 characters
-_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN: Final = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 _HASH_CHARS: Final = 10  # hex digits of sha256 in a shortened name: 40 bits, no collision among nodes
 
 
 def _check_subdomain(what: str, value: str, limit: int) -> None:
-    if not (isinstance(value, str) and len(value) <= limit and _DNS_SUBDOMAIN.fullmatch(value)):
+    if not (isinstance(value, str) and is_dns_subdomain(value, limit)):
         raise ValueError(
             f"{what} {value!r} is not a DNS subdomain of at most {limit} characters"
             " (lower-case letters, digits, '-' and '.', starting and ending with a letter or digit)"
