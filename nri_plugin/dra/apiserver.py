@@ -47,6 +47,7 @@ __all__ = [
     "SERVICE_ACCOUNT_DIR",
     "ApiClaimSource",
     "ClientConfigError",
+    "LazyClient",
     "PublishError",
     "ResourceSlicePublisher",
     "default_backoff",
@@ -107,6 +108,35 @@ def make_client(
         raise ClientConfigError(
             f"cannot configure the API client from {where}: {_describe(exc)}; {fix}"
         ) from exc
+
+
+class LazyClient:
+    """An API client, or what makes one: made at the first :meth:`get` (so missing credentials fail
+    that use, logged and retried, instead of the daemon's start), then kept and shared."""
+
+    def __init__(self, client: AsyncClient | Callable[[], AsyncClient]) -> None:
+        self._make = client
+        self.client: AsyncClient | None = client if isinstance(client, AsyncClient) else None
+
+    def get(self) -> AsyncClient:
+        """The client; raises :class:`ClientConfigError` when it cannot be made (tried again next time)."""
+        if self.client is None:
+            assert not isinstance(self._make, AsyncClient)
+            self.client = self._make()
+        return self.client
+
+    def __call__(self) -> AsyncClient:
+        return self.get()
+
+    async def close(self) -> None:
+        """Close the client if it was made; an error closing it is logged, never raised."""
+        client, self.client = self.client, None
+        if client is None:
+            return
+        try:
+            await client.close()
+        except Exception as exc:  # closing must not keep the daemon from stopping
+            log.warning("the API client did not close cleanly", error=f"{type(exc).__name__}: {exc}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -201,8 +231,7 @@ class ResourceSlicePublisher:
     ) -> None:
         slices.slice_name(node_name, driver, 0)  # checks both names; raises ValueError
         slices.device_names(device_count)  # checks the count
-        self._client_or_factory = client
-        self._client: AsyncClient | None = client if isinstance(client, AsyncClient) else None
+        self._client = LazyClient(client)
         self.driver = driver
         self.node_name = node_name
         self._device_count = device_count
@@ -337,14 +366,10 @@ class ResourceSlicePublisher:
             log.info("ResourceSlices already up to date", node=self.node_name, generation=generation)
 
     def _get_client(self) -> AsyncClient:
-        if self._client is None:
-            factory = self._client_or_factory
-            assert not isinstance(factory, AsyncClient)
-            try:
-                self._client = factory()
-            except ClientConfigError as exc:
-                raise PublishError("credentials", str(exc)) from exc
-        return self._client
+        try:
+            return self._client.get()
+        except ClientConfigError as exc:
+            raise PublishError("credentials", str(exc)) from exc
 
     async def _call(self, call: Any, doing: str) -> Any:
         try:
@@ -401,20 +426,15 @@ class ApiClaimSource:
         driver: str,
         timeout: float = CLAIM_TIMEOUT,
     ) -> None:
-        self._client_or_factory = client
-        self._client: AsyncClient | None = client if isinstance(client, AsyncClient) else None
+        self._client = LazyClient(client)
         self.driver = driver
         self.timeout = timeout
 
     def _get_client(self) -> AsyncClient:
-        if self._client is None:
-            factory = self._client_or_factory
-            assert not isinstance(factory, AsyncClient)
-            try:
-                self._client = factory()
-            except ClientConfigError as exc:
-                raise ClaimError(str(exc)) from exc
-        return self._client
+        try:
+            return self._client.get()
+        except ClientConfigError as exc:
+            raise ClaimError(str(exc)) from exc
 
     async def allocated_devices(self, namespace: str, name: str, uid: str) -> tuple[AllocatedDevice, ...]:
         claim_ref = f"ResourceClaim {namespace}/{name}"

@@ -27,34 +27,13 @@ from lightkube import AsyncClient
 
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.dra import slices
-from nri_plugin.dra.apiserver import ApiClaimSource, ResourceSlicePublisher, make_client
+from nri_plugin.dra.apiserver import ApiClaimSource, LazyClient, ResourceSlicePublisher, make_client
 from nri_plugin.dra.config import DraConfig
 from nri_plugin.dra.kubeletplugin import DraKubeletPlugin, DraPluginSettings
 
 __all__ = ["DraFrontDoor"]
 
 log = structlog.get_logger("nri_plugin.dra")
-
-
-class _SharedClient:
-    """Makes the API client once, at the first call; `close()` closes it if it was made."""
-
-    def __init__(self, make: Callable[[], AsyncClient]) -> None:
-        self._make = make
-        self.client: AsyncClient | None = None
-
-    def __call__(self) -> AsyncClient:
-        if self.client is None:
-            self.client = self._make()
-        return self.client
-
-    async def close(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            try:
-                await client.close()
-            except Exception as exc:  # closing must not keep the daemon from stopping
-                log.warning("the API client did not close cleanly", error=f"{type(exc).__name__}: {exc}")
 
 
 class DraFrontDoor:
@@ -71,7 +50,7 @@ class DraFrontDoor:
     ) -> None:
         self.config = config
         self.node_name = node_name
-        self._client = _SharedClient(make_api_client or (lambda: make_client(config.kubeconfig)))
+        self._client = LazyClient(make_api_client or (lambda: make_client(config.kubeconfig)))
         settings = DraPluginSettings(
             driver_name=config.driver_name,
             registry_dir=config.registry_dir,
