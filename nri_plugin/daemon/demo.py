@@ -170,8 +170,9 @@ async def run_demo(
     return status
 
 
-class _Scenario:
-    """The demo's story, one method per part of it, printed to `out` as it happens."""
+class DemoScenario:
+    """What every demo's story starts from: the simulator, the node's files and cgroup naming, the
+    config, the node's marker key and the real plugin built from them as the daemon builds it."""
 
     def __init__(self, sim: RuntimeSimulator, node: DemoNode, naming: Naming, out: TextIO) -> None:
         self.sim = sim
@@ -181,15 +182,22 @@ class _Scenario:
         self.config = load_config(node.config_path)
         self.layout = build_layout(self.config)
         key = load_marker_key(self.config)
-        assert key is not None, "the demo's config trusts the device plugin's markers"
-        # The device plugin's half: Allocate answers with a marker signed by the node's key.
+        assert key is not None, "a demo's config trusts the signed allocation marker"
         self.key = key
         self.plugin = build_plugin(self.config, self.layout, key)
-        self.packet = naming.pod("2222-aaaa", "telco", "packet-fwd")
-        self.pod_dir: CgroupDir | None = None
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out)
+
+
+class _Scenario(DemoScenario):
+    """The demo's story, one method per part of it, printed to `out` as it happens. The device
+    plugin's half is played here: Allocate answers with a marker signed by the node's key."""
+
+    def __init__(self, sim: RuntimeSimulator, node: DemoNode, naming: Naming, out: TextIO) -> None:
+        super().__init__(sim, node, naming, out)
+        self.packet = naming.pod("2222-aaaa", "telco", "packet-fwd")
+        self.pod_dir: CgroupDir | None = None
 
     def marker(self, device: str) -> dict[str, str]:
         return {ANNOTATION_KEY: self.key.sign(device)}

@@ -35,9 +35,16 @@ from api.nri import api_pb2 as api
 from api.pluginregistration.v1 import api_pb2 as reg
 from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from cgroups import read_cpu_quota
-from nri_plugin.daemon.config import build_layout, load_config
-from nri_plugin.daemon.demo import NAMING, NODE_CPUS, PERIOD, SHARED_CPUS, DemoNode, Naming, describe
-from nri_plugin.daemon.wiring import build_plugin, load_marker_key
+from nri_plugin.daemon.demo import (
+    NAMING,
+    NODE_CPUS,
+    PERIOD,
+    SHARED_CPUS,
+    DemoNode,
+    DemoScenario,
+    Naming,
+    describe,
+)
 from nri_plugin.deviceplugin.marker import MARKER_ENV
 from nri_plugin.dra import cdi
 from nri_plugin.dra.claims import AllocatedDevice, ClaimError
@@ -109,19 +116,11 @@ async def run_dra_demo(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class _DraScenario:
+class _DraScenario(DemoScenario):
     """The story, one method per part, printed to `out` as it happens."""
 
     def __init__(self, sim: RuntimeSimulator, node: DemoNode, naming: Naming, out: TextIO) -> None:
-        self.sim = sim
-        self.node = node
-        self.naming = naming
-        self.out = out
-        self.config = load_config(node.config_path)
-        self.layout = build_layout(self.config)
-        key = load_marker_key(self.config)
-        assert key is not None, "the DRA demo's config trusts the signed marker"
-        self.plugin = build_plugin(self.config, self.layout, key)
+        super().__init__(sim, node, naming, out)
         self.allocation = _Allocation()
         dra_config = self.config.dra
         self.settings = DraPluginSettings(
@@ -133,11 +132,8 @@ class _DraScenario:
             device_names=(DEVICE, "shared-cpus-1"),
             fsync=False,
         )
-        self.kubelet_plugin = DraKubeletPlugin(self.settings, key, self.allocation)
+        self.kubelet_plugin = DraKubeletPlugin(self.settings, self.key, self.allocation)
         self.pod = naming.pod("5555-dddd", "telco", "packet-fwd")
-
-    def say(self, text: str = "") -> None:
-        print(text, file=self.out)
 
     async def run(self) -> int:
         stub = Stub(
