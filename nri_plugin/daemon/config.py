@@ -50,7 +50,7 @@ import stat
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import cgroups
 from cgroups import CgroupLayout, CgroupMode, CgroupModeError, CpusetError, Hierarchy
@@ -386,8 +386,10 @@ def parse_config(document: Mapping[str, Any], *, source: str = "<config>") -> Co
         shared_cpuset=_shared_cpuset(check, document["shared_cpuset"]),
         **_optional_values(check, document),
         **_trusted_sources(check, document.get(_SOURCES_TABLE, {})),
-        device_plugin=_device_plugin(check, document.get(_DEVICE_PLUGIN_TABLE, {})),
-        dra=_dra(check, document.get(_DRA_TABLE, {})),
+        device_plugin=_table(
+            check, _DEVICE_PLUGIN_TABLE, document.get(_DEVICE_PLUGIN_TABLE, {}), DevicePluginConfig
+        ),
+        dra=_table(check, _DRA_TABLE, document.get(_DRA_TABLE, {}), DraConfig),
     )
     _check_requests_provable(check, config)
     return config
@@ -430,29 +432,17 @@ def _trusted_sources(check: _Checker, sources: object) -> dict[str, Any]:
     }
 
 
-_DEVICE_PLUGIN_KEYS: Final = tuple(f.name for f in fields(DevicePluginConfig))
+_Table = TypeVar("_Table", DevicePluginConfig, DraConfig)
 
 
-def _device_plugin(check: _Checker, table: Any) -> DevicePluginConfig:
-    """The ``[device_plugin]`` table; its unknown keys are refused as every other table's are."""
+def _table(check: _Checker, name: str, table: Any, kind: type[_Table]) -> _Table:
+    """A table checked by its own config class (``[device_plugin]``, ``[dra]``); its unknown keys
+    are refused as every other table's are, the nearest known key offered."""
     if isinstance(table, Mapping):
-        check.unknown(table, _DEVICE_PLUGIN_KEYS, f"{_DEVICE_PLUGIN_TABLE}.")
+        check.unknown(table, tuple(f.name for f in fields(kind)), f"{name}.")
     try:
-        return DevicePluginConfig.from_table(table)
-    except DevicePluginConfigError as exc:
-        raise ConfigError(f"{check.source}: {exc}") from None
-
-
-_DRA_KEYS: Final = tuple(f.name for f in fields(DraConfig))
-
-
-def _dra(check: _Checker, table: Any) -> DraConfig:
-    """The ``[dra]`` table; its unknown keys are refused as every other table's are."""
-    if isinstance(table, Mapping):
-        check.unknown(table, _DRA_KEYS, f"{_DRA_TABLE}.")
-    try:
-        return DraConfig.from_table(table)
-    except DraConfigError as exc:
+        return kind.from_table(table)
+    except (DevicePluginConfigError, DraConfigError) as exc:
         raise ConfigError(f"{check.source}: {exc}") from None
 
 
