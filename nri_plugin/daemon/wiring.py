@@ -156,6 +156,9 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         record = build_allocation_record(config, key, observer=metrics)
         writer = build_quota_writer(config)
         plugin = build_plugin(config, layout, key, allocations=record, observer=metrics, writer=writer)
+        if key is not None:
+            # New allocations numbered above every one the books hold, whatever the clock did.
+            key.raise_floor(plugin.books.newest_allocation())
         stub = build_stub(
             plugin, identity, options, max_sync_bytes=config.max_synchronize_mib << 20, observer=metrics
         )

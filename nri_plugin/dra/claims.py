@@ -21,6 +21,9 @@ class AllocatedDevice:
     request: str  # the claim's request this device serves (for an extended resource: the generated one)
     pool: str  # the ResourceSlice pool: our node's name
     device: str  # a device of that pool, e.g. "shared-cpus-3"
+    # The uids of the pods the claim was reserved for when read (its status.reservedFor): the marker
+    # signed for the device proves a request in those pods only. Empty: not known (no pod bound).
+    reserved_for: tuple[str, ...] = ()
 
 
 class ClaimError(Exception):

@@ -189,8 +189,6 @@ class MixedCpuPlugin(
         self.keeper = Bookkeeper(store, clock=clock)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
         self.healer = Healer(self.quotas, interval=reconcile_interval, observer=observer, clock=clock)
-        # Without kubelet's record, a device binding is the only proof against a replayed marker.
-        self.healer.keep_bindings = trusted.allocations is None
         self.later = LaterLines()  # the info line of each creation, written after its reply
         self.creations: CreationObserver | None = None  # settable, as `observer` is
         self.roster = Roster()  # who the shared containers are, for the status
@@ -299,7 +297,9 @@ class MixedCpuPlugin(
             device=check.proof.device,
         )
         try:
-            quotas = await self.quotas.raise_for(pod, container, slot, record, saved)
+            quotas = await self.quotas.raise_for(
+                pod, container, slot, record, saved, allocation=check.proof.allocation
+            )
         except PluginRefusal as exc:
             self._creation_decided("state_file" if isinstance(exc, PluginFailure) else "cgroup")
             raise
@@ -421,13 +421,9 @@ class MixedCpuPlugin(
         tracing = trace.tracing()  # asked once, not for each of thousands of containers
         found: dict[str, Holder] = {}  # who the proven containers are, for the roster
 
-        def check_at_sync(
-            pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot]
-        ) -> RequestCheck:
+        def check_at_sync(pod: api.PodSandbox, container: api.Container, books: Books) -> RequestCheck:
             kubelet = None if node is None else devices_of(node, pod.namespace, pod.name, container.name)
-            check = self._check(
-                pod, container, holders, event="Synchronize", kubelet=kubelet, tracing=tracing
-            )
+            check = self._check(pod, container, books, event="Synchronize", kubelet=kubelet, tracing=tracing)
             if check.proof is not None:
                 created = container.created_at / 1e9 if container.created_at > 0 else None
                 found[container.id] = Holder(pod.namespace, pod.name, check.proof.source, created)
@@ -462,24 +458,25 @@ class MixedCpuPlugin(
         self,
         pod: api.PodSandbox,
         container: api.Container,
-        holders: Mapping[str, Slot] | None = None,
+        books: Books | None = None,
         *,
         event: str,
         kubelet: frozenset[str] | None = None,
         tracing: bool | None = None,
     ) -> RequestCheck:
         """The policy's verdict on the container's request (`kubelet`: the device ids kubelet's record
-        gives it, None when not asked), its refusals and notes logged; traced when `tracing` (None:
-        `trace.tracing`)."""
-        if holders is None:
-            holders = self.books.device_holders() if presents_marker(container) else {}
+        gives it, None when it did not answer) against `books` (None: the plugin's), its refusals and
+        notes logged; traced when `tracing` (None: `trace.tracing`)."""
+        books = self.books if books is None else books
+        marker = presents_marker(container)
         check = check_request(
             pod,
             container,
             marker_key=self.marker_key,
             trust_pod_annotation=self.trust_pod_annotation,
-            device_holders=holders,
+            device_holders=books.device_holders() if marker else {},
             kubelet_devices=kubelet,
+            spent=books.spent if marker else None,
         )
         for refusal in check.refusals:
             log.warning("request refused", reason=refusal, **pod_fields(pod, container, event=event))

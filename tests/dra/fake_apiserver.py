@@ -154,15 +154,21 @@ class FakeApiServer:
         *,
         results: list[dict[str, str]] | None,
         uid: str | None = None,
+        reserved_for: list[str] = (),  # type: ignore[assignment]
     ) -> str:
         """A ResourceClaim, allocated with `results` (driver, pool, device, request), or not allocated
-        when `results` is None. Its uid is returned."""
+        when `results` is None, reserved for the pods with uids `reserved_for` (the scheduler's
+        status.reservedFor). Its uid is returned."""
         obj: dict[str, Any] = {
             "metadata": {"name": name, "namespace": namespace},
             "spec": {"devices": {"requests": [{"name": "shared", "exactly": {"deviceClassName": "x"}}]}},
         }
         if results is not None:
             obj["status"] = {"allocation": {"devices": {"results": results}}}
+            if reserved_for:
+                obj["status"]["reservedFor"] = [
+                    {"resource": "pods", "name": f"pod-{uid}", "uid": uid} for uid in reserved_for
+                ]
         created = self._create(
             f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims", obj, "resourceclaims"
         )

@@ -80,9 +80,11 @@ def test_write_publishes_one_file_per_claim_readable_by_the_runtime(key: HostKey
     assert path == cdi_dir / f"mixed-cpu.openshift.io-shared-cpus_{UID}.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     assert load_valid_spec(path) == spec
+    spec = cdi.build_spec(CLAIM, [_device()], key, allocation=7)
+    cdi.write_spec(cdi_dir, CLAIM, spec, fsync=False)
     first = path.read_bytes()
-    cdi.write_spec(cdi_dir, CLAIM, cdi.build_spec(CLAIM, [_device()], key), fsync=False)
-    assert path.read_bytes() == first  # the same claim and devices: the same file
+    cdi.write_spec(cdi_dir, CLAIM, cdi.build_spec(CLAIM, [_device()], key, allocation=7), fsync=False)
+    assert path.read_bytes() == first  # the same claim, devices and allocation: the same file
     assert sorted(p.name for p in cdi_dir.iterdir()) == [path.name]  # no temporary file left
 
 
