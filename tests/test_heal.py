@@ -192,7 +192,7 @@ async def test_a_pod_gone_at_two_looks_keeps_its_bindings_and_kubelets_newest_al
     kubelet.reachable = False
     again = make_container(node.naming, thief, "c10", "fwd", annotations=marker(node.key, "dev-1"))
     assert await plugin.create_container(thief, again) is None
-    restarted, _ = make_plugin(node.plugin.store.directory, node.tree.layout, SHARED, allocations=kubelet)
+    restarted, _ = make_plugin(tmp_path / "state", node.tree.layout, SHARED, allocations=kubelet)
     assert await restarted.create_container(thief, again) is None
     plugin.healer.stop()
 

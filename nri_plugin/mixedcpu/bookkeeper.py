@@ -180,8 +180,8 @@ class Bookkeeper:
     def _absorb(self) -> None:
         """Take the books' changes; for a key already waiting, the files still hold the older value."""
         spent = self._books.take_spent_changes()
-        for device, old in spent.items():
-            self._spent.setdefault(device, old)
+        for device, spent_before in spent.items():
+            self._spent.setdefault(device, spent_before)
         pods, devices = self._books.take_changes()
         if not self._pods:
             self._pods = pods  # (the books start new ones: these are ours)

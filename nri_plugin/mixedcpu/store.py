@@ -336,9 +336,9 @@ def changes_line(
         if (now := books.devices.get(device)) != old
     ]
     ops += [
-        _spent_operation(device, now)
-        for device, old in (spent or {}).items()
-        if (now := books.spent.get(device)) is not None and now != old
+        _spent_operation(device, spent_now)
+        for device, spent_before in (spent or {}).items()
+        if (spent_now := books.spent.get(device)) is not None and spent_now != spent_before
     ]
     return _encode_operations(ops)
 
