@@ -162,6 +162,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         stub = build_stub(
             plugin, identity, options, max_sync_bytes=config.max_synchronize_mib << 20, observer=metrics
         )
+        plugin.send_updates = stub.update_containers  # grants that wait for a binding's end
         device_plugin = build_device_plugin(config, key, observer=metrics)
         dra = build_dra(config, key, env)
         probes = build_probes(config, metrics, stub, device_plugin, dra)

@@ -185,6 +185,9 @@ class RequestCheck(NamedTuple):
     proof: Proof | None
     notes: tuple[str, ...] = ()
     refusals: tuple[str, ...] = ()
+    # A device id when the marker was refused only because that device is bound to a container of
+    # another pod the same claim was reserved for: it is granted once that binding ends.
+    waits_for: str | None = None
 
 
 _BY_ANNOTATION: Final = Proof("pod-annotation")
@@ -229,20 +232,21 @@ def check_request(
     kubelet did not answer (then the marker and the allocations presented before decide). The marker is looked
     at first, then the pod annotation; the env only when neither proves anything.
     """
-    notes: list[str] = []
-    refusals: list[str] = []
+    said = _Said([], [], [])
+    notes, refusals = said.notes, said.refusals
     marker = _find_marker(container, notes)
     if marker is None:
         proof = None
     elif kubelet_devices is not None and marker_key is not None:
         proof = _kubelet_proof(pod, container, marker, marker_key, kubelet_devices, spent or {}, refusals)
     else:
-        proof = _marker_proof(pod, container, marker, marker_key, device_holders, spent, notes, refusals)
+        proof = _marker_proof(pod, container, marker, marker_key, device_holders, spent, said)
     if proof is None:
         proof = _annotation_proof(pod, container, trust_pod_annotation, notes)
     if proof is None:
         notes.extend(_env_notes(container))
-    return RequestCheck(proof, tuple(notes), tuple(refusals))
+    waits = said.waits[0] if said.waits and proof is None else None
+    return RequestCheck(proof, tuple(notes), tuple(refusals), waits)
 
 
 def shows_evidence(pod: api.PodSandbox, container: api.Container) -> bool:
@@ -301,6 +305,15 @@ def _find_marker(container: api.Container, notes: list[str]) -> _Marker | None:
     return _Marker(annotation, "device-plugin marker", _IN_ANNOTATION)
 
 
+class _Said(NamedTuple):
+    """What a check says besides its proof: `notes`, `refusals`, and `waits` (the device whose
+    binding's end will grant the container: `RequestCheck.waits_for`)."""
+
+    notes: list[str]
+    refusals: list[str]
+    waits: list[str]
+
+
 def _marker_proof(
     pod: api.PodSandbox,
     container: api.Container,
@@ -308,49 +321,68 @@ def _marker_proof(
     marker_key: MarkerKey | None,
     device_holders: Mapping[str, Slot],
     spent: Mapping[str, Spent] | None,
-    notes: list[str],
-    refusals: list[str],
+    said: _Said,
 ) -> Proof | None:
-    """The marker's own proof (kubelet not asked), if it holds one; why not goes to `notes` or
-    `refusals`."""
+    """The marker's own proof (kubelet not asked), if it holds one; why not goes to `said`."""
     if marker_key is None:
-        notes.append(f"{marker.kind} ignored: trusted_sources.device_plugin_marker is false")
+        said.notes.append(f"{marker.kind} ignored: trusted_sources.device_plugin_marker is false")
         return None
     signed = marker_key.read(marker.value)
     if signed is None:
-        refusals.append(
+        said.refusals.append(
             f"refused {marker.where}: it was not signed with this node's key "
             "(forged, or copied from another node)"
         )
         return None
-    device = signed.device
     if signed.pods and pod.uid not in signed.pods:
-        refusals.append(
-            f"refused {marker.where}: device {device} was prepared for a claim reserved for other "
-            f"pods ({', '.join(sorted(signed.pods)[:3])}{', ...' if len(signed.pods) > 3 else ''}), "
+        said.refusals.append(
+            f"refused {marker.where}: device {signed.device} was prepared for a claim reserved for "
+            f"other pods ({', '.join(sorted(signed.pods)[:3])}{', ...' if len(signed.pods) > 3 else ''}), "
             f"not pod {pod.uid or '(no uid)'} (a copied marker)"
         )
         return None
-    mine = container_slot(pod, container)
-    holder = device_holders.get(device)
-    last = spent.get(device) if spent is not None else None
+    holder = device_holders.get(signed.device)
+    last = spent.get(signed.device) if spent is not None else None
     if last is None and holder is not None:
         # Bound before allocations were numbered (0); not compared at all without `spent`.
         last = Spent(0 if spent is not None else signed.allocation, holder.pod, holder.name)
-    if last is not None and last.slot != mine and signed.allocation <= last.allocation:
-        if holder is not None and holder != mine:
-            refusals.append(
-                f"refused {marker.where}: device {device} is already held by "
-                f"container {holder} (a replayed marker)"
-            )
-        else:
-            refusals.append(
-                f"refused {marker.where}: this allocation of device {device} was presented by "
-                f"container {last.slot} first; a marker is good for one allocation, also once its "
-                "holder is gone (a replayed marker)"
-            )
-        return None
-    return Proof("device-plugin", device, signed.allocation)
+    if last is None or _newest(container_slot(pod, container), signed, last, holder, marker, said):
+        return Proof("device-plugin", signed.device, signed.allocation)
+    return None
+
+
+def _newest(
+    mine: Slot, signed: Signed, last: Spent, holder: Slot | None, marker: _Marker, said: _Said
+) -> bool:
+    """Whether the slot `mine` may take `signed`'s device, whose newest allocation presented is
+    `last` (bound to `holder`, None: its binding ended): its own slot's, a newer allocation, or a claim
+    reserved for this pod too whose holder's binding has ended. Why not goes to `said`."""
+    if last.slot == mine or signed.allocation > last.allocation:
+        return True
+    device = signed.device
+    # A claim reserved for several pods is one allocation for each of them: once its holder's binding
+    # has ended, the next of those pods may take the device; until then it waits.
+    shared_claim = mine.pod in signed.pods and last.pod != mine.pod and signed.allocation == last.allocation
+    if shared_claim and holder is None:
+        return True
+    if shared_claim and holder == last.slot:
+        said.waits.append(device)
+        said.refusals.append(
+            f"refused {marker.where} for now: device {device} is held by container {holder} of another "
+            "pod its claim is reserved for; it is given to this one when that pod ends"
+        )
+    elif holder is not None and holder != mine:
+        said.refusals.append(
+            f"refused {marker.where}: device {device} is already held by container {holder} "
+            "(a replayed marker)"
+        )
+    else:
+        said.refusals.append(
+            f"refused {marker.where}: this allocation of device {device} was presented by container "
+            f"{last.slot} first; a marker is good for one allocation, also once its holder is gone "
+            "(a replayed marker)"
+        )
+    return False
 
 
 def _kubelet_proof(
