@@ -88,6 +88,31 @@ def test_write_publishes_one_file_per_claim_readable_by_the_runtime(key: HostKey
     assert sorted(p.name for p in cdi_dir.iterdir()) == [path.name]  # no temporary file left
 
 
+def test_the_marker_names_the_pods_the_claim_is_reserved_for_and_the_file_records_them(
+    key: HostKey, cdi_dir: Path
+) -> None:
+    pods = ("aaaaaaaa-0000-4000-8000-000000000001", "bbbbbbbb-0000-4000-8000-000000000002")
+    device = AllocatedDevice(request="shared", pool=POOL, device="shared-cpus-3", reserved_for=pods)
+    spec = cdi.build_spec(CLAIM, [device], key)
+    [entry] = spec["devices"]
+    [env] = entry["containerEdits"]["env"]
+    signed = key.read(env.removeprefix(f"{MARKER_ENV}="))
+    assert signed is not None
+    assert (signed.device, signed.pods) == ("dra.shared-cpus-3", frozenset(pods))
+    cdi.write_spec(cdi_dir, CLAIM, spec, fsync=False)
+    assert cdi.read_recorded(cdi_dir, CLAIM) == (device,)  # the fallback signs for the same pods
+    # A spec written before the pods were recorded reads back with none (its marker then names none).
+    del entry["annotations"][cdi.ANN_PODS]
+    cdi.write_spec(cdi_dir, CLAIM, spec, fsync=False)
+    assert cdi.read_recorded(cdi_dir, CLAIM) == (_device(),)
+
+
+def test_a_claim_reserved_for_what_cannot_be_signed_is_refused_with_a_reason(key: HostKey) -> None:
+    device = AllocatedDevice(request="shared", pool=POOL, device="shared-cpus-3", reserved_for=("a,b",))
+    with pytest.raises(cdi.CdiError, match=r"status\.reservedFor"):
+        cdi.build_spec(CLAIM, [device], key)
+
+
 def test_write_makes_a_missing_spec_directory(key: HostKey, tmp_path: Path) -> None:
     cdi_dir = tmp_path / "run" / "cdi"  # a tmpfs /var/run emptied by a reboot
     path = cdi.write_spec(cdi_dir, CLAIM, cdi.build_spec(CLAIM, [_device()], key), fsync=False)
