@@ -157,6 +157,43 @@ async def test_a_copied_dra_marker_is_refused_in_any_pod_the_claim_is_not_reserv
         await within(node.daemon.wait_log("copier-copy-2", "a claim reserved for other pods (aaaa-5555)"))
 
 
+async def test_a_claim_reserved_for_two_pods_goes_to_the_second_when_the_first_ends() -> None:
+    """One claim reserved for two pods, no PodResources record: the second pod's container waits and
+    is given the shared CPUs, by the daemon's own UpdateContainers, when the first pod ends."""
+    async with dra_node() as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))
+        results = [{"driver": DRIVER, "pool": NODE, "device": "shared-cpus-6", "request": "shared"}]
+        pods = ["aaaa-6666", "bbbb-6666"]
+        uid = dra.api.add_claim("telco", "both", results=results, reserved_for=pods)
+        answer = await within(dra.kubelet.prepare(DRIVER, [Claim("telco", "both", uid)]))
+        [cdi_id] = answer[uid].devices[0].cdi_device_ids
+        node = dra.node
+        first, second = (node.pod(pod_uid, f"fwd-{i}", namespace="telco") for i, pod_uid in enumerate(pods))
+        results_by_pod = []
+        for i, pod in enumerate((first, second)):
+            await node.sim.run_pod_sandbox(pod)
+            container = make_container(
+                NAMING, pod, f"both-{i}", "fwd", cpus=f"{2 + 2 * i}-{3 + 2 * i}", quota=200000
+            )
+            results_by_pod.append(await within(node.sim.create_container(container, cdi_devices=[cdi_id])))
+        assert is_shared(results_by_pod[0])
+        assert not is_shared(results_by_pod[1])
+        await within(
+            node.daemon.wait_log("for now: device dra.shared-cpus-6 is held by container aaaa-6666/fwd")
+        )
+        await node.sim.stop_container("both-0")
+        await node.sim.stop_pod_sandbox(first.id)
+        await within(node.daemon.wait_log("shared CPUs given once the device's binding ended", "both-1"))
+        await wait_until(
+            lambda: node.sim.containers["both-1"].linux.resources.cpu.cpus == "0-1,4-5",
+            what="the daemon's update of the waiting container",
+        )
+        [sent] = node.sim.unsolicited
+        assert sent.containers == ("both-1",)
+
+
 async def test_a_claim_the_api_server_does_not_know_fails_alone_and_the_daemon_runs_on() -> None:
     async with dra_node() as dra:
         await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
