@@ -3,13 +3,18 @@
 Independent of the code under test: it does not import our generated modules (api.dra,
 api.pluginregistration, api.drahealth). Requests are encoded and answers decoded by hand, from the
 field numbers of kubelet's own protos (k8s.io/kubelet pkg/apis/pluginregistration/v1, dra/v1,
-dra-health/v1), with a small protobuf writer/reader below, and the calls go out through grpc with
+dra-health/v1 and v1alpha1), with a small protobuf writer/reader below, and the calls go out through grpc with
 identity (bytes) serializers on the upstream method paths. If our protos had a wrong number, name,
 package or type, these calls would fail or decode to something else.
 
 What it does, in kubelet's order: find ``*-reg.sock`` files in the registry directory, call GetInfo,
 check the type and the versions, dial the announced endpoint, report with NotifyRegistrationStatus;
 then NodePrepareResources / NodeUnprepareResources / NodeWatchResources on the endpoint.
+
+Which health service it opens depends on the kubelet release it plays (`minor`): 1.34-1.36 have only
+the v1alpha1 client and open ``/v1alpha1.DRAResourceHealth/NodeWatchResources`` on every plugin
+(with their ResourceHealthStatus gate on), whatever it announced; later ones take v1 when the plugin
+announces ``v1.DRAResourceHealth``, else v1alpha1 when it announces that, else none.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
 PREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"
 UNPREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources"
-WATCH = "/v1.DRAResourceHealth/NodeWatchResources"
+HEALTH_METHOD = "/{}/NodeWatchResources"  # the service as announced: "v1.DRAResourceHealth", ...
 
 DRA_PLUGIN_TYPE = "DRAPlugin"
 KUBELET_VERSIONS = ("v1.DRAPlugin",)  # what this kubelet speaks (1.34+)
 HEALTH_VERSION = "v1.DRAResourceHealth"
-HEALTHY = 1  # v1.HealthStatus
+HEALTH_VERSION_ALPHA = "v1alpha1.DRAResourceHealth"
+HEALTHY = 1  # HealthStatus, the same in v1 and v1alpha1
 CALL_TIMEOUT = 15.0  # against hangs only
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
@@ -238,9 +244,20 @@ class Registered:
     channel: grpc.aio.Channel
 
 
+def health_service(minor: int, supported_versions: tuple[str, ...]) -> str | None:
+    """The health service a kubelet 1.`minor` opens on a plugin announcing `supported_versions`."""
+    if minor <= 36:
+        return HEALTH_VERSION_ALPHA
+    for service in (HEALTH_VERSION, HEALTH_VERSION_ALPHA):
+        if service in supported_versions:
+            return service
+    return None
+
+
 @dataclass
 class FakeKubeletDra:
     registry_dir: Path
+    minor: int = 37  # the kubelet release played: 1.<minor>
     plugins: dict[str, Registered] = field(default_factory=dict)  # by driver name
     get_info_calls: int = 0
 
@@ -304,8 +321,12 @@ class FakeKubeletDra:
         return decode_unprepare_response(await call(encode_claims(claims), timeout=CALL_TIMEOUT))
 
     async def watch_health(self, driver: str) -> AsyncGenerator[list[DeviceHealth], None]:
-        """The health stream, one decoded message at a time (kubelet keeps it open)."""
-        call = self._channel(driver).unary_stream(WATCH, **_BYTES)
+        """The health stream this kubelet release opens, one decoded message at a time (kubelet keeps
+        it open). Raises LookupError when it would open none."""
+        service = health_service(self.minor, self.plugins[driver].info.supported_versions)
+        if service is None:
+            raise LookupError(f"kubelet 1.{self.minor} opens no health stream on {driver}")
+        call = self._channel(driver).unary_stream(HEALTH_METHOD.format(service), **_BYTES)
         stream: Any = call(b"")
         try:
             async for message in stream:

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from cdi_support import load_valid_spec
-from fake_kubelet_dra import HEALTH_VERSION, HEALTHY, Claim, FakeKubeletDra, Prepared
+from fake_kubelet_dra import (
+    HEALTH_VERSION,
+    HEALTH_VERSION_ALPHA,
+    HEALTHY,
+    Claim,
+    FakeKubeletDra,
+    Prepared,
+    health_service,
+)
 from wait_support import wait_until
 
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey
@@ -162,7 +170,7 @@ async def test_kubelet_registers_the_plugin(node: Node, plugin: DraKubeletPlugin
     assert registered.info.type == "DRAPlugin"
     assert registered.info.name == DRIVER
     assert registered.info.endpoint == str(node.plugins_dir / DRIVER / "dra.sock")
-    assert set(registered.info.supported_versions) == {"v1.DRAPlugin", HEALTH_VERSION}
+    assert set(registered.info.supported_versions) == {"v1.DRAPlugin", HEALTH_VERSION, HEALTH_VERSION_ALPHA}
     await asyncio.wait_for(plugin.wait_registered(), 15)
     assert plugin.registered
     assert plugin.registration_error == ""
@@ -372,8 +380,16 @@ async def test_a_damaged_spec_file_is_an_error_for_its_claim_only(
 
 
 @pytest.mark.asyncio
-async def test_the_health_stream_lists_every_device_healthy(node: Node, plugin: DraKubeletPlugin) -> None:
+@pytest.mark.parametrize(
+    ("minor", "service"), [(34, HEALTH_VERSION_ALPHA), (36, HEALTH_VERSION_ALPHA), (37, HEALTH_VERSION)]
+)
+async def test_the_health_stream_lists_every_device_healthy(
+    node: Node, plugin: DraKubeletPlugin, minor: int, service: str
+) -> None:
+    """kubelets 1.34-1.36 open v1alpha1 (their only client), 1.37 picks v1 from what we announce."""
+    node.kubelet.minor = minor
     await _registered(node, plugin)
+    assert health_service(minor, node.kubelet.plugins[DRIVER].info.supported_versions) == service
     stream = node.kubelet.watch_health(DRIVER)
     first = await asyncio.wait_for(anext(stream), 15)
     assert [(d.pool_name, d.device_name, d.health) for d in first] == [
