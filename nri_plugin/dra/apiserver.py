@@ -488,7 +488,12 @@ class ApiClaimSource:
                 f"{claim_ref} is not allocated yet: the scheduler allocates it before kubelet prepares"
             )
         ours = tuple(
-            AllocatedDevice(request=result.request, pool=result.pool, device=result.device)
+            AllocatedDevice(
+                request=result.request,
+                pool=result.pool,
+                device=result.device,
+                admin_access=bool(result.adminAccess),
+            )
             for result in results or ()
             if result.driver == self.driver
         )

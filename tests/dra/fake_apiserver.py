@@ -152,14 +152,18 @@ class FakeApiServer:
         namespace: str,
         name: str,
         *,
-        results: list[dict[str, str]] | None,
+        results: list[dict[str, Any]] | None,
         uid: str | None = None,
+        requests: list[dict[str, Any]] | None = None,
     ) -> str:
-        """A ResourceClaim, allocated with `results` (driver, pool, device, request), or not allocated
+        """A ResourceClaim asking `requests` (default: one request "shared" of exactly one device),
+        allocated with `results` (driver, pool, device, request, maybe adminAccess), or not allocated
         when `results` is None. Its uid is returned."""
+        if requests is None:
+            requests = [{"name": "shared", "exactly": {"deviceClassName": "x"}}]
         obj: dict[str, Any] = {
             "metadata": {"name": name, "namespace": namespace},
-            "spec": {"devices": {"requests": [{"name": "shared", "exactly": {"deviceClassName": "x"}}]}},
+            "spec": {"devices": {"requests": requests}},
         }
         if results is not None:
             obj["status"] = {"allocation": {"devices": {"results": results}}}

@@ -177,6 +177,18 @@ class DeviceHealth:
     last_updated_time: int
 
 
+def cdi_devices_for(prepared: Prepared, request: str) -> list[str]:
+    """The CDI devices kubelet hands the runtime for a container whose ``resources.claims`` entry
+    names this claim and `request` ("" for the whole claim): those of every prepared device whose
+    request_names hold `request` (or that names none)."""
+    return [
+        cdi_id
+        for device in prepared.devices
+        if not request or not device.request_names or request in device.request_names
+        for cdi_id in device.cdi_device_ids
+    ]
+
+
 def encode_claims(claims: list[Claim]) -> bytes:
     # Node(Un)PrepareResourcesRequest: repeated Claim claims = 1
     return b"".join(length_delimited(1, c.encode()) for c in claims)

@@ -415,6 +415,50 @@ async def test_claim_devices_of_our_driver_in_allocation_order(
     ]
 
 
+# The claims and allocations as the scheduler writes them (resource.k8s.io/v1), one per shape.
+CLASS = DRIVER  # the chart's DeviceClass is named after the driver
+PLAIN = ([{"name": "shared", "exactly": {"deviceClassName": CLASS}}], [result("shared-cpus-4")])
+FIRST_AVAILABLE = (
+    [
+        {
+            "name": "cpus",
+            "firstAvailable": [
+                {"name": "gpu-side", "deviceClassName": "gpu.example.com"},
+                {"name": "shared", "deviceClassName": CLASS},
+            ],
+        }
+    ],
+    [result("shared-cpus-5", request="cpus/shared")],
+)
+ADMIN = (
+    [{"name": "watch", "exactly": {"deviceClassName": CLASS, "adminAccess": True}}],
+    [{**result("shared-cpus-6", request="watch"), "adminAccess": True}],
+)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        (PLAIN, (AllocatedDevice("shared", NODE, "shared-cpus-4"),)),
+        (FIRST_AVAILABLE, (AllocatedDevice("cpus/shared", NODE, "shared-cpus-5"),)),
+        (ADMIN, (AllocatedDevice("watch", NODE, "shared-cpus-6", admin_access=True),)),
+    ],
+    ids=["plain", "firstAvailable", "adminAccess"],
+)
+async def test_claim_shapes_the_scheduler_writes(
+    server: FakeApiServer,
+    client: AsyncClient,
+    shape: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+    expected: tuple[AllocatedDevice, ...],
+) -> None:
+    requests, results = shape
+    uid = server.add_claim("team-a", "c", requests=requests, results=results)
+    stored = server.objects["/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims"]["c"]
+    validate(stored)  # the shape is one the API server takes
+    assert await claims(client).allocated_devices("team-a", "c", uid) == expected
+
+
 @pytest.mark.asyncio
 async def test_claim_not_found(server: FakeApiServer, client: AsyncClient) -> None:
     with pytest.raises(ClaimError, match=r"^ResourceClaim team-a/gone does not exist"):

@@ -20,7 +20,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 from fake_apiserver import FakeApiServer
-from fake_kubelet_dra import Claim, FakeKubeletDra
+from fake_kubelet_dra import Claim, FakeKubeletDra, cdi_devices_for
 from mixedcpu_support import make_container
 from redteam_support import NAMING, DaemonNode, daemon_node, is_shared, short_directory, within
 from wait_support import wait_until
@@ -195,3 +195,63 @@ async def test_the_status_shows_the_dra_front_door_and_its_claim() -> None:
         await within(dra.kubelet.unprepare(DRIVER, [Claim("telco", "fwd-shared", uid)]))
         after = await asyncio.to_thread(fetch_status, path)
         assert after["dra"]["prepared_claims"]["count"] == 0
+
+
+async def test_claims_as_the_scheduler_writes_them_plain_first_available_and_admin_access() -> None:
+    """A firstAvailable result names ``<request>/<subrequest>``; kubelet gives the container that names
+    the request the devices whose request_names hold it, so the answer names the request alone. A
+    result with adminAccess is refused with the reason, alone."""
+    async with dra_node() as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))
+
+        def ours(device: str, request: str, **extra: object) -> dict[str, object]:
+            return {"driver": DRIVER, "pool": NODE, "device": device, "request": request, **extra}
+
+        plain = dra.api.add_claim("telco", "plain", results=[ours("shared-cpus-1", "shared")])
+        alternatives = [
+            {"name": "gpu-side", "deviceClassName": "gpu.example.com"},
+            {"name": "shared", "deviceClassName": DRIVER},
+        ]
+        first = dra.api.add_claim(
+            "telco",
+            "first",
+            requests=[{"name": "cpus", "firstAvailable": alternatives}],
+            results=[ours("shared-cpus-2", "cpus/shared")],
+        )
+        admin = dra.api.add_claim(
+            "telco",
+            "admin",
+            requests=[{"name": "watch", "exactly": {"deviceClassName": DRIVER, "adminAccess": True}}],
+            results=[ours("shared-cpus-3", "watch", adminAccess=True)],
+        )
+        claims = [
+            Claim("telco", "plain", plain),
+            Claim("telco", "first", first),
+            Claim("telco", "admin", admin),
+        ]
+        answer = await within(dra.kubelet.prepare(DRIVER, claims))
+
+        assert answer[plain].error == ""
+        assert [d.request_names for d in answer[plain].devices] == [("shared",)]
+        assert answer[first].error == ""
+        [device] = answer[first].devices
+        assert (device.request_names, device.device_name) == (("cpus",), "shared-cpus-2")
+        assert "allocated to request 'watch' with adminAccess" in answer[admin].error
+        assert "remove adminAccess from the request" in answer[admin].error
+        assert not answer[admin].devices
+        assert not cdi.spec_path(dra.cdi_dir, admin).exists()
+
+        # The container names the claim's request "cpus": kubelet hands it the device, the runtime
+        # injects it, and the container gets the shared CPUs.
+        cdi_ids = cdi_devices_for(answer[first], "cpus")
+        assert cdi_ids == [cdi.cdi_device_id(first, "shared-cpus-2")]
+        assert cdi_devices_for(answer[first], "cpus/shared") == []  # what kubelet would not match
+        node = dra.node
+        pod = node.pod("aaaa-4444", "fwd", namespace="telco")
+        await node.sim.run_pod_sandbox(pod)
+        container = make_container(NAMING, pod, "fwd-4", "fwd", cpus="2-3", quota=200000)
+        result = await within(node.sim.create_container(container, cdi_devices=cdi_ids))
+        assert env_of(result.container)[MARKER_ENV] == node.key.sign("dra.shared-cpus-2")
+        assert is_shared(result)

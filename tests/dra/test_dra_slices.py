@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from nri_plugin.dra import slices
 
@@ -161,3 +163,28 @@ def test_the_schema_refuses_a_broken_device_class() -> None:
     obj["spec"]["selectors"][0]["cel"] = {"expr": "true"}  # "expression" is the field
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(obj)
+
+
+def _doc_examples() -> list[dict[str, Any]]:
+    """The API objects in docs/dra.md's yaml blocks."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "dra.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    return [doc for block in blocks for doc in yaml.safe_load_all(block) if doc]
+
+
+def test_the_examples_in_docs_dra_are_valid_objects() -> None:
+    examples = _doc_examples()
+    kinds = sorted(obj["kind"] for obj in examples)
+    assert kinds == ["DeviceClass", "ResourceClaimTemplate", "ResourceClaimTemplate"]
+    for obj in examples:
+        validate(obj)
+    [device_class] = [obj for obj in examples if obj["kind"] == "DeviceClass"]
+    assert device_class == slices.device_class(DRIVER)
+    alternatives = [
+        request["firstAvailable"]
+        for obj in examples
+        if obj["kind"] == "ResourceClaimTemplate"
+        for request in obj["spec"]["spec"]["devices"]["requests"]
+        if "firstAvailable" in request
+    ]
+    assert [subs[0]["deviceClassName"] for subs in alternatives] == [DRIVER]  # ours first
