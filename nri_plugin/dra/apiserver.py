@@ -375,7 +375,7 @@ class ResourceSlicePublisher:
                     report = log.warning if self._published else log.debug  # once per round
                     report(
                         "our ResourceSlices were deleted or changed on the API server; publishing them again",
-                        event=event_type,
+                        watch_event=event_type,
                         slice=(as_dict.get("metadata") or {}).get("name"),
                         node=self.node_name,
                     )

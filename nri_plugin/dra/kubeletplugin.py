@@ -35,7 +35,7 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -268,6 +268,8 @@ class DraKubeletPlugin:
         self.registrations = 0  # successful registrations kubelet reported
         self.registration_sockets = 0  # times the registration socket was created
         self.open_health_streams = 0
+        # Called at each successful registration kubelet reports (the front door checks the slices).
+        self.on_registered: Callable[[], None] | None = None
         self._registration_error = ""
         self._registered = asyncio.Event()
         self._closing = asyncio.Event()
@@ -384,6 +386,8 @@ class DraKubeletPlugin:
             self._registration_error = ""
             self._registered.set()
             log.info("registered with kubelet", driver=self.driver_name, endpoint=str(self.endpoint))
+            if self.on_registered is not None:
+                self.on_registered()
         else:
             self._registration_error = error or "kubelet gave no reason"
             self._registered.clear()

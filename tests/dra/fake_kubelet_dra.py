@@ -9,7 +9,10 @@ package or type, these calls would fail or decode to something else.
 
 What it does, in kubelet's order: find ``*-reg.sock`` files in the registry directory, call GetInfo,
 check the type and the versions, dial the announced endpoint, report with NotifyRegistrationStatus;
-then NodePrepareResources / NodeUnprepareResources / NodeWatchResources on the endpoint.
+then NodePrepareResources / NodeUnprepareResources / NodeWatchResources on the endpoint. And what
+its DRA plugin manager does to the API server: delete the node's ResourceSlices (DeleteCollection by
+field selector) of every driver when kubelet starts, and of one driver once that driver has been
+unusable for its wiping delay (30 s), see :meth:`FakeKubeletDra.wipe_resource_slices`.
 
 Which health service it opens depends on the kubelet release it plays (`minor`): 1.34-1.36 have only
 the v1alpha1 client and open ``/v1alpha1.DRAResourceHealth/NodeWatchResources`` on every plugin
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 import os
 import stat
+import urllib.parse
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx2
 
 # Method paths: the upstream packages and services.
 GET_INFO = "/pluginregistration.Registration/GetInfo"
@@ -345,6 +350,18 @@ class FakeKubeletDra:
                 yield decode_health(message)
         finally:
             stream.cancel()
+
+    @staticmethod
+    async def wipe_resource_slices(api_url: str, token: str, node: str, driver: str = "") -> None:
+        """kubelet's wipe: DeleteCollection of the node's ResourceSlices (of `driver` only, if given),
+        as kubelet sends it at its start (all drivers) and when a driver's wiping delay ran out."""
+        selector = f"spec.nodeName={node}" + (f",spec.driver={driver}" if driver else "")
+        url = f"{api_url}/apis/resource.k8s.io/v1/resourceslices?" + urllib.parse.urlencode(
+            {"fieldSelector": selector}
+        )
+        async with httpx2.AsyncClient(timeout=CALL_TIMEOUT) as client:
+            response = await client.delete(url, headers={"Authorization": f"Bearer {token}"})
+        response.raise_for_status()
 
     async def close(self) -> None:
         for plugin in self.plugins.values():

@@ -330,15 +330,21 @@ async def test_slices_kubelet_wipes_come_back(
     was unusable for 30 s (DeleteCollection by field selector); the watch sees it and they return."""
     server.add_node(NODE)
     pub = publisher(client)
-    task = await run_until_published(pub)
-    await wait_until(lambda: server.watches >= 1, what="the publisher watching its slices")
-    gone = server.delete_collection(SLICES, selector)
-    assert [name for name, _ in FULL] == gone
-    await wait_until(lambda: names_and_devices(server) == FULL, what="the slices published again")
-    await asyncio.wait_for(pub.wait_published(), GUARD)
+    with structlog.testing.capture_logs() as logs:
+        task = await run_until_published(pub)
+        await wait_until(lambda: server.watches >= 1, what="the publisher watching its slices")
+        gone = server.delete_collection(SLICES, selector)
+        assert [name for name, _ in FULL] == gone
+        await wait_until(lambda: names_and_devices(server) == FULL, what="the slices published again")
+        await asyncio.wait_for(pub.wait_published(), GUARD)
+        await stop(task)
     assert pub.published
     assert pub.restores >= 1
-    await stop(task)
+    seen = [entry for entry in logs if entry["event"].startswith("our ResourceSlices were deleted")]
+    assert [(entry["log_level"], entry["watch_event"]) for entry in seen][:1] == [("warning", "DELETED")]
+    assert server.watches == 1  # the same watch saw it through: it never failed
+    assert not [entry for entry in logs if entry["log_level"] not in ("info", "debug", "warning")]
+    assert not [entry for entry in logs if "failed" in entry["event"]]
 
 
 @pytest.mark.asyncio

@@ -19,7 +19,7 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-from fake_apiserver import FakeApiServer
+from fake_apiserver import SLICES, TOKEN, FakeApiServer
 from fake_kubelet_dra import Claim, FakeKubeletDra, cdi_devices_for
 from mixedcpu_support import make_container
 from redteam_support import NAMING, DaemonNode, daemon_node, is_shared, short_directory, within
@@ -255,3 +255,82 @@ async def test_claims_as_the_scheduler_writes_them_plain_first_available_and_adm
         result = await within(node.sim.create_container(container, cdi_devices=cdi_ids))
         assert env_of(result.container)[MARKER_ENV] == node.key.sign("dra.shared-cpus-2")
         assert is_shared(result)
+
+
+# -- kubelet's life: its wipes of the node's ResourceSlices ---------------------------------------------
+
+
+async def _registered_and_published(dra: DraNode) -> None:
+    await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+    [socket] = dra.kubelet.registration_sockets()
+    await within(dra.kubelet.register(socket))
+    await wait_until(lambda: len(dra.api.slices()) == 2, what="the node's ResourceSlices")
+
+
+def _pool(dra: DraNode) -> list[tuple[str, int]]:
+    return [(obj["metadata"]["name"], len(obj["spec"]["devices"])) for obj in dra.api.slices()]
+
+
+FULL_POOL = [(f"{NODE}-{DRIVER}-0", 128), (f"{NODE}-{DRIVER}-1", 128)]
+DELETED_SEEN = "our ResourceSlices were deleted or changed on the API server; publishing them again"
+
+
+async def test_a_restarted_kubelet_wipes_the_node_s_slices_and_they_come_back() -> None:
+    """kubelet deletes every ResourceSlice of its node when it starts, then registers the plugins it
+    finds in its registry directory; the daemon, running all along, publishes the pool again."""
+    async with dra_node() as dra:
+        await _registered_and_published(dra)
+        await dra.kubelet.close()  # kubelet stops
+        kubelet = FakeKubeletDra(dra.kubelet.registry_dir)  # and starts again
+        dra.kubelet = kubelet
+        await within(kubelet.wipe_resource_slices(dra.api.url, TOKEN, NODE))
+        assert dra.api.slices() == []
+        await dra.node.daemon.wait_log(DELETED_SEEN, '"watch_event": "DELETED"')  # the watch saw it
+        [socket] = kubelet.registration_sockets()
+        await within(kubelet.register(socket))
+        await wait_until(lambda: _pool(dra) == FULL_POOL, what="the pool published again")
+        for obj in dra.api.slices():
+            kubernetes_validate.validate(obj, "1.34", strict=True)
+        path = status_socket_path(str(dra.node.state_dir))
+        await wait_until(
+            lambda: fetch_status(path)["dra"]["resource_slices"]["published"], what="status: published"
+        )
+
+
+async def test_the_driver_s_slices_wiped_after_it_was_unusable_come_back() -> None:
+    """kubelet deletes a driver's slices once the driver has been unusable for its wiping delay (30 s):
+    here the wipe lands after the daemon had come back and published (a restart that took about as
+    long as the delay), and kubelet registers it again."""
+    async with dra_node() as dra:
+        await _registered_and_published(dra)
+        writes = len(dra.api.writes())
+        await within(dra.kubelet.wipe_resource_slices(dra.api.url, TOKEN, NODE, DRIVER))
+        assert dra.api.slices() == []
+        await dra.node.daemon.wait_log(DELETED_SEEN, '"watch_event": "DELETED"')  # the watch saw it
+        await wait_until(lambda: _pool(dra) == FULL_POOL, what="the pool published again")
+        # The wipe (one DELETE) and the daemon's applies, nothing else: no stale deletes, no loop.
+        after = [(r.method, r.path.rsplit("/", 1)[-1]) for r in dra.api.writes()[writes:]]
+        assert after[0] == ("DELETE", "resourceslices")
+        assert sorted(after[1:]) == [("PATCH", name) for name, _ in FULL_POOL]
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))  # kubelet takes it again: the pool is as it was
+        assert _pool(dra) == FULL_POOL
+
+
+async def test_the_api_server_down_for_a_while_and_back() -> None:
+    async with dra_node() as dra:
+        await _registered_and_published(dra)
+        path = status_socket_path(str(dra.node.state_dir))
+        await dra.api.stop_listening()
+        dra.api.objects[SLICES].clear()  # and the slices went meanwhile (unseen by any watch)
+        await dra.node.daemon.wait_log("watching the ResourceSlices failed; checking them and watching again")
+        await wait_until(
+            lambda: fetch_status(path)["dra"]["resource_slices"]["failures"] >= 1,
+            what="status: the checks failing while the API server is away",
+        )
+        await dra.api.listen_again()
+        await wait_until(lambda: _pool(dra) == FULL_POOL, what="the pool published again")
+        await wait_until(
+            lambda: fetch_status(path)["dra"]["resource_slices"]["failures"] == 0, what="status: recovered"
+        )
+        assert dra.node.daemon.proc.returncode is None

@@ -179,6 +179,19 @@ async def test_kubelet_registers_the_plugin(node: Node, plugin: DraKubeletPlugin
 
 
 @pytest.mark.asyncio
+async def test_each_registration_is_announced_to_on_registered(node: Node, plugin: DraKubeletPlugin) -> None:
+    """The front door checks the ResourceSlices then: a new registration often follows a kubelet
+    start, which wiped them."""
+    calls: list[int] = []
+    plugin.on_registered = lambda: calls.append(plugin.registrations)
+    (socket,) = node.kubelet.registration_sockets()
+    await node.kubelet.notify(socket, False, "refused")  # a refusal is not a registration
+    await _registered(node, plugin)
+    await _registered(node, plugin)  # kubelet restarted and registered the socket again
+    assert calls == [1, 2]
+
+
+@pytest.mark.asyncio
 async def test_a_refusal_from_kubelet_is_recorded(node: Node, plugin: DraKubeletPlugin) -> None:
     (socket,) = node.kubelet.registration_sockets()
     await node.kubelet.notify(socket, False, "no handler for this plugin type")
