@@ -176,8 +176,14 @@ def _publish_error(exc: BaseException, doing: str) -> PublishError:
     return PublishError("unexpected answer", f"unexpected answer to {doing}: {type(exc).__name__}: {exc}")
 
 
+def _status_code(exc: ApiError) -> int:
+    """The HTTP status of an API error; one from a watch's ERROR event has a Status but no response."""
+    response = getattr(exc, "response", None)
+    return exc.status.code or (response.status_code if response is not None else 0)
+
+
 def _api_error(exc: ApiError, doing: str) -> PublishError:
-    code = exc.status.code or exc.response.status_code
+    code = _status_code(exc)
     message = exc.status.message or ""
     if code in (401, 403):
         return PublishError(
@@ -509,7 +515,7 @@ class ResourceSlicePublisher:
 
 
 def _describe_watch_failure(exc: BaseException) -> PublishError:
-    if isinstance(exc, ApiError) and (exc.status.code or exc.response.status_code) == 410:
+    if isinstance(exc, ApiError) and _status_code(exc) == 410:
         return PublishError("expired", "the watch's starting point expired on the API server (410 Gone)")
     if isinstance(exc, (ApiError, *_API_FAILURES)):
         return _publish_error(exc, "watching our ResourceSlices")

@@ -103,6 +103,10 @@ class FakeApiServer:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     deliver_watch_events: bool = True
     watches: int = 0  # watch requests answered
+    # A watch from a resourceVersion below this gets the API server's "too old resource version"
+    # (an ERROR event carrying a 410 Expired Status), as after etcd compacted that history.
+    expired_below: int = 0
+    _watch_epoch: int = 0
     _server: asyncio.Server | None = None
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
     _handlers: set[asyncio.Task[None]] = field(default_factory=set)
@@ -335,6 +339,11 @@ class FakeApiServer:
             self._delete(collection, name)
         return gone
 
+    def end_watches(self) -> None:
+        """End every open watch stream cleanly, as the API server does at a watch's timeout."""
+        self._watch_epoch += 1
+        self._wake()
+
     def replace_object(self, collection: str, obj: dict[str, Any]) -> None:
         """Another writer's update of a stored object (a new resourceVersion, a MODIFIED event)."""
         obj = copy.deepcopy(obj)
@@ -408,6 +417,12 @@ class FakeApiServer:
             for _, obj in sorted(self.objects.get(collection, {}).items()):
                 if _matches(obj, selector):
                     _chunk(writer, {"type": "ADDED", "object": obj})
+        elif int(since) < self.expired_below:
+            expired = _status(410, f"too old resource version: {since} ({self.expired_below})", "Expired")
+            _chunk(writer, {"type": "ERROR", "object": expired})
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return
         else:
             cursor = int(since)
         timeout = float(request.query.get("timeoutSeconds") or 0) or None
@@ -419,7 +434,8 @@ class FakeApiServer:
     async def _stream(
         self, writer: asyncio.StreamWriter, collection: str, selector: str, cursor: int
     ) -> None:
-        while not self._closing.is_set():
+        epoch = self._watch_epoch
+        while not self._closing.is_set() and epoch == self._watch_epoch:
             for version, where, kind, obj in self._events:
                 if version > cursor and where == collection and _matches(obj, selector):
                     _chunk(writer, {"type": kind, "object": obj})

@@ -382,6 +382,30 @@ async def test_our_own_writes_start_no_new_round(server: FakeApiServer, client: 
 
 
 @pytest.mark.asyncio
+async def test_an_expired_watch_starts_again_from_a_fresh_list(
+    server: FakeApiServer, client: AsyncClient
+) -> None:
+    """The API server ends a watch; resumed from its resourceVersion, it is too old (410 Expired):
+    the publisher checks the slices and watches again from the new list, and still sees deletions."""
+    server.add_node(NODE)
+    pub = publisher(client)
+    with structlog.testing.capture_logs() as logs:
+        task = await run_until_published(pub)
+        await wait_until(lambda: server.watches >= 1, what="the publisher watching its slices")
+        server.add_node("worker-2")  # history moves on, and what the watch started from is compacted
+        server.expired_below = server._last_version
+        server.end_watches()
+        await wait_until(lambda: server.watches >= 3, what="the watch resumed, expired, started again")
+        server.delete_collection(SLICES, OURS)
+        await wait_until(lambda: names_and_devices(server) == FULL, what="the slices published again")
+        await stop(task)
+    [expired] = [entry for entry in logs if entry["event"].startswith("watching the ResourceSlices failed")]
+    assert expired["log_level"] == "warning"
+    assert expired["error"] == "the watch's starting point expired on the API server (410 Gone)"
+    assert pub.restores >= 1
+
+
+@pytest.mark.asyncio
 async def test_a_missed_deletion_is_caught_at_the_resync(server: FakeApiServer, client: AsyncClient) -> None:
     server.add_node(NODE)
     pub = publisher(client, resync_interval=0.2)
