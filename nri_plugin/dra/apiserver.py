@@ -206,6 +206,21 @@ def _unexpected(exc: BaseException, doing: str) -> PublishError:
     return PublishError("unexpected", f"unexpected failure {doing}: {type(exc).__name__}: {exc}")
 
 
+def _report(
+    what: str, error: PublishError, cause: BaseException, previous: str | None, attempt: int, delay: float
+) -> None:
+    """A failure that will be retried: a warning for the first of a streak of one kind (with the
+    traceback when nobody foresaw it), debug lines for the retries after it."""
+    first = error.kind != previous
+    (log.warning if first else log.debug)(
+        what,
+        error=str(error),
+        attempt=attempt,
+        retry_in=round(delay, 2),
+        exc_info=cause if first and error.kind == "unexpected" else None,
+    )
+
+
 class ResourceSlicePublisher:
     """Keeps the node's ResourceSlices on the API server: :meth:`run` publishes (retrying until it
     succeeds), then watches our slices and publishes again whenever they are deleted or changed by
@@ -308,13 +323,8 @@ class ResourceSlicePublisher:
                 self.failures += 1
                 self.last_error = str(error)
                 delay = self.backoff.next()
-                report = log.warning if error.kind != kind else log.debug
-                report(
-                    "publishing the ResourceSlices failed, retrying",
-                    error=str(error),
-                    attempt=self.failures,
-                    retry_in=round(delay, 2),
-                    exc_info=exc if error is not exc and error.kind != kind else None,
+                _report(
+                    "publishing the ResourceSlices failed, retrying", error, exc, kind, self.failures, delay
                 )
                 kind = error.kind
                 await self._sleep_unless_wanted(delay)
@@ -348,13 +358,13 @@ class ResourceSlicePublisher:
                 error = exc if isinstance(exc, PublishError) else _describe_watch_failure(exc)
                 self.watch_failures += 1
                 delay = self.watch_backoff.next()
-                report = log.warning if error.kind != kind else log.debug
-                report(
+                _report(
                     "watching the ResourceSlices failed; checking them and watching again",
-                    error=str(error),
-                    attempt=self.watch_failures,
-                    retry_in=round(delay, 2),
-                    exc_info=exc if error.kind == "unexpected" and error.kind != kind else None,
+                    error,
+                    exc,
+                    kind,
+                    self.watch_failures,
+                    delay,
                 )
                 kind = error.kind
                 await asyncio.sleep(delay)
