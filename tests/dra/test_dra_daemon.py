@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -178,6 +179,7 @@ async def test_the_status_shows_the_dra_front_door_and_its_claim() -> None:
             "devices": 256,
             "failures": 0,
             "last_error": None,
+            "restores": 0,
         }
         assert section["prepared_claims"] == {"count": 1, "capped": False, "read_error": None}
         [row] = document["containers"]
@@ -294,6 +296,13 @@ async def test_a_restarted_kubelet_wipes_the_node_s_slices_and_they_come_back() 
         path = status_socket_path(str(dra.node.state_dir))
         await wait_until(
             lambda: fetch_status(path)["dra"]["resource_slices"]["published"], what="status: published"
+        )
+        document = await asyncio.to_thread(fetch_status, path)
+        jsonschema.Draft202012Validator(STATUS_SCHEMA).validate(document)
+        assert document["dra"]["resource_slices"]["restores"] >= 1
+        [line] = [row for row in render_table(document).splitlines() if row.startswith("  slices")]
+        assert re.fullmatch(
+            r"  slices       published: generation \d+, 256 devices, restored \d+ times?", line
         )
 
 
