@@ -21,8 +21,10 @@ How it asks
 Requests served through DRA
     Given the name of our DRA driver (`dra_driver`), a container's ids of our resource also hold
     ``dra.<device name>`` (`marker.dra_device_id`) for every device kubelet's record lists under the
-    container's dynamic resources (KEP-3695) with that driver: the id the DRA marker signs. Devices of
-    other drivers are not ours, whatever their names.
+    container's dynamic resources (KEP-3695) with that driver, from this node's pool (`dra_pool`, the
+    node's name) and one of the devices it published (`dra_devices`): the id the DRA marker signs.
+    Devices of other drivers, of another node's pool, or that our pool never had are not ours,
+    whatever their names: kubelet's record of them proves nothing here.
 
 When kubelet cannot be asked
     No socket, a refused connection, an error, or no answer in time: the lookup answers None, and the
@@ -42,7 +44,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Final, Protocol, TypeVar
 
 import grpc
@@ -128,7 +130,8 @@ def socket_state(path: str) -> str | None:
 class PodResourcesClient:
     """kubelet's record of the devices of `resource_name` it allocated (an
     `nri_plugin.mixedcpu.allocations.AllocationRecord`), and of the devices of our DRA driver
-    `dra_driver` (None: no DRA) as ``dra.<device name>``; see the module docstring."""
+    `dra_driver` (None: no DRA) in pool `dra_pool` among `dra_devices` as ``dra.<device name>``; see
+    the module docstring."""
 
     def __init__(
         self,
@@ -136,6 +139,8 @@ class PodResourcesClient:
         resource_name: str,
         *,
         dra_driver: str | None = None,
+        dra_pool: str = "",
+        dra_devices: Collection[str] = (),
         timeout: float = LOOKUP_TIMEOUT,
         ttl: float = CACHE_TTL,
         observer: PodResourcesObserver | None = None,
@@ -144,6 +149,8 @@ class PodResourcesClient:
         self.socket_path = socket_path
         self.resource_name = resource_name
         self.dra_driver = dra_driver
+        self.dra_pool = dra_pool
+        self.dra_devices = frozenset(dra_devices)
         self.timeout = timeout
         self.ttl = ttl
         self.observer = observer
@@ -297,7 +304,9 @@ class PodResourcesClient:
                     dra_device_id(device.device_name)
                     for claim in container.dynamic_resources
                     for device in claim.claim_resources
-                    if device.driver_name == self.dra_driver and device.device_name
+                    if device.driver_name == self.dra_driver
+                    and device.pool_name == self.dra_pool
+                    and device.device_name in self.dra_devices
                 )
             if ids:
                 found[container.name] = frozenset(ids)
