@@ -27,7 +27,6 @@ from wait_support import wait_until
 
 from nri_plugin.daemon.status import status_socket_path
 from nri_plugin.daemon.status_client import fetch_status, render_table
-from nri_plugin.deviceplugin.marker import MARKER_ENV
 from nri_plugin.dra import cdi
 from nri_plugin.nri.cdispecs import CdiSpecs
 from nri_plugin.nri.simulator import env_of
@@ -103,7 +102,7 @@ async def test_the_daemon_registers_publishes_prepares_and_the_container_gets_sh
         await node.sim.run_pod_sandbox(pod)
         container = make_container(NAMING, pod, "fwd-1", "fwd", cpus="2-3", quota=200000)
         result = await within(node.sim.create_container(container, cdi_devices=[cdi_id]))
-        assert env_of(result.container)[MARKER_ENV] == node.key.sign("dra.shared-cpus-7")
+        assert env_of(result.container)[cdi.marker_env("shared-cpus-7")] == node.key.sign("dra.shared-cpus-7")
         assert is_shared(result)
 
         # A second prepare (kubelet retries) answers the same; unprepare removes the spec, twice is fine.
