@@ -59,7 +59,7 @@ from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, 
 from nri_plugin.daemon.status import StatusParts, StatusServer, status_document, status_socket_path
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.deviceplugin.podresources import PodResourcesClient
+from nri_plugin.deviceplugin.podresources import DraDevices, PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.dra import slices
 from nri_plugin.dra.kubeletplugin import DraPluginError
@@ -282,9 +282,13 @@ def build_allocation_record(
         str(device_plugin.pod_resources_socket),
         device_plugin.resource_name,
         # Our driver's devices prove a request only from our pool (the node) and among those published.
-        dra_driver=config.dra.driver_name if dra else None,
-        dra_pool=dra_node_name(config, environ) if dra else "",
-        dra_devices=slices.device_names(device_plugin.device_count) if dra else (),
+        dra=DraDevices(
+            config.dra.driver_name,
+            dra_node_name(config, environ),
+            frozenset(slices.device_names(device_plugin.device_count)),
+        )
+        if dra
+        else None,
         observer=observer,
     )
 

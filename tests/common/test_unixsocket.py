@@ -96,7 +96,8 @@ def test_a_path_too_long_for_the_temporary_name_is_refused_before_anything_is_ma
     path = directory / "s"  # short enough itself, but not the temporary path beside it
     assert len(os.fsencode(path)) <= 107
     problem = socket_path_problem(path)
-    assert problem is not None and "over 107" in problem
+    assert problem is not None
+    assert "over 107" in problem
     with pytest.raises(OSError, match="over 107"):
         _listening(path)
     assert list(directory.iterdir()) == []

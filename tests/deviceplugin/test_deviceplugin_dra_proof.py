@@ -38,7 +38,7 @@ from mixedcpu_support import (
 
 from api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey, dra_device_id
-from nri_plugin.deviceplugin.podresources import PodResourcesClient
+from nri_plugin.deviceplugin.podresources import DraDevices, PodResourcesClient
 from nri_plugin.nri.cdispecs import CdiSpecs
 from nri_plugin.nri.simulator import RuntimeSimulator, env_of
 
@@ -47,7 +47,7 @@ DRIVER = "shared-cpus.mixed-cpu.openshift.io"
 CDI_KIND = "mixed-cpu.openshift.io/shared-cpus"
 NAMING = NAMINGS[0]
 FORGED = "v1:dra.shared-cpus-4:" + "A" * 43
-PUBLISHED = tuple(f"shared-cpus-{n}" for n in range(8))  # what node-1's ResourceSlices list
+PUBLISHED = frozenset(f"shared-cpus-{n}" for n in range(8))  # what node-1's ResourceSlices list
 
 
 @pytest.fixture
@@ -112,9 +112,7 @@ async def dra_node(root: Path, *, kubelet_answers: bool = True) -> AsyncIterator
     allocations = PodResourcesClient(
         str(root / "pr" / "kubelet.sock"),
         RESOURCE,
-        dra_driver=DRIVER,
-        dra_pool="node-1",
-        dra_devices=PUBLISHED,
+        dra=DraDevices(DRIVER, "node-1", PUBLISHED),
         ttl=0.0,
     )
     plugin, key = make_plugin(root / "state", tree.layout, allocations=allocations)

@@ -27,6 +27,7 @@ from nri_plugin.deviceplugin.podresources import (
     GET_RETRY_FIRST,
     LOOKUP_TIMEOUT,
     MAX_ANSWER,
+    DraDevices,
     PodResourcesClient,
     socket_state,
 )
@@ -330,7 +331,7 @@ async def test_check_says_when_kubelet_does_not_serve_get(
 
 DRIVER = "shared-cpus.mixed-cpu.openshift.io"
 # What our driver published: node-1's pool, shared-cpus-0 .. shared-cpus-9.
-OURS = {"dra_driver": DRIVER, "dra_pool": "node-1", "dra_devices": [f"shared-cpus-{n}" for n in range(10)]}
+OURS = {"dra": DraDevices(DRIVER, "node-1", frozenset(f"shared-cpus-{n}" for n in range(10)))}
 
 
 def record_dra(served: PodResourcesRecord) -> None:
