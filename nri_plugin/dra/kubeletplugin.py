@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import grpc
 import structlog
@@ -84,6 +86,7 @@ __all__ = [
 ]
 
 log = structlog.get_logger("nri_plugin.dra")
+T = TypeVar("T")
 
 PLUGIN_TYPE: Final = "DRAPlugin"  # kubelet's plugin handler for DRA drivers
 # The gRPC services we serve on the endpoint, as kubelet names them in supported_versions.
@@ -276,6 +279,9 @@ class DraKubeletPlugin:
         self._closing = asyncio.Event()
         self._locks = _ClaimLocks()
         self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
+        # The spec files are written, read and removed by one thread of our own (made at start): the
+        # loop shares the interpreter with one worker at most, never with a pool of them.
+        self._files: ThreadPoolExecutor | None = None
         self._published = frozenset(settings.device_names)
         self._serve_failures = 0  # failed attempts to serve the sockets again, since the last success
         self._serve_warned_at: float | None = None
@@ -310,10 +316,11 @@ class DraKubeletPlugin:
         if self._task is not None:
             raise RuntimeError("DraKubeletPlugin already started")
         self._closing.clear()
+        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dra-cdi-files")
         try:
             await self._ensure_served()
         except DraPluginError:
-            await self._stop_serving()
+            await self.close()
             raise
         self._task = asyncio.create_task(self._keep_served(), name="dra-kubelet-plugin")
 
@@ -326,6 +333,9 @@ class DraKubeletPlugin:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._stop_serving()
+        files, self._files = self._files, None
+        if files is not None:
+            files.shutdown(wait=False)  # a write under way finishes; nothing waits for it any more
 
     async def __aenter__(self) -> DraKubeletPlugin:
         await self.start()
@@ -417,6 +427,13 @@ class DraKubeletPlugin:
 
     # -- dra.v1 -----------------------------------------------------------------------------------------
 
+    async def _in_file_thread(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`call(*args, **kwargs)` on the plugin's file thread (or the loop's default executor
+        when the plugin is not started)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._files, functools.partial(call, *args, **kwargs)
+        )
+
     async def _prepare_all(self, claims: Sequence[dra.Claim]) -> dra.NodePrepareResourcesResponse:
         """The claims of one NodePrepareResources call, at most `PREPARE_CONCURRENCY` at a time over
         all calls, the loop given back after each one; never raises."""
@@ -456,7 +473,7 @@ class DraKubeletPlugin:
                 devices = await self._allocated_devices(claim)
                 self._check_published(devices)
                 spec = cdi.build_spec(claim, devices, self.key)
-                await asyncio.to_thread(cdi.write_spec, self.cdi_dir, claim, spec, fsync=self.fsync)
+                await self._in_file_thread(cdi.write_spec, self.cdi_dir, claim, spec, fsync=self.fsync)
         except (ClaimError, cdi.CdiError, OSError) as exc:
             return self._not_prepared(claim, clip(str(exc), _ERROR_LIMIT), report)
         except Exception as exc:  # a bug must cost one claim, never the daemon
@@ -511,7 +528,7 @@ class DraKubeletPlugin:
                 if isinstance(exc, ClaimSourceUnreachable)
                 else f"the claim source gave no answer within {self.claim_timeout} s"
             )
-            recorded = await asyncio.to_thread(
+            recorded = await self._in_file_thread(
                 cdi.read_recorded,
                 self.cdi_dir,
                 claim,
@@ -556,7 +573,7 @@ class DraKubeletPlugin:
         """One claim of a NodeUnprepareResources call: "" or the error; never raises."""
         try:
             async with self._locks.hold(uid):
-                removed = await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, uid)
+                removed = await self._in_file_thread(cdi.remove_spec, self.cdi_dir, uid)
         except (cdi.CdiError, OSError) as exc:
             message = f"claim {namespace}/{name} ({uid[:80]}): {exc}"
             log.warning(
