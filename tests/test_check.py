@@ -768,8 +768,7 @@ def test_check_asks_the_running_daemon_which_runtime_it_serves(
             server = StatusServer(status_socket_path(str(node.root / "state")), lambda: document)
             await server.start()
             serving.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
+            await asyncio.to_thread(stop.wait)
             await server.close()
 
         asyncio.run(run())
