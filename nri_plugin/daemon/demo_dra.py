@@ -200,7 +200,9 @@ class _DraScenario(DemoScenario):
         spec = json.loads(spec_file.read_text())
         [entry] = spec["devices"][0]["containerEdits"]["env"]
         self.say(f"  CDI spec {spec_file.name}: cdiVersion {spec['cdiVersion']}, kind {spec['kind']}")
-        self.say(f"  its container edits: env {entry[:60]}... (the marker, signed for dra.{DEVICE})")
+        name, _, marker = entry.partition("=")
+        version, signed_for, _ = marker.split(":")
+        self.say(f"  its container edits: env {name}={version}:{signed_for}:... (the marker, its MAC cut)")
         self.say()
         return str(cdi_id)
 
