@@ -669,9 +669,11 @@ class DevicePluginServer:
     async def _stop_serving(self) -> None:
         served, self._socket = self._socket, None
         if served is not None:
+            # The name first, before anything that awaits (and may be cancelled): the listening
+            # socket serves on without it. A file someone put there since is left alone.
+            remove_if_ours(served.path, served.file_id)
             served.servicer.close_streams()
             await served.server.stop(STOP_GRACE)
-            remove_if_ours(served.path, served.file_id)  # a file someone put there since is left alone
 
     async def _register(self, config: DevicePluginConfig) -> str | None:
         """Call Registration/Register on kubelet.sock; an error text if kubelet did not take us."""

@@ -405,9 +405,10 @@ class DraKubeletPlugin:
     async def _stop_serving(self) -> None:
         served = [s for s in (self._registration, self._service) if s is not None]
         self._registration = self._service = None
+        for each in served:  # the names first, before anything that awaits (and may be cancelled)
+            remove_if_ours(each.path, each.file_id)  # a file someone put there since is left alone
         for each in served:
             await _stop(each)
-            remove_if_ours(each.path, each.file_id)  # a file someone put there since is left alone
         self._registered.clear()
 
     # -- registration ---------------------------------------------------------------------------------
