@@ -164,11 +164,7 @@ class _DraServicer(dra_grpc.DRAPluginServicer):
     async def NodeUnprepareResources(
         self, request: dra.NodeUnprepareResourcesRequest, context: ServicerContext[Any, Any]
     ) -> dra.NodeUnprepareResourcesResponse:
-        response = dra.NodeUnprepareResourcesResponse()
-        for claim in request.claims:
-            error = await self._plugin._unprepare(claim.namespace, claim.name, claim.uid)
-            response.claims[claim.uid].error = error
-        return response
+        return await self._plugin._unprepare_all(request.claims)
 
 
 class _HealthServicer(health_grpc.DRAResourceHealthServicer):
@@ -570,20 +566,43 @@ class DraKubeletPlugin:
                     "claim's status and the node's ResourceSlices"
                 )
 
-    async def _unprepare(self, namespace: str, name: str, uid: str) -> str:
+    async def _unprepare_all(self, claims: Sequence[dra.Claim]) -> dra.NodeUnprepareResourcesResponse:
+        """The claims of one NodeUnprepareResources call, one after another (each waits for the file
+        thread, so the loop turns between them); logged as prepares are. Never raises."""
+        response = dra.NodeUnprepareResourcesResponse()
+        report = _CallReport()
+        for claim in claims:
+            response.claims[claim.uid].error = await self._unprepare(
+                claim.namespace, claim.name, claim.uid, report
+            )
+        log.info(
+            "NodeUnprepareResources done",
+            event_name="NodeUnprepareResources",
+            claims=len(claims),
+            unprepared=report.prepared,
+            failed=report.failed,
+            failures_not_logged=max(0, report.failed - FAILURE_LINES),
+        )
+        return response
+
+    async def _unprepare(self, namespace: str, name: str, uid: str, report: _CallReport) -> str:
         """One claim of a NodeUnprepareResources call: "" or the error; never raises."""
         try:
             async with self._locks.hold(uid):
                 removed = await self._in_file_thread(cdi.remove_spec, self.cdi_dir, uid)
         except (cdi.CdiError, OSError) as exc:
-            message = f"claim {namespace}/{name} ({uid[:80]}): {exc}"
-            log.warning(
-                "NodeUnprepareResources: claim not unprepared",
-                event_name="NodeUnprepareResources",
-                error=message,
-            )
+            where = f"{clip(namespace, 80)}/{clip(name, 80)} ({clip(uid, 80)})"
+            message = f"claim {where}: {clip(str(exc), _ERROR_LIMIT)}"
+            report.failed += 1
+            if report.failed <= FAILURE_LINES:
+                log.warning(
+                    "NodeUnprepareResources: claim not unprepared",
+                    event_name="NodeUnprepareResources",
+                    error=message,
+                )
             return message
-        log.info(
+        report.prepared += 1
+        log.debug(
             "NodeUnprepareResources: claim unprepared",
             event_name="NodeUnprepareResources",
             claim=f"{namespace}/{name}",
@@ -610,7 +629,8 @@ class DraKubeletPlugin:
 
 @dataclass
 class _CallReport:
-    """What became of the claims of one NodePrepareResources call, for its summary line."""
+    """What became of the claims of one NodePrepareResources (or NodeUnprepareResources) call, for
+    its summary line: `prepared` counts the claims that succeeded."""
 
     prepared: int = 0
     failed: int = 0

@@ -288,9 +288,19 @@ async def test_unprepare_removes_the_spec_and_twice_is_fine(node: Node, plugin: 
     await node.kubelet.prepare(DRIVER, [CLAIM_A, CLAIM_B])
     assert await node.kubelet.unprepare(DRIVER, [CLAIM_A]) == {UID_A: ""}
     assert _spec_files(node) == [_spec_name(UID_B)]
-    assert await node.kubelet.unprepare(DRIVER, [CLAIM_A, CLAIM_B]) == {UID_A: "", UID_B: ""}
+    with structlog.testing.capture_logs() as logs:
+        assert await node.kubelet.unprepare(DRIVER, [CLAIM_A, CLAIM_B]) == {UID_A: "", UID_B: ""}
     assert await node.kubelet.unprepare(DRIVER, [CLAIM_A, CLAIM_B]) == {UID_A: "", UID_B: ""}
     assert _spec_files(node) == []
+    # One info line per call; each claim at debug level.
+    [done] = [e for e in logs if e["log_level"] == "info"]
+    assert (done["event"], done["claims"], done["unprepared"], done["failed"]) == (
+        "NodeUnprepareResources done",
+        2,
+        2,
+        0,
+    )
+    assert [e["uid"] for e in logs if e["log_level"] == "debug"] == [UID_A, UID_B]
 
 
 @pytest.mark.asyncio
