@@ -436,7 +436,7 @@ class DraKubeletPlugin:
         all calls, the loop given back after each one; never raises."""
         response = dra.NodePrepareResourcesResponse()
         pending: Iterator[dra.Claim] = iter(claims)
-        report = _CallReport()
+        report = _CallReport("NodePrepareResources")
         started = self.clock.monotonic()
 
         async def worker() -> None:
@@ -447,22 +447,14 @@ class DraKubeletPlugin:
                 await asyncio.sleep(0)  # an NRI request waiting behind this claim goes first
 
         await asyncio.gather(*(worker() for _ in range(min(PREPARE_CONCURRENCY, len(claims)))))
-        log.info(
-            "NodePrepareResources done",
-            event_name="NodePrepareResources",
-            claims=len(claims),
-            prepared=report.prepared,
-            failed=report.failed,
-            failures_not_logged=max(0, report.failed - FAILURE_LINES),
-            seconds=round(self.clock.monotonic() - started, 3),
-        )
+        report.summary(len(claims), seconds=round(self.clock.monotonic() - started, 3))
         return response
 
     async def _prepare(
         self, namespace: str, name: str, uid: str, report: _CallReport | None = None
     ) -> dra.NodePrepareResourceResponse:
         """One claim of a NodePrepareResources call; never raises."""
-        report = report if report is not None else _CallReport()
+        report = report if report is not None else _CallReport("NodePrepareResources")
         claim = cdi.ClaimRef(namespace=namespace, name=name, uid=uid)
         try:
             cdi.check_claim(claim)
@@ -472,12 +464,11 @@ class DraKubeletPlugin:
                 spec = cdi.build_spec(claim, devices, self.key)
                 await self._in_file_thread(cdi.write_spec, self.cdi_dir, claim, spec, fsync=self.fsync)
         except (ClaimError, cdi.CdiError, OSError) as exc:
-            return self._not_prepared(claim, clip(str(exc), _ERROR_LIMIT), report)
+            return dra.NodePrepareResourceResponse(error=report.failure(claim, clip(str(exc), _ERROR_LIMIT)))
         except Exception as exc:  # a bug must cost one claim, never the daemon
             log.exception("NodePrepareResources: unexpected failure", uid=clip(uid, 80))
-            return self._not_prepared(
-                claim, f"internal error in the DRA driver: {clip(repr(exc), _ERROR_LIMIT)}", report
-            )
+            reason = f"internal error in the DRA driver: {clip(repr(exc), _ERROR_LIMIT)}"
+            return dra.NodePrepareResourceResponse(error=report.failure(claim, reason))
         answer = dra.NodePrepareResourceResponse()
         for prepared in cdi.prepared_devices(uid, devices):
             answer.devices.add(
@@ -486,7 +477,7 @@ class DraKubeletPlugin:
                 device_name=prepared.device,
                 cdi_device_ids=[prepared.cdi_device_id],
             )
-        report.prepared += 1
+        report.done += 1
         log.debug(
             "NodePrepareResources: claim prepared",
             event_name="NodePrepareResources",
@@ -495,19 +486,6 @@ class DraKubeletPlugin:
             devices=[d.device for d in devices],
         )
         return answer
-
-    def _not_prepared(
-        self, claim: cdi.ClaimRef, reason: str, report: _CallReport
-    ) -> dra.NodePrepareResourceResponse:
-        """The answer for a claim that could not be prepared; logged while the call's budget lasts."""
-        where = f"{clip(claim.namespace, 80)}/{clip(claim.name, 80)} ({clip(claim.uid, 80)})"
-        message = f"claim {where}: {reason}"
-        report.failed += 1
-        if report.failed <= FAILURE_LINES:
-            log.warning(
-                "NodePrepareResources: claim not prepared", event_name="NodePrepareResources", error=message
-            )
-        return dra.NodePrepareResourceResponse(error=message)
 
     async def _allocated_devices(self, claim: cdi.ClaimRef) -> tuple[AllocatedDevice, ...]:
         """The claim's devices from the ClaimSource. Only while it cannot reach the API server (no
@@ -570,19 +548,12 @@ class DraKubeletPlugin:
         """The claims of one NodeUnprepareResources call, one after another (each waits for the file
         thread, so the loop turns between them); logged as prepares are. Never raises."""
         response = dra.NodeUnprepareResourcesResponse()
-        report = _CallReport()
+        report = _CallReport("NodeUnprepareResources")
         for claim in claims:
             response.claims[claim.uid].error = await self._unprepare(
                 claim.namespace, claim.name, claim.uid, report
             )
-        log.info(
-            "NodeUnprepareResources done",
-            event_name="NodeUnprepareResources",
-            claims=len(claims),
-            unprepared=report.prepared,
-            failed=report.failed,
-            failures_not_logged=max(0, report.failed - FAILURE_LINES),
-        )
+        report.summary(len(claims))
         return response
 
     async def _unprepare(self, namespace: str, name: str, uid: str, report: _CallReport) -> str:
@@ -591,17 +562,8 @@ class DraKubeletPlugin:
             async with self._locks.hold(uid):
                 removed = await self._in_file_thread(cdi.remove_spec, self.cdi_dir, uid)
         except (cdi.CdiError, OSError) as exc:
-            where = f"{clip(namespace, 80)}/{clip(name, 80)} ({clip(uid, 80)})"
-            message = f"claim {where}: {clip(str(exc), _ERROR_LIMIT)}"
-            report.failed += 1
-            if report.failed <= FAILURE_LINES:
-                log.warning(
-                    "NodeUnprepareResources: claim not unprepared",
-                    event_name="NodeUnprepareResources",
-                    error=message,
-                )
-            return message
-        report.prepared += 1
+            return report.failure(cdi.ClaimRef(namespace, name, uid), clip(str(exc), _ERROR_LIMIT))
+        report.done += 1
         log.debug(
             "NodeUnprepareResources: claim unprepared",
             event_name="NodeUnprepareResources",
@@ -629,11 +591,32 @@ class DraKubeletPlugin:
 
 @dataclass
 class _CallReport:
-    """What became of the claims of one NodePrepareResources (or NodeUnprepareResources) call, for
-    its summary line: `prepared` counts the claims that succeeded."""
+    """What became of the claims of one NodePrepareResources (or NodeUnprepareResources) call: the
+    first `FAILURE_LINES` failures logged one by one, then one summary line."""
 
-    prepared: int = 0
+    call: str  # the method, as the log lines name it
+    done: int = 0  # claims that succeeded
     failed: int = 0
+
+    def failure(self, claim: cdi.ClaimRef, reason: str) -> str:
+        """The error answered for `claim` (its names from kubelet capped); logged while the budget lasts."""
+        where = f"{clip(claim.namespace, 80)}/{clip(claim.name, 80)} ({clip(claim.uid, 80)})"
+        message = f"claim {where}: {reason}"
+        self.failed += 1
+        if self.failed <= FAILURE_LINES:
+            log.warning(f"{self.call}: claim failed", event_name=self.call, error=message)
+        return message
+
+    def summary(self, claims: int, **more: object) -> None:
+        log.info(
+            f"{self.call} done",
+            event_name=self.call,
+            claims=claims,
+            succeeded=self.done,
+            failed=self.failed,
+            failures_not_logged=max(0, self.failed - FAILURE_LINES),
+            **more,
+        )
 
 
 def _still_ours(served: _Served | None) -> bool:

@@ -294,7 +294,7 @@ async def test_unprepare_removes_the_spec_and_twice_is_fine(node: Node, plugin: 
     assert _spec_files(node) == []
     # One info line per call; each claim at debug level.
     [done] = [e for e in logs if e["log_level"] == "info"]
-    assert (done["event"], done["claims"], done["unprepared"], done["failed"]) == (
+    assert (done["event"], done["claims"], done["succeeded"], done["failed"]) == (
         "NodeUnprepareResources done",
         2,
         2,
