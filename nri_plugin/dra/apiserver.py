@@ -41,8 +41,9 @@ from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 from lightkube.types import PatchType
 
 from nri_plugin.common.backoff import Backoff
+from nri_plugin.common.text import clip
 from nri_plugin.dra import slices
-from nri_plugin.dra.claims import AllocatedDevice, ClaimError
+from nri_plugin.dra.claims import AllocatedDevice, ClaimError, ClaimSourceUnreachable
 
 __all__ = [
     "CLAIM_TIMEOUT",
@@ -184,7 +185,7 @@ def _status_code(exc: ApiError) -> int:
 
 def _api_error(exc: ApiError, doing: str) -> PublishError:
     code = _status_code(exc)
-    message = exc.status.message or ""
+    message = clip(exc.status.message or "")  # the server's words: capped and escaped
     if code in (401, 403):
         return PublishError(
             "refused",
@@ -560,7 +561,7 @@ class ApiClaimSource:
         try:
             claim = await asyncio.wait_for(client.get(ResourceClaim, name, namespace=namespace), self.timeout)
         except asyncio.TimeoutError as exc:
-            raise ClaimError(
+            raise ClaimSourceUnreachable(
                 f"the API server did not answer reading {claim_ref} within {self.timeout:g} s;"
                 " kubelet retries"
             ) from exc
@@ -570,16 +571,22 @@ class ApiClaimSource:
                 raise ClaimError(f"{claim_ref} does not exist (deleted?); nothing to prepare") from exc
             if code in (401, 403):
                 raise ClaimError(
-                    f"the API server refused reading {claim_ref} ({code}: {exc.status.message}): grant"
+                    f"the API server refused reading {claim_ref} ({code}: {clip(exc.status.message or '')}):"
+                    " grant"
                     " the daemon's service account get on resourceclaims (the chart's ClusterRole with"
                     " dra.enabled)"
                 ) from exc
             raise ClaimError(
-                f"the API server failed reading {claim_ref} ({code}: {exc.status.message})"
+                f"the API server failed reading {claim_ref} ({code}: {clip(exc.status.message or '')})"
             ) from exc
         except httpx2.TimeoutException as exc:
-            raise ClaimError(
+            raise ClaimSourceUnreachable(
                 f"the API server did not answer reading {claim_ref} in time; kubelet retries"
+            ) from exc
+        except httpx2.TransportError as exc:
+            raise ClaimSourceUnreachable(
+                f"the API server could not be reached to read {claim_ref} ({type(exc).__name__}: {exc});"
+                " kubelet retries"
             ) from exc
         except httpx2.HTTPError as exc:
             raise ClaimError(

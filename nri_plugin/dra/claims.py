@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["AllocatedDevice", "ClaimError", "ClaimSource", "base_request"]
+__all__ = ["AllocatedDevice", "ClaimError", "ClaimSource", "ClaimSourceUnreachable", "base_request"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,12 @@ class ClaimError(Exception):
     ours, or the API server could not be asked)."""
 
 
+class ClaimSourceUnreachable(ClaimError):
+    """The API server could not be reached at all (no connection, or no answer in time): it said
+    nothing about the claim. Only then may a prepare be answered from the spec written before; an
+    answer (the claim is gone, re-created, refused, a server error) is a plain `ClaimError`."""
+
+
 class ClaimSource(Protocol):
     """Where a prepare learns what a claim was allocated."""
 
@@ -47,5 +53,6 @@ class ClaimSource(Protocol):
         """Our driver's devices in the claim's allocation, in the order the allocation lists them.
 
         Raises :class:`ClaimError` when the claim cannot be read, its uid is not `uid`, it is not
-        allocated, or none of its results names our driver."""
+        allocated, or none of its results names our driver; :class:`ClaimSourceUnreachable` when
+        the API server could not be reached."""
         ...

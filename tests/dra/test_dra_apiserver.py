@@ -23,7 +23,7 @@ from wait_support import wait_until
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.dra import apiserver, slices
 from nri_plugin.dra.apiserver import ApiClaimSource, ClientConfigError, PublishError, ResourceSlicePublisher
-from nri_plugin.dra.claims import AllocatedDevice, ClaimError
+from nri_plugin.dra.claims import AllocatedDevice, ClaimError, ClaimSourceUnreachable
 
 DRIVER = "shared-cpus.mixed-cpu.openshift.io"
 OTHER_DRIVER = "gpu.example.com"
@@ -625,8 +625,9 @@ async def test_claim_shapes_the_scheduler_writes(
 
 @pytest.mark.asyncio
 async def test_claim_not_found(server: FakeApiServer, client: AsyncClient) -> None:
-    with pytest.raises(ClaimError, match=r"^ResourceClaim team-a/gone does not exist"):
+    with pytest.raises(ClaimError, match=r"^ResourceClaim team-a/gone does not exist") as info:
         await claims(client).allocated_devices("team-a", "gone", "uid-1")
+    assert not isinstance(info.value, ClaimSourceUnreachable)  # an answer: no spec file may overrule it
 
 
 @pytest.mark.asyncio
@@ -667,8 +668,9 @@ async def test_claim_read_refused_or_failed(
 ) -> None:
     uid = server.add_claim("team-a", "c", results=[result("shared-cpus-0")])
     server.fail_next(1, status=status)
-    with pytest.raises(ClaimError, match=message):
+    with pytest.raises(ClaimError, match=message) as info:
         await claims(client).allocated_devices("team-a", "c", uid)
+    assert not isinstance(info.value, ClaimSourceUnreachable)  # the server answered
     # The next read goes through.
     assert len(await claims(client).allocated_devices("team-a", "c", uid)) == 1
 
@@ -680,7 +682,8 @@ async def test_claim_read_from_a_hanging_api_server_is_bounded(
     uid = server.add_claim("team-a", "c", results=[result("shared-cpus-0")])
     server.hang_next(1)
     with pytest.raises(
-        ClaimError, match=r"did not answer reading ResourceClaim team-a/c within 0.2 s; kubelet retries"
+        ClaimSourceUnreachable,
+        match=r"did not answer reading ResourceClaim team-a/c within 0.2 s; kubelet retries",
     ):
         await asyncio.wait_for(claims(client, timeout=0.2).allocated_devices("team-a", "c", uid), GUARD)
 
@@ -692,7 +695,8 @@ async def test_claim_read_from_an_unreachable_api_server(tmp_path: Path) -> None
     client = apiserver.make_client(str(path), timeout=2.0)
     try:
         with pytest.raises(
-            ClaimError, match=r"could not be reached to read ResourceClaim team-a/c \(ConnectError"
+            ClaimSourceUnreachable,
+            match=r"could not be reached to read ResourceClaim team-a/c \(ConnectError",
         ):
             await claims(client).allocated_devices("team-a", "c", "uid")
     finally:

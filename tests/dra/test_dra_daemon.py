@@ -28,7 +28,6 @@ from wait_support import wait_until
 
 from nri_plugin.daemon.status import status_socket_path
 from nri_plugin.daemon.status_client import fetch_status, render_table
-from nri_plugin.deviceplugin.marker import MARKER_ENV
 from nri_plugin.dra import cdi
 from nri_plugin.nri.cdispecs import CdiSpecs
 from nri_plugin.nri.simulator import env_of
@@ -104,7 +103,7 @@ async def test_the_daemon_registers_publishes_prepares_and_the_container_gets_sh
         await node.sim.run_pod_sandbox(pod)
         container = make_container(NAMING, pod, "fwd-1", "fwd", cpus="2-3", quota=200000)
         result = await within(node.sim.create_container(container, cdi_devices=[cdi_id]))
-        assert env_of(result.container)[MARKER_ENV] == node.key.sign("dra.shared-cpus-7")
+        assert env_of(result.container)[cdi.marker_env("shared-cpus-7")] == node.key.sign("dra.shared-cpus-7")
         assert is_shared(result)
 
         # A second prepare (kubelet retries) answers the same; unprepare removes the spec, twice is fine.
@@ -255,7 +254,7 @@ async def test_claims_as_the_scheduler_writes_them_plain_first_available_and_adm
         await node.sim.run_pod_sandbox(pod)
         container = make_container(NAMING, pod, "fwd-4", "fwd", cpus="2-3", quota=200000)
         result = await within(node.sim.create_container(container, cdi_devices=cdi_ids))
-        assert env_of(result.container)[MARKER_ENV] == node.key.sign("dra.shared-cpus-2")
+        assert env_of(result.container)[cdi.marker_env("shared-cpus-2")] == node.key.sign("dra.shared-cpus-2")
         assert is_shared(result)
 
 
