@@ -42,7 +42,7 @@ from nri_plugin.daemon import config as config_module
 from nri_plugin.daemon.wiring import build_plugin
 from nri_plugin.mixedcpu import quota
 from nri_plugin.mixedcpu.books import Books, Slot
-from nri_plugin.mixedcpu.heal import CREATION_GRACE, MIN_CREATION_GRACE, Healer, PassReport
+from nri_plugin.mixedcpu.heal import CREATION_GRACE, CREATION_TIMEOUT, MIN_CREATION_GRACE, Healer, PassReport
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.simulator import RuntimeSimulator
 
@@ -283,8 +283,10 @@ async def test_without_a_timer_a_vanished_holder_keeps_its_device(tmp_path: Path
 
 
 @pytest.mark.asyncio
-async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node: Node) -> None:
-    """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it."""
+async def test_a_creation_that_never_finishes_gives_back_its_share_at_the_creation_timeout(node: Node) -> None:
+    """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it: no
+    PostCreateContainer, no cgroup. Its share goes back once CRI-O's own bound on a creation has
+    passed, not at any earlier look (issue 29)."""
     plugin = node.plugin
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
@@ -292,12 +294,14 @@ async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node:
     await node.create(pod, "c1", run=False)
     assert node.tree.pod_quota(pod) == RAISED
     assert plugin.healer.watched == {"c1"}
-    await node.clock.advance(CREATION_GRACE - 0.01)
-    assert node.tree.pod_quota(pod) == RAISED, "within the grace period"
+    await node.clock.advance(CREATION_TIMEOUT - 0.01)  # ten reconcile passes came and went
+    assert node.tree.pod_quota(pod) == RAISED, "it may still be in its runc create"
+    assert node.seen.heals == {}
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(0.01)  # its own timer, not the 30 s pass
+        await node.clock.advance(0.01)  # its own timer, not the next pass
     [phantom] = heals(logs, "container_never_created")
     assert phantom["container_id"] == "c1"
+    assert phantom["why"].startswith(f"no PostCreateContainer and no cgroup within {CREATION_TIMEOUT:g} s")
     assert (
         phantom["container_cgroup"] == node.tree.container_dir(make_container(node.naming, pod, "c1")).fs_path
     )
@@ -310,35 +314,105 @@ async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node:
 
 
 @pytest.mark.asyncio
-async def test_a_tiny_reconcile_interval_does_not_shorten_the_grace_below_its_floor(tmp_path: Path) -> None:
-    """reconcile_interval = 1 (the least the config takes): a pass every second, but a creation still
-    has `MIN_CREATION_GRACE` for its cgroup to appear before its share is given back."""
-    node = Node(tmp_path, interval=1.0)
+@pytest.mark.parametrize("interval", [1.0, 5.0, INTERVAL])
+async def test_a_runc_create_slower_than_every_grace_keeps_its_share(tmp_path: Path, interval: float) -> None:
+    """CRI-O with a 60 s runc create (issue 29, item 1): every pass and every grace of the old rule
+    passes with no cgroup; the pod keeps its share, the cgroup comes, PostCreateContainer ends the
+    watch, and nothing is healed then or later."""
+    node = Node(tmp_path, interval=interval)
     plugin = node.plugin
-    assert plugin.healer.grace == MIN_CREATION_GRACE == 2.0
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await plugin.synchronize([pod], [])
     container = await node.create(pod, "c1", run=False)
-    await node.clock.advance(MIN_CREATION_GRACE - 0.01)  # a pass at 1 s came and went
-    assert node.tree.pod_quota(pod) == RAISED, "within the floor of the grace"
-    assert plugin.healer.watched == {"c1"}
-    assert node.seen.heals == {}
-    node.tree.run_container(container)  # a slow runc create: the cgroup at last
-    await node.clock.advance(INTERVAL)
+    await node.clock.advance(60.0)
     assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.healer.watched == {"c1"}
+    node.tree.run_container(container)  # runc create at last: the cgroup with the raised quota
+    await plugin.post_create_container(pod, container)
+    assert plugin.healer.watched == frozenset()
+    await node.start(pod, container)
+    await node.clock.advance(2 * CREATION_TIMEOUT)
+    assert node.tree.pod_quota(pod) == RAISED
+    assert node.container_quota(container) == RAISED
+    assert node.seen.heals == {}
+    assert plugin.shared_containers == 1
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_creation_whose_post_create_was_missed_is_kept_by_its_cgroup(node: Node) -> None:
+    """PostCreateContainer lost (the connection dropped meanwhile): at the timeout the cgroup is
+    there, so the runtime made the container; it keeps its share."""
+    plugin = node.plugin
+    await node.runtime_is("cri-o")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1", run=False)
+    node.tree.run_container(container)
+    await node.clock.advance(CREATION_TIMEOUT)
+    assert plugin.healer.watched == frozenset()
+    assert node.tree.pod_quota(pod) == RAISED
+    assert node.seen.heals == {}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_post_create_on_containerd_leaves_the_watch_to_start_container(node: Node) -> None:
+    """containerd sends PostCreateContainer before any cgroup exists: the creation is still watched
+    from StartContainer on, and kept meanwhile."""
+    plugin = node.plugin
+    await node.runtime_is("containerd")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1", run=False)
+    await plugin.post_create_container(pod, container)
+    assert plugin.healer.watched == {"c1"}
+    await node.clock.advance(2 * CREATION_TIMEOUT)
+    assert node.tree.pod_quota(pod) == RAISED
+    await node.start(pod, container)
     assert plugin.healer.watched == frozenset()
     assert node.seen.heals == {}
-    # One that never comes is healed at the floor, not at its first pass.
-    await node.create(pod, "c2", "side", device="dev-2", run=False)
-    await node.clock.advance(MIN_CREATION_GRACE - 0.01)
-    assert plugin.healer.watched == {"c2"}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_synchronize_in_a_slow_runc_create_carries_its_share(node: Node) -> None:
+    """CRI-O lists no container still in its runc create: a Synchronize then (a reconnect) does not
+    take the unlisted creation for gone. Its share is carried, its watch kept: PostCreateContainer
+    after the Synchronize ends it; one that never finishes is healed at its own timeout."""
+    plugin = node.plugin
+    await node.runtime_is("cri-o")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    slow = await node.create(pod, "c1", run=False)
+    await node.create(pod, "c2", "side", device="dev-2", run=False)  # its runc create will fail
+    await node.clock.advance(10.0)
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(0.01)
-    [phantom] = heals(logs, "container_never_created")
-    assert phantom["container_id"] == "c2"
-    assert f"within {MIN_CREATION_GRACE:g} s of CreateContainer" in phantom["why"]
-    assert node.tree.pod_quota(pod) == RAISED  # c1's share only: c2's is back
+        await plugin.synchronize([pod], [])  # neither listed: both still in runc create
+    assert heals(logs, "container_gone") == []
+    assert plugin.healer.carried == {"c1", "c2"}
+    assert plugin.healer.watched == {"c1", "c2"}
+    assert node.tree.pod_quota(pod) == BASELINE + 2 * len(SHARED) * PERIOD
+    assert plugin.shared_containers == 2
+    node.tree.run_container(slow)
+    await plugin.post_create_container(pod, slow)
+    assert plugin.healer.watched == {"c2"}
+    await node.clock.advance(CREATION_TIMEOUT - 10.0 - 0.01)
+    assert node.seen.heals == {}
+    await node.clock.advance(0.01)
+    assert node.seen.heals == {"container_never_created": 1}
+    assert node.tree.pod_quota(pod) == RAISED  # c1's share only
+    assert [r.id for r in plugin.books.pods[pod.uid].containers.values()] == ["c1"]
+    # Past its timeout, an unlisted creation is gone at Synchronize.
+    await node.create(pod, "c3", "side", device="dev-2", run=False)
+    await node.clock.advance(CREATION_TIMEOUT - 0.01)
+    plugin.healer.stop()  # its timer must not fire: the Synchronize below is the one to look
+    await node.clock.advance(0.02)
+    with structlog.testing.capture_logs() as logs:
+        await plugin.synchronize([pod], [slow])
+    assert [e["container_id"] for e in heals(logs, "container_gone")] == ["c3"]
+    assert node.tree.pod_quota(pod) == RAISED
     plugin.healer.stop()
 
 
@@ -348,6 +422,7 @@ def test_the_default_grace_is_one_interval_between_its_floor_and_its_ceiling(nod
     assert graces == {None: 10, 1: 2, 1.5: 2, 2: 2, 5: 5, 10: 10, 30: 10}
     assert (CREATION_GRACE, MIN_CREATION_GRACE) == (10, 2)
     assert Healer(quotas, interval=1, grace=0.5).grace == 0.5, "one given is taken as it is"
+    assert node.plugin.healer.creation_timeout == CREATION_TIMEOUT == config_module.DEFAULT_CREATION_TIMEOUT
 
 
 @pytest.mark.asyncio
@@ -371,7 +446,7 @@ async def test_without_a_timer_an_overdue_creation_is_looked_at_the_pods_next_ev
     pod = node.pod("1-1")
     await node.plugin.synchronize([pod], [])
     await node.create(pod, "c1", run=False)
-    await node.clock.advance(CREATION_GRACE * 2)
+    await node.clock.advance(CREATION_TIMEOUT * 2)
     assert node.tree.pod_quota(pod) == RAISED, "no timer: nothing happens by itself"
     assert node.clock.pending == 0
     await node.create(pod, "c2", "side", device="dev-2")  # the pod's next event
@@ -489,27 +564,29 @@ async def test_a_container_never_started_keeps_its_share_until_the_runtime_says_
     with structlog.testing.capture_logs() as logs:
         await node.clock.advance(0.01)
     [phantom] = heals(logs, "container_never_created")
-    assert f"within {CREATION_GRACE:g} s of StartContainer" in phantom["why"]
+    assert f"made by the runtime by StartContainer, is gone {CREATION_GRACE:g} s later" in phantom["why"]
     assert node.tree.pod_quota(pod) == BASELINE
     plugin.healer.stop()
 
 
 @pytest.mark.asyncio
 async def test_a_container_started_after_its_share_was_given_back_gets_it_again(tmp_path: Path) -> None:
-    """CRI-O with a runc create slower than the grace (v2 takes a child quota above its pod's): the
-    share is given back, and the StartContainer that follows raises the pod again before it runs."""
+    """CRI-O with a runc create slower even than the creation timeout (v2 takes a child quota above
+    its pod's): the share is given back, and the StartContainer that follows raises the pod again
+    before it runs."""
     node = Node(tmp_path, version=2)
     plugin = node.plugin
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await plugin.synchronize([pod], [])
     container = await node.create(pod, "c1", run=False)
-    await node.clock.advance(CREATION_GRACE)
+    await node.clock.advance(CREATION_TIMEOUT)
     assert node.seen.heals == {"container_never_created": 1}
     assert node.tree.pod_quota(pod) == BASELINE
     with structlog.testing.capture_logs() as logs:
         await node.start(pod, container)  # the cgroup at last, then StartContainer
-    [again] = [e for e in logs if e["event"].startswith("container started after its share was given back")]
+    [again] = [e for e in logs if "after its share was given back" in e["event"]]
+    assert again["event_name"] == "StartContainer"
     assert again["pod_quota"] == f"{BASELINE} -> {RAISED}"
     assert node.tree.pod_quota(pod) == RAISED
     assert plugin.shared_containers == 1
@@ -706,7 +783,7 @@ async def test_a_leftover_watch_of_a_displaced_instance_is_no_failed_creation(no
     assert await plugin.create_container(pod, newer) is not None
     assert plugin.healer.watched == {"c1"}
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(CREATION_GRACE)
+        await node.clock.advance(CREATION_TIMEOUT)
     assert heals(logs, "container_never_created") == []
     assert node.seen.heals == {}
     assert plugin.healer.watched == frozenset()

@@ -10,6 +10,9 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   reply (`logfields.LaterLines`), before anything of the next event. A request that cannot be
   honoured, or a pod cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors`
   refusal (the stub answers the runtime with its status code): nothing is left half-configured.
+* **PostCreateContainer**: told to the healer (`heal.Healer.container_created`): on CRI-O the
+  container's ``runc create`` is done, so its creation is no longer watched; a container whose share
+  was given back gets it again.
 * **StartContainer**: told to the healer (`heal.Healer.container_started`): on containerd the
   container's cgroup is made only now, so a watched creation's grace counts from here; a container
   whose share was given back gets it again, its pod raised before it runs.
@@ -20,9 +23,10 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   kept raised. Any other container: no update at all, so kubelet's request goes through untouched.
   With NUMA-local shared CPUs, new exclusive CPUs on other nodes bring other shared CPUs: the books
   and the pod quota follow (the pod's raised before the reply).
-* **Synchronize**: the books are rebuilt from the running containers, containers that prove a
-  request but lack the current shared CPUs get ``ContainerUpdate``s, and pod quotas are brought to
-  their targets.
+* **Synchronize**: the books are rebuilt from the running containers (and, on CRI-O, the creations
+  still within their time, which CRI-O does not list: `heal.Healer.carry_creations`), containers that
+  prove a request but lack the current shared CPUs get ``ContainerUpdate``s, and pod quotas are
+  brought to their targets.
 * **UpdatePodSandbox** (kubelet resized the pod in place; NRI v0.10+): the pod's own quota from
   its new resources, and its quota raised to that plus the shares again (`quota.PodQuotas.resize`).
   Runtimes that do not send it: the pod quota kubelet rewrote is noticed at the pod's next
@@ -151,6 +155,7 @@ class MixedCpuPlugin(
     handlers.Synchronize,
     handlers.Shutdown,
     handlers.CreateContainer,
+    handlers.PostCreateContainer,
     handlers.StartContainer,
     handlers.UpdateContainer,
     handlers.StopContainer,
@@ -237,8 +242,8 @@ class MixedCpuPlugin(
 
     async def configure(self, request: api.ConfigureRequest) -> None:
         self.runtime = request.runtime_name
-        # CRI-O makes a container's cgroup right after NRI CreateContainer; containerd only at
-        # StartContainer (runtime-observations.md): where the healer's grace counts from.
+        # CRI-O makes a container's cgroup in its runc create, between NRI CreateContainer and
+        # PostCreateContainer; containerd only at StartContainer: what the healer watches a creation by.
         self.healer.cgroup_at_creation = request.runtime_name == "cri-o"
         if request.runtime_name == "cri-o" and self.trust_pod_annotation:
             # CRI-O (1.30 and later) runs its own shared-CPU hook, after NRI, for a pod that names a
@@ -311,6 +316,10 @@ class MixedCpuPlugin(
         self.roster.given(container.id, holder, books)
         self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))
         return api.CreateContainerResponse(adjust=plan.adjustment)
+
+    @_holding_the_books
+    async def post_create_container(self, pod: api.PodSandbox, container: api.Container) -> None:
+        await self.healer.container_created(container_slot(pod, container), pod, container)
 
     @_holding_the_books
     async def start_container(self, pod: api.PodSandbox, container: api.Container) -> None:
@@ -443,6 +452,7 @@ class MixedCpuPlugin(
             check_all=tracing,
         )
         present = {pod_key(pod): pod for pod in pods}
+        self.healer.carry_creations(previous, rebuilt.books, present, (c.id for c in containers))
         self.healer.before_sync(previous, containers)
         failed = await self.quotas.sync_pods(present, rebuilt.books, previous, rebuilt.applied)
         updates = updates_to_send(rebuilt, failed)
