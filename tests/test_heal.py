@@ -44,7 +44,7 @@ from nri_plugin.mixedcpu import quota
 from nri_plugin.mixedcpu.books import Books, Slot
 from nri_plugin.mixedcpu.heal import CREATION_GRACE, CREATION_TIMEOUT, MIN_CREATION_GRACE, Healer, PassReport
 from nri_plugin.mixedcpu.store import StateStore
-from nri_plugin.nri.simulator import RuntimeSimulator
+from nri_plugin.nri.simulator import CreationFailed, RuntimeSimulator
 
 SHARED = frozenset({0, 1})
 BASELINE = 2 * PERIOD  # the pod's own quota: its container's 2 exclusive CPUs
@@ -55,14 +55,18 @@ NAMING = {1: Naming("containerd", "cgroupfs"), 2: Naming("cri-o", "systemd")}
 
 
 class Seen:
-    """The plugin's observer: heals and failed writes, counted by kind."""
+    """The plugin's observer: heals and failed writes, counted by kind; when each heal came on
+    `clock`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
         self.heals: Counter[str] = Counter()
+        self.healed_at: list[float] = []
         self.failures: Counter[str] = Counter()
 
     def healed(self, kind: str) -> None:
         self.heals[kind] += 1
+        self.healed_at.append(self.clock.monotonic())
 
     def cgroup_write_failed(self, kind: str) -> None:
         self.failures[kind] += 1
@@ -82,7 +86,7 @@ class Node:
         self.clock = ManualClock()
         self.naming = NAMING[version]
         self.tree = FakeCgroups(tmp_path / "cgroup", version)
-        self.seen = Seen()
+        self.seen = Seen(self.clock)
         self.plugin, self.key = make_plugin(
             tmp_path / "state",
             self.tree.layout,
@@ -283,7 +287,7 @@ async def test_without_a_timer_a_vanished_holder_keeps_its_device(tmp_path: Path
 
 
 @pytest.mark.asyncio
-async def test_a_creation_that_never_finishes_gives_back_its_share_at_the_creation_timeout(node: Node) -> None:
+async def test_a_creation_that_never_finishes_gives_back_its_share_at_its_timeout(node: Node) -> None:
     """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it: no
     PostCreateContainer, no cgroup. Its share goes back once CRI-O's own bound on a creation has
     passed, not at any earlier look (issue 29)."""
@@ -538,6 +542,78 @@ async def test_a_slow_start_on_containerd_keeps_its_share(
         assert node.tree.pod_quota(pod) == RAISED
         assert node.seen.heals == {}
         assert node.plugin.shared_containers == 1
+
+
+# -- CRI-O: runc create (which makes the cgroup) between CreateContainer and PostCreateContainer ------
+
+
+class Crio(RuntimeSimulator):
+    """CRI-O's order on a fake v1 tree: NRI CreateContainer, then its runc create taking
+    `runc_create_seconds` on the node's clock (the NRI lock let go), which makes the cgroup and writes
+    the raised quota (refused above the pod's, as runc on v1: the creation fails), then
+    PostCreateContainer."""
+
+    def __init__(self, socket: Path, tree: FakeCgroups, clock: ManualClock, seconds: float) -> None:
+        super().__init__(socket, runtime_name="cri-o", runtime_version="1.37.0")
+        self.tree = tree
+        self.clock = clock
+        self.modes.runc_create_seconds = seconds
+
+    def make_resources(self, container: api.Container) -> None:
+        pod = self.pods[container.pod_sandbox_id]
+        quota, pod_quota = container.linux.resources.cpu.quota.value, self.tree.pod_quota(pod)
+        if pod_quota is not None and quota > pod_quota:
+            raise StartFailed(f'failed to write "{quota}": cpu.cfs_quota_us: invalid argument')
+        self.tree.run_container(container)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fails", [False, True], ids=["slow", "failed"])
+async def test_crio_with_the_default_settings_a_30s_runc_create_starts_and_a_failed_one_heals(
+    short_dir: Path, fails: bool
+) -> None:
+    """Issue 29's measure, on the default settings (reconcile_interval 30, grace 10 s, creation
+    timeout 300 s) and the node's virtual clock: a 30 s runc create keeps its pod's share all along
+    and starts; a failed one (no event after it, ever) gives its share back 300 s after
+    CreateContainer, and not a look earlier."""
+    node = Node(short_dir, interval=INTERVAL)
+    runtime = Crio(short_dir / "nri.sock", node.tree, node.clock, 30.0)
+    runtime.modes.create_fails_after_adjustment = fails
+    async with runtime, plugin_running(node.plugin, short_dir / "nri.sock"):
+        await runtime.wait_for_plugins(1, GUARD)
+        pod = make_pod(node.naming, "1-1", name="slow")
+        node.tree.add_pod(pod, BASELINE)
+        await runtime.run_pod_sandbox(pod)
+        container = make_container(node.naming, pod, "c1", "fwd", annotations=marker(node.key, "dev-1"))
+        created_at = node.clock.monotonic()
+        creating = asyncio.ensure_future(runtime.create_container(container))
+        try:
+            while node.plugin.healer.watched != {"c1"}:  # NRI CreateContainer answered
+                await asyncio.wait_for(asyncio.shield(asyncio.sleep(0.01)), GUARD)
+            await node.clock.advance(30.0 - 0.01)  # a pass at 30 s is yet to come
+            assert node.tree.pod_quota(pod) == RAISED
+            await node.clock.advance(0.01)
+            if fails:
+                with pytest.raises(CreationFailed):
+                    await asyncio.wait_for(creating, GUARD)
+            else:
+                await asyncio.wait_for(creating, GUARD)
+        finally:
+            creating.cancel()
+        if not fails:
+            await runtime.start_container("c1")
+            await node.clock.advance(2 * CREATION_TIMEOUT)
+            assert node.tree.pod_quota(pod) == RAISED
+            assert node.container_quota(runtime.containers["c1"]) == RAISED  # runc's write went through
+            assert node.seen.heals == {}
+            return
+        while not node.seen.healed_at:
+            await node.clock.advance(1.0)
+        assert node.seen.heals == {"container_never_created": 1}
+        assert node.seen.healed_at[0] - created_at == CREATION_TIMEOUT == 300.0
+        assert node.tree.pod_quota(pod) == BASELINE
+        assert node.plugin.shared_containers == 0
+        node.plugin.healer.stop()
 
 
 @pytest.mark.asyncio

@@ -340,7 +340,9 @@ class Healer:
                 self._arm_grace(due)
         await self._give_again(slot, pod, container, "StartContainer")
 
-    async def _give_again(self, slot: Slot, pod: api.PodSandbox, container: api.Container, event: str) -> None:
+    async def _give_again(
+        self, slot: Slot, pod: api.PodSandbox, container: api.Container, event: str
+    ) -> None:
         """The runtime says a container whose share was given back exists after all: its pod is
         raised again (unless a newer instance holds its slot)."""
         record = self._given_back.get(slot.pod, {}).get(slot.name)
