@@ -990,6 +990,19 @@ def test_reconcile_interval_is_configurable_and_reaches_the_plugin(tmp_path: Pat
     assert plugin.healer.grace == 5
 
 
+def test_creation_timeout_is_configurable_and_reaches_the_healer(tmp_path: Path) -> None:
+    document: dict[str, object] = {"shared_cpuset": "0-1", "state_dir": str(tmp_path)}
+    assert config_module.parse_config(document).creation_timeout == CREATION_TIMEOUT
+    for good in (1, 30.5, 600):
+        assert config_module.parse_config({**document, "creation_timeout": good}).creation_timeout == good
+    for bad in (0, 0.5, 86401, -1, "300", True):
+        with pytest.raises(config_module.ConfigError, match=r"creation_timeout: .* plus 60"):
+            config_module.parse_config({**document, "creation_timeout": bad})
+    config = config_module.parse_config({**document, "creation_timeout": 600})
+    plugin = build_plugin(config, FakeCgroups(tmp_path / "cgroup").layout, None)
+    assert plugin.healer.creation_timeout == 600
+
+
 @pytest.mark.asyncio
 async def test_a_pass_that_fails_is_logged_and_the_next_one_still_comes(
     node: Node, monkeypatch: pytest.MonkeyPatch

@@ -467,7 +467,8 @@ async def test_lowering_refused_by_the_kernel_is_retried(
         assert tree.pod_quota(pod) == RAISED  # kept until the container's cgroup is gone
         await node.remove("c")
         assert tree.pod_quota(pod) == BASELINE
-        assert [r.outcome for r in sim.records if r.container == "c"] == ["ok"] * 4  # create, post-create, stop, remove
+        # CreateContainer, PostCreateContainer, StopContainer, RemoveContainer
+        assert [r.outcome for r in sim.records if r.container == "c"] == ["ok"] * 4
 
 
 @pytest.mark.asyncio

@@ -13,7 +13,7 @@ they cause (``runtime-observations.md``, "The project's plugin on real runtimes"
 * a stopped container's cgroup lingers until removal with its raised quota, so cgroup v1 refuses
   the lower pod quota (put right at the stop itself: `quota.PodQuotas.restore_container`).
 
-So the `Healer` trusts the node, but only what it has seen twice:
+So the `Healer` checks the books against the node, and takes nothing away on one look:
 
 * a pod whose cgroup directory is missing at two passes a reconcile interval apart (an event of the
   pod in between starts the count again; nothing is decided in the middle of a pod's events) is
@@ -27,7 +27,7 @@ So the `Healer` trusts the node, but only what it has seen twice:
   (``container_never_created``), but only once the runtime shows the creation over: never on a look
   that finds no cgroup while the creation may still be running (a runtime writes the container's
   raised quota late in its creation, and cgroup v1 refuses it above a lowered pod quota: the
-  creation would fail). What shows it depends on the runtime (``runtime-observations.md``):
+  creation would fail). What shows it depends on the runtime (docs/design.md, Healing):
 
   - CRI-O calls NRI CreateContainer before its ``runc create`` (which makes the cgroup) and
     PostCreateContainer after it; a failed ``runc create`` is followed by no NRI event at all, and
@@ -605,9 +605,10 @@ class Healer:
         await self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
         if creation.since == "CreateContainer":
             why = (
-                f"no PostCreateContainer and no cgroup within {self.creation_timeout:g} s of CreateContainer, "
-                "longer than the runtime lets a creation run (CRI-O: container_create_timeout): its creation "
-                "failed after the plugin's adjustment, and no StopContainer or RemoveContainer follows"
+                f"no PostCreateContainer and no cgroup within {self.creation_timeout:g} s of "
+                "CreateContainer, longer than the runtime lets a creation run (CRI-O: "
+                "container_create_timeout): its creation failed after the plugin's adjustment, and no "
+                "StopContainer or RemoveContainer follows"
             )
         else:
             why = (

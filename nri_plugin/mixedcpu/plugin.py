@@ -39,7 +39,7 @@ pod by pod, so that nothing else changes the books meanwhile; no handler waits f
 pod quota writer, `nri_plugin.systemd`, tells systemd in the background).
 
 Beside the events, `heal.Healer` checks the books against the node (pods whose cgroup is gone,
-containers whose cgroup never appeared, pod quotas off their target): at each pod's events, at
+containers the runtime shows never created, pod quotas off their target): at each pod's events, at
 Synchronize, and every `reconcile_interval` seconds once synchronized.
 """
 
