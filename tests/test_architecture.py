@@ -170,7 +170,6 @@ def test_the_plugin_declares_the_handlers_it_has() -> None:
         "Synchronize",
         "Shutdown",
         "CreateContainer",
-        "PostCreateContainer",  # CRI-O's runc create is done: the creation is over (issue 29)
         "StartContainer",  # containerd makes the cgroup here: the healer's grace (issue 25)
         "UpdateContainer",
         "StopContainer",

@@ -137,8 +137,7 @@ async def test_demo_shows_what_the_plugin_did(runtime: str, version: str, pod_cg
     assert "node: CPUs 0-7, shared pool 0-1 (from config.toml), cgroup v1 tree in " in text
     assert (
         "plugin 10-mixed-cpu registered, subscribed to STOP_POD_SANDBOX, REMOVE_POD_SANDBOX, "
-        "CREATE_CONTAINER, POST_CREATE_CONTAINER, START_CONTAINER, UPDATE_CONTAINER, STOP_CONTAINER, "
-        "REMOVE_CONTAINER"
+        "CREATE_CONTAINER, START_CONTAINER, UPDATE_CONTAINER, STOP_CONTAINER, REMOVE_CONTAINER"
     ) in text
     assert "synchronized: 1 pod(s), 1 container(s)" in text
     assert f"pod telco/packet-fwd (Guaranteed), cgroup {pod_cgroup}\n  pod quota 300000 per 100000 us" in text

@@ -289,8 +289,8 @@ async def test_without_a_timer_a_vanished_holder_keeps_its_device(tmp_path: Path
 @pytest.mark.asyncio
 async def test_a_creation_that_never_finishes_gives_back_its_share_at_its_timeout(node: Node) -> None:
     """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it: no
-    PostCreateContainer, no cgroup. Its share goes back once CRI-O's own bound on a creation has
-    passed, not at any earlier look (issue 29)."""
+    event, no cgroup. Its share goes back once CRI-O's own bound on a creation has passed, not at
+    any earlier look (issue 29)."""
     plugin = node.plugin
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
@@ -305,7 +305,7 @@ async def test_a_creation_that_never_finishes_gives_back_its_share_at_its_timeou
         await node.clock.advance(0.01)  # its own timer, not the next pass
     [phantom] = heals(logs, "container_never_created")
     assert phantom["container_id"] == "c1"
-    assert phantom["why"].startswith(f"no PostCreateContainer and no cgroup within {CREATION_TIMEOUT:g} s")
+    assert phantom["why"].startswith(f"no cgroup {CREATION_TIMEOUT:g} s after CreateContainer")
     assert (
         phantom["container_cgroup"] == node.tree.container_dir(make_container(node.naming, pod, "c1")).fs_path
     )
@@ -321,8 +321,8 @@ async def test_a_creation_that_never_finishes_gives_back_its_share_at_its_timeou
 @pytest.mark.parametrize("interval", [1.0, 5.0, INTERVAL])
 async def test_a_runc_create_slower_than_every_grace_keeps_its_share(tmp_path: Path, interval: float) -> None:
     """CRI-O with a 60 s runc create (issue 29, item 1): every pass and every grace of the old rule
-    passes with no cgroup; the pod keeps its share, the cgroup comes, PostCreateContainer ends the
-    watch, and nothing is healed then or later."""
+    passes with no cgroup; the pod keeps its share, the cgroup comes, StartContainer ends the watch,
+    and nothing is healed then or later."""
     node = Node(tmp_path, interval=interval)
     plugin = node.plugin
     await node.runtime_is("cri-o")
@@ -332,10 +332,8 @@ async def test_a_runc_create_slower_than_every_grace_keeps_its_share(tmp_path: P
     await node.clock.advance(60.0)
     assert node.tree.pod_quota(pod) == RAISED
     assert plugin.healer.watched == {"c1"}
-    node.tree.run_container(container)  # runc create at last: the cgroup with the raised quota
-    await plugin.post_create_container(pod, container)
+    await node.start(pod, container)  # runc create at last (the cgroup, quota raised), then its start
     assert plugin.healer.watched == frozenset()
-    await node.start(pod, container)
     await node.clock.advance(2 * CREATION_TIMEOUT)
     assert node.tree.pod_quota(pod) == RAISED
     assert node.container_quota(container) == RAISED
@@ -345,9 +343,9 @@ async def test_a_runc_create_slower_than_every_grace_keeps_its_share(tmp_path: P
 
 
 @pytest.mark.asyncio
-async def test_a_creation_whose_post_create_was_missed_is_kept_by_its_cgroup(node: Node) -> None:
-    """PostCreateContainer lost (the connection dropped meanwhile): at the timeout the cgroup is
-    there, so the runtime made the container; it keeps its share."""
+async def test_a_creation_never_started_is_kept_by_its_cgroup(node: Node) -> None:
+    """Created but not started (``crictl create`` alone): at the timeout its cgroup is there, so
+    the runtime made the container; it keeps its share."""
     plugin = node.plugin
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
@@ -362,29 +360,10 @@ async def test_a_creation_whose_post_create_was_missed_is_kept_by_its_cgroup(nod
 
 
 @pytest.mark.asyncio
-async def test_post_create_on_containerd_leaves_the_watch_to_start_container(node: Node) -> None:
-    """containerd sends PostCreateContainer before any cgroup exists: the creation is still watched
-    from StartContainer on, and kept meanwhile."""
-    plugin = node.plugin
-    await node.runtime_is("containerd")
-    pod = node.pod("1-1")
-    await plugin.synchronize([pod], [])
-    container = await node.create(pod, "c1", run=False)
-    await plugin.post_create_container(pod, container)
-    assert plugin.healer.watched == {"c1"}
-    await node.clock.advance(2 * CREATION_TIMEOUT)
-    assert node.tree.pod_quota(pod) == RAISED
-    await node.start(pod, container)
-    assert plugin.healer.watched == frozenset()
-    assert node.seen.heals == {}
-    plugin.healer.stop()
-
-
-@pytest.mark.asyncio
 async def test_synchronize_in_a_slow_runc_create_carries_its_share(node: Node) -> None:
     """CRI-O lists no container still in its runc create: a Synchronize then (a reconnect) does not
-    take the unlisted creation for gone. Its share is carried, its watch kept: PostCreateContainer
-    after the Synchronize ends it; one that never finishes is healed at its own timeout."""
+    take the unlisted creation for gone. Its share is carried, its watch kept: its start after the
+    Synchronize ends it; one that never finishes is healed at its own timeout."""
     plugin = node.plugin
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
@@ -399,8 +378,7 @@ async def test_synchronize_in_a_slow_runc_create_carries_its_share(node: Node) -
     assert plugin.healer.watched == {"c1", "c2"}
     assert node.tree.pod_quota(pod) == BASELINE + 2 * len(SHARED) * PERIOD
     assert plugin.shared_containers == 2
-    node.tree.run_container(slow)
-    await plugin.post_create_container(pod, slow)
+    await node.start(pod, slow)
     assert plugin.healer.watched == {"c2"}
     await node.clock.advance(CREATION_TIMEOUT - 10.0 - 0.01)
     assert node.seen.heals == {}
@@ -544,7 +522,7 @@ async def test_a_slow_start_on_containerd_keeps_its_share(
         assert node.plugin.shared_containers == 1
 
 
-# -- CRI-O: runc create (which makes the cgroup) between CreateContainer and PostCreateContainer ------
+# -- CRI-O: runc create (which makes the cgroup) after CreateContainer ---------------------------------
 
 
 class Crio(RuntimeSimulator):

@@ -467,8 +467,7 @@ async def test_lowering_refused_by_the_kernel_is_retried(
         assert tree.pod_quota(pod) == RAISED  # kept until the container's cgroup is gone
         await node.remove("c")
         assert tree.pod_quota(pod) == BASELINE
-        # CreateContainer, PostCreateContainer, StopContainer, RemoveContainer
-        assert [r.outcome for r in sim.records if r.container == "c"] == ["ok"] * 4
+        assert [r.outcome for r in sim.records if r.container == "c"] == ["ok"] * 3
 
 
 @pytest.mark.asyncio

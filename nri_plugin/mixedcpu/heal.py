@@ -29,12 +29,15 @@ So the `Healer` checks the books against the node, and takes nothing away on one
   raised quota late in its creation, and cgroup v1 refuses it above a lowered pod quota: the
   creation would fail). What shows it depends on the runtime (docs/design.md, Healing):
 
-  - CRI-O calls NRI CreateContainer before its ``runc create`` (which makes the cgroup) and
-    PostCreateContainer after it; a failed ``runc create`` is followed by no NRI event at all, and
-    its Synchronize does not list a container still in ``runc create`` either. So the watch ends at
-    PostCreateContainer (created), and otherwise at `creation_timeout` seconds after CreateContainer:
-    CRI-O abandons a ``runc create`` after its ``container_create_timeout`` (240 s by default) and
-    cleans it up, so a creation neither finished nor with its cgroup by then has failed;
+  - CRI-O calls NRI CreateContainer before its ``runc create``, which makes the cgroup; a failed
+    ``runc create`` is followed by no NRI event at all, and its Synchronize does not list a
+    container still in ``runc create`` either. So the watch ends at StartContainer with the cgroup
+    there, and otherwise is decided `creation_timeout` seconds after CreateContainer: CRI-O abandons
+    a ``runc create`` after its ``container_create_timeout`` (240 s by default) and deletes what it
+    made, so a container with no cgroup by then was never created, and one with its cgroup was.
+    (PostCreateContainer, which CRI-O sends after a ``runc create`` that worked, says nothing the
+    cgroup and StartContainer do not: the plugin does not subscribe to it, which would add a round
+    trip to every creation);
   - containerd makes the cgroup in its task's creation, just before it tells plugins of
     StartContainer, which kubelet may send any time later: a container not yet started keeps its
     share until its start, its stop or removal, or Synchronize (containerd lists what it created and
@@ -43,8 +46,8 @@ So the `Healer` checks the books against the node, and takes nothing away on one
 
   Before either, the runtime's own word ends the watch: StopContainer or RemoveContainer of the
   container, a newer instance in its slot (kubelet's retry: the share passes to it), its pod's end.
-  A container whose share was given back and that the runtime creates or starts after all gets it
-  again, its pod raised before it runs;
+  A container whose share was given back and that the runtime starts after all gets it again, its
+  pod raised before it runs;
 * at Synchronize, a container the books held that the runtime no longer runs has given its share
   back (``container_gone``), but for a CRI-O creation still within its `creation_timeout`: CRI-O lists
   no container still in ``runc create``, so its share is carried over (`carry_creations`); and a pod
@@ -187,9 +190,9 @@ class Healer:
         # creation, the container's end, the pod's end or Synchronize.
         self._given_back: dict[str, dict[str, ContainerRecord]] = {}
         # Whether the runtime makes a container's cgroup inside its creation (CRI-O: `runc create` after
-        # NRI CreateContainer, then PostCreateContainer), so that a creation is watched from there
-        # until PostCreateContainer or `creation_timeout`; otherwise (containerd, or a runtime not
-        # named) from StartContainer, for `grace`.
+        # NRI CreateContainer), so that a creation is watched from there until its start or
+        # `creation_timeout`; otherwise (containerd, or a runtime not named) from StartContainer, for
+        # `grace`.
         self.cgroup_at_creation = False
         # Ids of the watched CRI-O creations the last Synchronize did not list but carried over.
         self.carried: frozenset[str] = frozenset()
@@ -295,9 +298,9 @@ class Healer:
 
     def watch_creation(self, slot: Slot, container: api.Container) -> None:
         """A container was given a share: its creation is watched until the runtime shows it over
-        (`cgroup_at_creation`: PostCreateContainer, or `creation_timeout` seconds from now; else
-        from its StartContainer on, for `grace`). (Its path is checked when it is looked for: most
-        containers end the watch by their events first.)"""
+        (`cgroup_at_creation`: its start, or `creation_timeout` seconds from now; else from its
+        StartContainer on, for `grace`). (Its path is checked when it is looked for: most containers
+        end the watch by their events first.)"""
         path = container.linux.cgroups_path
         if not path:  # no path: only its events can end it
             return
@@ -310,15 +313,6 @@ class Healer:
         self._creations.setdefault(slot.pod, {})[slot.name] = creation
         if due is not None:
             self._arm_grace(due)
-
-    async def container_created(self, slot: Slot, pod: api.PodSandbox, container: api.Container) -> None:
-        """PostCreateContainer. On CRI-O its ``runc create`` is done: the container and its cgroup
-        exist, and its watch ends. (containerd sends it before any cgroup: there the watch waits for
-        StartContainer.) One whose share was given back gets it again, as at `container_started`."""
-        creation = self._creations.get(slot.pod, {}).get(slot.name)
-        if self.cgroup_at_creation and creation is not None and creation.container_id == container.id:
-            _drop(self._creations, slot)
-        await self._give_again(slot, pod, container, "PostCreateContainer")
 
     async def container_started(self, slot: Slot, pod: api.PodSandbox, container: api.Container) -> None:
         """StartContainer: the runtime has made the container's cgroup (containerd makes it here, just
@@ -343,8 +337,8 @@ class Healer:
     async def _give_again(
         self, slot: Slot, pod: api.PodSandbox, container: api.Container, event: str
     ) -> None:
-        """The runtime says a container whose share was given back exists after all: its pod is
-        raised again (unless a newer instance holds its slot)."""
+        """The runtime started a container whose share was given back: its pod is raised again
+        (unless a newer instance holds its slot)."""
         record = self._given_back.get(slot.pod, {}).get(slot.name)
         if record is None or record.id != container.id:
             return
@@ -355,7 +349,7 @@ class Healer:
             pod, container, slot, record, self.books.pods.get(slot.pod), event=event
         )
         log.warning(
-            "container created or started after its share was given back: its share is given again",
+            "container started after its share was given back: its share is given again",
             **{EVENT_NAME: event},
             container_id=container.id,
             slot=str(slot),
@@ -595,7 +589,7 @@ class Healer:
 
     async def _give_back(self, creation: _Creation, cgroup: CgroupDir) -> None:
         """The container never came to be: its slot is freed and its pod quota lowered (and given
-        again if the runtime creates or starts it after all: `_give_again`)."""
+        again if the runtime starts it after all: `_give_again`)."""
         released = self.books.release_holder(creation.container_id)
         key = creation.slot.pod
         if released is not None:
@@ -605,10 +599,9 @@ class Healer:
         await self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
         if creation.since == "CreateContainer":
             why = (
-                f"no PostCreateContainer and no cgroup within {self.creation_timeout:g} s of "
-                "CreateContainer, longer than the runtime lets a creation run (CRI-O: "
-                "container_create_timeout): its creation failed after the plugin's adjustment, and no "
-                "StopContainer or RemoveContainer follows"
+                f"no cgroup {self.creation_timeout:g} s after CreateContainer, longer than the runtime "
+                "lets a creation run (CRI-O: container_create_timeout): its creation failed after the "
+                "plugin's adjustment, and no StopContainer or RemoveContainer follows"
             )
         else:
             why = (

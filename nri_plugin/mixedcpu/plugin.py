@@ -10,9 +10,6 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   reply (`logfields.LaterLines`), before anything of the next event. A request that cannot be
   honoured, or a pod cgroup or state file that fails us, is refused with a `nri_plugin.nri.errors`
   refusal (the stub answers the runtime with its status code): nothing is left half-configured.
-* **PostCreateContainer**: told to the healer (`heal.Healer.container_created`): on CRI-O the
-  container's ``runc create`` is done, so its creation is no longer watched; a container whose share
-  was given back gets it again.
 * **StartContainer**: told to the healer (`heal.Healer.container_started`): on containerd the
   container's cgroup is made only now, so a watched creation's grace counts from here; a container
   whose share was given back gets it again, its pod raised before it runs.
@@ -155,7 +152,6 @@ class MixedCpuPlugin(
     handlers.Synchronize,
     handlers.Shutdown,
     handlers.CreateContainer,
-    handlers.PostCreateContainer,
     handlers.StartContainer,
     handlers.UpdateContainer,
     handlers.StopContainer,
@@ -242,8 +238,8 @@ class MixedCpuPlugin(
 
     async def configure(self, request: api.ConfigureRequest) -> None:
         self.runtime = request.runtime_name
-        # CRI-O makes a container's cgroup in its runc create, between NRI CreateContainer and
-        # PostCreateContainer; containerd only at StartContainer: what the healer watches a creation by.
+        # CRI-O makes a container's cgroup in its runc create, after NRI CreateContainer; containerd
+        # only at StartContainer: what the healer watches a creation by.
         self.healer.cgroup_at_creation = request.runtime_name == "cri-o"
         if request.runtime_name == "cri-o" and self.trust_pod_annotation:
             # CRI-O (1.30 and later) runs its own shared-CPU hook, after NRI, for a pod that names a
@@ -316,10 +312,6 @@ class MixedCpuPlugin(
         self.roster.given(container.id, holder, books)
         self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))
         return api.CreateContainerResponse(adjust=plan.adjustment)
-
-    @_holding_the_books
-    async def post_create_container(self, pod: api.PodSandbox, container: api.Container) -> None:
-        await self.healer.container_created(container_slot(pod, container), pod, container)
 
     @_holding_the_books
     async def start_container(self, pod: api.PodSandbox, container: api.Container) -> None:

@@ -53,7 +53,6 @@ SERVED = {
     "Shutdown",
     "StateChange",
     "CreateContainer",
-    "PostCreateContainer",  # CRI-O's runc create is done: the creation is over (issue 29)
     "StartContainer",  # containerd makes the cgroup here: the healer's grace counts from it (issue 25)
     "UpdateContainer",
     "StopContainer",
