@@ -444,14 +444,13 @@ class StartFailed(Exception):
     """runc's task creation failed (containerd's StartContainer fails; no plugin hears of it)."""
 
 
-class Containerd(RuntimeSimulator):
-    """containerd's order on a fake v1 tree: a container's cgroup is made at StartContainer, before
-    plugins hear of the start; and, as runc on cgroup v1, its quota is refused above its pod's."""
+class RuncOnV1(RuntimeSimulator):
+    """A runtime whose runc makes a container's cgroup on a fake v1 tree: as on cgroup v1, the
+    container's quota is refused above its pod's, and the creation or start that made it fails."""
 
-    def __init__(self, socket: Path, tree: FakeCgroups) -> None:
-        super().__init__(socket, runtime_name="containerd")
+    def __init__(self, socket: Path, tree: FakeCgroups, runtime_name: str) -> None:
+        super().__init__(socket, runtime_name=runtime_name)
         self.tree = tree
-        self.modes.cgroup_made_at_start = True
 
     def make_resources(self, container: api.Container) -> None:
         pod = self.pods[container.pod_sandbox_id]
@@ -462,6 +461,15 @@ class Containerd(RuntimeSimulator):
 
     def release_resources(self, container: api.Container) -> None:
         self.tree.remove_container(container)
+
+
+class Containerd(RuncOnV1):
+    """containerd's order: a container's cgroup is made at StartContainer, before plugins hear of
+    the start."""
+
+    def __init__(self, socket: Path, tree: FakeCgroups) -> None:
+        super().__init__(socket, tree, "containerd")
+        self.modes.cgroup_made_at_start = True
 
 
 @pytest.fixture
@@ -525,24 +533,15 @@ async def test_a_slow_start_on_containerd_keeps_its_share(
 # -- CRI-O: runc create (which makes the cgroup) after CreateContainer ---------------------------------
 
 
-class Crio(RuntimeSimulator):
-    """CRI-O's order on a fake v1 tree: NRI CreateContainer, then its runc create taking
-    `runc_create_seconds` on the node's clock (the NRI lock let go), which makes the cgroup and writes
-    the raised quota (refused above the pod's, as runc on v1: the creation fails), then
+class Crio(RuncOnV1):
+    """CRI-O's order: NRI CreateContainer, then its runc create taking `seconds` on the node's clock
+    (the NRI lock let go), which makes the cgroup and writes the raised quota, then
     PostCreateContainer."""
 
     def __init__(self, socket: Path, tree: FakeCgroups, clock: ManualClock, seconds: float) -> None:
-        super().__init__(socket, runtime_name="cri-o", runtime_version="1.37.0")
-        self.tree = tree
+        super().__init__(socket, tree, "cri-o")
         self.clock = clock
         self.modes.runc_create_seconds = seconds
-
-    def make_resources(self, container: api.Container) -> None:
-        pod = self.pods[container.pod_sandbox_id]
-        quota, pod_quota = container.linux.resources.cpu.quota.value, self.tree.pod_quota(pod)
-        if pod_quota is not None and quota > pod_quota:
-            raise StartFailed(f'failed to write "{quota}": cpu.cfs_quota_us: invalid argument')
-        self.tree.run_container(container)
 
 
 @pytest.mark.asyncio

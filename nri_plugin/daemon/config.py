@@ -356,27 +356,12 @@ def _metrics_address(check: _Checker, value: object) -> str:
     return text
 
 
-def _reconcile_interval(check: _Checker, value: object) -> float:
-    """Seconds between the reconciler's passes over the node (`nri_plugin.mixedcpu.heal`)."""
-    low, high = RECONCILE_INTERVAL_RANGE
+def _seconds(check: _Checker, key: str, limits: tuple[float, float], hint: str, value: object) -> float:
+    """A number of seconds within `limits`; `hint` ends the error."""
+    low, high = limits
     if isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high:
         return float(value)
-    raise check.error(
-        "reconcile_interval",
-        f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; e.g. reconcile_interval = 30",
-    )
-
-
-def _creation_timeout(check: _Checker, value: object) -> float:
-    """Seconds a CRI-O creation may run before it is taken for failed (`nri_plugin.mixedcpu.heal`)."""
-    low, high = CREATION_TIMEOUT_RANGE
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high:
-        return float(value)
-    raise check.error(
-        "creation_timeout",
-        f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; take CRI-O's "
-        "container_create_timeout (240 unless set) plus 60, e.g. creation_timeout = 300",
-    )
+    raise check.error(key, f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; {hint}")
 
 
 def _max_synchronize_mib(check: _Checker, value: object) -> int:
@@ -424,8 +409,18 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "log_level": functools.partial(check.choice, "log_level", choices=LOG_LEVELS),
         "log_format": functools.partial(check.choice, "log_format", choices=LOG_FORMATS),
         "metrics_address": functools.partial(_metrics_address, check),
-        "reconcile_interval": functools.partial(_reconcile_interval, check),
-        "creation_timeout": functools.partial(_creation_timeout, check),
+        # Seconds between the reconciler's passes; seconds a CRI-O creation may run before it is
+        # taken for failed (nri_plugin.mixedcpu.heal).
+        "reconcile_interval": functools.partial(
+            _seconds, check, "reconcile_interval", RECONCILE_INTERVAL_RANGE, "e.g. reconcile_interval = 30"
+        ),
+        "creation_timeout": functools.partial(
+            _seconds,
+            check,
+            "creation_timeout",
+            CREATION_TIMEOUT_RANGE,
+            "take CRI-O's container_create_timeout (240 unless set) plus 60, e.g. creation_timeout = 300",
+        ),
         "max_synchronize_mib": functools.partial(_max_synchronize_mib, check),
         "systemd_bus": functools.partial(_systemd_bus, check),
     }
