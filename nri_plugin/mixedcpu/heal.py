@@ -332,13 +332,6 @@ class Healer:
                 due = self._clock.monotonic() + self.grace
                 self._creations[slot.pod][slot.name] = creation._replace(due=due)
                 self._arm_grace(due)
-        await self._give_again(slot, pod, container, "StartContainer")
-
-    async def _give_again(
-        self, slot: Slot, pod: api.PodSandbox, container: api.Container, event: str
-    ) -> None:
-        """The runtime started a container whose share was given back: its pod is raised again
-        (unless a newer instance holds its slot)."""
         record = self._given_back.get(slot.pod, {}).get(slot.name)
         if record is None or record.id != container.id:
             return
@@ -346,11 +339,10 @@ class Healer:
         if self.books.holder(slot) is not None:
             return  # a newer instance holds the slot
         before, after = await self.quotas.raise_for(
-            pod, container, slot, record, self.books.pods.get(slot.pod), event=event
+            pod, container, slot, record, self.books.pods.get(slot.pod), event="StartContainer"
         )
         log.warning(
             "container started after its share was given back: its share is given again",
-            **{EVENT_NAME: event},
             container_id=container.id,
             slot=str(slot),
             pod_quota=f"{show_quota(before)} -> {show_quota(after)}",
@@ -589,7 +581,7 @@ class Healer:
 
     async def _give_back(self, creation: _Creation, cgroup: CgroupDir) -> None:
         """The container never came to be: its slot is freed and its pod quota lowered (and given
-        again if the runtime starts it after all: `_give_again`)."""
+        again if the runtime starts it after all: `container_started`)."""
         released = self.books.release_holder(creation.container_id)
         key = creation.slot.pod
         if released is not None:
