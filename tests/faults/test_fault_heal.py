@@ -14,7 +14,8 @@ daemon process; each ends with the invariant check.
 * 7e CRI-O's slow ``runc create`` (issue 29): the cgroup (and PostCreateContainer) come well past every
   grace and reconcile pass; the pod keeps its share all along, so runc's write of the raised
   container quota is accepted (the fake v1 tree refuses it above the pod's, as the kernel does) and
-  the container starts.
+  the container starts. Also with the connection dropped in the middle: the Synchronize after the
+  reconnect, which does not list the container, does not cost it its share.
 * 7c a stopped container's cgroup lingers with its raised quota: the daemon puts the container's own
   quota back at the StopContainer, so the pod quota comes down then, on the real v1 kernel (which
   refuses a pod quota below a child's) and on a fake v2 tree.
@@ -42,6 +43,7 @@ from fault_support import (
     daemon_running,
     inconsistencies,
     make_node,
+    until,
     within,
     write_config,
 )
@@ -195,6 +197,44 @@ async def test_a_slow_runc_create_on_crio_keeps_the_pods_share_and_starts(
         assert runtime.containers["slow-a"].state == api.CONTAINER_RUNNING
         assert tree.pod_quota(pod) == 4 * PERIOD
         assert tree.container_quota(runtime.containers["slow-a"]) == 4 * PERIOD
+        assert not daemon.logged("container never created"), daemon.stderr
+        assert inconsistencies(population) == []
+    assert inconsistencies(population, books=StateStore(node.state).load()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_reconnect_during_a_slow_runc_create_keeps_the_pods_share(short_dir: Path) -> None:
+    """The connection drops while CRI-O's runc create runs: the daemon reconnects, and the runtime's
+    Synchronize does not list the container (CRI-O lists one only once its runc create is done). The
+    daemon carries its share over instead of taking it for gone: runc's write is accepted."""
+    node = crio_node(short_dir)
+    population, runtime, tree = node.population, node.runtime, node.tree
+    config = write_config(short_dir, tree, extra="reconcile_interval = 1")
+    async with runtime, daemon_running(config, node.socket) as daemon:
+        await within(runtime.wait_for_plugins(1, timeout=None))
+        pod = population.pod("slow", 2 * PERIOD)
+        await runtime.run_pod_sandbox(pod)
+        runtime.modes.runc_create_seconds = RUNC_CREATE
+        container = population.container(pod, "slow-a", "fwd", "2-3", asks=True)
+        creating = asyncio.ensure_future(runtime.create_container(container))
+        try:
+            # NRI CreateContainer answered (the adjustment taken); runc create now runs.
+            answered = ("CreateContainer", "slow-a", "ok")
+            await until(lambda: answered in {(r.event, r.container, r.outcome) for r in runtime.records})
+            assert tree.pod_quota(pod) == 4 * PERIOD
+            [plugin] = runtime.plugins
+            plugin.trunk.close()  # the connection drops; runc create goes on
+            await within(runtime.wait_for_synchronizations(2, timeout=None))
+            assert "slow-a" not in runtime.containers, "not listed: still in its runc create"
+            assert tree.pod_quota(pod) == 4 * PERIOD
+            await within(creating)
+        finally:
+            creating.cancel()
+        runtime.modes.runc_create_seconds = 0.0
+        await runtime.start_container("slow-a")
+        assert tree.refused == {}, tree.refused  # runc's write of the raised quota was accepted
+        assert tree.container_quota(runtime.containers["slow-a"]) == 4 * PERIOD
+        assert not daemon.logged("shared container no longer running"), daemon.stderr
         assert not daemon.logged("container never created"), daemon.stderr
         assert inconsistencies(population) == []
     assert inconsistencies(population, books=StateStore(node.state).load()) == []
