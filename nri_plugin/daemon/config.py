@@ -17,6 +17,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     metrics_address = "127.0.0.1:8891"     # host:port (":8891": every address) of /metrics, /healthz,
                                            # /readyz; "" turns it off
     reconcile_interval = 30                # seconds between the reconciler's checks of the node
+    creation_timeout = 300                 # seconds a CRI-O creation may run before a failed one
+                                           # gives its share back (CRI-O's container_create_timeout + 60)
     max_synchronize_mib = 32               # the most one Synchronize may bring (1-1024 MiB)
     systemd_bus = "/run/dbus/system_bus_socket"  # the system bus: pod slices' quotas set through
                                            # systemd (systemd driver); "": always the cgroup files
@@ -100,6 +102,8 @@ MAX_SYNCHRONIZE_MIB: Final = 1024
 CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
 DEFAULT_RECONCILE_INTERVAL: Final = 30.0
 RECONCILE_INTERVAL_RANGE: Final = (1.0, 3600.0)
+DEFAULT_CREATION_TIMEOUT: Final = 300.0  # = nri_plugin.mixedcpu.heal.CREATION_TIMEOUT (tested)
+CREATION_TIMEOUT_RANGE: Final = (1.0, 86400.0)
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
 NUMA_NODES_DIR: Final = "devices/system/node"
 _NUMA_NODE: Final = re.compile(r"node([0-9]+)")
@@ -146,6 +150,7 @@ class Config:
     log_format: str = "auto"
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
+    creation_timeout: float = DEFAULT_CREATION_TIMEOUT
     max_synchronize_mib: int = DEFAULT_MAX_SYNCHRONIZE_MIB
     systemd_bus: str = DEFAULT_SYSTEMD_BUS
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
@@ -170,6 +175,7 @@ _TOP_KEYS: Final = (
     "log_format",
     "metrics_address",
     "reconcile_interval",
+    "creation_timeout",
     "max_synchronize_mib",
     "systemd_bus",
     _SOURCES_TABLE,
@@ -350,15 +356,12 @@ def _metrics_address(check: _Checker, value: object) -> str:
     return text
 
 
-def _reconcile_interval(check: _Checker, value: object) -> float:
-    """Seconds between the reconciler's passes over the node (`nri_plugin.mixedcpu.heal`)."""
-    low, high = RECONCILE_INTERVAL_RANGE
+def _seconds(check: _Checker, key: str, limits: tuple[float, float], hint: str, value: object) -> float:
+    """A number of seconds within `limits`; `hint` ends the error."""
+    low, high = limits
     if isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high:
         return float(value)
-    raise check.error(
-        "reconcile_interval",
-        f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; e.g. reconcile_interval = 30",
-    )
+    raise check.error(key, f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; {hint}")
 
 
 def _max_synchronize_mib(check: _Checker, value: object) -> int:
@@ -406,7 +409,18 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "log_level": functools.partial(check.choice, "log_level", choices=LOG_LEVELS),
         "log_format": functools.partial(check.choice, "log_format", choices=LOG_FORMATS),
         "metrics_address": functools.partial(_metrics_address, check),
-        "reconcile_interval": functools.partial(_reconcile_interval, check),
+        # Seconds between the reconciler's passes; seconds a CRI-O creation may run before it is
+        # taken for failed (nri_plugin.mixedcpu.heal).
+        "reconcile_interval": functools.partial(
+            _seconds, check, "reconcile_interval", RECONCILE_INTERVAL_RANGE, "e.g. reconcile_interval = 30"
+        ),
+        "creation_timeout": functools.partial(
+            _seconds,
+            check,
+            "creation_timeout",
+            CREATION_TIMEOUT_RANGE,
+            "take CRI-O's container_create_timeout (240 unless set) plus 60, e.g. creation_timeout = 300",
+        ),
         "max_synchronize_mib": functools.partial(_max_synchronize_mib, check),
         "systemd_bus": functools.partial(_systemd_bus, check),
     }

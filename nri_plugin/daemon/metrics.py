@@ -56,9 +56,10 @@ Labels:
   that reads back different counts too.
 * `kind` of a heal (`nri_plugin.mixedcpu.heal`): `pod_gone` (a pod's cgroup gone, or the runtime
   no longer lists it, with no end reported: its books and device bindings dropped),
-  `container_never_created` (no cgroup after the grace period: the creation failed after our
-  adjustment), `container_gone` (the runtime's Synchronize no longer runs a container we held),
-  `pod_quota` (a pod quota found off its target and brought back).
+  `container_never_created` (the runtime showed the creation over without a container: on CRI-O no
+  cgroup `creation_timeout` after CreateContainer; on containerd its cgroup gone after
+  StartContainer), `container_gone` (the runtime's Synchronize no longer runs a
+  container we held), `pod_quota` (a pod quota found off its target and brought back).
 * `outcome` of a pod-resources lookup (`nri_plugin.deviceplugin.podresources`, asked for each
   container that presents an allocation marker): `ok` (kubelet's record decided, by Get), `list`
   (kubelet's record decided, by List: kubelet does not serve Get), `unavailable` (no socket or no

@@ -330,6 +330,7 @@ def build_plugin(
         raise _state_dir_error(config, exc) from None
     if writer is not None:
         plugin.quotas.writer = writer
+    plugin.healer.creation_timeout = config.creation_timeout
     plugin.creations = observer
     return plugin
 
