@@ -19,7 +19,7 @@ cost nothing per request.
 | `mixed_cpu_nri_requests_total` | counter | `event`, `outcome` | NRI requests answered |
 | `mixed_cpu_nri_request_duration_seconds` | histogram | `event` | time to answer one, 100 µs to 2 s |
 | `mixed_cpu_shared_containers` | gauge | | containers holding the shared CPUs now |
-| `mixed_cpu_cgroup_write_failures_total` | counter | `kind` | cgroup quota writes that failed |
+| `mixed_cpu_cgroup_write_failures_total` | counter | `kind` | cgroup quota writes that failed (writes only) |
 | `mixed_cpu_heals_total` | counter | `kind` | books or quotas put right by the reconciler |
 | `mixed_cpu_nri_reconnects_total` | counter | | connections to the runtime lost (then retried) |
 | `mixed_cpu_device_plugin_registrations_total` | counter | `outcome` | registrations with kubelet |
@@ -52,8 +52,9 @@ Labels:
 * `kind`: `pod_quota_raise` (at a creation, which is then refused; or at Synchronize),
   `pod_quota_lower` (retried later; on cgroup v1 a few are normal right after a container stops),
   `pod_quota_restore` (putting the pod quota back after a failed creation),
-  `container_quota_lower` (a stopped container's own quota put back). A write the kernel took but
-  that reads back different counts too.
+  `container_quota_lower` (a stopped container's own quota put back). Only writes count: a pod
+  cgroup that cannot be opened or read is never written (its creation counts as refused for
+  `cgroup` in `mixed_cpu_shared_creations_total`).
 * `kind` of a heal (`nri_plugin.mixedcpu.heal`): `pod_gone` (a pod's cgroup gone, or the runtime
   no longer lists it, with no end reported: its books and device bindings dropped),
   `container_never_created` (no cgroup after the grace period: the creation failed after our
@@ -71,8 +72,10 @@ Labels:
   address); kubelet's probes and the scrape still get through.
 * `outcome` of a creation that proved a request for the shared CPUs (`nri_plugin.mixedcpu.plugin`):
   `granted`, or why it was refused: `pod_spec` (the pod spec must change: no exclusive CPUs, no
-  limit, ...), `node` (the node's setup must), `cgroup` (the pod quota could not be raised),
-  `state_file` (the books could not be saved). A creation the runtime gave up waiting for counts
+  limit, ...), `node` (the node's setup must: an empty pool, a cpuset the runtime garbled), `cgroup`
+  (the pod cgroup could not be opened or read, or its quota not raised), `state_file` (the books
+  could not be saved). Every refused creation counts here once, whatever its reason: the one
+  metric to alert on for refusals. A creation the runtime gave up waiting for counts
   in none (the request's own `outcome` is then `cancelled`).
 """
 

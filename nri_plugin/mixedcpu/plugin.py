@@ -123,7 +123,8 @@ class CreationObserver(Protocol):
 
     def creation_decided(self, outcome: str) -> None:
         """`outcome`: ``granted``, or why it was refused: ``pod_spec`` or ``node`` (the policy's
-        `PolicyError.kind`), ``cgroup`` (the pod quota could not be raised), ``state_file``."""
+        `PolicyError.kind`), ``cgroup`` (the pod cgroup could not be opened, read or raised),
+        ``state_file``."""
 
 
 def _refusal(exc: PolicyError) -> PluginRefusal:
