@@ -41,6 +41,7 @@ from mixedcpu_support import (
 from probe_support import GUARD, Samples, bound_address, collect, scrape, value
 
 from api.nri import api_pb2 as api
+from cgroups import write_cpu_quota
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator
@@ -158,11 +159,11 @@ async def tell_the_story(node: StoryNode) -> None:
             resource.prlimit(node.proc.pid, resource.RLIMIT_FSIZE, before)
 
     # Someone writes a granted pod's quota back down: the reconciler puts it right (a heal).
-    quota_file = Path(node.tree.pod_dir(granted[0]).fs_path, "cpu.cfs_quota_us")
-    quota_file.write_text(f"{PERIOD}\n")
+    write_cpu_quota(node.tree.pod_dir(granted[0]), PERIOD)
 
     async def healed() -> None:
-        while value(await node.scrape(), "mixed_cpu_heals_total", kind="pod_quota") < 1:
+        # The daemon is another process: its metrics are the only word of the heal.
+        while value(await node.scrape(), "mixed_cpu_heals_total", kind="pod_quota") < 1:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
     await asyncio.wait_for(healed(), GUARD)

@@ -51,4 +51,10 @@ async def test_each_refusal_is_counted_by_its_reason_and_no_write_failure_is_inv
     assert value(found, "mixed_cpu_heals_total", kind="pod_quota") >= 1
     assert value(found, "mixed_cpu_nri_reconnects_total") == 1
     assert value(found, "mixed_cpu_shared_containers") == GRANTED
+    # The parts this daemon runs (the alerts on their gauges need them): the device plugin, and so
+    # kubelet's PodResources API (its socket absent here: not reachable); not DRA.
+    assert value(found, "mixed_cpu_device_plugin_enabled") == 1
+    assert value(found, "mixed_cpu_pod_resources_enabled") == 1
+    assert value(found, "mixed_cpu_pod_resources_reachable") == 0
+    assert value(found, "mixed_cpu_dra_enabled") == 0
     assert node.proc.returncode == 0, "\n".join(node.lines)

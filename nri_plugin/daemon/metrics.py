@@ -12,7 +12,8 @@ server ``probe_connection_evicted`` (`nri_plugin.daemon.probes.ProbeObserver`); 
 Gauges are read from their owners when scraped, through callables bound once the owners exist
 (``track``; `nri_plugin.daemon.wiring` does it): the shared-container count from the plugin's books,
 readiness from the stub and the device plugin, so they cannot drift from what they describe and
-cost nothing per request.
+cost nothing per request. Which optional parts run (device plugin, PodResources, DRA) is set once
+(``features``), for alerts to be silent where a part is off.
 
 | metric | type | labels | meaning |
 |---|---|---|---|
@@ -27,6 +28,9 @@ cost nothing per request.
 | `mixed_cpu_kubelet_registered` | gauge | | 1 while kubelet holds our registration (0 when off) |
 | `mixed_cpu_dra_registered` | gauge | | 1 while kubelet holds the DRA driver's registration (0 when off) |
 | `mixed_cpu_dra_resource_slices_published` | gauge | | 1 while the API server holds the node's pool |
+| `mixed_cpu_device_plugin_enabled` | gauge | | 1 when the config turns the device plugin on |
+| `mixed_cpu_pod_resources_enabled` | gauge | | 1 when kubelet's PodResources API is asked |
+| `mixed_cpu_dra_enabled` | gauge | | 1 when the config turns the DRA front door on |
 | `mixed_cpu_pod_resources_lookups_total` | counter | `outcome` | questions to kubelet's PodResources API |
 | `mixed_cpu_pod_resources_reachable` | gauge | | 1 while kubelet's record proves requests (0: marker alone) |
 | `mixed_cpu_pod_resources_degraded` | gauge | | 1 while List (no Get) or the marker alone proves |
@@ -184,6 +188,21 @@ class Metrics:
             "1 while the API server holds the node's ResourceSlices as the daemon last published them.",
             registry=r,
         )
+        self.device_plugin_enabled = Gauge(
+            "mixed_cpu_device_plugin_enabled",
+            "1 when the config turns the device plugin on ([device_plugin] enabled).",
+            registry=r,
+        )
+        self.pod_resources_enabled = Gauge(
+            "mixed_cpu_pod_resources_enabled",
+            "1 when kubelet's PodResources API is asked (pod_resources_socket set, markers trusted).",
+            registry=r,
+        )
+        self.dra_enabled = Gauge(
+            "mixed_cpu_dra_enabled",
+            "1 when the config turns the DRA front door on ([dra] enabled).",
+            registry=r,
+        )
         self.pod_resources_lookups = Counter(
             "mixed_cpu_pod_resources_lookups",
             "Questions to kubelet's PodResources API about a container's devices, by outcome.",
@@ -277,6 +296,13 @@ class Metrics:
         self.sync_pods.set(pods)
         self.sync_containers.set(containers)
         self.sync_bytes.set(size)
+
+    def features(self, *, device_plugin: bool, pod_resources: bool, dra: bool) -> None:
+        """Which optional parts the daemon runs: an alert on one of their gauges (registered,
+        reachable) is silent on a node where the part is off (its gauge then reads 0 too)."""
+        self.device_plugin_enabled.set(device_plugin)
+        self.pod_resources_enabled.set(pod_resources)
+        self.dra_enabled.set(dra)
 
     # -- gauges read at scrape time --------------------------------------------------------------------
 
