@@ -75,7 +75,7 @@ def exported() -> dict[str, set[str]]:
     metrics.pod_resources_lookup("ok")
     metrics.probe_connection_evicted("peer_limit")
     metrics.creation_decided("granted")
-    metrics.synchronized(1, 2, 300)
+    metrics.synchronized(1, 2, 300, 0.01)
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         for sample in family.samples:

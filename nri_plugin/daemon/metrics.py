@@ -39,6 +39,10 @@ cost nothing per request. Which optional parts run (device plugin, PodResources,
 | `mixed_cpu_nri_synchronize_pods` | gauge | | pods the runtime listed at its last Synchronize |
 | `mixed_cpu_nri_synchronize_containers` | gauge | | containers it listed then |
 | `mixed_cpu_nri_synchronize_bytes` | gauge | | that Synchronize's size, all chunks |
+| `mixed_cpu_nri_synchronize_duration_seconds` | gauge | | how long it took, first chunk to answer |
+| `mixed_cpu_nri_synchronize_timestamp_seconds` | gauge | | when it ended (Unix time; 0: none yet) |
+| `mixed_cpu_nri_configure_duration_seconds` | gauge | | how long the last Configure took |
+| `mixed_cpu_nri_configure_timestamp_seconds` | gauge | | when it ended (Unix time; 0: none yet) |
 | `process_resident_memory_bytes`, `process_cpu_seconds_total`, ... | | | the daemon process (Linux) |
 
 The Grafana dashboard (``packaging/helm/mixed-cpu-nri-plugin/dashboards/``) queries only these names.
@@ -85,6 +89,7 @@ Labels:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -244,6 +249,26 @@ class Metrics:
             "Size of the last Synchronize, all of its chunks, as received.",
             registry=r,
         )
+        # The last Synchronize and Configure, kept: a daemon is synchronized a fraction of a second
+        # after it starts, before any scrape, so a rate() over the histogram never shows that one.
+        self.sync_duration = Gauge(
+            "mixed_cpu_nri_synchronize_duration_seconds",
+            "How long the last Synchronize took, from its first chunk to the answer.",
+            registry=r,
+        )
+        self.sync_timestamp = Gauge(
+            "mixed_cpu_nri_synchronize_timestamp_seconds",
+            "When the last Synchronize ended, in seconds since the epoch (0: none yet).",
+            registry=r,
+        )
+        self.configure_duration = Gauge(
+            "mixed_cpu_nri_configure_duration_seconds", "How long the last Configure took.", registry=r
+        )
+        self.configure_timestamp = Gauge(
+            "mixed_cpu_nri_configure_timestamp_seconds",
+            "When the last Configure ended, in seconds since the epoch (0: none yet).",
+            registry=r,
+        )
         # RSS, CPU time, open files of the daemon (read from /proc/self at each scrape).
         ProcessCollector(registry=r)
         for kind in WRITE_FAILURE_KINDS:
@@ -270,6 +295,9 @@ class Metrics:
             self._request_children[(event, outcome)] = children
         children[0].inc()
         children[1].observe(seconds)
+        if event == "configure" and outcome == "ok":
+            self.configure_duration.set(seconds)
+            self.configure_timestamp.set(time.time())
 
     def reconnecting(self) -> None:
         self.reconnects.inc()
@@ -292,10 +320,12 @@ class Metrics:
     def creation_decided(self, outcome: str) -> None:
         self.creations.labels(outcome).inc()
 
-    def synchronized(self, pods: int, containers: int, size: int) -> None:
+    def synchronized(self, pods: int, containers: int, size: int, seconds: float) -> None:
         self.sync_pods.set(pods)
         self.sync_containers.set(containers)
         self.sync_bytes.set(size)
+        self.sync_duration.set(seconds)
+        self.sync_timestamp.set(time.time())
 
     def features(self, *, device_plugin: bool, pod_resources: bool, dra: bool) -> None:
         """Which optional parts the daemon runs: an alert on one of their gauges (registered,
