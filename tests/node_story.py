@@ -93,7 +93,17 @@ async def story_node(
 ) -> AsyncIterator[StoryNode]:
     """The daemon serving the simulator, once it is synchronized; SIGTERM after the body (killed if it
     does not end)."""
-    config = write_daemon_config(root, plugin_dir, extra=f"reconcile_interval = {reconcile_interval}\n")
+    # Every part on, each in this directory: the device plugin (no kubelet: never registered), kubelet's
+    # PodResources API (no socket: not reachable), the DRA front door (no kubelet plugin watcher, and
+    # no API server: it publishes no ResourceSlices).
+    config = write_daemon_config(
+        root,
+        plugin_dir,
+        extra=f"reconcile_interval = {reconcile_interval}\n[dra]\nenabled = true\n"
+        f'node_name = "story-node"\npublish_resource_slices = false\nregistry_dir = "{root}/reg"\n'
+        f'plugins_dir = "{root}/plugins"\ncdi_dir = "{root}/cdi"\n',
+        device_plugin_extra=f'pod_resources_socket = "{root}/pod-resources.sock"\n',
+    )
     socket_path = root / "nri.sock"
     tree = FakeCgroups(root / "cgroup", 1)
     lines: list[str] = []

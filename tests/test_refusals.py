@@ -51,10 +51,11 @@ async def test_each_refusal_is_counted_by_its_reason_and_no_write_failure_is_inv
     assert value(found, "mixed_cpu_heals_total", kind="pod_quota") >= 1
     assert value(found, "mixed_cpu_nri_reconnects_total") == 1
     assert value(found, "mixed_cpu_shared_containers") == GRANTED
-    # The parts this daemon runs (the alerts on their gauges need them): the device plugin, and so
-    # kubelet's PodResources API (its socket absent here: not reachable); not DRA.
-    assert value(found, "mixed_cpu_device_plugin_enabled") == 1
-    assert value(found, "mixed_cpu_pod_resources_enabled") == 1
+    # The parts this daemon runs (the alerts on their gauges need them), none of them with a kubelet
+    # or an API server to talk to: the device plugin, kubelet's PodResources API, DRA.
+    for part in ("device_plugin", "pod_resources", "dra"):
+        assert value(found, f"mixed_cpu_{part}_enabled") == 1, part
     assert value(found, "mixed_cpu_pod_resources_reachable") == 0
-    assert value(found, "mixed_cpu_dra_enabled") == 0
+    assert value(found, "mixed_cpu_kubelet_registered") == 0
+    assert value(found, "mixed_cpu_dra_registered") == 0
     assert node.proc.returncode == 0, "\n".join(node.lines)
