@@ -317,7 +317,17 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
                 "why": "its cgroup directory is gone",
                 "pod_key": "uid-1",
                 "container_id": None,
-            }
+            },
+            {
+                "at": "2025-11-27T09:55:00Z",
+                "kind": "pod_quota",
+                "message": "pod quota was off its target: brought back",
+                "why": "changed behind the plugin's back",
+                "pod_key": "uid-2",
+                "container_id": None,
+                "namespace": "shop",
+                "pod": "web-0",
+            },
         ],
     }
     jsonschema.Draft202012Validator(SCHEMA).validate(document)
@@ -325,7 +335,7 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
         "mixed-cpu-nri-plugin 0.1.0, pid 7, at 2025-11-27T10:00:00Z",
         "runtime        backing_off: no runtime has configured the plugin yet",
         "device plugin  off",
-        "pod resources  not asked (no pod_resources_socket, or markers not trusted)",
+        "pod resources  not asked: neither the device plugin nor DRA hands out devices to ask kubelet about",
         "DRA            off",
         "shared pool    0,4: 0 containers",
         "  NUMA node 0  0: 0 containers",
@@ -337,9 +347,10 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
         "POD QUOTAS (0, in CPUs: quota / period)",
         "(none)",
         "",
-        "LATEST HEALS (1)",
-        "AGO    KIND      POD    CONTAINER ID  WHAT",
-        "1m30s  pod_gone  uid-1  -             pod gone: its books and device bindings are dropped",
+        "LATEST HEALS (2)",
+        "AGO    KIND       POD         CONTAINER ID  WHAT",
+        "1m30s  pod_gone   uid uid-1   -             pod gone: its books and device bindings are dropped",
+        "5m0s   pod_quota  shop/web-0  -             pod quota was off its target: brought back",
     ]
 
     # A daemon older than the dra section: its document is still v1, and its table has no DRA line.

@@ -210,7 +210,12 @@ def render_table(document: dict[str, Any]) -> str:
         cpus = node["cpus"] or "none (its containers get the whole pool)"
         name = f"  NUMA node {node['node']}"
         lines.append(f"{name:<15}{cpus}: {_count(node['containers'], 'container')}")
-    containers = document["containers"]
+    # By namespace, pod and container, as an operator looks for them (the document's order is the
+    # books', by pod UID).
+    containers = sorted(
+        document["containers"],
+        key=lambda row: (row["namespace"] or "~", row["pod"] or row["pod_key"], row["container"]),
+    )
     lines += ["", f"SHARED CONTAINERS ({len(containers)})"]
     lines += _table(
         ("NAMESPACE", "POD", "CONTAINER", "EXCLUSIVE", "SHARED", "PROOF", "DEVICE", "HELD FOR"),
@@ -249,7 +254,7 @@ def render_table(document: dict[str, Any]) -> str:
     lines += _table(
         ("AGO", "KIND", "POD", "CONTAINER ID", "WHAT"),
         [
-            (_age(h["at"], now), h["kind"], h["pod_key"] or "-", h["container_id"] or "-", h["message"])
+            (_age(h["at"], now), h["kind"], _heal_pod(h), h["container_id"] or "-", h["message"])
             for h in heals
         ],
     )
@@ -273,8 +278,11 @@ def _summary(document: dict[str, Any], now: datetime.datetime | None) -> list[st
         registrations = _count(device["registrations"], "registration")
         plugin = f"{device['state']} ({device['resource_name']}; {registrations})"
     resources = document["pod_resources"]
-    if not resources["configured"]:
-        record = "not asked (no pod_resources_socket, or markers not trusted)"
+    dra = document.get("dra") or {}
+    if not resources["configured"] and not device["enabled"] and not dra.get("enabled"):
+        record = "not asked: neither the device plugin nor DRA hands out devices to ask kubelet about"
+    elif not resources["configured"]:
+        record = "not asked: pod_resources_socket is empty, or the allocation marker is not trusted"
     elif resources["reachable"]:
         record = f"reachable: kubelet's record proves requests ({resources['socket']})"
     else:
@@ -321,6 +329,13 @@ def _dra(dra: dict[str, Any] | None) -> list[str]:
         f"{'  slices':<15}{slices}",
         f"{'  claims':<15}{prepared}",
     ]
+
+
+def _heal_pod(heal: dict[str, Any]) -> str:
+    """The heal's pod by namespace/name when the daemon knew them, else by UID."""
+    if heal.get("namespace") and heal.get("pod"):
+        return f"{heal['namespace']}/{heal['pod']}"
+    return f"uid {heal['pod_key']}" if heal["pod_key"] else "-"
 
 
 def _pod_state(row: dict[str, Any]) -> str:

@@ -195,6 +195,7 @@ class MixedCpuPlugin(
         self.later = LaterLines()  # the info line of each creation, written after its reply
         self.creations: CreationObserver | None = None  # settable, as `observer` is
         self.roster = Roster()  # who the shared containers are, for the status
+        self.healer.roster = self.roster  # a heal names its pod by namespace and name
 
     @property
     def books(self) -> Books:
@@ -239,7 +240,7 @@ class MixedCpuPlugin(
     async def configure(self, request: api.ConfigureRequest) -> None:
         self.runtime = request.runtime_name
         # CRI-O makes a container's cgroup right after NRI CreateContainer; containerd only at
-        # StartContainer (runtime-observations.md): where the healer's grace counts from.
+        # StartContainer (docs/runtime-behaviour.md): where the healer's grace counts from.
         self.healer.cgroup_at_creation = request.runtime_name == "cri-o"
         if request.runtime_name == "cri-o" and self.trust_pod_annotation:
             # CRI-O (1.30 and later) runs its own shared-CPU hook, after NRI, for a pod that names a
