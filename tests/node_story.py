@@ -35,10 +35,9 @@ from mixedcpu_support import (
     make_container,
     make_pod,
     marker,
-    start_daemon,
     write_daemon_config,
 )
-from probe_support import GUARD, Samples, bound_address, collect, scrape, value
+from probe_support import GUARD, Samples, daemon_with_probes, scrape, value
 
 from api.nri import api_pb2 as api
 from cgroups import write_cpu_quota
@@ -109,22 +108,14 @@ async def story_node(
     lines: list[str] = []
     sim = RuntimeSimulator(socket_path, runtime_name="containerd", runtime_version="v2.3.4")
     await sim.start()
-    proc = await start_daemon("--log-level", "info", "run", "--config", str(config))
     node: StoryNode | None = None
     try:
-        assert proc.stderr is not None
-        host, port = await bound_address(proc.stderr, lines)
-        rest = asyncio.ensure_future(collect(proc.stderr, lines))
-        await sim.wait_for_synchronizations(1, GUARD)
-        node = StoryNode(root, proc, host, port, sim, tree, load_or_create_host_key(root / "state"), lines)
-        yield node
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), GUARD)
-        await asyncio.wait_for(rest, GUARD)
+        async with daemon_with_probes(config, socket_path, lines) as (proc, host, port):
+            await sim.wait_for_synchronizations(1, GUARD)
+            key = load_or_create_host_key(root / "state")
+            node = StoryNode(root, proc, host, port, sim, tree, key, lines)
+            yield node
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
         await (sim if node is None else node.sim).close()
 
 
