@@ -15,38 +15,29 @@ saying so, except under CI=true, where it fails.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
-import re
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
-import urllib.parse
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from node_story import CREATIONS, REFUSALS, story_node, tell_the_story
 from probe_support import value
+from prometheus_support import (
+    PrometheusMissing,
+    expand_variables,
+    prometheus_binary,
+    prometheus_scraping,
+    until,
+)
 from promql_support import ALERT_RULES, dashboard
 
 GUARD = 60.0  # against hangs only
 SCRAPE_SECONDS = 1
 RATE_INTERVAL = "10s"  # Grafana's $__rate_interval at a 1 s scrape interval is 4 s or more
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("prometheus is not installed: .ci/run installs Debian's prometheus package")
-        pytest.skip("prometheus is not installed (Debian's prometheus package; .ci/run installs it)")
-    return found
 
 
 @pytest.fixture
@@ -57,116 +48,17 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class Prometheus:
-    """Prometheus' HTTP API on 127.0.0.1:`port` (blocking calls: run them in a thread)."""
-
-    def __init__(self, port: int) -> None:
-        self.base = f"http://127.0.0.1:{port}"
-
-    def get(self, path: str, **params: str) -> Any:
-        url = f"{self.base}{path}?{urllib.parse.urlencode(params)}"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            document = json.loads(reply.read())
-        assert document["status"] == "success", document
-        return document["data"]
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base}/-/ready", timeout=2) as reply:
-                return bool(reply.status == 200)
-        except OSError:
-            return False
-
-    def instant(self, expr: str) -> list[dict[str, Any]]:
-        data = self.get("/api/v1/query", query=expr, time=str(time.time()))
-        result: list[dict[str, Any]] = data["result"]
-        return result
-
-    def over(self, expr: str, start: float, end: float) -> list[dict[str, Any]]:
-        data = self.get(
-            "/api/v1/query_range", query=expr, start=str(start), end=str(end), step=str(SCRAPE_SECONDS)
-        )
-        result: list[dict[str, Any]] = data["result"]
-        return result
-
-
-@contextlib.asynccontextmanager
-async def prometheus_scraping(directory: Path, target: str) -> AsyncIterator[Prometheus]:
-    """Prometheus on a free port of 127.0.0.1, scraping `target` every second and evaluating the
-    alert rules every second, its data in `directory`; stopped (killed if need be) after the body."""
-    binary = prometheus_binary()
-    config = directory / "prometheus.yml"
-    config.write_text(
-        f"global: {{scrape_interval: {SCRAPE_SECONDS}s, evaluation_interval: {SCRAPE_SECONDS}s}}\n"
-        f"rule_files: [{json.dumps(str(ALERT_RULES))}]\n"
-        "scrape_configs:\n"
-        "  - job_name: mixed-cpu-nri-plugin\n"
-        f"    static_configs: [{{targets: [{json.dumps(target)}]}}]\n"
-    )
-    port = _free_port()
-    log = (directory / "prometheus.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(
-        binary,
-        f"--config.file={config}",
-        f"--storage.tsdb.path={directory / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=log,
-    )
-    api = Prometheus(port)
-    try:
-
-        async def started() -> None:
-            while not await asyncio.to_thread(api.ready):
-                assert proc.returncode is None, (directory / "prometheus.log").read_text()
-                await asyncio.sleep(0.2)
-
-        await asyncio.wait_for(started(), GUARD)
-        yield api
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), GUARD)
-            except asyncio.TimeoutError:
-                proc.kill()
-                await proc.wait()
-        log.close()
-
-
-async def until(check: Any, what: str) -> None:
-    """Ask `check` (a blocking callable) again until it is true; `what` says what was awaited."""
-
-    async def wait() -> None:
-        # Prometheus is another process: its API is the only word of what it has seen.
-        while not await asyncio.to_thread(check):  # noqa: ASYNC110
-            await asyncio.sleep(0.25)
-
-    try:
-        await asyncio.wait_for(wait(), GUARD)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"Prometheus never showed {what} within {GUARD} s") from None
-
-
 def _panel_queries() -> list[tuple[str, dict[str, Any]]]:
     return [(panel["title"], target) for panel in dashboard()["panels"] for target in panel["targets"]]
 
 
-def _expand(expr: str, instance: str, range_seconds: int) -> str:
-    text = (
-        expr.replace("$__rate_interval", RATE_INTERVAL)
-        .replace("$__range", f"{range_seconds}s")
-        .replace("$instance", re.escape(instance).replace("\\", "\\\\"))
-    )
-    assert "$" not in text, f"a dashboard variable the test does not know, in {expr!r}"
-    return text
+def require_prometheus() -> None:
+    try:
+        prometheus_binary()
+    except PrometheusMissing as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{exc}: under CI=true this test does not skip")
+        pytest.skip(str(exc))
 
 
 def _whole_counts(series: list[dict[str, Any]], label: str) -> dict[str, float]:
@@ -177,6 +69,7 @@ def _whole_counts(series: list[dict[str, Any]], label: str) -> dict[str, float]:
 
 @pytest.mark.asyncio
 async def test_every_panel_query_and_alert_rule_in_a_real_prometheus(short_dir: Path) -> None:
+    require_prometheus()
     plugin_dir = short_dir / "dp"
     plugin_dir.mkdir()
     started = time.time()
@@ -207,7 +100,7 @@ async def test_every_panel_query_and_alert_rule_in_a_real_prometheus(short_dir: 
             range_seconds = int(end - started) + 5
             answers = {}
             for title, target in _panel_queries():
-                expr = _expand(target["expr"], instance, range_seconds)
+                expr = expand_variables(target["expr"], instance=instance, range_seconds=range_seconds)
                 if target.get("instant"):
                     series = await asyncio.to_thread(prom.instant, expr)
                 else:
