@@ -1,6 +1,6 @@
 """Every file of the project a source comment or docstring cites exists in the repository: a comment
-that sends a reader to ``docs/status.md`` or ``tests/node_story.py`` must not send them nowhere (five once cited a
-notes file that was never in the repository).
+that sends a reader to ``docs/status.md`` or ``tests/node_story.py`` must not send them nowhere (five
+once cited a notes file that was never in the repository).
 
 A citation is a Markdown file (``design.md``, ``docs/status.md``: by its path from the repository's
 root, or by its bare name when some file of the repository has that name), or a path under one of the
