@@ -153,3 +153,12 @@ def test_dra_prepare_prints_its_table() -> None:
     ], out
     for row in rows[1:]:
         assert int(row.split(" | ")[1]) >= 1, row
+
+
+def test_dra_restore_prints_its_table() -> None:
+    """A few of kubelet's wipes against the real publisher and the fake API server (no figure judged)."""
+    out = _bench("dra_restore.py", "--wipes", "3")
+    assert out.splitlines()[0].startswith("load average "), out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == "| measure | wipes | p50 (ms) | p99 (ms) | max (ms) |", out
+    assert rows[1].startswith("| kubelet's wipe sent → whole pool (256 devices, 2 slices) back | 3 | "), out

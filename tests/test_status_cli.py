@@ -414,6 +414,7 @@ def _dra_section(**changes: Any) -> dict[str, Any]:
             "devices": 256,
             "failures": 0,
             "last_error": None,
+            "restores": 0,
         },
         "prepared_claims": {"count": 3, "capped": False, "read_error": None},
     }
@@ -431,6 +432,15 @@ def _dra_section(**changes: Any) -> dict[str, Any]:
                 "DRA            shared-cpus.mixed-cpu.openshift.io on node node-1",
                 "  kubelet      registered (1 registration)",
                 "  slices       published: generation 2, 256 devices",
+                "  claims       3 prepared",
+            ],
+        ),
+        (
+            {"resource_slices": {"generation": 4, "restores": 2}},  # kubelet wiped them twice
+            [
+                "DRA            shared-cpus.mixed-cpu.openshift.io on node node-1",
+                "  kubelet      registered (1 registration)",
+                "  slices       published: generation 4, 256 devices, restored 2 times",
                 "  claims       3 prepared",
             ],
         ),
@@ -475,6 +485,7 @@ def _dra_section(**changes: Any) -> dict[str, Any]:
                     "generation": None,
                     "devices": None,
                     "failures": None,
+                    "restores": None,
                 },
             },
             [

@@ -182,6 +182,7 @@ def dra_status(dra: DraFrontDoor | None) -> dict[str, Any]:
             "devices": publisher.device_count if publisher is not None else None,
             "failures": publisher.failures if publisher is not None else None,
             "last_error": publisher.last_error if publisher is not None else None,
+            "restores": publisher.restores if publisher is not None else None,
         },
         "prepared_claims": count_prepared_claims(str(dra.config.cdi_dir)),
     }

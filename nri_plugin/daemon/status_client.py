@@ -314,6 +314,8 @@ def _dra(dra: dict[str, Any] | None) -> list[str]:
     elif published["published"]:
         devices = _count(published["devices"], "device")
         slices = f"published: generation {published['generation']}, {devices}"
+        if published["restores"]:
+            slices += f", restored {_count(published['restores'], 'time')}"
     elif published["failures"]:
         failures = _count(published["failures"], "failed attempt")
         slices = f"NOT published ({failures}, retrying): {published['last_error']}"

@@ -37,7 +37,7 @@ from nri_plugin.common.atomicfile import write_atomically
 from nri_plugin.common.k8snames import is_dns_label, is_dns_subdomain
 from nri_plugin.common.smallfile import RefusedFile, read_small_file
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey, dra_device_id
-from nri_plugin.dra.claims import AllocatedDevice
+from nri_plugin.dra.claims import AllocatedDevice, base_request
 
 __all__ = [
     "CDI_VERSION",
@@ -78,7 +78,7 @@ ANN_NAME: Final = f"{VENDOR}/claim-name"
 ANN_UID: Final = f"{VENDOR}/claim-uid"
 ANN_POOL: Final = f"{VENDOR}/pool"
 ANN_DEVICE: Final = f"{VENDOR}/device"
-ANN_REQUESTS: Final = f"{VENDOR}/requests"  # comma-separated: request names are DNS labels
+ANN_REQUESTS: Final = f"{VENDOR}/requests"  # comma-separated: DNS labels, or two joined by "/"
 _RECORDED: Final = (ANN_NAMESPACE, ANN_NAME, ANN_UID, ANN_POOL, ANN_DEVICE, ANN_REQUESTS)
 
 # metadata.uid as the API server makes it: a lowercase RFC 4122 UUID.
@@ -107,7 +107,7 @@ class ClaimRef:
 class PreparedDevice:
     """One device of a prepared claim as kubelet is told of it (one ``dra.v1`` Device)."""
 
-    requests: tuple[str, ...]  # the claim's requests it serves
+    requests: tuple[str, ...]  # the claim's requests it serves (base names, as kubelet matches them)
     pool: str
     device: str
     cdi_device_id: str  # the one CDI device kubelet passes to the runtime for it
@@ -136,17 +136,26 @@ def check_claim(claim: ClaimRef) -> None:
 
 def check_device(device: AllocatedDevice) -> None:
     """Raise `CdiError` unless `device` can be written into a spec: its device name a DNS label short
-    enough for the marker (59 characters), its request name a DNS label, its pool name set."""
+    enough for the marker (59 characters), its request a DNS label or two joined by ``/`` (a
+    subrequest of ``firstAvailable``), its pool name set, and not allocated with admin access."""
     if len(device.device) > _DEVICE_MAX or not is_dns_label(device.device):
         raise CdiError(
             f"allocated device name {_show(device.device)} is not a DNS label of at most "
             f"{_DEVICE_MAX} characters, so it cannot be signed into a marker; our ResourceSlice "
             "publishes shared-cpus-<n>: check the claim's allocation"
         )
-    if not is_dns_label(device.request):
+    parts = device.request.split("/")
+    if len(parts) > 2 or not all(is_dns_label(part) for part in parts):
         raise CdiError(
-            f"request name {_show(device.request)} of device {device.device} is not a DNS label; "
-            "check the claim's allocation"
+            f"request name {_show(device.request)} of device {device.device} is neither a DNS label "
+            "nor <request>/<subrequest> of two; check the claim's allocation"
+        )
+    if device.admin_access:
+        raise CdiError(
+            f"device {device.device} was allocated to request {_show(device.request)} with adminAccess: "
+            "admin access lets a claim reach a device another container may hold, and each of this "
+            "driver's devices is one container's ticket to the shared CPUs; remove adminAccess from "
+            "the request"
         )
     if not device.pool or len(device.pool) > _POOL_MAX or not device.pool.isprintable():
         raise CdiError(
@@ -210,9 +219,17 @@ def build_spec(claim: ClaimRef, devices: Sequence[AllocatedDevice], key: HostKey
 
 def prepared_devices(claim_uid: str, devices: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
     """What kubelet is answered for `devices` of the claim `claim_uid`: one entry per device (as in
-    its spec, in the same order), with every request it serves and its CDI device id."""
+    its spec, in the same order), with every request it serves and its CDI device id. A subrequest
+    (``shared/first``) is answered as its request (``shared``): kubelet gives a container the devices
+    whose ``request_names`` hold the request the container names, and a container can only name a
+    claim's own requests."""
     return tuple(
-        PreparedDevice(tuple(requests), pool, name, cdi_device_id(claim_uid, name))
+        PreparedDevice(
+            tuple(dict.fromkeys(base_request(r) for r in requests)),
+            pool,
+            name,
+            cdi_device_id(claim_uid, name),
+        )
         for name, (pool, requests) in _grouped(devices).items()
     )
 

@@ -11,16 +11,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["AllocatedDevice", "ClaimError", "ClaimSource"]
+__all__ = ["AllocatedDevice", "ClaimError", "ClaimSource", "base_request"]
 
 
 @dataclass(frozen=True)
 class AllocatedDevice:
     """One result of a claim's allocation that names our driver."""
 
-    request: str  # the claim's request this device serves (for an extended resource: the generated one)
+    # The claim's request this device serves, as the result names it: ``<request>``, or
+    # ``<request>/<subrequest>`` when the request lists alternatives (``firstAvailable``) and the
+    # scheduler chose one of them. For an extended resource: the request the scheduler generated.
+    request: str
     pool: str  # the ResourceSlice pool: our node's name
     device: str  # a device of that pool, e.g. "shared-cpus-3"
+    admin_access: bool = False  # the result's adminAccess: access to a device someone else may hold
+
+
+def base_request(request: str) -> str:
+    """The claim's own request a result's request reference belongs to: ``shared`` for both
+    ``shared`` and ``shared/first``. A container names that one in ``resources.claims[].request``, and
+    kubelet matches it against a prepared device's ``request_names``."""
+    return request.split("/", 1)[0]
 
 
 class ClaimError(Exception):

@@ -13,8 +13,9 @@ version it speaks), dials the announced endpoint and says how that went with
   the devices with their CDI device ids. A claim that cannot be prepared gets its own ``error``
   entry; the call itself never fails for one bad claim, so the others proceed.
 * ``NodeUnprepareResources`` once the pod is gone: the spec is removed (already gone is success).
-* ``NodeWatchResources`` (``v1.DRAResourceHealth``): every device healthy, sent when the stream
-  opens and again every `HEALTH_REFRESH` seconds, so kubelet never sees a device go stale.
+* ``NodeWatchResources`` (``v1.DRAResourceHealth``, and ``v1alpha1.DRAResourceHealth`` for kubelets
+  1.34-1.36, which have only that client): every device healthy, sent when the stream opens and
+  again every `HEALTH_REFRESH` seconds, so kubelet never sees a device go stale.
 
 Both calls are idempotent: kubelet repeats them until every claim succeeds, also across our
 restarts. A prepare repeated while the API server cannot be asked (the daemon restarted during an
@@ -34,7 +35,7 @@ import contextlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -46,6 +47,8 @@ from api.dra.v1 import api_pb2 as dra
 from api.dra.v1 import api_pb2_grpc as dra_grpc
 from api.drahealth.v1 import api_pb2 as health
 from api.drahealth.v1 import api_pb2_grpc as health_grpc
+from api.drahealth.v1alpha1 import api_pb2 as health_alpha
+from api.drahealth.v1alpha1 import api_pb2_grpc as health_alpha_grpc
 from api.pluginregistration.v1 import api_pb2 as reg
 from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless, within
@@ -70,8 +73,9 @@ __all__ = [
 log = structlog.get_logger("nri_plugin.dra")
 
 PLUGIN_TYPE: Final = "DRAPlugin"  # kubelet's plugin handler for DRA drivers
-# The gRPC services we serve on the endpoint, as kubelet names them in supported_versions.
-SUPPORTED_VERSIONS: Final = ("v1.DRAPlugin", "v1.DRAResourceHealth")
+# The gRPC services we serve on the endpoint, as kubelet names them in supported_versions. kubelets
+# 1.34-1.36 open the health stream as v1alpha1 (whatever we announce); later ones pick v1 when announced.
+SUPPORTED_VERSIONS: Final = ("v1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 CHECK_INTERVAL: Final = 0.5  # seconds between the socket checks
 HEALTH_REFRESH: Final = 10.0  # seconds between repeats of the (unchanging) health list
 CLAIM_TIMEOUT: Final = 10.0  # how long a prepare waits for the ClaimSource before it uses the file
@@ -160,16 +164,22 @@ class _HealthServicer(health_grpc.DRAResourceHealthServicer):
     async def NodeWatchResources(
         self, request: health.NodeWatchResourcesRequest, context: ServicerContext[Any, Any]
     ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
-        plugin = self._plugin
-        plugin.open_health_streams += 1
-        log.debug("NodeWatchResources opened", event_name="NodeWatchResources")
-        try:
-            while True:
-                yield plugin._health()
-                if await sleep_unless(plugin.clock, plugin._closing, plugin.health_refresh):
-                    return
-        finally:
-            plugin.open_health_streams -= 1
+        async for message in self._plugin._health_stream("v1"):
+            yield message
+
+
+class _HealthV1Alpha1Servicer(health_alpha_grpc.DRAResourceHealthServicer):
+    """The same stream for kubelets that only have the v1alpha1 client: the two versions' messages
+    have the same fields and numbers, so each message is v1's bytes read as v1alpha1's type."""
+
+    def __init__(self, plugin: DraKubeletPlugin) -> None:
+        self._plugin = plugin
+
+    async def NodeWatchResources(
+        self, request: health_alpha.NodeWatchResourcesRequest, context: ServicerContext[Any, Any]
+    ) -> AsyncIterator[health_alpha.NodeWatchResourcesResponse]:
+        async for message in self._plugin._health_stream("v1alpha1"):
+            yield health_alpha.NodeWatchResourcesResponse.FromString(message.SerializeToString())
 
 
 @dataclass(frozen=True)
@@ -258,6 +268,8 @@ class DraKubeletPlugin:
         self.registrations = 0  # successful registrations kubelet reported
         self.registration_sockets = 0  # times the registration socket was created
         self.open_health_streams = 0
+        # Called at each successful registration kubelet reports (the front door checks the slices).
+        self.on_registered: Callable[[], None] | None = None
         self._registration_error = ""
         self._registered = asyncio.Event()
         self._closing = asyncio.Event()
@@ -337,6 +349,7 @@ class DraKubeletPlugin:
             server = grpc.aio.server()
             dra_grpc.add_DRAPluginServicer_to_server(_DraServicer(self), server)
             health_grpc.add_DRAResourceHealthServicer_to_server(_HealthServicer(self), server)
+            health_alpha_grpc.add_DRAResourceHealthServicer_to_server(_HealthV1Alpha1Servicer(self), server)
             self._service = await _serve(server, self.endpoint, dir_mode=0o750)
             log.info("DRA plugin serving", socket=str(self.endpoint), driver=self.driver_name)
         if not _still_ours(self._registration):
@@ -373,6 +386,8 @@ class DraKubeletPlugin:
             self._registration_error = ""
             self._registered.set()
             log.info("registered with kubelet", driver=self.driver_name, endpoint=str(self.endpoint))
+            if self.on_registered is not None:
+                self.on_registered()
         else:
             self._registration_error = error or "kubelet gave no reason"
             self._registered.clear()
@@ -484,6 +499,18 @@ class DraKubeletPlugin:
         return ""
 
     # -- health -----------------------------------------------------------------------------------------
+
+    async def _health_stream(self, version: str) -> AsyncIterator[health.NodeWatchResourcesResponse]:
+        """The health list now and every `health_refresh` seconds, until the plugin closes."""
+        self.open_health_streams += 1
+        log.debug("NodeWatchResources opened", event_name="NodeWatchResources", version=version)
+        try:
+            while True:
+                yield self._health()
+                if await sleep_unless(self.clock, self._closing, self.health_refresh):
+                    return
+        finally:
+            self.open_health_streams -= 1
 
     def _health(self) -> health.NodeWatchResourcesResponse:
         now = int(time.time())

@@ -69,6 +69,24 @@ def test_device_annotations_record_the_claim_pool_device_and_requests(key: HostK
     }
 
 
+def test_a_subrequest_is_recorded_whole_and_answered_as_its_request(key: HostKey, cdi_dir: Path) -> None:
+    """firstAvailable: the result names ``shared/first``; kubelet matches the container's ``shared``."""
+    devices = [_device("shared-cpus-3", "shared/first"), _device("shared-cpus-3", "other")]
+    spec = cdi.build_spec(CLAIM, devices, key)
+    assert_valid_spec(spec)
+    assert spec["devices"][0]["annotations"]["mixed-cpu.openshift.io/requests"] == "shared/first,other"
+    (prepared,) = cdi.prepared_devices(UID, devices)
+    assert prepared.requests == ("shared", "other")
+    # Two subrequests of one request (two alternatives that each got this device) answer it once.
+    (twice,) = cdi.prepared_devices(UID, [_device(request="shared/a"), _device(request="shared/b")])
+    assert twice.requests == ("shared",)
+    # A prepare answered from the file later gives kubelet the same.
+    cdi.write_spec(cdi_dir, CLAIM, spec, fsync=False)
+    recorded = cdi.read_recorded(cdi_dir, CLAIM)
+    assert recorded is not None
+    assert cdi.prepared_devices(UID, recorded) == cdi.prepared_devices(UID, devices)
+
+
 def test_cdi_device_id_is_kind_equals_name() -> None:
     expected = f"mixed-cpu.openshift.io/shared-cpus={UID}-shared-cpus-3"
     assert cdi.cdi_device_id(UID, "shared-cpus-3") == expected
@@ -189,6 +207,10 @@ def test_a_claim_with_a_bad_name_is_refused(key: HostKey, namespace: str, name: 
         (AllocatedDevice("shared", POOL, "Shared"), "not a DNS label"),
         (AllocatedDevice("shared", POOL, "a.b"), "not a DNS label"),
         (AllocatedDevice("Req", POOL, "shared-cpus-1"), "request name 'Req'"),
+        (AllocatedDevice("shared/First", POOL, "shared-cpus-1"), "request name 'shared/First'"),
+        (AllocatedDevice("a/b/c", POOL, "shared-cpus-1"), "request name 'a/b/c'"),
+        (AllocatedDevice("shared/", POOL, "shared-cpus-1"), "request name 'shared/'"),
+        (AllocatedDevice("shared", POOL, "shared-cpus-1", admin_access=True), "with adminAccess"),
         (AllocatedDevice("shared", "", "shared-cpus-1"), "pool name ''"),
     ],
 )

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from cdi_support import load_valid_spec
-from fake_kubelet_dra import HEALTH_VERSION, HEALTHY, Claim, FakeKubeletDra, Prepared
+from fake_kubelet_dra import (
+    HEALTH_VERSION,
+    HEALTH_VERSION_ALPHA,
+    HEALTHY,
+    Claim,
+    FakeKubeletDra,
+    Prepared,
+    health_service,
+)
 from wait_support import wait_until
 
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey
@@ -162,12 +170,25 @@ async def test_kubelet_registers_the_plugin(node: Node, plugin: DraKubeletPlugin
     assert registered.info.type == "DRAPlugin"
     assert registered.info.name == DRIVER
     assert registered.info.endpoint == str(node.plugins_dir / DRIVER / "dra.sock")
-    assert set(registered.info.supported_versions) == {"v1.DRAPlugin", HEALTH_VERSION}
+    assert set(registered.info.supported_versions) == {"v1.DRAPlugin", HEALTH_VERSION, HEALTH_VERSION_ALPHA}
     await asyncio.wait_for(plugin.wait_registered(), 15)
     assert plugin.registered
     assert plugin.registration_error == ""
     for path in (sockets[0], Path(registered.info.endpoint)):
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+
+
+@pytest.mark.asyncio
+async def test_each_registration_is_announced_to_on_registered(node: Node, plugin: DraKubeletPlugin) -> None:
+    """The front door checks the ResourceSlices then: a new registration often follows a kubelet
+    start, which wiped them."""
+    calls: list[int] = []
+    plugin.on_registered = lambda: calls.append(plugin.registrations)
+    (socket,) = node.kubelet.registration_sockets()
+    await node.kubelet.notify(socket, False, "refused")  # a refusal is not a registration
+    await _registered(node, plugin)
+    await _registered(node, plugin)  # kubelet restarted and registered the socket again
+    assert calls == [1, 2]
 
 
 @pytest.mark.asyncio
@@ -372,8 +393,16 @@ async def test_a_damaged_spec_file_is_an_error_for_its_claim_only(
 
 
 @pytest.mark.asyncio
-async def test_the_health_stream_lists_every_device_healthy(node: Node, plugin: DraKubeletPlugin) -> None:
+@pytest.mark.parametrize(
+    ("minor", "service"), [(34, HEALTH_VERSION_ALPHA), (36, HEALTH_VERSION_ALPHA), (37, HEALTH_VERSION)]
+)
+async def test_the_health_stream_lists_every_device_healthy(
+    node: Node, plugin: DraKubeletPlugin, minor: int, service: str
+) -> None:
+    """kubelets 1.34-1.36 open v1alpha1 (their only client), 1.37 picks v1 from what we announce."""
+    node.kubelet.minor = minor
     await _registered(node, plugin)
+    assert health_service(minor, node.kubelet.plugins[DRIVER].info.supported_versions) == service
     stream = node.kubelet.watch_health(DRIVER)
     first = await asyncio.wait_for(anext(stream), 15)
     assert [(d.pool_name, d.device_name, d.health) for d in first] == [
