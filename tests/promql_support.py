@@ -21,6 +21,7 @@ __all__ = [
     "dashboard",
     "exported",
     "expressions",
+    "record_every_kind",
     "selectors",
 ]
 
@@ -64,10 +65,10 @@ def expressions() -> list[str]:
     return [target["expr"] for panel in dashboard()["panels"] for target in panel["targets"]]
 
 
-def exported() -> dict[str, set[str]]:
-    """Sample name -> its label names, as a scrape of the daemon shows them once everything happened."""
-    metrics = Metrics()
+def record_every_kind(metrics: Metrics) -> None:
+    """One call of every observer method, so that each labelled family has a sample."""
     metrics.request_done("create_container", "ok", 0.001)
+    metrics.request_done("configure", "ok", 0.002)
     metrics.reconnecting()
     metrics.cgroup_write_failed("pod_quota_lower")
     metrics.healed("pod_gone")
@@ -76,6 +77,13 @@ def exported() -> dict[str, set[str]]:
     metrics.probe_connection_evicted("peer_limit")
     metrics.creation_decided("granted")
     metrics.synchronized(1, 2, 300, 0.01)
+    metrics.features(device_plugin=True, pod_resources=True, dra=False)
+
+
+def exported() -> dict[str, set[str]]:
+    """Sample name -> its label names, as a scrape of the daemon shows them once everything happened."""
+    metrics = Metrics()
+    record_every_kind(metrics)
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         for sample in family.samples:

@@ -18,7 +18,9 @@ import subprocess
 import pytest
 import yaml
 from mixedcpu_support import ROOT
-from promql_support import ALERT_RULES, TARGET_LABELS, alert_rules, exported, selectors
+from promql_support import ALERT_RULES, TARGET_LABELS, alert_rules, exported, record_every_kind, selectors
+
+from nri_plugin.daemon.metrics import Metrics
 
 UNIT_TESTS = ROOT / "tests" / "prometheus" / "alerts.test.yaml"
 ALERTS_DOC = ROOT / "docs" / "alerts.md"
@@ -57,6 +59,22 @@ def test_promtool_unit_tests_pass() -> None:
     result = run_promtool("test", "rules", str(UNIT_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+def test_promtool_finds_nothing_to_lint_in_the_daemons_metrics() -> None:
+    """`promtool check metrics` on what the daemon exposes once every family has a sample: names,
+    units, suffixes and help texts as Prometheus' own linter wants them."""
+    metrics = Metrics()
+    record_every_kind(metrics)
+    result = subprocess.run(
+        [promtool(), "check", "metrics"],
+        input=metrics.render().decode(),
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
 def test_the_unit_tests_read_the_shipped_rules_file() -> None:
