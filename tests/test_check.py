@@ -26,11 +26,13 @@ from nri_plugin.daemon.check import (
     Status,
     check_cdi_runtime,
     check_cgroup_driver,
+    check_device_plugin_dir,
     check_dra,
     drivers_in,
     run_checks,
 )
 from nri_plugin.daemon.cli import main
+from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.dra.config import DraConfig
 
 
@@ -458,9 +460,14 @@ def test_device_plugin_dir(node: Node, capsys: pytest.CaptureFixture[str]) -> No
     [finding] = [f for f in report.findings if f.topic == "device-plugin dir"]
     assert (finding.status, finding.detail) == (
         Status.OK,
-        "not used: [device_plugin] enabled = false (kubelet must advertise the resource)",
+        "not used: [device_plugin] enabled = false; the pod annotation alone proves requests",
     )
     assert report.exit_code == 0
+    with_dra = check_device_plugin_dir(DevicePluginConfig(enabled=False), dra=True)
+    assert (with_dra.status, with_dra.detail) == (
+        Status.OK,
+        "not used: [device_plugin] enabled = false; DRA serves the requests",
+    )
 
 
 # -- what operators tripped over (issue 15) ------------------------------------------------------------

@@ -173,7 +173,7 @@ async def test_with_kubelets_record_a_pod_gone_at_two_looks_is_dropped_with_its_
     with structlog.testing.capture_logs() as logs:
         await node.clock.advance(1)
     [gone] = heals(logs, "pod_gone")
-    assert gone["event"] == "pod gone: its books and device bindings are dropped"
+    assert gone["event"] == "pod gone: its device bindings are dropped"
     assert gone["pod_key"] == forgotten.uid
     assert gone["devices"] == ["dev-1"]
     assert "never reported the pod stopped or removed" in gone["why"]
@@ -306,6 +306,7 @@ async def test_a_creation_that_never_finishes_gives_back_its_share_at_its_timeou
     [phantom] = heals(logs, "container_never_created")
     assert phantom["container_id"] == "c1"
     assert phantom["why"].startswith(f"no cgroup {CREATION_TIMEOUT:g} s after CreateContainer")
+    assert (phantom["namespace"], phantom["pod"]) == (pod.namespace, pod.name)
     assert (
         phantom["container_cgroup"] == node.tree.container_dir(make_container(node.naming, pod, "c1")).fs_path
     )
@@ -664,6 +665,9 @@ async def test_the_pass_brings_a_pod_quota_moved_behind_our_back_to_its_target(n
         await node.clock.advance(INTERVAL)
     [brought] = heals(logs, "pod_quota")
     assert brought["pod_quota"] == f"{BASELINE} -> {RAISED}"
+    # Named as an operator knows the pod (the log line, and the status's heals).
+    assert (brought["namespace"], brought["pod"], brought["pod_key"]) == (pod.namespace, pod.name, pod.uid)
+    assert plugin.healer.recent[0].fields["pod"] == pod.name
     assert node.tree.pod_quota(pod) == RAISED
     assert node.seen.heals == {"pod_quota": 1}
     plugin.healer.stop()

@@ -437,10 +437,13 @@ def check_state_dir(path: str) -> Finding:
     return _fail(topic, f"{path} does not exist, and {parent} is not a writable directory", fix)
 
 
-def check_device_plugin_dir(device_plugin: DevicePluginConfig) -> Finding:
+def check_device_plugin_dir(device_plugin: DevicePluginConfig, *, dra: bool = False) -> Finding:
+    """kubelet's device-plugin directory, where the device plugin registers; not needed with it off
+    (`dra`: the DRA front door on, which then serves the requests)."""
     topic = "device-plugin dir"
     if not device_plugin.enabled:
-        return _ok(topic, "not used: [device_plugin] enabled = false (kubelet must advertise the resource)")
+        serves = "DRA serves the requests" if dra else "the pod annotation alone proves requests"
+        return _ok(topic, f"not used: [device_plugin] enabled = false; {serves}")
     directory = str(device_plugin.plugin_dir)
     if not os.path.isdir(directory):
         exists = "is not a directory" if os.path.lexists(directory) else "does not exist"
@@ -799,7 +802,7 @@ def _node_findings(config: Config, kubelet_config: str | None, mountinfo_path: s
         if bus is not None:
             findings.append(bus)
     findings.append(check_state_dir(config.state_dir))
-    findings.append(check_device_plugin_dir(config.device_plugin))
+    findings.append(check_device_plugin_dir(config.device_plugin, dra=config.dra.enabled))
     pod_resources = check_pod_resources(config)
     if pod_resources is not None:
         findings.append(pod_resources)

@@ -57,6 +57,7 @@ from typing import Any, Final, TypeVar
 import cgroups
 from cgroups import CgroupLayout, CgroupMode, CgroupModeError, CpusetError, Hierarchy
 from cgroups.mode import DEFAULT_CGROUP_ROOT, DEFAULT_MOUNTINFO
+from nri_plugin.common.smallfile import NotRegularFile, TooLarge, read_capped
 from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
 from nri_plugin.dra.config import DraConfig, DraConfigError
 from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH
@@ -573,8 +574,16 @@ def read_document(source: str) -> dict[str, Any]:
     Raises `ConfigMissing` when there is no such file, `ConfigError` when it cannot be read or is
     no TOML."""
     try:
-        with open(source, "rb") as file:
-            data = file.read(MAX_CONFIG_SIZE + 1)
+        data = _read_config_file(source)
+    except NotRegularFile as exc:
+        raise ConfigError(
+            f"{source}: a {exc.kind}, not a regular file: no config is read from one; point --config at "
+            "the config file"
+        ) from None
+    except TooLarge:
+        raise ConfigError(
+            f"{source}: larger than {MAX_CONFIG_SIZE} bytes, which no config is; is it the right file?"
+        ) from None
     except FileNotFoundError:
         raise ConfigMissing(
             f"{source}: no such file; create it with at least shared_cpuset set ({_EXAMPLE}), "
@@ -582,10 +591,6 @@ def read_document(source: str) -> dict[str, Any]:
         ) from None
     except OSError as exc:
         raise ConfigError(_unreadable(source, exc)) from None
-    if len(data) > MAX_CONFIG_SIZE:
-        raise ConfigError(
-            f"{source}: larger than {MAX_CONFIG_SIZE} bytes, which no config is; is it the right file?"
-        )
     try:
         text = data.decode("utf-8")
         document = tomllib.loads(text)
@@ -599,6 +604,21 @@ def read_document(source: str) -> dict[str, Any]:
             f"{source}: not valid TOML: arrays or inline tables nested too deeply; fix the syntax there"
         ) from None
     return document
+
+
+def _read_config_file(source: str) -> bytes:
+    """The bytes of the config file; `TooLarge` past `MAX_CONFIG_SIZE`. Opened without waiting
+    (a FIFO with no writer would block the open, and then the read, for ever) and refused unless it
+    is a regular file: a FIFO, a device or a directory is `NotRegularFile`, at once. A symbolic link
+    is followed (a ConfigMap's file is one)."""
+    fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(info.st_mode)
+        return read_capped(fd, MAX_CONFIG_SIZE)
+    finally:
+        os.close(fd)
 
 
 def _unreadable(source: str, exc: OSError) -> str:

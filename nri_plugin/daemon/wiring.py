@@ -462,6 +462,11 @@ def bind_gauges(
             dra_registered=lambda: dra.registered, dra_resource_slices_published=lambda: bool(dra.published)
         )
     record = plugin.allocations
+    metrics.features(
+        device_plugin=device_plugin is not None,
+        pod_resources=isinstance(record, PodResourcesClient),
+        dra=dra is not None,
+    )
     if isinstance(record, PodResourcesClient):
         metrics.track(
             pod_resources_reachable=lambda: record.answering,

@@ -2,7 +2,7 @@
 history of events.
 
 The handlers keep the books from the runtime's events, but real runtimes do not report every end
-they cause (``runtime-observations.md``, "The project's plugin on real runtimes"):
+they cause (docs/runtime-behaviour.md, "Ends the runtimes do not report"):
 
 * containerd forgets the pods it ran before its own restart: they are never reported stopped or
   removed, so their device bindings would never end, and the next pod kubelet gives such a device
@@ -80,7 +80,7 @@ from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota
 from nri_plugin.mixedcpu.policy import pod_key
 from nri_plugin.mixedcpu.quota import PodQuotas, PodState
-from nri_plugin.mixedcpu.status import RECENT_HEALS, HealNote
+from nri_plugin.mixedcpu.status import RECENT_HEALS, HealNote, Holder, Roster
 
 __all__ = [
     "CREATION_GRACE",
@@ -118,6 +118,16 @@ _T = TypeVar("_T")
 
 _WHY_FORGOTTEN = "its cgroup directory is gone, and the runtime never reported the pod stopped or removed"
 _KEPT = "pod gone: its books are dropped; its device bindings last until the runtime reports it removed"
+
+
+def _gone(*, books: bool, bindings: bool, kept: bool) -> str:
+    """What a pod_gone heal dropped, said of what the pod had: its books, its device bindings (or
+    that they are kept, in the marker fallback), or both."""
+    if bindings and kept:
+        return _KEPT
+    if bindings:
+        return f"pod gone: its {'books and ' if books else ''}device bindings are dropped"
+    return "pod gone: its books are dropped"
 
 
 class HealObserver(Protocol):
@@ -207,6 +217,8 @@ class Healer:
         self._grace_due = 0.0
         self._deferred: list[str] = []  # pod keys a pass over its budget left for the next one
         self.recent: deque[HealNote] = deque(maxlen=RECENT_HEALS)  # the latest heals, newest first
+        # Who the shared containers are (the plugin's), for the namespace and name of a heal's pod.
+        self.roster: Roster | None = None
 
     @property
     def books(self) -> Books:
@@ -448,14 +460,17 @@ class Healer:
             self._healed(
                 "container_gone",
                 "shared container no longer running: its share is given back",
+                self._holder(record.id),
                 why=f"{why}, and no StopContainer or RemoveContainer reached the plugin",
                 container_id=record.id,
                 slot=str(slot),
             )
-        for key in sorted((set(previous.pods) | previous.bound_pods()) - present):
+        bound = previous.bound_pods()
+        for key in sorted((set(previous.pods) | bound) - present):
             self._healed(
                 "pod_gone",
-                "pod gone: its books and device bindings are dropped",
+                _gone(books=key in previous.pods, bindings=key in bound, kept=False),
+                self._pod_holder(previous.pods.get(key)),
                 why="the runtime no longer lists it, and its end was not reported to the plugin",
                 pod_key=key,
             )
@@ -537,6 +552,7 @@ class Healer:
             self._healed(
                 "pod_quota",
                 "pod quota was off its target: brought back",
+                self._pod_holder(self.books.pods.get(key)),
                 why="changed behind the plugin's back (another agent, systemd re-applying a unit), or a "
                 "lowering the kernel refused earlier",
                 pod_key=key,
@@ -603,6 +619,7 @@ class Healer:
         self._healed(
             "container_never_created",
             "container never created: its share is given back",
+            self._holder(creation.container_id),
             why=why,
             container_id=creation.container_id,
             slot=str(creation.slot),
@@ -636,13 +653,16 @@ class Healer:
     def _drop_pod(self, key: str, why: str, cgroup_parent: str | None = None) -> None:
         books = self.books
         cgroup_parent = cgroup_parent or books.cgroup_parent(key) or "?"
+        who = self._pod_holder(books.pods.get(key))
+        bound = key in books.bound_pods()
         record = books.pods.pop(key, None)
         freed = [] if self.keep_bindings else books.unbind_pod(key)
         self.quotas.cancel_retry(key)
         self.forget_pod(key)
         self._healed(
             "pod_gone",
-            _KEPT if self.keep_bindings else "pod gone: its books and device bindings are dropped",
+            _gone(books=record is not None, bindings=bound, kept=self.keep_bindings),
+            who,
             why=why,
             pod_key=key,
             pod_cgroup=cgroup_parent,
@@ -650,7 +670,17 @@ class Healer:
             devices=freed,
         )
 
-    def _healed(self, kind: str, message: str, **fields: object) -> None:
+    def _holder(self, container_id: str) -> Holder | None:
+        return self.roster.get(container_id) if self.roster is not None else None
+
+    def _pod_holder(self, record: PodRecord | None) -> Holder | None:
+        return self.roster.of_pod(record) if self.roster is not None else None
+
+    def _healed(self, kind: str, message: str, who: Holder | None = None, **fields: object) -> None:
+        """Log the heal, keep it for the status, count it; `who`: its pod's namespace and name,
+        when the roster knows them."""
+        if who is not None:
+            fields = {"namespace": who.namespace, "pod": who.pod, **fields}
         log.info(message, heal=kind, **fields)
         self.recent.appendleft(HealNote(time.time(), kind, message, fields))
         if self.observer is not None:

@@ -124,7 +124,8 @@ class CreationObserver(Protocol):
 
     def creation_decided(self, outcome: str) -> None:
         """`outcome`: ``granted``, or why it was refused: ``pod_spec`` or ``node`` (the policy's
-        `PolicyError.kind`), ``cgroup`` (the pod quota could not be raised), ``state_file``."""
+        `PolicyError.kind`), ``cgroup`` (the pod cgroup could not be opened, read or raised),
+        ``state_file``."""
 
 
 def _refusal(exc: PolicyError) -> PluginRefusal:
@@ -195,6 +196,7 @@ class MixedCpuPlugin(
         self.later = LaterLines()  # the info line of each creation, written after its reply
         self.creations: CreationObserver | None = None  # settable, as `observer` is
         self.roster = Roster()  # who the shared containers are, for the status
+        self.healer.roster = self.roster  # a heal names its pod by namespace and name
 
     @property
     def books(self) -> Books:

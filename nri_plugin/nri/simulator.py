@@ -94,8 +94,8 @@ class CdiInjectionFailed(Exception):
 
 @dataclass
 class RuntimeModes:
-    """Behaviours of real runtimes that a plugin cannot learn from its events (``runtime-observations.
-    md``, "The project's plugin on real runtimes"); each off by default, switched on to reproduce it."""
+    """Behaviours of real runtimes that a plugin cannot learn from its events (docs/runtime-behaviour.md,
+    "Ends the runtimes do not report"); each off by default, switched on to reproduce it."""
 
     # containerd (its issue 8426, still so in v2.4): after its own restart it never reports the pods it
     # ran before as stopped or removed (no StopPodSandbox, no RemovePodSandbox); their containers'
