@@ -177,6 +177,39 @@ async def test_second_signal_during_a_hung_shutdown_exits_at_once(signum: int) -
     await asyncio.wait_for(running, GUARD)
 
 
+class DeafNri(StandInNri):
+    """An NRI side whose stop() does not end its run (as the stub did while its close waited for a
+    runtime that stopped reading, issue 29): only cancelling the run ends it."""
+
+    def stop(self) -> None:
+        self.log.append("nri stop")
+
+
+@pytest.mark.asyncio
+async def test_the_first_signal_ends_the_daemon_even_if_the_nri_side_does_not_stop() -> None:
+    log: list[str] = []
+    nri = DeafNri(log)
+    daemon = Daemon(
+        nri,
+        services=[StandInService("probes", log)],
+        state=StandInState(log),
+        drain_seconds=0.0,
+        nri_stop_seconds=0.05,
+    )
+    assert app.NRI_STOP_SECONDS == 10.0
+    running = asyncio.ensure_future(daemon.main())
+    await asyncio.wait_for(nri.running.wait(), GUARD)
+    with structlog.testing.capture_logs() as logged:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(running, GUARD) == 0
+    assert log == ["start probes", "nri run", "nri stop", "close probes", "flush"]
+    assert {
+        "event": "the NRI side did not stop in time; shutting down without it",
+        "waited_seconds": 0.05,
+        "log_level": "error",
+    } in logged
+
+
 @pytest.mark.asyncio
 async def test_the_runtime_going_away_for_good_is_status_1_after_a_full_shutdown() -> None:
     log: list[str] = []

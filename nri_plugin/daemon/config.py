@@ -18,6 +18,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
                                            # /readyz; "" turns it off
     reconcile_interval = 30                # seconds between the reconciler's checks of the node
     max_synchronize_mib = 32               # the most one Synchronize may bring (1-1024 MiB)
+    nri_stall_limit = 60                   # seconds the NRI connection may be stuck (neither serving
+                                           # nor waiting to reconnect) before /healthz fails (1-3600)
     systemd_bus = "/run/dbus/system_bus_socket"  # the system bus: pod slices' quotas set through
                                            # systemd (systemd driver); "": always the cgroup files
 
@@ -100,6 +102,11 @@ MAX_SYNCHRONIZE_MIB: Final = 1024
 CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
 DEFAULT_RECONCILE_INTERVAL: Final = 30.0
 RECONCILE_INTERVAL_RANGE: Final = (1.0, 3600.0)
+# How long the stub may spend neither serving the runtime nor waiting between reconnect attempts
+# before /healthz fails (`nri_plugin.daemon.probes.liveness`): far above what an attempt takes (the
+# registration timeout is 5 s; a lost connection's hang-up at most the mux's 2 s close bound).
+DEFAULT_NRI_STALL_LIMIT: Final = 60.0
+NRI_STALL_LIMIT_RANGE: Final = (1.0, 3600.0)
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
 NUMA_NODES_DIR: Final = "devices/system/node"
 _NUMA_NODE: Final = re.compile(r"node([0-9]+)")
@@ -147,6 +154,7 @@ class Config:
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
     max_synchronize_mib: int = DEFAULT_MAX_SYNCHRONIZE_MIB
+    nri_stall_limit: float = DEFAULT_NRI_STALL_LIMIT
     systemd_bus: str = DEFAULT_SYSTEMD_BUS
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     dra: DraConfig = field(default_factory=DraConfig)
@@ -171,6 +179,7 @@ _TOP_KEYS: Final = (
     "metrics_address",
     "reconcile_interval",
     "max_synchronize_mib",
+    "nri_stall_limit",
     "systemd_bus",
     _SOURCES_TABLE,
     _DEVICE_PLUGIN_TABLE,
@@ -350,15 +359,24 @@ def _metrics_address(check: _Checker, value: object) -> str:
     return text
 
 
-def _reconcile_interval(check: _Checker, value: object) -> float:
-    """Seconds between the reconciler's passes over the node (`nri_plugin.mixedcpu.heal`)."""
-    low, high = RECONCILE_INTERVAL_RANGE
+def _seconds(check: _Checker, key: str, value: object, bounds: tuple[float, float], hint: str) -> float:
+    """A number of seconds within `bounds`; `hint` ends the error (an example, advice)."""
+    low, high = bounds
     if isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high:
         return float(value)
-    raise check.error(
-        "reconcile_interval",
-        f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; e.g. reconcile_interval = 30",
-    )
+    raise check.error(key, f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; {hint}")
+
+
+def _reconcile_interval(check: _Checker, value: object) -> float:
+    """Seconds between the reconciler's passes over the node (`nri_plugin.mixedcpu.heal`)."""
+    hint = "e.g. reconcile_interval = 30"
+    return _seconds(check, "reconcile_interval", value, RECONCILE_INTERVAL_RANGE, hint)
+
+
+def _nri_stall_limit(check: _Checker, value: object) -> float:
+    """Seconds the NRI connection may be stuck before /healthz fails (`nri_plugin.daemon.probes`)."""
+    hint = "e.g. nri_stall_limit = 60 (keep it above the runtime's registration timeout, 5 s by default)"
+    return _seconds(check, "nri_stall_limit", value, NRI_STALL_LIMIT_RANGE, hint)
 
 
 def _max_synchronize_mib(check: _Checker, value: object) -> int:
@@ -408,6 +426,7 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "metrics_address": functools.partial(_metrics_address, check),
         "reconcile_interval": functools.partial(_reconcile_interval, check),
         "max_synchronize_mib": functools.partial(_max_synchronize_mib, check),
+        "nri_stall_limit": functools.partial(_nri_stall_limit, check),
         "systemd_bus": functools.partial(_systemd_bus, check),
     }
     return {key: parse(document[key]) for key, parse in parsers.items() if key in document}
