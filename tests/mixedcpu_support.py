@@ -369,11 +369,23 @@ class Daemon:
         self._reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
+        """Every line, whatever its length: the stream's own line reader gives up on a line over its
+        64 KiB limit, and a reader that stopped would leave the daemon blocked on a full pipe."""
         assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            async with self._new_line:
-                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-                self._new_line.notify_all()
+        pending = bytearray()
+        while chunk := await self.proc.stderr.read(1 << 16):
+            pending += chunk
+            *complete, rest = pending.split(b"\n")
+            if complete:
+                pending = bytearray(rest)
+                await self._add(complete)
+        if pending:
+            await self._add([pending])
+
+    async def _add(self, raw_lines: list[bytearray]) -> None:
+        async with self._new_line:
+            self.lines.extend(raw.decode(errors="replace") for raw in raw_lines)
+            self._new_line.notify_all()
 
     @property
     def stderr(self) -> str:

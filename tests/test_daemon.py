@@ -26,6 +26,7 @@ import pytest
 import structlog
 import structlog.testing
 from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
+from mixedcpu_support import Daemon as HelperDaemon
 
 from api.nri import api_pb2 as api
 from nri_plugin.common.clock import ManualClock
@@ -208,6 +209,21 @@ async def test_the_first_signal_ends_the_daemon_even_if_the_nri_side_does_not_st
         "waited_seconds": 0.05,
         "log_level": "error",
     } in logged
+
+
+@pytest.mark.asyncio
+async def test_the_tests_daemon_helper_reads_lines_of_any_length() -> None:
+    """Issue 32: the helper stopped reading stderr after a line over 64 KiB (asyncio's line limit),
+    and the daemon then blocked on the full pipe, which looked like an NRI timeout."""
+    script = "import sys; sys.stderr.write('x' * 200_000 + '\\n' + 'y' * 70_000 + '\\nend\\nno newline')"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    helper = HelperDaemon(proc, GUARD)
+    await helper.wait_log("end")
+    assert await asyncio.wait_for(proc.wait(), GUARD) == 0
+    assert await helper.stop() == 0
+    assert [len(line) for line in helper.lines] == [200_000, 70_000, 3, 10]
 
 
 @pytest.mark.asyncio
