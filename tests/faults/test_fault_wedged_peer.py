@@ -183,13 +183,11 @@ async def test_healthz_fails_while_the_runtime_holds_the_connection_without_conf
             line = await daemon.wait_log("NRI connection stuck: /healthz fails")
             assert "state=registered" in line, line
             # The runtime configures and synchronizes at last: healthy and ready.
-            reply = await connection.plugin.call(
-                "Configure",
-                api.ConfigureRequest(runtime_name="containerd", NRI_version="v0.12.0").SerializeToString(),
-            )
-            assert reply.ok, reply
-            reply = await connection.plugin.call("Synchronize", api.SynchronizeRequest().SerializeToString())
-            assert reply.ok, reply
+            configure = api.ConfigureRequest(runtime_name="containerd", NRI_version="v0.12.0")
+            answer = await connection.plugin.call("Configure", configure.SerializeToString())
+            assert answer.ok, answer
+            answer = await connection.plugin.call("Synchronize", api.SynchronizeRequest().SerializeToString())
+            assert answer.ok, answer
             assert ((await healthz(port)).status, (await healthz(port)).text) == (200, "ok\n")
             ready = await get(HOST, port, "/readyz")
             assert ready.text.startswith("not ready: not registered with kubelet yet"), "NRI ready"
