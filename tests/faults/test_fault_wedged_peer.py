@@ -20,11 +20,14 @@ Through the daemon process, over a real unix socket, with a hostile runtime in t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from fault_support import daemon_running, inconsistencies, make_node, until, within, write_config
+from fault_support import Node, daemon_running, inconsistencies, make_node, until, within, write_config
 from hostile_support import Connection, HostileRuntime
 from mixedcpu_support import Daemon
 from probe_support import Reply, get
@@ -38,6 +41,20 @@ CHUNK_LIMIT = (DEFAULT_MAX_SYNC_BYTES >> 20) * SYNC_CHUNKS_PER_MIB
 # The peer's own write buffer may hold all it sends: its trunk must never pause, since resuming would
 # make it read again (it plays a runtime that does not read).
 PEER_WRITE_LIMIT = 256 << 20
+
+
+@contextlib.asynccontextmanager
+async def wedge_node(short_dir: Path, **config: Any) -> AsyncIterator[tuple[Node, HostileRuntime, Daemon]]:
+    """A node (fake v1 tree), the hostile runtime on its socket, and the daemon (`config`: what
+    `write_config` takes), stopped with one SIGTERM after the body (status 0)."""
+    node = make_node(short_dir, 1)
+    hostile = HostileRuntime(node.socket)
+    await hostile.start()
+    try:
+        async with daemon_running(write_config(short_dir, node.tree, **config), node.socket) as daemon:
+            yield node, hostile, daemon
+    finally:
+        await hostile.close()
 
 
 async def probe_port(daemon: Daemon) -> int:
@@ -75,6 +92,17 @@ def unread_answers(connection: Connection, count: int, size: int) -> None:
         connection.plugin.request("Frobnicate" + "x" * size, b"")
 
 
+def flood_then_stop_reading(connection: Connection) -> None:
+    """Some 384 KiB of answers nobody reads: more than the socket buffers take, less than the
+    daemon's high-water mark (so it goes on reading); then Synchronize chunks without end (one pod
+    each, more=true), one past the daemon's cap."""
+    stop_reading(connection)
+    unread_answers(connection, 24, 16 * 1024)
+    chunk = api.SynchronizeRequest(pods=[api.PodSandbox(id="p")], more=True).SerializeToString()
+    for _ in range(CHUNK_LIMIT + 1):
+        connection.plugin.request("Synchronize", chunk)
+
+
 async def healthz(port: int) -> Reply:
     return await get(HOST, port, "/healthz")
 
@@ -83,21 +111,11 @@ async def healthz(port: int) -> Reply:
 async def test_a_runtime_that_floods_then_stops_reading_is_dropped_and_the_daemon_reconnects(
     short_dir: Path,
 ) -> None:
-    node = make_node(short_dir, 1)
-    population = node.population
-    hostile = HostileRuntime(node.socket)
-    await hostile.start()
-    config = write_config(short_dir, node.tree, metrics=True)
-    async with daemon_running(config, node.socket) as daemon:
+    async with wedge_node(short_dir, metrics=True) as (node, hostile, daemon):
+        population = node.population
         port = await probe_port(daemon)
         first = await configured(hostile, 1)
-        stop_reading(first)
-        # Some 384 KiB of answers: more than the socket buffers take, less than the daemon's
-        # high-water mark (so it goes on reading), then Synchronize chunks without end.
-        unread_answers(first, 24, 16 * 1024)
-        chunk = api.SynchronizeRequest(pods=[api.PodSandbox(id="p")], more=True).SerializeToString()
-        for _ in range(CHUNK_LIMIT + 1):
-            first.plugin.request("Synchronize", chunk)
+        flood_then_stop_reading(first)
         await daemon.wait_log("Synchronize in more chunks than the plugin accepts")
         aborted = await daemon.wait_log("NRI peer did not read our last")
         assert "within 2 s of closing the connection: aborting it" in aborted, aborted
@@ -142,83 +160,58 @@ async def test_a_runtime_that_floods_then_closes_is_dropped_and_the_daemon_recon
     whichever it sees first, the chunk cap, its writes refused, or the end of file. (Issue 29 saw the
     daemon stay away in 6 of 17 such runs; this peer did not reproduce that on the code before the
     bounded close, 6 of 6 passed: a guard, not a reproduction.)"""
-    node = make_node(short_dir, 1)
-    hostile = HostileRuntime(node.socket)
-    await hostile.start()
-    config = write_config(short_dir, node.tree)
-    try:
-        async with daemon_running(config, node.socket) as daemon:
-            first = await configured(hostile, 1)
-            stop_reading(first)
-            unread_answers(first, 24, 16 * 1024)
-            chunk = api.SynchronizeRequest(pods=[api.PodSandbox(id="p")], more=True).SerializeToString()
-            for _ in range(CHUNK_LIMIT + 1):
-                first.plugin.request("Synchronize", chunk)
-            first.trunk.raw_transport.close()  # after what it wrote is sent
-            await daemon.wait_log("nri connection lost, reconnecting")
-            await configured(hostile, 2)
-    finally:
-        await hostile.close()
+    async with wedge_node(short_dir) as (_, hostile, daemon):
+        first = await configured(hostile, 1)
+        flood_then_stop_reading(first)
+        first.trunk.raw_transport.close()  # after what it wrote is sent
+        await daemon.wait_log("nri connection lost, reconnecting")
+        await configured(hostile, 2)
 
 
 @pytest.mark.asyncio
 async def test_the_first_sigterm_ends_the_daemon_while_the_runtime_reads_nothing(short_dir: Path) -> None:
-    node = make_node(short_dir, 1)
-    hostile = HostileRuntime(node.socket)
-    await hostile.start()
-    config = write_config(short_dir, node.tree)
-    try:
-        async with daemon_running(config, node.socket) as daemon:
-            connection = await configured(hostile, 1)
-            stop_reading(connection)
-            unread_answers(connection, 100, 64 * 1024)  # 6.4 MiB of answers: past the high-water mark
-            await daemon.wait_log("NRI peer is not reading our answers")
-            status = await daemon.stop()  # one SIGTERM, within the helper's guard
-            assert status == 0, daemon.stderr
-            assert daemon.logged("signal received, shutting down")
-            assert daemon.logged("NRI peer did not read our last")
-            assert not daemon.logged("second signal")
-            assert not daemon.logged("did not stop in time"), "the stub itself ended, within its bound"
-    finally:
-        await hostile.close()
+    async with wedge_node(short_dir) as (_, hostile, daemon):
+        connection = await configured(hostile, 1)
+        stop_reading(connection)
+        unread_answers(connection, 100, 64 * 1024)  # 6.4 MiB of answers: past the high-water mark
+        await daemon.wait_log("NRI peer is not reading our answers")
+        status = await daemon.stop()  # one SIGTERM, within the helper's guard
+        assert status == 0, daemon.stderr
+        assert daemon.logged("signal received, shutting down")
+        assert daemon.logged("NRI peer did not read our last")
+        assert not daemon.logged("second signal")
+        assert not daemon.logged("did not stop in time"), "the stub itself ended, within its bound"
 
 
 @pytest.mark.asyncio
 async def test_healthz_fails_while_the_runtime_holds_the_connection_without_configuring(
     short_dir: Path,
 ) -> None:
-    node = make_node(short_dir, 1)
-    hostile = HostileRuntime(node.socket)
-    await hostile.start()
-    config = write_config(short_dir, node.tree, metrics=True, extra="nri_stall_limit = 1")
-    try:
-        async with daemon_running(config, node.socket) as daemon:
-            port = await probe_port(daemon)
-            connection = await registered(hostile, 1)
+    async with wedge_node(short_dir, metrics=True, extra="nri_stall_limit = 1") as (_, hostile, daemon):
+        port = await probe_port(daemon)
+        connection = await registered(hostile, 1)
 
-            async def first_failing() -> Reply:
-                while (reply := await healthz(port)).status == 200:  # noqa: ASYNC110 (no event to wait on)
-                    await asyncio.sleep(0.05)  # polled: the daemon's 1 s limit passes meanwhile
-                return reply
+        async def first_failing() -> Reply:
+            while (reply := await healthz(port)).status == 200:  # noqa: ASYNC110 (no event to wait on)
+                await asyncio.sleep(0.05)  # polled: the daemon's 1 s limit passes meanwhile
+            return reply
 
-            reply = await within(first_failing())
-            assert reply.status == 503
-            assert re.fullmatch(
-                r"unhealthy: the NRI connection has been stuck for \d+ s \(over nri_stall_limit = 1\), "
-                r"now registered: neither serving the runtime nor waiting to reconnect\n",
-                reply.text,
-            ), reply.text
-            line = await daemon.wait_log("NRI connection stuck: /healthz fails")
-            assert "state=registered" in line, line
-            # The runtime configures and synchronizes at last: healthy and ready.
-            configure = api.ConfigureRequest(runtime_name="containerd", NRI_version="v0.12.0")
-            answer = await connection.plugin.call("Configure", configure.SerializeToString())
-            assert answer.ok, answer
-            answer = await connection.plugin.call("Synchronize", api.SynchronizeRequest().SerializeToString())
-            assert answer.ok, answer
-            assert ((await healthz(port)).status, (await healthz(port)).text) == (200, "ok\n")
-            ready = await get(HOST, port, "/readyz")
-            assert ready.text.startswith("not ready: not registered with kubelet yet"), "NRI ready"
-            await daemon.wait_log("NRI connection moving again")
-    finally:
-        await hostile.close()
+        reply = await within(first_failing())
+        assert reply.status == 503
+        assert re.fullmatch(
+            r"unhealthy: the NRI connection has been stuck for \d+ s \(over nri_stall_limit = 1\), "
+            r"now registered: neither serving the runtime nor waiting to reconnect\n",
+            reply.text,
+        ), reply.text
+        line = await daemon.wait_log("NRI connection stuck: /healthz fails")
+        assert "state=registered" in line, line
+        # The runtime configures and synchronizes at last: healthy and ready.
+        configure = api.ConfigureRequest(runtime_name="containerd", NRI_version="v0.12.0")
+        answer = await connection.plugin.call("Configure", configure.SerializeToString())
+        assert answer.ok, answer
+        answer = await connection.plugin.call("Synchronize", api.SynchronizeRequest().SerializeToString())
+        assert answer.ok, answer
+        assert ((await healthz(port)).status, (await healthz(port)).text) == (200, "ok\n")
+        ready = await get(HOST, port, "/readyz")
+        assert ready.text.startswith("not ready: not registered with kubelet yet"), "NRI ready"
+        await daemon.wait_log("NRI connection moving again")
