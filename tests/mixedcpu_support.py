@@ -357,6 +357,19 @@ def run_cli(*args: str, timeout: float, check: bool = False) -> subprocess.Compl
     )
 
 
+async def stream_lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
+    """Every line of `stream` (without its newline), whatever its length, to the end. The stream's
+    own line reader raises on a line over its 64 KiB limit; a reader that stopped there would leave
+    the writer blocked on a full pipe (issue 32)."""
+    pending = b""
+    while chunk := await stream.read(1 << 16):
+        *complete, pending = (pending + chunk).split(b"\n")
+        for raw in complete:
+            yield raw.decode(errors="replace")
+    if pending:
+        yield pending.decode(errors="replace")
+
+
 class Daemon:
     """A daemon subprocess and every line it wrote to stderr so far (read as they come). `guard`
     bounds each wait (against hangs only)."""
@@ -369,23 +382,11 @@ class Daemon:
         self._reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
-        """Every line, whatever its length: the stream's own line reader gives up on a line over its
-        64 KiB limit, and a reader that stopped would leave the daemon blocked on a full pipe."""
         assert self.proc.stderr is not None
-        pending = bytearray()
-        while chunk := await self.proc.stderr.read(1 << 16):
-            pending += chunk
-            *complete, rest = pending.split(b"\n")
-            if complete:
-                pending = bytearray(rest)
-                await self._add(complete)
-        if pending:
-            await self._add([pending])
-
-    async def _add(self, raw_lines: list[bytearray]) -> None:
-        async with self._new_line:
-            self.lines.extend(raw.decode(errors="replace") for raw in raw_lines)
-            self._new_line.notify_all()
+        async for line in stream_lines(self.proc.stderr):  # every line, whatever its length
+            async with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
 
     @property
     def stderr(self) -> str:
