@@ -55,7 +55,7 @@ from nri_plugin.daemon.instance import (
 )
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
-from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
+from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, liveness, readiness
 from nri_plugin.daemon.status import StatusParts, StatusServer, status_document, status_socket_path
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
@@ -425,14 +425,15 @@ def build_probes(
     device_plugin: DevicePluginServer | None,
     dra: DraFrontDoor | None = None,
 ) -> ProbeServer | None:
-    """``/metrics``, ``/healthz`` and ``/readyz`` on metrics_address (None when that is "").
-    Raises `ProbeError`."""
+    """``/metrics``, ``/healthz`` (failing once the NRI connection is stuck for nri_stall_limit
+    seconds) and ``/readyz`` on metrics_address (None when that is ""). Raises `ProbeError`."""
     if metrics is None:
         return None
     return ProbeServer(
         config.metrics_address,
         metrics=metrics.render,
         readiness=readiness(stub, device_plugin, dra),
+        liveness=liveness(stub, config.nri_stall_limit),
         observer=metrics,
     )
 
