@@ -176,6 +176,14 @@ def make_container(
 
 
 def marker(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:
+    """The annotation of kubelet's first allocation of `device` (allocation 1: the same value at every
+    call, so two containers given it present one allocation, one of them a copy); a later
+    allocation of it is `new_allocation`."""
+    return {ANNOTATION_KEY: key.sign(device, allocation=1)}
+
+
+def new_allocation(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:
+    """The annotation of a new allocation of `device` by kubelet (a fresh Allocate)."""
     return {ANNOTATION_KEY: key.sign(device)}
 
 

@@ -157,9 +157,13 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         record = build_allocation_record(config, key, observer=metrics, environ=env)
         writer = build_quota_writer(config)
         plugin = build_plugin(config, layout, key, allocations=record, observer=metrics, writer=writer)
+        if key is not None:
+            # New allocations numbered above every one the books hold, whatever the clock did.
+            key.raise_floor(plugin.books.newest_allocation())
         stub = build_stub(
             plugin, identity, options, max_sync_bytes=config.max_synchronize_mib << 20, observer=metrics
         )
+        plugin.send_updates = stub.update_containers  # grants that wait for a binding's end
         device_plugin = build_device_plugin(config, key, observer=metrics)
         dra = build_dra(config, key, env)
         probes = build_probes(config, metrics, stub, device_plugin, dra)
