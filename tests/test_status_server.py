@@ -294,6 +294,33 @@ async def test_clients_that_do_not_read_their_answer_do_not_keep_status_out(stat
 
 
 @pytest.mark.asyncio
+async def test_a_burst_of_clients_not_reading_beyond_the_hard_limit_does_not_keep_status_out(
+    state_dir: Path,
+) -> None:
+    """More than the hard limit's worth of clients that ask and do not read, all at once, so that
+    none has had its chance when `status` comes: it waits for the oldest to have had theirs, and one
+    of them goes for it."""
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, lambda: _BIG, write_timeout=_NEVER)
+    await server.start()
+    burst = await asyncio.gather(
+        *(asyncio.open_unix_connection(path) for _ in range(HARD_MAX_CONNECTIONS + MAX_CONNECTIONS))
+    )
+    try:
+        for _, writer in burst:
+            writer.write(b"GET /status HTTP/1.0\r\n\r\n")
+        await _until(lambda: server.connections == HARD_MAX_CONNECTIONS, "the hard limit reached")
+        evicted = server.evicted
+        assert await _status_answers(path, 5) == [_BIG] * 5
+        assert server.evicted >= evicted + 5, "at the hard limit, a client not reading went for each"
+        assert server.connections <= HARD_MAX_CONNECTIONS
+    finally:
+        for _, writer in burst:
+            writer.close()
+        await server.close()
+
+
+@pytest.mark.asyncio
 async def test_a_client_is_dropped_at_its_deadlines(state_dir: Path) -> None:
     """One that sends no request is answered 408 at the request deadline; one that does not take its
     answer is dropped at the write deadline, its answer cut."""

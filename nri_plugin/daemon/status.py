@@ -280,18 +280,16 @@ class StatusServer:
         # The loop's turns in which connections were taken, as `nri_plugin.daemon.probes` counts them.
         self._turn = 0
         self._tick_pending = False
-        self._evicted_unreported = 0
+        self._waiting: dict[_Connection, None] = {}  # newcomers with no room yet, oldest first
+        self.evicted = 0  # connections closed to make room for newer ones
+        self.refused = 0  # newcomers closed for want of room
         self._warned_at: float | None = None
+        self._warned_counts = (0, 0)  # evicted, refused at the last warning
 
     @property
     def connections(self) -> int:
         """Connections open now."""
         return len(self._open)
-
-    @property
-    def evicted(self) -> int:
-        """Connections closed so far to make room for newer ones."""
-        return self._open.evicted
 
     async def start(self) -> None:
         try:
@@ -332,7 +330,7 @@ class StatusServer:
         server.close()
         remove_if_ours(self.path, self._identity)  # ours still: not a newer daemon's
         handlers = []
-        for connection in self._open:
+        for connection in [*self._open, *self._waiting]:
             connection.end()
             self._open.discard(connection)
             if connection.task is not None:
@@ -343,10 +341,9 @@ class StatusServer:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One request, one answer, then the connection is closed."""
         me = _Connection(writer)
-        if not self._admit(me):
-            writer.transport.abort()
-            return
         try:
+            if not await self._admitted(me):
+                return
             try:
                 target: tuple[str, str] | None = await asyncio.wait_for(
                     _read_request(reader), self.request_timeout
@@ -367,9 +364,34 @@ class StatusServer:
             self._open.discard(me)
             writer.transport.abort()  # nothing if closed already; else no waiting on a slow peer
 
+    async def _admitted(self, me: _Connection) -> bool:
+        """Whether the new connection is taken. One refused (the hard limit reached, and none open
+        had its chance yet: a burst) waits for room, asking again every `FAIR_TIME` until the oldest
+        open had theirs. `MAX_CONNECTIONS` wait at most: a newcomer beyond them closes the one that
+        has waited longest (the newest are the likeliest to be a `status` still there)."""
+        if self._admit(me):
+            return True
+        if len(self._waiting) >= MAX_CONNECTIONS:
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            oldest.end()
+            self.refused += 1
+            self._warn()
+        self._waiting[me] = None
+        try:
+            for _ in range(round(SLOW_TIME / FAIR_TIME) + FAIR_TURNS):
+                await asyncio.sleep(FAIR_TIME)
+                if self._admit(me):
+                    return True
+        finally:
+            self._waiting.pop(me, None)
+        self.refused += 1
+        self._warn()
+        return False
+
     def _admit(self, me: _Connection) -> bool:
-        """Count the new connection; close the one that makes room for it, if the limits call for one.
-        False when that is the new one itself (see `ConnectionTable`)."""
+        """Count the new connection, closing the one that makes room for it if the limits call for one;
+        False when there is no room for it yet (see `ConnectionTable`)."""
         loop = asyncio.get_running_loop()
         if not self._tick_pending:
             self._tick_pending = True
@@ -377,19 +399,27 @@ class StatusServer:
         eviction = self._open.admit(_PEER, me, now=loop.time(), turn=self._turn)
         if eviction is None:
             return True
-        if eviction.item is not me:
-            eviction.item.end()
-        self._evicted_unreported += 1
-        now = loop.time()
-        if self._warned_at is None or now - self._warned_at >= EVICTION_WARNING_PERIOD:
-            log.warning(
-                "status socket connections are closed to make room: something holds them open without "
-                "asking, or without reading the answer; find it (ss -xp | grep status.sock)",
-                evicted=self._evicted_unreported,  # since the last such warning
-                socket=self.path,
-            )
-            self._warned_at, self._evicted_unreported = now, 0
-        return eviction.item is not me
+        if eviction.item is me:
+            return False
+        eviction.item.end()
+        self.evicted += 1
+        self._warn()
+        return True
+
+    def _warn(self) -> None:
+        """Say at warning, at most once per `EVICTION_WARNING_PERIOD`, that connections were closed to
+        make room (or refused), with how many since the last warning."""
+        now = asyncio.get_running_loop().time()
+        if self._warned_at is not None and now - self._warned_at < EVICTION_WARNING_PERIOD:
+            return
+        log.warning(
+            "status socket connections are closed to make room: something holds them open without "
+            "asking, or without reading the answer; find it (ss -xp | grep status.sock)",
+            evicted=self.evicted - self._warned_counts[0],  # since the last such warning
+            refused=self.refused - self._warned_counts[1],
+            socket=self.path,
+        )
+        self._warned_at, self._warned_counts = now, (self.evicted, self.refused)
 
     def _next_turn(self) -> None:
         self._turn += 1

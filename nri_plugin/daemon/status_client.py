@@ -136,7 +136,7 @@ def fetch_status(path: str, timeout: float = TIMEOUT, *, limit: int = MAX_ANSWER
             f"the daemon did not answer on {path} within {timeout:g} s (the whole answer): it is stuck or "
             "overloaded, or something else serves that socket; look at its log, and its /healthz"
         ) from None
-    except http.client.RemoteDisconnected:
+    except ConnectionError:  # reset, or closed before the answer (RemoteDisconnected)
         raise StatusError(
             f"{path} closed the connection without an answer: the daemon is shutting down or overloaded; "
             "ask again, and look at its log"
