@@ -113,9 +113,9 @@ def fetch_status(path: str, timeout: float = TIMEOUT, *, limit: int = MAX_ANSWER
     connection = _UnixHTTPConnection(path, time.monotonic() + timeout)
     try:
         connection.request("GET", "/status", headers={"Accept": "application/json"})
-        response = connection.getresponse()
-        code, reason = response.status, response.reason
-        body = _read_body(path, response, limit)
+        with connection.getresponse() as response:  # an HTTP/1.0 answer owns the socket from here
+            code, reason = response.status, response.reason
+            body = _read_body(path, response, limit)
     except FileNotFoundError:
         raise StatusError(
             f"no status socket at {path}: the daemon is not running, or runs with another state_dir; start "
