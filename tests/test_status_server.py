@@ -12,12 +12,13 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog.testing
+from wait_support import wait_until
 
 from nri_plugin.daemon.status import HARD_MAX_CONNECTIONS, MAX_CONNECTIONS, StatusServer, status_socket_path
 from nri_plugin.daemon.status_client import fetch_status
@@ -196,17 +197,6 @@ _BIG = {"schema": SCHEMA, "containers": [], "padding": "x" * (2 << 20)}
 _NEVER = 3600.0
 
 
-async def _until(condition: Callable[[], bool], what: str) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.01)
-
-    try:
-        await asyncio.wait_for(poll(), GUARD)
-    except asyncio.TimeoutError:
-        raise AssertionError(f"not within {GUARD} s: {what}") from None
-
-
 async def _status_answers(path: str, times: int) -> list[dict[str, Any]]:
     """What `status` reads, asked `times` times one after the other (each in a thread, as the command)."""
     return [await asyncio.wait_for(asyncio.to_thread(fetch_status, path), GUARD) for _ in range(times)]
@@ -224,7 +214,7 @@ async def test_idle_connections_beyond_every_limit_do_not_keep_status_out(state_
     try:
         for _ in range(HARD_MAX_CONNECTIONS + MAX_CONNECTIONS):
             idle.append(await asyncio.open_unix_connection(path))
-        await _until(lambda: server.connections == HARD_MAX_CONNECTIONS, "the hard limit reached")
+        await wait_until(lambda: server.connections == HARD_MAX_CONNECTIONS, what="the hard limit reached")
         evicted = server.evicted
         assert await _status_answers(path, 5) == [_document()] * 5
         assert server.evicted > evicted, "at the hard limit, an idle connection made room for the first"
@@ -255,7 +245,7 @@ async def test_idle_connections_renewed_at_the_limit_do_not_keep_status_out(stat
 
     renewing = asyncio.ensure_future(renew())
     try:
-        await _until(lambda: server.connections >= MAX_CONNECTIONS, "the limit reached")
+        await wait_until(lambda: server.connections >= MAX_CONNECTIONS, what="the limit reached")
         assert await _status_answers(path, 10) == [_document()] * 10
     finally:
         stop.set()
@@ -309,7 +299,7 @@ async def test_a_burst_of_clients_not_reading_beyond_the_hard_limit_does_not_kee
     try:
         for _, writer in burst:
             writer.write(b"GET /status HTTP/1.0\r\n\r\n")
-        await _until(lambda: server.connections == HARD_MAX_CONNECTIONS, "the hard limit reached")
+        await wait_until(lambda: server.connections == HARD_MAX_CONNECTIONS, what="the hard limit reached")
         evicted = server.evicted
         assert await _status_answers(path, 5) == [_BIG] * 5
         assert server.evicted >= evicted + 5, "at the hard limit, a client not reading went for each"
@@ -333,7 +323,7 @@ async def test_a_client_is_dropped_at_its_deadlines(state_dir: Path) -> None:
         writer.close()
         assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.0 408 Request Timeout"
         reader, writer = await _not_reading(path)
-        await _until(lambda: server.connections == 0, "the slow reader dropped")
+        await wait_until(lambda: server.connections == 0, what="the slow reader dropped")
         rest = await asyncio.wait_for(reader.read(), GUARD)
         writer.close()
         assert len(rest) < len(json.dumps(_BIG)), "its answer was cut"
