@@ -1,7 +1,7 @@
 """``mixed-cpu-nri-plugin status`` against servers that are not a well-behaved daemon, over real unix
 sockets: one that drips its answer a byte at a time (one deadline for the whole answer, not for each
-read), one whose answer is too large or shorter than it said, one that is no HTTP server; and what a
-document's escape sequences become on the terminal."""
+read), one whose answer is too large or shorter than it said, one that is no HTTP server. (What a
+document's escape sequences become on the terminal: tests/test_status_cli.py.)"""
 
 from __future__ import annotations
 
@@ -165,96 +165,3 @@ async def test_an_answer_shorter_than_it_said_or_no_http_is_said_to_be_so(short_
     assert message.startswith(f"{path} answered something that is not HTTP (")
     assert message.endswith("): is it the daemon's socket? point --config at the daemon's own config")
     assert "\x1b" not in message
-
-
-# -- escape sequences in the document ----------------------------------------------------------------
-
-_HOSTILE = "web-\x1b]0;owned\x07\x1b[2J\x9b31m\u202eevil\x7f\nnext"
-
-
-def _hostile_document() -> dict[str, Any]:
-    """A document whose strings (a pod's name and namespace, a container's, a heal's message, the
-    runtime's name) carry escape sequences: a title change, a screen clear, a C1 CSI, a right-to-left
-    override, DEL and a newline."""
-    return {
-        "schema": SCHEMA,
-        "version": "0.1.0",
-        "time": "2025-11-27T10:00:00Z",
-        "daemon": {"pid": 7, "config": "/etc/mixed-cpu-nri/config.toml", "state_dir": "/var/lib/x"},
-        "runtime": {
-            "state": "synchronized",
-            "name": _HOSTILE,
-            "version": "v2",
-            "nri_version": None,
-            "connected_since": "2025-11-27T09:00:00Z",
-            "connections": 1,
-            "synchronizations": 1,
-        },
-        "device_plugin": {
-            "enabled": False,
-            "state": None,
-            "resource_name": None,
-            "registered": False,
-            "registrations": 0,
-        },
-        "pod_resources": {"configured": False, "socket": None, "reachable": None, "proof": None},
-        "pool": {"cpus": "0-1", "numa_local": False, "numa_nodes": [], "containers": 1},
-        "containers": [
-            {
-                "namespace": _HOSTILE,
-                "pod": _HOSTILE,
-                "pod_key": "uid-1",
-                "container": _HOSTILE,
-                "exclusive_cpus": "2",
-                "shared_cpus": "0-1",
-                "proof": "marker",
-                "device": None,
-                "since": "2025-11-27T09:00:00Z",
-            }
-        ],
-        "pods": [],
-        "heals": [
-            {
-                "at": "2025-11-27T09:58:30Z",
-                "kind": "pod_gone",
-                "message": _HOSTILE,
-                "why": "",
-                "pod_key": "uid-1",
-                "container_id": None,
-            }
-        ],
-    }
-
-
-def _raw_controls(text: str) -> set[str]:
-    """The characters in `text` a terminal would act on (the line ends apart)."""
-    return {char for char in text if not char.isprintable() and char != "\n"}
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("output", ["table", "json"])
-async def test_escape_sequences_in_the_document_reach_the_terminal_escaped(
-    short_dir: Path, output: str
-) -> None:
-    path = short_dir / "status.sock"
-    body = json.dumps(_hostile_document()).encode()
-
-    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(_head(len(body)) + body)
-        await writer.drain()
-
-    out, err = io.StringIO(), io.StringIO()
-    async with _serving(path, answer):
-        code = await _in_thread(lambda: run_status(socket=str(path), output=output, out=out, err=err))
-    assert code == 0, err.getvalue()
-    printed = out.getvalue()
-    assert _raw_controls(printed) == set()
-    if output == "json":
-        assert json.loads(printed) == _hostile_document(), "escaped as JSON, read back the same"
-    else:
-        shown = r"web-\x1b]0;owned\x07\x1b[2J\x9b31m\u202eevil\x7f\nnext"
-        rows = printed.splitlines()
-        assert any(row.startswith(f"runtime        {shown} v2: synchronized") for row in rows), rows
-        container = next(row for row in rows if row.startswith(shown))
-        assert container.split() == [shown, shown, shown, "2", "0-1", "marker", "-", "1h0m"]
-        assert rows[-1].endswith(f"pod_gone  uid uid-1  -             {shown}")
