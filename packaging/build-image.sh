@@ -83,7 +83,9 @@ wheel_target() {
 project_wheel() {
   local out=$1
   rm -f "$out"/mixed_cpu_nri_plugin-*.whl
-  host_pip wheel -q --no-deps -w "$out" . >/dev/null
+  # The wheel's zip entries dated by the commit, not the build: the same sources give the same wheel.
+  SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 315532800) \
+    host_pip wheel -q --no-deps -w "$out" . >/dev/null
   ls "$out"/mixed_cpu_nri_plugin-*.whl
 }
 
@@ -159,7 +161,7 @@ commit_base() {  # commit_base TARBALL NAME
   buildah add --quiet "$ctr" "$1" / >/dev/null
   buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     --env LANG=C.UTF-8 --env SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt "$ctr"
-  buildah commit --quiet --rm "$ctr" "$2" >/dev/null
+  buildah commit --quiet --rm --timestamp 0 "$ctr" "$2" >/dev/null
 }
 
 build_base() {  # the build stage's base: debootstrap minbase and Debian's Python with venv

@@ -1,7 +1,7 @@
 """The image's lock file (packaging/image.lock), from the wheels packaging/build-image.sh downloaded.
 
-    python3 packaging/image_lock.py pins DIR           name==version of each wheel in DIR
-    python3 packaging/image_lock.py write LOCK DIR...  the lock: each pin with its wheels' sha256s
+python3 packaging/image_lock.py pins DIR           name==version of each wheel in DIR
+python3 packaging/image_lock.py write LOCK DIR...  the lock: each pin with its wheels' sha256s
 """
 
 from __future__ import annotations
