@@ -150,13 +150,16 @@ cached_ok() {
   [ -f "$1" ] && [ -f "$1.sha256" ] && (cd "$(dirname "$1")" && sha256sum -c --status "$(basename "$1").sha256")
 }
 store() {  # store ROOTFS TARBALL: a deterministic tarball of ROOTFS, then its sha256
-  tar --sort=name --numeric-owner --mtime=@0 --xattrs -C "$1" -cf "$2.tmp" .
+  tar --format=gnu --sort=name --numeric-owner --mtime=@0 -C "$1" -cf "$2.tmp" .
   mv "$2.tmp" "$2"
   (cd "$(dirname "$2")" && sha256sum "$(basename "$2")" >"$(basename "$2").sha256")
 }
 commit_base() {  # commit_base TARBALL NAME
-  local ctr
-  buildah rmi -f "$2" >/dev/null 2>&1 || true
+  local ctr old
+  # This base under any key (an older one, or this one again): buildah's store keeps one.
+  for old in $(buildah images --noheading --format '{{.Name}}:{{.Tag}}' 2>/dev/null | grep "^${2%:*}:"); do
+    buildah rmi -f "$old" >/dev/null 2>&1 || true
+  done
   ctr=$(buildah from --quiet scratch)
   buildah add --quiet "$ctr" "$1" / >/dev/null
   buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
@@ -232,7 +235,7 @@ runtime_base() {  # the runtime base: the distroless Python image's packages, un
     chmod 1777 "$rootfs/tmp" && chmod 700 "$rootfs/root" && chown 65532:65532 "$rootfs/home/nonroot"
     ln -sf "$PYTHON" "$rootfs/usr/bin/python3" && ln -sf "$PYTHON" "$rootfs/usr/bin/python"
     # The dynamic linker's cache, made by the image's own ldconfig (libc-bin) as distroless ships one.
-    chroot "$rootfs" /sbin/ldconfig
+    chroot "$rootfs" /sbin/ldconfig && rm -f "$rootfs/var/cache/ldconfig/aux-cache"
     [ ! -e "$rootfs/bin/sh" ] || { echo "error: the runtime base has a shell" >&2; return 1; }
     rm -f "$CACHE"/runtime-base-*.tar*
     store "$rootfs" "$tarball"
@@ -252,6 +255,8 @@ cmd_bases() {
 
 cmd_build() {
   [ -n "${BUILD_BASE:-}" ] || { echo "error: no bases (run the bases step first)" >&2; return 1; }
+  local previous
+  previous=$(buildah images --noheading --format '{{.ID}}' "$IMAGE" 2>/dev/null || true)
   log "build: $IMAGE from packaging/Dockerfile on $BUILD_BASE, $RUNTIME_BASE"
   # In a network namespace of its own with no interface up (chroot isolation shares the caller's
   # network): nothing in the build can reach the network. --pull-never: the bases are the local ones.
@@ -260,11 +265,14 @@ cmd_build() {
   unshare --net buildah bud --quiet --isolation chroot --pull-never --layers=false --timestamp 0 \
     --build-arg DEBIAN_IMAGE="$BUILD_BASE" --build-arg RUNTIME_IMAGE="$RUNTIME_BASE" \
     -f packaging/Dockerfile -t "$IMAGE" . >/dev/null
-  log "image $IMAGE: $(buildah inspect --format '{{.FromImageID}}' "$IMAGE" 2>/dev/null | cut -c1-12)," \
-    "$(image_size) bytes unpacked"
+  # The image this one replaces, untagged now, is dropped (unless it is the same image).
+  if [ -n "$previous" ] && [ "$previous" != "$(buildah images --noheading --format '{{.ID}}' "$IMAGE")" ]; then
+    buildah rmi "$previous" >/dev/null 2>&1 || true
+  fi
+  log "image $IMAGE: ID $(buildah images --noheading --format '{{.ID}}' "$IMAGE"), $(image_size) unpacked"
 }
 
-image_size() {  # the image's unpacked size in bytes: its layers' sizes from the store
+image_size() {  # the image's unpacked size, as buildah's store counts it
   buildah images --format '{{.Size}}' --noheading "$IMAGE" 2>/dev/null | head -1
 }
 
