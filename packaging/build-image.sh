@@ -83,9 +83,9 @@ wheel_target() {
 project_wheel() {
   local out=$1
   rm -f "$out"/mixed_cpu_nri_plugin-*.whl
-  # The wheel's zip entries dated by the commit, not the build: the same sources give the same wheel.
-  SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 315532800) \
-    host_pip wheel -q --no-deps -w "$out" . >/dev/null
+  # The wheel's zip entries dated 1980-01-01 (zip's first date), not at the build: the same sources
+  # give the same wheel, and so the same image.
+  SOURCE_DATE_EPOCH=315532800 host_pip wheel -q --no-deps -w "$out" . >/dev/null
   ls "$out"/mixed_cpu_nri_plugin-*.whl
 }
 
@@ -121,23 +121,16 @@ cmd_wheelhouse() {
 
 # apt over Debian SUITE (and its security updates), in a directory of its own: the host's sources
 # and settings are not used.
-apt_dir=""
-private_apt() {
-  apt-get -q -o Dir::Etc::SourceList="$apt_dir/sources.list" -o Dir::Etc::SourceParts="$apt_dir/none" \
-    -o Dir::Etc::Parts="$apt_dir/none" -o Dir::Etc::PreferencesParts="$apt_dir/none" \
-    -o Dir::Etc::Preferences="$apt_dir/none/preferences" -o Dir::State::Lists="$apt_dir/lists" \
-    -o Dir::Cache="$apt_dir/cache" -o Dir::State::status="$apt_dir/status" \
-    -o APT::Architecture="$ARCH" -o APT::Sandbox::User=root -o Debug::NoLocking=1 "$@"
-}
-private_apt_cache() {
-  apt-cache -o Dir::Etc::SourceList="$apt_dir/sources.list" -o Dir::Etc::SourceParts="$apt_dir/none" \
-    -o Dir::Etc::Parts="$apt_dir/none" -o Dir::Etc::PreferencesParts="$apt_dir/none" \
-    -o Dir::Etc::Preferences="$apt_dir/none/preferences" -o Dir::State::Lists="$apt_dir/lists" \
-    -o Dir::Cache="$apt_dir/cache" -o Dir::State::status="$apt_dir/status" \
-    -o APT::Architecture="$ARCH" "$@"
-}
+apt_options=()
+private_apt() { apt-get -q "${apt_options[@]}" "$@"; }
+private_apt_cache() { apt-cache "${apt_options[@]}" "$@"; }
 setup_apt() {
-  apt_dir="$work/apt"
+  local apt_dir="$work/apt"
+  apt_options=(-o Dir::Etc::SourceList="$apt_dir/sources.list" -o Dir::Etc::SourceParts="$apt_dir/none"
+    -o Dir::Etc::Parts="$apt_dir/none" -o Dir::Etc::PreferencesParts="$apt_dir/none"
+    -o Dir::Etc::Preferences="$apt_dir/none/preferences" -o Dir::State::Lists="$apt_dir/lists"
+    -o Dir::Cache="$apt_dir/cache" -o Dir::State::status="$apt_dir/status"
+    -o APT::Architecture="$ARCH" -o APT::Sandbox::User=root -o Debug::NoLocking=1)
   mkdir -p "$apt_dir"/{lists/partial,cache/archives/partial,none,debs}
   : >"$apt_dir/status"
   printf 'deb [signed-by=%s] %s %s main\ndeb [signed-by=%s] %s %s-security main\n' \
@@ -167,90 +160,92 @@ commit_base() {  # commit_base TARBALL NAME
   buildah commit --quiet --rm --timestamp 0 "$ctr" "$2" >/dev/null
 }
 
-build_base() {  # the build stage's base: debootstrap minbase and Debian's Python with venv
-  local key tarball rootfs
-  # Keyed by the suite's package index (the InRelease's signed sha256 of it): debootstrap resolves
-  # the same packages from the same index.
-  key=$( (echo "$script_sha $SUITE $ARCH $BUILD_PACKAGES"
-    grep -E " main/binary-$ARCH/Packages$" "$apt_dir"/lists/*_dists_${SUITE}_InRelease) |
-    sha256sum | cut -c1-16)
-  tarball="$CACHE/build-base-$key.tar"
+# base NAME KEY MAKE: the base NAME made of what KEY names: its tarball from the cache when its
+# sha256 is the one recorded when it was made, else made by the function MAKE in a fresh directory
+# (and cached); then committed to buildah's store as localhost/mixed-cpu-nri-plugin/NAME:KEY.
+base() {
+  local name=$1 key=$2 make=$3 tarball="$CACHE/$1-$2.tar" rootfs="$work/$1-rootfs"
   if cached_ok "$tarball"; then
-    log "build base: cached $tarball (sha256 checked)"
+    log "$name: cached $tarball (sha256 checked)"
   else
     [ ! -e "$tarball" ] || echo "warning: $tarball does not match its recorded sha256: made again" >&2
-    log "build base: debootstrap --variant=minbase $SUITE with $BUILD_PACKAGES"
-    rootfs="$work/build-rootfs"
-    debootstrap --variant=minbase --include="$BUILD_PACKAGES" --keyring="$KEYRING" "$SUITE" "$rootfs" \
-      "$MIRROR" >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log" >&2; return 1; }
-    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/log/*
-    rm -f "$CACHE"/build-base-*.tar*
+    "$make" "$rootfs"
+    rm -f "$CACHE/$name"-*.tar*
     store "$rootfs" "$tarball"
     rm -rf "$rootfs"
   fi
-  BUILD_BASE="localhost/mixed-cpu-nri-plugin/build-base:$key"
-  commit_base "$tarball" "$BUILD_BASE"
+  commit_base "$tarball" "localhost/mixed-cpu-nri-plugin/$name:$key"
 }
 
-runtime_base() {  # the runtime base: the distroless Python image's packages, unpacked
-  local key tarball rootfs versions deb pkg dir
+make_build_base() {  # the build stage's base: debootstrap minbase and Debian's Python with venv
+  local rootfs=$1
+  log "build-base: debootstrap --variant=minbase $SUITE with $BUILD_PACKAGES"
+  debootstrap --variant=minbase --include="$BUILD_PACKAGES" --keyring="$KEYRING" "$SUITE" "$rootfs" \
+    "$MIRROR" >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log" >&2; return 1; }
+  rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/log/*
+}
+
+make_runtime_base() {  # the runtime base: the distroless Python image's packages, unpacked
+  local rootfs=$1 deb pkg dir
+  log "runtime-base: ${#RUNTIME_PACKAGES[@]} packages of $SUITE unpacked, no maintainer scripts"
+  # apt-get download checks each .deb against the signed index.
+  (cd "$work/apt/debs" && private_apt download "${RUNTIME_PACKAGES[@]}" >/dev/null)
+  mkdir -p "$rootfs/var/lib/dpkg/status.d"
+  for deb in "$work"/apt/debs/*.deb; do
+    dpkg-deb -x "$deb" "$rootfs"
+    pkg=$(dpkg-deb -f "$deb" Package)
+    # What image scanners read (distroless writes the same): one control file per package.
+    dpkg-deb -f "$deb" >"$rootfs/var/lib/dpkg/status.d/$pkg"
+  done
+  # Debian 13 is merged-/usr: /bin, /sbin, /lib and /lib64 are links into /usr.
+  for dir in bin sbin lib lib64; do
+    if [ -d "$rootfs/$dir" ] && [ ! -L "$rootfs/$dir" ]; then
+      mkdir -p "$rootfs/usr/$dir"
+      cp -a "$rootfs/$dir/." "$rootfs/usr/$dir/"
+      rm -rf "${rootfs:?}/$dir"
+    fi
+    [ -e "$rootfs/$dir" ] || ln -s "usr/$dir" "$rootfs/$dir"
+  done
+  # What distroless adds beside the packages: its users, the CA bundle made from the
+  # ca-certificates package's certificates, a name-service config, /tmp, python and python3.
+  printf 'root:x:0:0:root:/root:/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' \
+    >"$rootfs/etc/passwd"
+  printf 'root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n' >"$rootfs/etc/group"
+  printf 'passwd: files\ngroup: files\nshadow: files\nhosts: files dns\nnetworks: files\nprotocols: files\nservices: files\n' \
+    >"$rootfs/etc/nsswitch.conf"
+  mkdir -p "$rootfs/etc/ssl/certs" "$rootfs/root" "$rootfs/home/nonroot" "$rootfs/tmp"
+  find "$rootfs/usr/share/ca-certificates" -name '*.crt' | LC_ALL=C sort | xargs cat \
+    >"$rootfs/etc/ssl/certs/ca-certificates.crt"
+  chmod 1777 "$rootfs/tmp"
+  chmod 700 "$rootfs/root"
+  chown 65532:65532 "$rootfs/home/nonroot"
+  ln -sf "$PYTHON" "$rootfs/usr/bin/python3"
+  ln -sf "$PYTHON" "$rootfs/usr/bin/python"
+  # The dynamic linker's cache, made by the image's own ldconfig (libc-bin) as distroless ships one.
+  chroot "$rootfs" /sbin/ldconfig
+  rm -f "$rootfs/var/cache/ldconfig/aux-cache"
+  [ ! -e "$rootfs/bin/sh" ] || { echo "error: the runtime base has a shell" >&2; return 1; }
+}
+
+cmd_bases() {
+  local key versions
+  mkdir -p "$CACHE"
+  setup_apt
+  # The build base is keyed by the suite's package index (its sha256, from the signed InRelease):
+  # debootstrap resolves the same packages from the same index.
+  key=$( (echo "$script_sha $SUITE $ARCH $BUILD_PACKAGES"
+    grep -E " main/binary-$ARCH/Packages$" "$work"/apt/lists/*_dists_${SUITE}_InRelease) |
+    sha256sum | cut -c1-16)
+  base build-base "$key" make_build_base
+  BUILD_BASE="localhost/mixed-cpu-nri-plugin/build-base:$key"
+  # The runtime base by each package's version and sha256, as the index gives them.
   versions=$(private_apt_cache show --no-all-versions "${RUNTIME_PACKAGES[@]}" |
     awk '/^Package:/{p=$2} /^Version:/{v=$2} /^SHA256:/{print p, v, $2}' | sort)
   [ "$(wc -l <<<"$versions")" -eq ${#RUNTIME_PACKAGES[@]} ] ||
     { echo "error: not every runtime package is in $SUITE: $versions" >&2; return 1; }
   key=$(printf '%s %s\n%s\n' "$script_sha" "$ARCH" "$versions" | sha256sum | cut -c1-16)
-  tarball="$CACHE/runtime-base-$key.tar"
-  if cached_ok "$tarball"; then
-    log "runtime base: cached $tarball (sha256 checked)"
-  else
-    [ ! -e "$tarball" ] || echo "warning: $tarball does not match its recorded sha256: made again" >&2
-    log "runtime base: ${#RUNTIME_PACKAGES[@]} packages of $SUITE unpacked, no maintainer scripts"
-    # apt-get download checks each .deb against the signed index.
-    (cd "$apt_dir/debs" && private_apt download "${RUNTIME_PACKAGES[@]}" >/dev/null)
-    rootfs="$work/runtime-rootfs"
-    mkdir -p "$rootfs/var/lib/dpkg/status.d"
-    for deb in "$apt_dir"/debs/*.deb; do
-      dpkg-deb -x "$deb" "$rootfs"
-      pkg=$(dpkg-deb -f "$deb" Package)
-      # What image scanners read (distroless writes the same): one control file per package.
-      dpkg-deb -f "$deb" >"$rootfs/var/lib/dpkg/status.d/$pkg"
-    done
-    # Debian 13 is merged-/usr: /bin, /sbin, /lib and /lib64 are links into /usr.
-    for dir in bin sbin lib lib64; do
-      if [ -d "$rootfs/$dir" ] && [ ! -L "$rootfs/$dir" ]; then
-        mkdir -p "$rootfs/usr/$dir" && cp -a "$rootfs/$dir/." "$rootfs/usr/$dir/" && rm -rf "${rootfs:?}/$dir"
-      fi
-      [ -e "$rootfs/$dir" ] || ln -s "usr/$dir" "$rootfs/$dir"
-    done
-    # What distroless adds beside the packages: its users, the CA bundle made from the
-    # ca-certificates package's certificates, a name-service config, /tmp, python and python3.
-    printf 'root:x:0:0:root:/root:/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' \
-      >"$rootfs/etc/passwd"
-    printf 'root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n' >"$rootfs/etc/group"
-    printf 'passwd: files\ngroup: files\nshadow: files\nhosts: files dns\nnetworks: files\nprotocols: files\nservices: files\n' \
-      >"$rootfs/etc/nsswitch.conf"
-    mkdir -p "$rootfs/etc/ssl/certs" "$rootfs/root" "$rootfs/home/nonroot" "$rootfs/tmp"
-    find "$rootfs/usr/share/ca-certificates" -name '*.crt' | LC_ALL=C sort | xargs cat \
-      >"$rootfs/etc/ssl/certs/ca-certificates.crt"
-    chmod 1777 "$rootfs/tmp" && chmod 700 "$rootfs/root" && chown 65532:65532 "$rootfs/home/nonroot"
-    ln -sf "$PYTHON" "$rootfs/usr/bin/python3" && ln -sf "$PYTHON" "$rootfs/usr/bin/python"
-    # The dynamic linker's cache, made by the image's own ldconfig (libc-bin) as distroless ships one.
-    chroot "$rootfs" /sbin/ldconfig && rm -f "$rootfs/var/cache/ldconfig/aux-cache"
-    [ ! -e "$rootfs/bin/sh" ] || { echo "error: the runtime base has a shell" >&2; return 1; }
-    rm -f "$CACHE"/runtime-base-*.tar*
-    store "$rootfs" "$tarball"
-    rm -rf "$rootfs"
-  fi
+  base runtime-base "$key" make_runtime_base
   RUNTIME_BASE="localhost/mixed-cpu-nri-plugin/runtime-base:$key"
-  commit_base "$tarball" "$RUNTIME_BASE"
-}
-
-cmd_bases() {
-  mkdir -p "$CACHE"
-  setup_apt
-  build_base
-  runtime_base
-  printf '%s\n%s\n' "$BUILD_BASE" "$RUNTIME_BASE" >"$work/bases"
 }
 
 cmd_build() {
@@ -279,7 +274,7 @@ image_size() {  # the image's unpacked size, as buildah's store counts it
 cmd_smoke() {
   local ctr out status=0
   ctr=$(buildah from --quiet --pull-never "$IMAGE")
-  trap 'buildah rm "$ctr" >/dev/null 2>&1 || true' RETURN
+  smoke_ctr=$ctr
   inside() { buildah run --isolation chroot "$ctr" -- /opt/mixed-cpu-nri-plugin/bin/python \
     /opt/mixed-cpu-nri-plugin/bin/mixed-cpu-nri-plugin "$@" 2>&1; }
   expect() {  # expect WANTED_STATUS PATTERN COMMAND...: the command's status and a line it prints
@@ -316,19 +311,22 @@ cmd_smoke() {
 
 step=${1:-all}
 work=$(mktemp -d /var/tmp/mixed-cpu-image.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+smoke_ctr=""
+trap 'rm -rf "$work"; [ -z "$smoke_ctr" ] || buildah rm "$smoke_ctr" >/dev/null 2>&1 || true' EXIT
 case "$step" in
   lock) cmd_lock ;;
   wheelhouse) cmd_wheelhouse ;;
   bases) cmd_bases ;;
   build) cmd_bases && cmd_build ;;
-  smoke) cmd_smoke ;;
+  smoke) cmd_smoke || { echo "error: the image's smoke test failed (above)" >&2; exit 1; } ;;
   all)
     started=$SECONDS
     cmd_wheelhouse
     t=$SECONDS; cmd_bases; bases_s=$((SECONDS - t))
     t=$SECONDS; cmd_build; build_s=$((SECONDS - t))
-    t=$SECONDS; cmd_smoke; smoke_s=$((SECONDS - t))
+    t=$SECONDS
+    cmd_smoke || { echo "error: the image's smoke test failed (above)" >&2; exit 1; }
+    smoke_s=$((SECONDS - t))
     log "image done in $((SECONDS - started)) s (bases $bases_s s, build $build_s s, smoke $smoke_s s)"
     ;;
   *) sed -n '2,9p' "$0" >&2; exit 2 ;;
