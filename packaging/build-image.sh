@@ -294,11 +294,12 @@ cmd_smoke() {
   expect 0 'usage: mixed-cpu-nri-plugin check' check --help
   expect 0 '^[0-9]+ more NRI exchange\(s\), 0 failed' demo
   expect 0 'NodeUnprepareResources -> ok' demo --dra
-  # No daemon runs here: status must say so, and what to do, and exit 1. It reads the config the
-  # DaemonSet mounts (status without one stops at the missing file, exit 2, saying what to create).
+  # No daemon runs here: status must say so, and what to do, and exit 1: as `kubectl exec` runs it
+  # (no config file: the default state dir), then with the config the DaemonSet mounts.
+  expect 1 'status.sock: the daemon is not running.*start it' status
   printf 'shared_cpuset = "0-1"\nstate_dir = "/tmp/state"\n' >"$work/config.toml"
   buildah copy --quiet "$ctr" "$work/config.toml" /etc/mixed-cpu-nri/config.toml >/dev/null
-  expect 1 'the daemon is not running.*start it' status
+  expect 1 '/tmp/state/status.sock: the daemon is not running.*start it' status
   # Nothing but the Python runtime: no shell, no package manager.
   if buildah run --isolation chroot "$ctr" -- /bin/sh -c true >/dev/null 2>&1; then
     echo "smoke: FAILED: the image has a shell" >&2
