@@ -4,6 +4,7 @@ simulator, every document checked against its JSON Schema (docs/status.schema.js
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
@@ -26,12 +27,16 @@ from mixedcpu_support import (
     plugin_running,
 )
 
+from nri_plugin.common.backoff import Backoff
+from nri_plugin.common.clock import ManualClock
 from nri_plugin.daemon.status import StatusParts, count_prepared_claims, status_document
+from nri_plugin.daemon.status_client import render_table
 from nri_plugin.deviceplugin.marker import MARKER_ENV
 from nri_plugin.dra import cdi
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.policy import choose_shared, cpus_or_empty, format_cpuset
 from nri_plugin.mixedcpu.status import SCHEMA
+from nri_plugin.nri.connection import ConnectionState
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import Stub
 
@@ -201,6 +206,41 @@ async def test_the_runtime_part_follows_the_connection(short_dir: Path) -> None:
     stopped = _document(plugin, stub, state)["runtime"]
     assert stopped["state"] == "stopped"
     assert stopped["connected_since"] is None
+
+
+@pytest.mark.asyncio
+async def test_a_lost_connection_shows_its_cause_and_time(short_dir: Path) -> None:
+    """After the runtime goes away the runtime part says why and when (issue 31): ``last_lost`` in the
+    document, and a line of the table; the stub then waits to reconnect (its clock is never advanced,
+    so it stays in backing_off), which is no stall."""
+    tree = FakeCgroups(short_dir / "cgroup", 1)
+    state = short_dir / "state"
+    plugin, _ = make_plugin(state, tree.layout)
+    socket = short_dir / "nri.sock"
+    sim = RuntimeSimulator(socket, runtime_name="containerd", runtime_version="v2.3.4")
+    backoff = Backoff(initial=1.0, maximum=1.0, jitter=(1.0, 1.0))
+    async with plugin_running(plugin, socket, reconnect=True, clock=ManualClock(), backoff=backoff) as stub:
+        async with sim:
+            await sim.wait_for_synchronizations(1, GUARD)
+            serving = _document(plugin, stub, state)["runtime"]
+            assert (serving["state"], serving["last_lost"], serving["stalled_seconds"]) == ("ready", None, 0)
+        await asyncio.wait_for(stub.wait_for_state(ConnectionState.BACKING_OFF), GUARD)
+        assert stub.lost is not None
+        document = status_document(
+            StatusParts(plugin, stub, None, "/etc/config.toml", str(state)), now=stub.lost.at + 12
+        )
+    validate(document)
+    runtime = document["runtime"]
+    assert runtime["state"] == "backing_off"
+    assert runtime["stalled_seconds"] == 0
+    assert runtime["connected_since"] is None
+    at = runtime["last_lost"]["at"]
+    assert runtime["last_lost"] == {"cause": "the runtime closed the connection", "at": at}
+    assert serving["connected_since"] <= at <= document["time"]
+    assert render_table(document).splitlines()[1:3] == [
+        "runtime        containerd v2.3.4 (NRI v0.12.0): backing_off",
+        f"  connection   lost {at} (12s ago): the runtime closed the connection; now backing_off",
+    ]
 
 
 @pytest.mark.asyncio

@@ -360,6 +360,48 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
     assert not any(line.startswith("DRA") for line in render_table(document).splitlines())
 
 
+def test_the_table_says_when_and_why_the_runtime_connection_was_lost_and_a_stall() -> None:
+    """After a lost connection, a line under the runtime's: when (and how long ago), why, and the
+    state now; a connection stuck between attempts says so on the runtime's line (issue 31)."""
+    runtime = {
+        "state": "registered",
+        "name": "containerd",
+        "version": "v2.3.4",
+        "nri_version": None,
+        "connected_since": "2025-11-27T09:59:20Z",
+        "connections": 2,
+        "synchronizations": 1,
+        "last_lost": {"cause": "the runtime closed the connection", "at": "2025-11-27T09:59:18Z"},
+        "stalled_seconds": 40,
+    }
+    document = _minimal_document(runtime=runtime)
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert render_table(document).splitlines()[1:3] == [
+        "runtime        containerd v2.3.4: registered, connected 40s ago; STUCK for 40s: neither serving "
+        "nor waiting to reconnect",
+        "  connection   lost 2025-11-27T09:59:18Z (42s ago): the runtime closed the connection; "
+        "now registered",
+    ]
+    # Serving again: the last loss stays in sight, and nothing is stuck.
+    runtime.update(state="ready", stalled_seconds=0)
+    assert render_table(document).splitlines()[1:3] == [
+        "runtime        containerd v2.3.4: ready, connected 40s ago",
+        "  connection   lost 2025-11-27T09:59:18Z (42s ago): the runtime closed the connection; now ready",
+    ]
+    # A loss without a cause, or an "at" that is no time, is no document of ours.
+    for bad in ({"cause": "", "at": "2025-11-27T09:59:18Z"}, {"cause": "x", "at": "yesterday"}):
+        runtime["last_lost"] = bad
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    # An older daemon's document has neither field: one runtime line, as before.
+    del runtime["last_lost"], runtime["stalled_seconds"]
+    jsonschema.Draft202012Validator(SCHEMA).validate(document)
+    assert render_table(document).splitlines()[1:3] == [
+        "runtime        containerd v2.3.4: ready, connected 40s ago",
+        "device plugin  off",
+    ]
+
+
 def _minimal_document(**parts: Any) -> dict[str, Any]:
     """A status document of a node with no runtime yet and nothing shared, with `parts` put in."""
     return {

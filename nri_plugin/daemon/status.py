@@ -158,6 +158,8 @@ def status_document(parts: StatusParts, now: float | None = None) -> dict[str, A
             "connected_since": rfc3339(stub.connected_since),
             "connections": stub.connections,
             "synchronizations": stub.synchronizations,
+            "last_lost": _last_lost(stub),
+            "stalled_seconds": round(stub.stalled_for),
         },
         "device_plugin": {
             "enabled": device_plugin is not None,
@@ -175,6 +177,12 @@ def status_document(parts: StatusParts, now: float | None = None) -> dict[str, A
         "dra": dra_status(parts.dra),
         **domain,
     }
+
+
+def _last_lost(stub: Stub) -> dict[str, Any] | None:
+    """Why and when the last connection to the runtime ended (`Stub.lost`); None before any."""
+    lost = stub.lost
+    return None if lost is None else {"cause": lost.cause, "at": rfc3339(lost.at)}
 
 
 def dra_status(dra: DraFrontDoor | None) -> dict[str, Any]:

@@ -372,15 +372,6 @@ def _printable_strings(value: Any) -> Any:
 
 
 def _summary(document: dict[str, Any], now: datetime.datetime | None) -> list[str]:
-    runtime = document["runtime"]
-    if runtime["name"]:
-        who = f"{runtime['name']} {runtime['version'] or ''}".strip()
-        nri = f" (NRI {runtime['nri_version']})" if runtime["nri_version"] else ""
-        connected = runtime["connected_since"]
-        since = f", connected {_age(connected, now)} ago" if connected else ""
-        text = f"{who}{nri}: {runtime['state']}{since}"
-    else:
-        text = f"{runtime['state']}: no runtime has configured the plugin yet"
     device = document["device_plugin"]
     if not device["enabled"]:
         plugin = "off"
@@ -398,11 +389,33 @@ def _summary(document: dict[str, Any], now: datetime.datetime | None) -> list[st
     else:
         record = f"NOT reachable: the marker binding alone proves requests ({resources['socket']})"
     return [
-        f"{'runtime':<15}{text}",
+        *_runtime(document["runtime"], now),
         f"{'device plugin':<15}{plugin}",
         f"{'pod resources':<15}{record}",
         *_dra(document.get("dra")),
     ]
+
+
+def _runtime(runtime: dict[str, Any], now: datetime.datetime | None) -> list[str]:
+    """The NRI connection's line, and after a lost connection a second one: why and when it ended.
+    An older daemon's document has neither ``last_lost`` nor ``stalled_seconds``."""
+    if runtime["name"]:
+        who = f"{runtime['name']} {runtime['version'] or ''}".strip()
+        nri = f" (NRI {runtime['nri_version']})" if runtime["nri_version"] else ""
+        connected = runtime["connected_since"]
+        since = f", connected {_age(connected, now)} ago" if connected else ""
+        text = f"{who}{nri}: {runtime['state']}{since}"
+    else:
+        text = f"{runtime['state']}: no runtime has configured the plugin yet"
+    stalled = runtime.get("stalled_seconds") or 0
+    if stalled:
+        text += f"; STUCK for {_duration(stalled)}: neither serving nor waiting to reconnect"
+    lines = [f"{'runtime':<15}{text}"]
+    lost = runtime.get("last_lost")
+    if lost is not None:
+        when = f"{lost['at']} ({_age(lost['at'], now)} ago)"
+        lines.append(f"{'  connection':<15}lost {when}: {lost['cause']}; now {runtime['state']}")
+    return lines
 
 
 def _dra(dra: dict[str, Any] | None) -> list[str]:
@@ -488,7 +501,12 @@ def _age(text: str | None, now: datetime.datetime | None) -> str:
     then = _parse_time(text)
     if then is None or now is None:
         return "?"
-    seconds = max(int((now - then).total_seconds()), 0)
+    return _duration(int((now - then).total_seconds()))
+
+
+def _duration(seconds: int) -> str:
+    """`seconds` in the two largest units: ``3m12s``, ``2d4h`` (none below 0)."""
+    seconds = max(seconds, 0)
     days, rest = divmod(seconds, 86400)
     hours, rest = divmod(rest, 3600)
     minutes, seconds = divmod(rest, 60)
