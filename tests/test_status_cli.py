@@ -52,7 +52,9 @@ def _books(state_file: Path) -> dict[str, Any]:
 async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None:
     plugin_dir = short_dir / "dp"
     plugin_dir.mkdir()
-    config = write_daemon_config(short_dir, plugin_dir)
+    # kubelet's PodResources socket named, and absent (never the host's).
+    absent = f'pod_resources_socket = "{short_dir}/pod-resources.sock"\n'
+    config = write_daemon_config(short_dir, plugin_dir, device_plugin_extra=absent)
     pod_dir = short_dir / "cgroup" / "cpu" / "kubepods" / "pod1234"
     pod_dir.mkdir(parents=True)
     (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
@@ -113,7 +115,7 @@ async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None
         assert lines[1].startswith("runtime        containerd v2.3.4 (NRI v0.12.0): ready, connected ")
         assert lines[3] == (
             "pod resources  NOT reachable: the marker binding alone proves requests "
-            "(/var/lib/kubelet/pod-resources/kubelet.sock)"
+            f"({short_dir}/pod-resources.sock)"
         )
         assert lines[4] == "DRA            off"
         assert "shared pool    0-1: 1 container" in lines

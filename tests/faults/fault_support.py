@@ -604,7 +604,8 @@ def write_config(
     fake one, or the real kernel's mounts, detected), the state dir ``state``; metrics and probes on
     a free port of 127.0.0.1 with `metrics` (the daemon logs which), else none; kubelet's
     device-plugin directory `plugin_dir` (default ``kubelet`` in `directory`: no kubelet there, the
-    device plugin waits for one); `extra`: more top-level lines."""
+    device plugin waits for one); `extra`: more top-level lines. Never the host's system bus or
+    kubelet's PodResources socket."""
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-15\n")
@@ -618,8 +619,8 @@ def write_config(
     config.write_text(
         f'shared_cpuset = "{format_cpuset(shared)}"\nsysfs_root = "{directory}/sys"\n'
         f'state_dir = "{directory}/state"\n{cgroups}log_format = "console"\n'
-        f'metrics_address = "{"127.0.0.1:0" if metrics else ""}"\n{extra}\n'
-        f"[device_plugin]\n{device_plugin}\n"
+        f'metrics_address = "{"127.0.0.1:0" if metrics else ""}"\nsystemd_bus = ""\n{extra}\n'
+        f'[device_plugin]\n{device_plugin}\npod_resources_socket = ""\n'
     )
     return config
 
@@ -637,6 +638,7 @@ async def launch_daemon(config: Path, socket: Path, *, prefix: Sequence[str] = (
         str(socket),
         prefix=prefix,
         stdout=subprocess.DEVNULL,
+        kernel_cgroups=True,  # the real-kernel tier's daemons use the host's tree, and say so
     )
     return Daemon(proc, GUARD)
 
