@@ -3,6 +3,7 @@
 
 1. the config, read and checked, then logging as it says, then the cgroup layout; then the node's
    one-daemon lock in state_dir (`nri_plugin.daemon.instance`), before any file there is read;
+   then the state dir's format (`nri_plugin.daemon.stateformat`: one a newer daemon wrote is refused);
 2. the metrics, first of the parts: each part that reports to them is built with them as its
    observer (none is given one afterwards);
 3. the node's marker key, kubelet's PodResources client (the record that proves a marker's
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from cgroups import CgroupLayout, format_cpuset
+from nri_plugin.common.buildinfo import version_line
 from nri_plugin.daemon.app import EXIT_CONFIG, NRI_ENDED, Daemon, DaemonError, Service
 from nri_plugin.daemon.config import (
     DEFAULT_CONFIG_PATH,
@@ -56,6 +58,7 @@ from nri_plugin.daemon.instance import (
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
+from nri_plugin.daemon.stateformat import STATE_FORMAT, StateFormatError, settle_state_format
 from nri_plugin.daemon.status import StatusParts, StatusServer, status_document, status_socket_path
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
@@ -150,6 +153,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     try:
         config, layout = load_settings(options, node=env.get("NODE_NAME"))
         lock_watch = take_instance_locks(config, options)
+        format_recorded = settle_state_dir_format(config)
         identity = resolve_identity(options, config, env)
         metrics = build_metrics(config)
         key = load_marker_key(config)
@@ -167,6 +171,8 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     if metrics is not None:
         bind_gauges(metrics, stub, plugin, device_plugin, dra)
     _log_start(config, layout, stub, identity)
+    if format_recorded:  # once the daemon is built: a start that fails stays one line
+        log.info("state dir format recorded", state_dir=config.state_dir, state_format=STATE_FORMAT)
     _log_numa(plugin.pool)
     if record is not None:
         record.log_start()
@@ -239,6 +245,22 @@ def take_instance_locks(config: Config, options: RunOptions) -> LockWatch:
     except InstanceLockError as exc:
         raise DaemonError(str(exc), EXIT_CONFIG) from None
     return LockWatch(locks, pending=pending)
+
+
+def settle_state_dir_format(config: Config) -> bool:
+    """The state dir's format checked before anything in it is read, and recorded as this version
+    writes it (`nri_plugin.daemon.stateformat`): a state dir a newer daemon laid out is refused.
+    True when the record was (re)written. Raises `ConfigError` (exit status 2, one line saying what
+    to do)."""
+    problem = state_dir_problem(config.state_dir)
+    if problem is not None:
+        raise _state_dir_error(config, problem)
+    try:
+        return settle_state_format(config.state_dir, version_line())
+    except StateFormatError as exc:
+        raise ConfigError(f"{config.source}: state_dir: {exc}") from None
+    except OSError as exc:
+        raise _state_dir_error(config, exc) from None
 
 
 def build_metrics(config: Config) -> Metrics | None:
