@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import structlog
 
@@ -395,6 +395,10 @@ def build_device_plugin(
     return DevicePluginServer(config.device_plugin, key, observer=observer)
 
 
+# What the [dra] extra installs (lightkube, and httpx2 under it): a daemon without them runs, DRA off.
+DRA_CLIENT_MODULES: Final = frozenset({"lightkube", "httpx2"})
+
+
 def build_dra(config: Config, key: HostKey | None, environ: Mapping[str, str]) -> DraFrontDoor | None:
     """The DRA front door, when [dra] enables it (the config made sure markers are trusted then);
     else None. Its node is [dra] node_name, else NODE_NAME. Raises `ConfigError`."""
@@ -406,8 +410,16 @@ def build_dra(config: Config, key: HostKey | None, environ: Mapping[str, str]) -
             f"{config.source}: [dra] enabled = true needs the node's name: set NODE_NAME from the "
             "pod's spec.nodeName (the chart does), or [dra] node_name"
         )
-    from nri_plugin.dra.frontdoor import DraFrontDoor  # lightkube and httpx2: only when DRA is on
-
+    try:
+        from nri_plugin.dra.frontdoor import DraFrontDoor  # lightkube and httpx2: only when DRA is on
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in DRA_CLIENT_MODULES:
+            raise
+        raise ConfigError(
+            f"{config.source}: [dra] enabled = true needs the DRA client libraries, which this "
+            f"installation lacks (no module {exc.name}): pip install 'mixed-cpu-nri-plugin[dra]' "
+            "(the image has them), or set [dra] enabled = false"
+        ) from None
     try:
         return DraFrontDoor(
             config.dra, key, node_name=node_name, device_count=config.device_plugin.device_count
