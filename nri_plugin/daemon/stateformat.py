@@ -16,6 +16,9 @@ says what to do.
 * A file that is not one we write (not JSON, no positive integer format, a link, too large):
   `StateFormatError` too; a person must look, since what wrote it is not known.
 
+A state dir that cannot be written (mounted read-only) is still checked; the daemon goes on without
+the record, with a warning (the books, which must be written, say what is wrong with it).
+
 The file is read as the books are (`nri_plugin.common.smallfile`: no link followed, regular file,
 size bounded) and written atomically.
 """

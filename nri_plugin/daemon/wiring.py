@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
@@ -153,7 +153,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     try:
         config, layout = load_settings(options, node=env.get("NODE_NAME"))
         lock_watch = take_instance_locks(config, options)
-        format_recorded = settle_state_dir_format(config)
+        say_state_format = settle_state_dir_format(config)
         identity = resolve_identity(options, config, env)
         metrics = build_metrics(config)
         key = load_marker_key(config)
@@ -171,8 +171,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     if metrics is not None:
         bind_gauges(metrics, stub, plugin, device_plugin, dra)
     _log_start(config, layout, stub, identity)
-    if format_recorded:  # once the daemon is built: a start that fails stays one line
-        log.info("state dir format recorded", state_dir=config.state_dir, state_format=STATE_FORMAT)
+    say_state_format()  # once the daemon is built: a start that fails stays one line
     _log_numa(plugin.pool)
     if record is not None:
         record.log_start()
@@ -247,20 +246,28 @@ def take_instance_locks(config: Config, options: RunOptions) -> LockWatch:
     return LockWatch(locks, pending=pending)
 
 
-def settle_state_dir_format(config: Config) -> bool:
+def settle_state_dir_format(config: Config) -> Callable[[], None]:
     """The state dir's format checked before anything in it is read, and recorded as this version
     writes it (`nri_plugin.daemon.stateformat`): a state dir a newer daemon laid out is refused.
-    True when the record was (re)written. Raises `ConfigError` (exit status 2, one line saying what
-    to do)."""
+    Returns what to log once the daemon is built (so that a start that fails stays one line): the
+    record written, or why it could not be (a state dir that cannot be written fails later, where
+    the books or the key say why). Raises `ConfigError` (exit status 2, one line saying what to do)."""
     problem = state_dir_problem(config.state_dir)
     if problem is not None:
         raise _state_dir_error(config, problem)
     try:
-        return settle_state_format(config.state_dir, version_line())
+        written = settle_state_format(config.state_dir, version_line())
     except StateFormatError as exc:
         raise ConfigError(f"{config.source}: state_dir: {exc}") from None
     except OSError as exc:
-        raise _state_dir_error(config, exc) from None
+        return functools.partial(
+            log.warning, "state dir format not recorded", state_dir=config.state_dir, problem=str(exc)
+        )
+    if not written:
+        return lambda: None
+    return functools.partial(
+        log.info, "state dir format recorded", state_dir=config.state_dir, state_format=STATE_FORMAT
+    )
 
 
 def build_metrics(config: Config) -> Metrics | None:
