@@ -283,11 +283,17 @@ def write_daemon_config(
     and metrics and probes on `metrics_address` (by default a free port: daemons run in parallel; the
     daemon logs the one it bound). `extra`: more top-level lines; `device_plugin_extra`: more lines
     of the ``[device_plugin]`` table. No systemd bus: a test daemon never talks to the host's systemd,
-    nor to the host's kubelet (no PodResources socket unless `device_plugin_extra` names one).
+    nor to the host's kubelet (its PodResources socket is ``pr.sock`` in ``directory``, where nobody
+    answers, unless `device_plugin_extra` names one).
     The NRI socket ``nri.sock`` in ``directory`` (--socket wins): the node-wide lock lies beside it,
     never in the host's /var/run/nri, where daemons of tests running at once would refuse each other."""
-    # kubelet's PodResources socket: never the host's (a test that wants one names its own).
-    pod_resources = "" if "pod_resources_socket" in device_plugin_extra else 'pod_resources_socket = ""\n'
+    # kubelet's PodResources socket: never the host's. By default one in `directory` that nobody serves
+    # (kubelet cannot be asked, as on a machine without kubelet); a test that wants another names it.
+    pod_resources = (
+        ""
+        if "pod_resources_socket" in device_plugin_extra
+        else f'pod_resources_socket = "{directory}/pr.sock"\n'
+    )
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True, exist_ok=True)  # (again for a restarted daemon)
     (online / "online").write_text("0-3\n")

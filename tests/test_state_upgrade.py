@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from mixedcpu_support import (
     run_cli,
     write_daemon_config,
 )
+from redteam_support import short_directory
 from wait_support import wait_until
 
 from api.nri import api_pb2 as api
@@ -85,10 +85,8 @@ def test_the_fixtures_are_what_0_1_0_left() -> None:
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to 107 bytes; pytest's tmp_path for long test ids is longer.
-    path = Path(tempfile.mkdtemp(prefix="mcpu-up-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_directory("up-") as path:  # unix socket paths are limited to 107 bytes
+        yield path
 
 
 def copy_state(name: str, state: Path) -> Path:
@@ -179,7 +177,10 @@ def _snapshot(edit: Callable[[dict[str, Any]], object]) -> Callable[[Path], None
 
 
 def _write(name: str, data: bytes) -> Callable[[Path], None]:
-    return lambda state: (state / name).write_bytes(data)
+    def corrupt(state: Path) -> None:
+        (state / name).write_bytes(data)
+
+    return corrupt
 
 
 CORRUPTIONS: dict[str, Callable[[Path], None]] = {

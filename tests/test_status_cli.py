@@ -52,9 +52,7 @@ def _books(state_file: Path) -> dict[str, Any]:
 async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None:
     plugin_dir = short_dir / "dp"
     plugin_dir.mkdir()
-    # kubelet's PodResources socket named, and absent (never the host's).
-    absent = f'pod_resources_socket = "{short_dir}/pod-resources.sock"\n'
-    config = write_daemon_config(short_dir, plugin_dir, device_plugin_extra=absent)
+    config = write_daemon_config(short_dir, plugin_dir)  # kubelet's PodResources socket: pr.sock, absent
     pod_dir = short_dir / "cgroup" / "cpu" / "kubepods" / "pod1234"
     pod_dir.mkdir(parents=True)
     (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
@@ -114,8 +112,7 @@ async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None
         lines = table.stdout.splitlines()
         assert lines[1].startswith("runtime        containerd v2.3.4 (NRI v0.12.0): ready, connected ")
         assert lines[3] == (
-            "pod resources  NOT reachable: the marker binding alone proves requests "
-            f"({short_dir}/pod-resources.sock)"
+            f"pod resources  NOT reachable: the marker binding alone proves requests ({short_dir}/pr.sock)"
         )
         assert lines[4] == "DRA            off"
         assert "shared pool    0-1: 1 container" in lines

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -599,13 +600,17 @@ def write_config(
     shared: frozenset[int] = frozenset({0, 1}),
     metrics: bool = False,
     extra: str = "",
+    pod_resources: str | None = None,
 ) -> Path:
     """The daemon's config: shared CPUs `shared` of online 0-15 (a fake sysfs), the tree `tree` (a
     fake one, or the real kernel's mounts, detected), the state dir ``state``; metrics and probes on
     a free port of 127.0.0.1 with `metrics` (the daemon logs which), else none; kubelet's
     device-plugin directory `plugin_dir` (default ``kubelet`` in `directory`: no kubelet there, the
-    device plugin waits for one); `extra`: more top-level lines. Never the host's system bus or
-    kubelet's PodResources socket."""
+    device plugin waits for one); `extra`: more top-level lines. Never the host's system bus, nor
+    kubelet's PodResources socket: `pod_resources` (default ``pr.sock`` in `directory`, where nobody
+    answers: kubelet cannot be asked; "": no record at all)."""
+    if pod_resources is None:
+        pod_resources = f"{directory}/pr.sock"
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-15\n")
@@ -620,7 +625,7 @@ def write_config(
         f'shared_cpuset = "{format_cpuset(shared)}"\nsysfs_root = "{directory}/sys"\n'
         f'state_dir = "{directory}/state"\n{cgroups}log_format = "console"\n'
         f'metrics_address = "{"127.0.0.1:0" if metrics else ""}"\nsystemd_bus = ""\n{extra}\n'
-        f'[device_plugin]\n{device_plugin}\npod_resources_socket = ""\n'
+        f"[device_plugin]\n{device_plugin}\npod_resources_socket = {json.dumps(pod_resources)}\n"
     )
     return config
 

@@ -224,8 +224,8 @@ async def test_a_pod_cgroup_missing_a_moment_keeps_its_binding_from_a_replay(sho
     restart is granted once its cgroup is back."""
     node = make_node(short_dir, 1)
     population, runtime, tree = node.population, node.runtime, node.tree
-    # The default interval: no two looks within the test; no kubelet record (write_config's).
-    config = write_config(short_dir, tree)
+    # The default interval: no two looks within the test; no kubelet record at all.
+    config = write_config(short_dir, tree, pod_resources="")
     device = {ANNOTATION_KEY: population.key.sign("shared-cpus-3")}
     async with runtime, daemon_running(config, node.socket) as daemon:
         await within(runtime.wait_for_plugins(1))
