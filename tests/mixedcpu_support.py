@@ -313,13 +313,19 @@ def write_daemon_config(
 
 
 async def start_daemon(
-    *args: str, prefix: Sequence[str] = (), stdout: int = subprocess.PIPE, kernel_cgroups: bool = False
+    *args: str,
+    prefix: Sequence[str] = (),
+    stdout: int = subprocess.PIPE,
+    kernel_cgroups: bool = False,
+    in_vm: bool = False,
 ) -> asyncio.subprocess.Process:
     """``python -m nri_plugin.daemon.cli *args`` from this source tree, under the command `prefix` if any
     (e.g. setpriv dropping capabilities); stderr is a pipe, stdout too unless told otherwise. A ``run``
     must name its own places, none of the host's (`host_guard`; `kernel_cgroups`: the real-kernel
-    tier's daemon may use the host's cgroup tree)."""
-    refuse_host_paths(args, kernel_cgroups=kernel_cgroups)
+    tier's daemon may use the host's cgroup tree; `in_vm`: the VM tier's guest, whose machine is the
+    test's own, uses any of its places)."""
+    if not in_vm:
+        refuse_host_paths(args, kernel_cgroups=kernel_cgroups)
     return await asyncio.create_subprocess_exec(
         *prefix,
         sys.executable,
