@@ -30,7 +30,7 @@ from api.dra.v1 import api_pb2 as dra
 from api.dra.v1 import api_pb2_grpc as dra_grpc
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.dra.claims import AllocatedDevice, ClaimError
+from nri_plugin.dra.claims import AllocatedDevice, ClaimSourceUnreachable
 from nri_plugin.dra.kubeletplugin import DraKubeletPlugin, DraPluginSettings
 
 NODE = "bench-node"
@@ -47,7 +47,7 @@ class _Claims:
 
     async def allocated_devices(self, namespace: str, name: str, uid: str) -> tuple[AllocatedDevice, ...]:
         if self.down:
-            raise ClaimError("the API server could not be reached")
+            raise ClaimSourceUnreachable("the API server could not be reached")
         return self.devices[uid]
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 # Installed in the development venv (by the test extra's tools), not by ``pip install .``: a
-# runtime dependency imports them only when present (`tests/bench/test_image_imports.py` checks
+# runtime dependency imports them only when present (`tests/test_bench_image_imports.py` checks
 # that no other module outside the image's distributions is imported).
 NOT_IN_IMAGE = frozenset(
     {"rich", "pygments", "markdown_it", "mdurl", "colorama", "better_exceptions", "grpc_tools"}

@@ -3,7 +3,7 @@
 # README's test command runs (python3, 3.11 here: the image's), gets a venv of its own and runs the
 # part of the suite where interpreters differ: the ttrpc server and its handler tasks, the NRI
 # multiplexer, the simulator and its runtime restarts, systemd over D-Bus, the healer, the daemon as
-# a process, the config and log formats, the DRA front door (gRPC aio, the API client over httpx2,
+# a process (and the fault suite, which drives it through the simulator's runtime quirks), the config and log formats, the DRA front door (gRPC aio, the API client over httpx2,
 # the simulator's CDI injection).
 #
 # Each minor version is taken from pyenv (the newest patch release installed), else from pythonX.Y
@@ -24,6 +24,7 @@ tests=(
   tests/test_systemd.py
   tests/test_systemd_bus.py
   tests/test_heal.py
+  tests/faults
   tests/test_daemon.py
   tests/test_config.py
   tests/test_logs.py

@@ -107,12 +107,27 @@ async def scrape(host: str, port: int) -> Samples:
     return samples(reply.text)
 
 
-async def bound_address(stderr: asyncio.StreamReader, seen: list[str]) -> tuple[str, int]:
-    """The address the daemon logged for its probes (console or JSON lines)."""
+async def stream_lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
+    """Every line of `stream` (without its newline), whatever its length, to the end. The stream's
+    own line reader raises on a line over its 64 KiB limit; a reader that stopped there would leave
+    the writer blocked on a full pipe (issue 32)."""
+    pending = b""
+    while chunk := await stream.read(1 << 16):
+        *complete, pending = (pending + chunk).split(b"\n")
+        for raw in complete:
+            yield raw.decode(errors="replace")
+    if pending:
+        yield pending.decode(errors="replace")
+
+
+async def bound_address(lines: AsyncIterator[str], seen: list[str]) -> tuple[str, int]:
+    """The address the daemon logged for its probes (console or JSON lines), from its stderr `lines`
+    (`stream_lines`); each line read goes to `seen`."""
     while True:
-        raw = await asyncio.wait_for(stderr.readline(), GUARD)
-        assert raw, "the daemon ended before serving its probes:\n" + "\n".join(seen)
-        line = raw.decode(errors="replace").rstrip("\n")
+        try:
+            line = await asyncio.wait_for(lines.__anext__(), GUARD)
+        except StopAsyncIteration:
+            raise AssertionError("the daemon ended before serving its probes:\n" + "\n".join(seen)) from None
         seen.append(line)
         if "serving metrics and probes" in line:
             match = re.search(r"(127\.0\.0\.1):(\d+)", line)
@@ -120,10 +135,11 @@ async def bound_address(stderr: asyncio.StreamReader, seen: list[str]) -> tuple[
             return match.group(1), int(match.group(2))
 
 
-async def collect(stream: asyncio.StreamReader, lines: list[str]) -> None:
-    """Every further line of `stream` into `lines` (so that the writer never blocks on a full pipe)."""
-    async for raw in stream:
-        lines.append(raw.decode(errors="replace").rstrip("\n"))
+async def collect(lines: AsyncIterator[str], seen: list[str]) -> None:
+    """Every further line of `lines` (`stream_lines`) into `seen` (so that the writer never blocks on
+    a full pipe)."""
+    async for line in lines:
+        seen.append(line)
 
 
 @contextlib.asynccontextmanager
@@ -138,8 +154,9 @@ async def daemon_with_probes(
     )
     try:
         assert proc.stderr is not None
-        host, port = await bound_address(proc.stderr, lines)
-        rest = asyncio.ensure_future(collect(proc.stderr, lines))  # keep the pipe from filling up
+        stderr = stream_lines(proc.stderr)
+        host, port = await bound_address(stderr, lines)
+        rest = asyncio.ensure_future(collect(stderr, lines))  # keep the pipe from filling up
         yield proc, host, port
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), GUARD)

@@ -139,6 +139,23 @@ def test_probe_churn_prints_its_table() -> None:
         assert cells[-1] in {"yes", "**no**"}, row
 
 
+def test_dra_starvation_prints_its_table() -> None:
+    """The real daemon's NRI side and DRA plugin in one child, a few claims: both rows and the
+    call's line (no figure judged; docs/performance.md has the measured ones)."""
+    out = _bench("dra_starvation.py", "--claims", "40", "--no-fsync")
+    lines = out.splitlines()
+    assert lines[0].startswith("load average "), out
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| CreateContainer round trips",
+        "| idle (no DRA call)",
+        "| during one NodePrepareResources of 40 claims",
+    ], out
+    for row in rows[1:]:
+        assert int(row.split(" | ")[1]) >= 1, row
+    assert "s for 40 claims, 0 failed;" in lines[-1], out
+
+
 def test_dra_prepare_prints_its_table() -> None:
     """A few claims through the real DRA kubelet plugin: one row per kind of call (no figure judged)."""
     out = _bench("dra_prepare.py", "--claims", "8", "--batch", "4", "--no-fsync")
@@ -153,3 +170,12 @@ def test_dra_prepare_prints_its_table() -> None:
     ], out
     for row in rows[1:]:
         assert int(row.split(" | ")[1]) >= 1, row
+
+
+def test_dra_restore_prints_its_table() -> None:
+    """A few of kubelet's wipes against the real publisher and the fake API server (no figure judged)."""
+    out = _bench("dra_restore.py", "--wipes", "3")
+    assert out.splitlines()[0].startswith("load average "), out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == "| measure | wipes | p50 (ms) | p99 (ms) | max (ms) |", out
+    assert rows[1].startswith("| kubelet's wipe sent → whole pool (256 devices, 2 slices) back | 3 | "), out

@@ -22,8 +22,17 @@ import pytest
 from dbus_support import fake_systemd, private_bus
 
 from cgroups import CgroupLayout, CgroupMode, Hierarchy
-from nri_plugin.daemon.check import Status, check_cgroup_driver, check_dra, drivers_in, run_checks
+from nri_plugin.daemon.check import (
+    Status,
+    check_cdi_runtime,
+    check_cgroup_driver,
+    check_device_plugin_dir,
+    check_dra,
+    drivers_in,
+    run_checks,
+)
 from nri_plugin.daemon.cli import main
+from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.dra.config import DraConfig
 
 
@@ -451,9 +460,14 @@ def test_device_plugin_dir(node: Node, capsys: pytest.CaptureFixture[str]) -> No
     [finding] = [f for f in report.findings if f.topic == "device-plugin dir"]
     assert (finding.status, finding.detail) == (
         Status.OK,
-        "not used: [device_plugin] enabled = false (kubelet must advertise the resource)",
+        "not used: [device_plugin] enabled = false; the pod annotation alone proves requests",
     )
     assert report.exit_code == 0
+    with_dra = check_device_plugin_dir(DevicePluginConfig(enabled=False), dra=True)
+    assert (with_dra.status, with_dra.detail) == (
+        Status.OK,
+        "not used: [device_plugin] enabled = false; DRA serves the requests",
+    )
 
 
 # -- what operators tripped over (issue 15) ------------------------------------------------------------
@@ -715,3 +729,63 @@ def test_dra_credentials_in_a_pod_or_not(tmp_path: Path) -> None:
     assert found.status is Status.FAIL
     assert "KUBERNETES_SERVICE_HOST" in found.detail
     assert check_dra(DraConfig(), in_pod) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "version", "status"),
+    [
+        ("containerd", "v1.7.0", Status.FAIL),
+        ("containerd", "v1.7.11", Status.FAIL),
+        ("containerd", "1.7.12", Status.OK),
+        ("containerd", "v2.1.4", Status.OK),
+        ("containerd", "main-abcdef", Status.WARN),
+        ("cri-o", "1.34.1", Status.OK),
+    ],
+)
+def test_the_runtimes_cdi_floor(name: str, version: str, status: Status) -> None:
+    """containerd before 1.7.12 refuses our cdiVersion 0.6.0 specs (docs/dra.md)."""
+    found = check_cdi_runtime(DraConfig(enabled=True), {"name": name, "version": version})
+    assert found is not None
+    assert found.status is status
+    if status is Status.FAIL:
+        assert "upgrade containerd to 1.7.12 or later" in found.fix
+    assert check_cdi_runtime(DraConfig(), {"name": name, "version": version}) is None
+    assert check_cdi_runtime(DraConfig(enabled=True), {"name": None, "version": None}) is None
+
+
+def test_check_asks_the_running_daemon_which_runtime_it_serves(
+    node: Node, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a daemon running (its status socket in the state dir), check names its runtime's CDI
+    floor; with none, it says nothing of it."""
+    import threading
+
+    from nri_plugin.daemon.status import StatusServer, status_socket_path
+    from nri_plugin.mixedcpu.status import SCHEMA
+
+    node.write_config(f'[dra]\nenabled = true\nnode_name = "n1"\ncdi_dir = "{node.root}/cdi"\n')
+    _, lines = check(capsys, "--config", str(node.config))
+    assert not [line for line in lines if line[6:].startswith("CDI in the runtime")]
+    (node.root / "state").mkdir(mode=0o700, exist_ok=True)
+    serving, stop = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        async def run() -> None:
+            document = {"schema": SCHEMA, "runtime": {"name": "containerd", "version": "v1.7.11"}}
+            server = StatusServer(status_socket_path(str(node.root / "state")), lambda: document)
+            await server.start()
+            serving.set()
+            await asyncio.to_thread(stop.wait)
+            await server.close()
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        assert serving.wait(30)
+        _, lines = check(capsys, "--config", str(node.config))
+    finally:
+        stop.set()
+        thread.join()
+    assert line_of(lines, "CDI in the runtime").startswith("FAIL  CDI in the runtime     containerd v1.7.11")

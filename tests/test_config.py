@@ -210,8 +210,27 @@ def test_syntax_errors_missing_file_and_encoding(tmp_path: Path) -> None:
     (tmp_path / "latin1.toml").write_bytes(b'shared_cpuset = "0" # caf\xe9\n')
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(tmp_path / "latin1.toml")
-    with pytest.raises(ConfigError, match="cannot read the config file"):
-        load_config(tmp_path)  # a directory
+    with pytest.raises(ConfigError, match=r": a directory, not a regular file: .* point --config at"):
+        load_config(tmp_path)
+
+
+def test_a_fifo_or_a_device_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO with no writer would block the open and the read for ever: refused before either, as a
+    device is; a link to a regular file (a ConfigMap's) is followed."""
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"config.toml: a FIFO, not a regular file"):
+        load_config(fifo)
+    with pytest.raises(ConfigError, match=r"^/dev/zero: a character device, not a regular file"):
+        load_config("/dev/zero")
+    (tmp_path / "data").mkdir()
+    real = write(tmp_path / "data", 'shared_cpuset = "0"\n')
+    (tmp_path / "link.toml").symlink_to(real)
+    assert load_config(tmp_path / "link.toml", check=False).shared_cpuset == frozenset({0})
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than 1048576 bytes"):
+        load_config(big)
 
 
 @pytest.mark.parametrize(

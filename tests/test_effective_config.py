@@ -166,3 +166,36 @@ def test_a_config_run_refuses_is_one_line_and_exit_2(
     [line] = err.splitlines()
     assert line.startswith(f"error: {path}: ")
     assert message in line
+    if text is None:
+        assert line.endswith("; 'mixed-cpu-nri-plugin config --defaults' prints every key's default")
+
+
+def test_the_defaults_need_no_file_and_become_a_config_once_shared_cpuset_is_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`config --defaults` reads nothing (the host of a DaemonSet has no config file): every key at
+    its default, shared_cpuset (required) commented out; uncommented, the text is a config that
+    loads as a file with shared_cpuset alone does."""
+    assert main(["config", "--defaults"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    [required] = [line for line in lines if "shared_cpuset" in line and "required" in line]
+    assert required.startswith('# shared_cpuset = "0-1"  ')
+    assert required.endswith("# required, no default: the node's shared CPUs (a Linux cpu list)")
+    document = tomllib.loads(out)
+    assert "shared_cpuset" not in document
+    assert printed_keys({**document, "shared_cpuset": "0-1"}) == keys_of_the_model()
+    origins = {line.rsplit("# ", 1)[1] for line in lines if " = " in line and not line.startswith("#")}
+    assert origins == {"default"}
+    taken_back = load_config(
+        write(tmp_path, out.replace(required, 'shared_cpuset = "0-1"'), "d.toml"), check=False
+    )
+    alone = load_config(write(tmp_path, 'shared_cpuset = "0-1"\n'), check=False)
+    assert same(taken_back, alone)
+    environ_first = config_command(None, environ={"NRI_PLUGIN_NAME": "other"})
+    assert 'plugin_name = "other"' in environ_first
+    assert "# environment (NRI_PLUGIN_NAME)" in environ_first
+    with pytest.raises(SystemExit) as refused:
+        main(["config", "--defaults", "--config", str(tmp_path / "x.toml")])
+    assert refused.value.code == 2

@@ -42,9 +42,9 @@ from nri_plugin.daemon import config as config_module
 from nri_plugin.daemon.wiring import build_plugin
 from nri_plugin.mixedcpu import quota
 from nri_plugin.mixedcpu.books import Books, Slot
-from nri_plugin.mixedcpu.heal import CREATION_GRACE, MIN_CREATION_GRACE, Healer, PassReport
+from nri_plugin.mixedcpu.heal import CREATION_GRACE, CREATION_TIMEOUT, MIN_CREATION_GRACE, Healer, PassReport
 from nri_plugin.mixedcpu.store import StateStore
-from nri_plugin.nri.simulator import RuntimeSimulator
+from nri_plugin.nri.simulator import CreationFailed, RuntimeSimulator
 
 SHARED = frozenset({0, 1})
 BASELINE = 2 * PERIOD  # the pod's own quota: its container's 2 exclusive CPUs
@@ -55,14 +55,18 @@ NAMING = {1: Naming("containerd", "cgroupfs"), 2: Naming("cri-o", "systemd")}
 
 
 class Seen:
-    """The plugin's observer: heals and failed writes, counted by kind."""
+    """The plugin's observer: heals and failed writes, counted by kind; when each heal came on
+    `clock`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
         self.heals: Counter[str] = Counter()
+        self.healed_at: list[float] = []
         self.failures: Counter[str] = Counter()
 
     def healed(self, kind: str) -> None:
         self.heals[kind] += 1
+        self.healed_at.append(self.clock.monotonic())
 
     def cgroup_write_failed(self, kind: str) -> None:
         self.failures[kind] += 1
@@ -82,7 +86,7 @@ class Node:
         self.clock = ManualClock()
         self.naming = NAMING[version]
         self.tree = FakeCgroups(tmp_path / "cgroup", version)
-        self.seen = Seen()
+        self.seen = Seen(self.clock)
         self.plugin, self.key = make_plugin(
             tmp_path / "state",
             self.tree.layout,
@@ -169,7 +173,7 @@ async def test_with_kubelets_record_a_pod_gone_at_two_looks_is_dropped_with_its_
     with structlog.testing.capture_logs() as logs:
         await node.clock.advance(1)
     [gone] = heals(logs, "pod_gone")
-    assert gone["event"] == "pod gone: its books and device bindings are dropped"
+    assert gone["event"] == "pod gone: its device bindings are dropped"
     assert gone["pod_key"] == forgotten.uid
     assert gone["devices"] == ["dev-1"]
     assert "never reported the pod stopped or removed" in gone["why"]
@@ -283,8 +287,10 @@ async def test_without_a_timer_a_vanished_holder_keeps_its_device(tmp_path: Path
 
 
 @pytest.mark.asyncio
-async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node: Node) -> None:
-    """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it."""
+async def test_a_creation_that_never_finishes_gives_back_its_share_at_its_timeout(node: Node) -> None:
+    """CRI-O: runc create failed after NRI CreateContainer, and nothing more is ever said of it: no
+    event, no cgroup. Its share goes back once CRI-O's own bound on a creation has passed, not at
+    any earlier look (issue 29)."""
     plugin = node.plugin
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
@@ -292,12 +298,15 @@ async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node:
     await node.create(pod, "c1", run=False)
     assert node.tree.pod_quota(pod) == RAISED
     assert plugin.healer.watched == {"c1"}
-    await node.clock.advance(CREATION_GRACE - 0.01)
-    assert node.tree.pod_quota(pod) == RAISED, "within the grace period"
+    await node.clock.advance(CREATION_TIMEOUT - 0.01)  # ten reconcile passes came and went
+    assert node.tree.pod_quota(pod) == RAISED, "it may still be in its runc create"
+    assert node.seen.heals == {}
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(0.01)  # its own timer, not the 30 s pass
+        await node.clock.advance(0.01)  # its own timer, not the next pass
     [phantom] = heals(logs, "container_never_created")
     assert phantom["container_id"] == "c1"
+    assert phantom["why"].startswith(f"no cgroup {CREATION_TIMEOUT:g} s after CreateContainer")
+    assert (phantom["namespace"], phantom["pod"]) == (pod.namespace, pod.name)
     assert (
         phantom["container_cgroup"] == node.tree.container_dir(make_container(node.naming, pod, "c1")).fs_path
     )
@@ -310,35 +319,83 @@ async def test_a_container_whose_cgroup_never_appears_gives_back_its_share(node:
 
 
 @pytest.mark.asyncio
-async def test_a_tiny_reconcile_interval_does_not_shorten_the_grace_below_its_floor(tmp_path: Path) -> None:
-    """reconcile_interval = 1 (the least the config takes): a pass every second, but a creation still
-    has `MIN_CREATION_GRACE` for its cgroup to appear before its share is given back."""
-    node = Node(tmp_path, interval=1.0)
+@pytest.mark.parametrize("interval", [1.0, 5.0, INTERVAL])
+async def test_a_runc_create_slower_than_every_grace_keeps_its_share(tmp_path: Path, interval: float) -> None:
+    """CRI-O with a 60 s runc create (issue 29, item 1): every pass and every grace of the old rule
+    passes with no cgroup; the pod keeps its share, the cgroup comes, StartContainer ends the watch,
+    and nothing is healed then or later."""
+    node = Node(tmp_path, interval=interval)
     plugin = node.plugin
-    assert plugin.healer.grace == MIN_CREATION_GRACE == 2.0
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await plugin.synchronize([pod], [])
     container = await node.create(pod, "c1", run=False)
-    await node.clock.advance(MIN_CREATION_GRACE - 0.01)  # a pass at 1 s came and went
-    assert node.tree.pod_quota(pod) == RAISED, "within the floor of the grace"
-    assert plugin.healer.watched == {"c1"}
-    assert node.seen.heals == {}
-    node.tree.run_container(container)  # a slow runc create: the cgroup at last
-    await node.clock.advance(INTERVAL)
+    await node.clock.advance(60.0)
     assert node.tree.pod_quota(pod) == RAISED
+    assert plugin.healer.watched == {"c1"}
+    await node.start(pod, container)  # runc create at last (the cgroup, quota raised), then its start
     assert plugin.healer.watched == frozenset()
+    await node.clock.advance(2 * CREATION_TIMEOUT)
+    assert node.tree.pod_quota(pod) == RAISED
+    assert node.container_quota(container) == RAISED
     assert node.seen.heals == {}
-    # One that never comes is healed at the floor, not at its first pass.
-    await node.create(pod, "c2", "side", device="dev-2", run=False)
-    await node.clock.advance(MIN_CREATION_GRACE - 0.01)
-    assert plugin.healer.watched == {"c2"}
+    assert plugin.shared_containers == 1
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_creation_never_started_is_kept_by_its_cgroup(node: Node) -> None:
+    """Created but not started (``crictl create`` alone): at the timeout its cgroup is there, so
+    the runtime made the container; it keeps its share."""
+    plugin = node.plugin
+    await node.runtime_is("cri-o")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    container = await node.create(pod, "c1", run=False)
+    node.tree.run_container(container)
+    await node.clock.advance(CREATION_TIMEOUT)
+    assert plugin.healer.watched == frozenset()
+    assert node.tree.pod_quota(pod) == RAISED
+    assert node.seen.heals == {}
+    plugin.healer.stop()
+
+
+@pytest.mark.asyncio
+async def test_synchronize_in_a_slow_runc_create_carries_its_share(node: Node) -> None:
+    """CRI-O lists no container still in its runc create: a Synchronize then (a reconnect) does not
+    take the unlisted creation for gone. Its share is carried, its watch kept: its start after the
+    Synchronize ends it; one that never finishes is healed at its own timeout."""
+    plugin = node.plugin
+    await node.runtime_is("cri-o")
+    pod = node.pod("1-1")
+    await plugin.synchronize([pod], [])
+    slow = await node.create(pod, "c1", run=False)
+    await node.create(pod, "c2", "side", device="dev-2", run=False)  # its runc create will fail
+    await node.clock.advance(10.0)
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(0.01)
-    [phantom] = heals(logs, "container_never_created")
-    assert phantom["container_id"] == "c2"
-    assert f"within {MIN_CREATION_GRACE:g} s of CreateContainer" in phantom["why"]
-    assert node.tree.pod_quota(pod) == RAISED  # c1's share only: c2's is back
+        await plugin.synchronize([pod], [])  # neither listed: both still in runc create
+    assert heals(logs, "container_gone") == []
+    assert plugin.healer.carried == {"c1", "c2"}
+    assert plugin.healer.watched == {"c1", "c2"}
+    assert node.tree.pod_quota(pod) == BASELINE + 2 * len(SHARED) * PERIOD
+    assert plugin.shared_containers == 2
+    await node.start(pod, slow)
+    assert plugin.healer.watched == {"c2"}
+    await node.clock.advance(CREATION_TIMEOUT - 10.0 - 0.01)
+    assert node.seen.heals == {}
+    await node.clock.advance(0.01)
+    assert node.seen.heals == {"container_never_created": 1}
+    assert node.tree.pod_quota(pod) == RAISED  # c1's share only
+    assert [r.id for r in plugin.books.pods[pod.uid].containers.values()] == ["c1"]
+    # Past its timeout, an unlisted creation is gone at Synchronize.
+    await node.create(pod, "c3", "side", device="dev-2", run=False)
+    await node.clock.advance(CREATION_TIMEOUT - 0.01)
+    plugin.healer.stop()  # its timer must not fire: the Synchronize below is the one to look
+    await node.clock.advance(0.02)
+    with structlog.testing.capture_logs() as logs:
+        await plugin.synchronize([pod], [slow])
+    assert [e["container_id"] for e in heals(logs, "container_gone")] == ["c3"]
+    assert node.tree.pod_quota(pod) == RAISED
     plugin.healer.stop()
 
 
@@ -348,6 +405,7 @@ def test_the_default_grace_is_one_interval_between_its_floor_and_its_ceiling(nod
     assert graces == {None: 10, 1: 2, 1.5: 2, 2: 2, 5: 5, 10: 10, 30: 10}
     assert (CREATION_GRACE, MIN_CREATION_GRACE) == (10, 2)
     assert Healer(quotas, interval=1, grace=0.5).grace == 0.5, "one given is taken as it is"
+    assert node.plugin.healer.creation_timeout == CREATION_TIMEOUT == config_module.DEFAULT_CREATION_TIMEOUT
 
 
 @pytest.mark.asyncio
@@ -371,7 +429,7 @@ async def test_without_a_timer_an_overdue_creation_is_looked_at_the_pods_next_ev
     pod = node.pod("1-1")
     await node.plugin.synchronize([pod], [])
     await node.create(pod, "c1", run=False)
-    await node.clock.advance(CREATION_GRACE * 2)
+    await node.clock.advance(CREATION_TIMEOUT * 2)
     assert node.tree.pod_quota(pod) == RAISED, "no timer: nothing happens by itself"
     assert node.clock.pending == 0
     await node.create(pod, "c2", "side", device="dev-2")  # the pod's next event
@@ -387,14 +445,13 @@ class StartFailed(Exception):
     """runc's task creation failed (containerd's StartContainer fails; no plugin hears of it)."""
 
 
-class Containerd(RuntimeSimulator):
-    """containerd's order on a fake v1 tree: a container's cgroup is made at StartContainer, before
-    plugins hear of the start; and, as runc on cgroup v1, its quota is refused above its pod's."""
+class RuncOnV1(RuntimeSimulator):
+    """A runtime whose runc makes a container's cgroup on a fake v1 tree: as on cgroup v1, the
+    container's quota is refused above its pod's, and the creation or start that made it fails."""
 
-    def __init__(self, socket: Path, tree: FakeCgroups) -> None:
-        super().__init__(socket, runtime_name="containerd")
+    def __init__(self, socket: Path, tree: FakeCgroups, runtime_name: str) -> None:
+        super().__init__(socket, runtime_name=runtime_name)
         self.tree = tree
-        self.modes.cgroup_made_at_start = True
 
     def make_resources(self, container: api.Container) -> None:
         pod = self.pods[container.pod_sandbox_id]
@@ -405,6 +462,15 @@ class Containerd(RuntimeSimulator):
 
     def release_resources(self, container: api.Container) -> None:
         self.tree.remove_container(container)
+
+
+class Containerd(RuncOnV1):
+    """containerd's order: a container's cgroup is made at StartContainer, before plugins hear of
+    the start."""
+
+    def __init__(self, socket: Path, tree: FakeCgroups) -> None:
+        super().__init__(socket, tree, "containerd")
+        self.modes.cgroup_made_at_start = True
 
 
 @pytest.fixture
@@ -465,6 +531,69 @@ async def test_a_slow_start_on_containerd_keeps_its_share(
         assert node.plugin.shared_containers == 1
 
 
+# -- CRI-O: runc create (which makes the cgroup) after CreateContainer ---------------------------------
+
+
+class Crio(RuncOnV1):
+    """CRI-O's order: NRI CreateContainer, then its runc create taking `seconds` on the node's clock
+    (the NRI lock let go), which makes the cgroup and writes the raised quota, then
+    PostCreateContainer."""
+
+    def __init__(self, socket: Path, tree: FakeCgroups, clock: ManualClock, seconds: float) -> None:
+        super().__init__(socket, tree, "cri-o")
+        self.clock = clock
+        self.modes.runc_create_seconds = seconds
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fails", [False, True], ids=["slow", "failed"])
+async def test_crio_with_the_default_settings_a_30s_runc_create_starts_and_a_failed_one_heals(
+    short_dir: Path, fails: bool
+) -> None:
+    """Issue 29's measure, on the default settings (reconcile_interval 30, grace 10 s, creation
+    timeout 300 s) and the node's virtual clock: a 30 s runc create keeps its pod's share all along
+    and starts; a failed one (no event after it, ever) gives its share back 300 s after
+    CreateContainer, and not a look earlier."""
+    node = Node(short_dir, interval=INTERVAL)
+    runtime = Crio(short_dir / "nri.sock", node.tree, node.clock, 30.0)
+    runtime.modes.create_fails_after_adjustment = fails
+    async with runtime, plugin_running(node.plugin, short_dir / "nri.sock"):
+        await runtime.wait_for_plugins(1, GUARD)
+        pod = make_pod(node.naming, "1-1", name="slow")
+        node.tree.add_pod(pod, BASELINE)
+        await runtime.run_pod_sandbox(pod)
+        container = make_container(node.naming, pod, "c1", "fwd", annotations=marker(node.key, "dev-1"))
+        created_at = node.clock.monotonic()
+        creating = asyncio.ensure_future(runtime.create_container(container))
+        try:
+            while node.plugin.healer.watched != {"c1"}:  # NRI CreateContainer answered
+                await asyncio.wait_for(asyncio.shield(asyncio.sleep(0.01)), GUARD)
+            await node.clock.advance(30.0 - 0.01)  # a pass at 30 s is yet to come
+            assert node.tree.pod_quota(pod) == RAISED
+            await node.clock.advance(0.01)
+            if fails:
+                with pytest.raises(CreationFailed):
+                    await asyncio.wait_for(creating, GUARD)
+            else:
+                await asyncio.wait_for(creating, GUARD)
+        finally:
+            creating.cancel()
+        if not fails:
+            await runtime.start_container("c1")
+            await node.clock.advance(2 * CREATION_TIMEOUT)
+            assert node.tree.pod_quota(pod) == RAISED
+            assert node.container_quota(runtime.containers["c1"]) == RAISED  # runc's write went through
+            assert node.seen.heals == {}
+            return
+        while not node.seen.healed_at:
+            await node.clock.advance(1.0)
+        assert node.seen.heals == {"container_never_created": 1}
+        assert node.seen.healed_at[0] - created_at == CREATION_TIMEOUT == 300.0
+        assert node.tree.pod_quota(pod) == BASELINE
+        assert node.plugin.shared_containers == 0
+        node.plugin.healer.stop()
+
+
 @pytest.mark.asyncio
 async def test_a_container_never_started_keeps_its_share_until_the_runtime_says_otherwise(node: Node) -> None:
     """containerd: no StartContainer yet is no failure; its removal ends the share."""
@@ -489,22 +618,23 @@ async def test_a_container_never_started_keeps_its_share_until_the_runtime_says_
     with structlog.testing.capture_logs() as logs:
         await node.clock.advance(0.01)
     [phantom] = heals(logs, "container_never_created")
-    assert f"within {CREATION_GRACE:g} s of StartContainer" in phantom["why"]
+    assert f"made by the runtime by StartContainer, is gone {CREATION_GRACE:g} s later" in phantom["why"]
     assert node.tree.pod_quota(pod) == BASELINE
     plugin.healer.stop()
 
 
 @pytest.mark.asyncio
 async def test_a_container_started_after_its_share_was_given_back_gets_it_again(tmp_path: Path) -> None:
-    """CRI-O with a runc create slower than the grace (v2 takes a child quota above its pod's): the
-    share is given back, and the StartContainer that follows raises the pod again before it runs."""
+    """CRI-O with a runc create slower even than the creation timeout (v2 takes a child quota above
+    its pod's): the share is given back, and the StartContainer that follows raises the pod again
+    before it runs."""
     node = Node(tmp_path, version=2)
     plugin = node.plugin
     await node.runtime_is("cri-o")
     pod = node.pod("1-1")
     await plugin.synchronize([pod], [])
     container = await node.create(pod, "c1", run=False)
-    await node.clock.advance(CREATION_GRACE)
+    await node.clock.advance(CREATION_TIMEOUT)
     assert node.seen.heals == {"container_never_created": 1}
     assert node.tree.pod_quota(pod) == BASELINE
     with structlog.testing.capture_logs() as logs:
@@ -535,6 +665,9 @@ async def test_the_pass_brings_a_pod_quota_moved_behind_our_back_to_its_target(n
         await node.clock.advance(INTERVAL)
     [brought] = heals(logs, "pod_quota")
     assert brought["pod_quota"] == f"{BASELINE} -> {RAISED}"
+    # Named as an operator knows the pod (the log line, and the status's heals).
+    assert (brought["namespace"], brought["pod"], brought["pod_key"]) == (pod.namespace, pod.name, pod.uid)
+    assert plugin.healer.recent[0].fields["pod"] == pod.name
     assert node.tree.pod_quota(pod) == RAISED
     assert node.seen.heals == {"pod_quota": 1}
     plugin.healer.stop()
@@ -706,7 +839,7 @@ async def test_a_leftover_watch_of_a_displaced_instance_is_no_failed_creation(no
     assert await plugin.create_container(pod, newer) is not None
     assert plugin.healer.watched == {"c1"}
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(CREATION_GRACE)
+        await node.clock.advance(CREATION_TIMEOUT)
     assert heals(logs, "container_never_created") == []
     assert node.seen.heals == {}
     assert plugin.healer.watched == frozenset()
@@ -835,6 +968,19 @@ def test_reconcile_interval_is_configurable_and_reaches_the_plugin(tmp_path: Pat
     plugin = build_plugin(config, FakeCgroups(tmp_path / "cgroup").layout, None)
     assert plugin.healer.interval == 5
     assert plugin.healer.grace == 5
+
+
+def test_creation_timeout_is_configurable_and_reaches_the_healer(tmp_path: Path) -> None:
+    document: dict[str, object] = {"shared_cpuset": "0-1", "state_dir": str(tmp_path)}
+    assert config_module.parse_config(document).creation_timeout == CREATION_TIMEOUT
+    for good in (1, 30.5, 600):
+        assert config_module.parse_config({**document, "creation_timeout": good}).creation_timeout == good
+    for bad in (0, 0.5, 86401, -1, "300", True):
+        with pytest.raises(config_module.ConfigError, match=r"creation_timeout: .* plus 60"):
+            config_module.parse_config({**document, "creation_timeout": bad})
+    config = config_module.parse_config({**document, "creation_timeout": 600})
+    plugin = build_plugin(config, FakeCgroups(tmp_path / "cgroup").layout, None)
+    assert plugin.healer.creation_timeout == 600
 
 
 @pytest.mark.asyncio

@@ -171,6 +171,12 @@ async def test_synchronize_size_and_the_process_are_exported(short_dir: Path) ->
         assert value(empty, "mixed_cpu_nri_synchronize_containers") == 0
         assert value(empty, "mixed_cpu_nri_synchronize_bytes") > 0, "an empty request still has bytes"
         assert value(empty, "process_resident_memory_bytes") > 0
+        # The first Synchronize and Configure, kept after the fact (no scrape could see them happen).
+        first_sync = value(empty, "mixed_cpu_nri_synchronize_timestamp_seconds")
+        assert 0 < first_sync <= time.time()
+        assert value(empty, "mixed_cpu_nri_synchronize_duration_seconds") > 0
+        assert 0 < value(empty, "mixed_cpu_nri_configure_timestamp_seconds") <= first_sync
+        assert value(empty, "mixed_cpu_nri_configure_duration_seconds") > 0
         pod = make_pod(NAMING, "1212-3434", name="fwd")
         tree.add_pod(pod, 3 * PERIOD)
         await node.sim.run_pod_sandbox(pod)
@@ -189,6 +195,7 @@ async def test_synchronize_size_and_the_process_are_exported(short_dir: Path) ->
         assert value(found, "mixed_cpu_nri_synchronize_pods") == 1
         assert value(found, "mixed_cpu_nri_synchronize_containers") == 2
         grown = value(found, "mixed_cpu_nri_synchronize_bytes")
+        assert value(found, "mixed_cpu_nri_synchronize_timestamp_seconds") > first_sync
         assert grown > value(empty, "mixed_cpu_nri_synchronize_bytes")
 
 
@@ -332,6 +339,13 @@ def test_every_metric_is_exposed_before_anything_happens() -> None:
         "mixed_cpu_probe_connections_evicted",
         "mixed_cpu_shared_creations",
         "mixed_cpu_nri_synchronize_containers",
+        "mixed_cpu_nri_synchronize_duration_seconds",
+        "mixed_cpu_nri_synchronize_timestamp_seconds",
+        "mixed_cpu_nri_configure_duration_seconds",
+        "mixed_cpu_nri_configure_timestamp_seconds",
+        "mixed_cpu_device_plugin_enabled",
+        "mixed_cpu_pod_resources_enabled",
+        "mixed_cpu_dra_enabled",
         "process_resident_memory_bytes",
     ):
         assert f"# TYPE {name}" in text, name

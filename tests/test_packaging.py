@@ -787,6 +787,28 @@ def test_helm_dashboard_config_map_only_when_asked_for() -> None:
     assert "grafana_dashboard" not in board["metadata"]["labels"]
 
 
+def test_helm_prometheus_rule_only_when_asked_for_and_is_the_rules_file() -> None:
+    """Off by default; on, a PrometheusRule whose spec is the plain rules file the chart ships
+    (alerts/, which promtool checks and tests: tests/test_alert_rules.py), with the labels its
+    Prometheus selects rules by."""
+    assert values()["prometheusRule"]["enabled"] is False
+    assert not [d for d in helm_template() if d["kind"] == "PrometheusRule"], "off by default"
+    docs = helm_template(
+        "prometheusRule.enabled=true",
+        "prometheusRule.labels.release=kps",
+        "prometheusRule.namespace=monitoring",
+    )
+    rule = one(docs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == "monitoring"
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    assert rule["metadata"]["labels"]["app.kubernetes.io/name"] == "mixed-cpu-nri-plugin"
+    assert rule["spec"] == yaml.safe_load((CHART / "alerts" / "mixed-cpu-nri-plugin.rules.yaml").read_text())
+    assert one(helm_template("prometheusRule.enabled=true"), "PrometheusRule")["metadata"]["namespace"] == (
+        "nri-test"
+    )
+
+
 def test_helm_env_names_the_node_and_takes_extra_variables() -> None:
     docs = helm_template("extraEnv[0].name=HTTPS_PROXY", "extraEnv[0].value=http://proxy:3128")
     [container] = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
@@ -901,7 +923,7 @@ def test_helm_schema_rejects_bad_network_policy_values(bad: str) -> None:
 # -- the DRA front door (issue 23) -------------------------------------------------------------------
 
 # Kinds without a schema in kubernetes-validate: CRDs (Prometheus Operator, OpenShift).
-_NO_SCHEMA = {"PodMonitor", "SecurityContextConstraints"}
+_NO_SCHEMA = {"PodMonitor", "PrometheusRule", "SecurityContextConstraints"}
 
 
 def validate_manifests(docs: list[Doc]) -> None:
@@ -933,7 +955,12 @@ DRA_KINDS = {
         [],
         ["dra.enabled=true"],
         ["dra.enabled=true", "devicePlugin.enabled=false", "runtime=openshift", "hostNetwork=true"],
-        ["metrics.podMonitor.enabled=true", "dashboard.enabled=true", "nri.runtime.patchConfig=true"],
+        [
+            "metrics.podMonitor.enabled=true",
+            "dashboard.enabled=true",
+            "prometheusRule.enabled=true",
+            "nri.runtime.patchConfig=true",
+        ],
         ["metrics.networkPolicy.scrapers[0].podSelector.matchLabels.app=prometheus"],
     ],
     ids=["default", "dra", "dra-openshift", "extras", "network-policy"],

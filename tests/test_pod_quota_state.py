@@ -288,6 +288,29 @@ def test_changes_make_new_records() -> None:
     assert rebase(pod, CpuQuota(500_000, 50_000)) == replace(pod, baseline=150_000, period=50_000)
 
 
+@pytest.mark.parametrize(
+    ("baseline", "period", "new_period", "expected"),
+    [
+        (100_001, 100_000, 50_000, 50_001),  # 50,000.5: up, never below the pod's own share
+        (100_002, 100_000, 50_000, 50_001),  # exact: nothing added
+        (199_999, 100_000, 50_000, 100_000),  # 99,999.5
+        (100_000, 100_000, 50_000, 50_000),
+        (33_334, 100_000, 30_000, 10_001),  # 10,000.2: the smallest remainder still goes up
+        (33_333, 100_000, 300_000, 99_999),  # a longer period: exact
+        (1_001, 3_000, 1_000, 334),  # 333.67
+    ],
+)
+def test_a_baseline_scaled_to_another_period_is_rounded_up(
+    baseline: int, period: int, new_period: int, expected: int
+) -> None:
+    """Rounded down, a pod would get less than its own CPU time in the new period (issue 32: the only
+    test divided exactly, and a mutant rounding down survived)."""
+    pod = replace(_full_record(), baseline=baseline, period=period)
+    rebased = rebase(pod, CpuQuota(400_000, new_period))
+    assert (rebased.baseline, rebased.period) == (expected, new_period)
+    assert expected * period >= baseline * new_period  # never less time per period
+
+
 def test_an_equal_new_record_is_encoded_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = StateStore(tmp_path, fsync=False)
     books = Books({"p": _full_record()})

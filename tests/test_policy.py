@@ -730,7 +730,30 @@ def test_the_annotation_is_preferred_to_the_env_marker_and_a_difference_noted() 
 def test_presents_marker() -> None:
     assert presents_marker(_request(marker(KEY))[1])
     assert presents_marker(_request(env=(f"{MARKER_ENV}=",))[1])
-    assert not presents_marker(_request(env=(f"{MARKER_ENV}_X=1", f"X{MARKER_ENV}=1", MARKER_ENV))[1])
+    assert presents_marker(_request(env=(f"{MARKER_ENV}_SHARED_CPUS_3=x",))[1])  # one entry per device
+    look_alikes = (f"{MARKER_ENV}X=1", f"X{MARKER_ENV}=1", MARKER_ENV, f"{MARKER_ENV}_X")
+    assert not presents_marker(_request(env=look_alikes)[1])
+    assert not shows_evidence(*_request(env=look_alikes))
+
+
+def test_a_container_given_two_dra_devices_is_proven_by_one_and_told_of_the_other() -> None:
+    """CDI keeps one env entry per device (they are named after it): a container given two of our
+    devices carries both markers; the first by name is checked, and the note names the other."""
+    first, second = dra_device_id("shared-cpus-3"), dra_device_id("shared-cpus-4")
+    pod, container = _request(
+        env=(
+            f"{MARKER_ENV}_SHARED_CPUS_4={KEY.sign(second)}",
+            f"{MARKER_ENV}_SHARED_CPUS_3={KEY.sign(first)}",
+        )
+    )
+    check = check_request(pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders={})
+    assert check.proof is not None
+    assert (check.proof.source, check.proof.device) == ("device-plugin", first)
+    assert check.refusals == ()
+    assert check.notes == (
+        f"2 DRA marker env entries; {MARKER_ENV}_SHARED_CPUS_3 is checked, not {MARKER_ENV}_SHARED_CPUS_4: "
+        "a container needs one shared-CPUs device, give it one claim of one device",
+    )
 
 
 # -- pure planning functions ---------------------------------------------------------------------------------

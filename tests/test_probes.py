@@ -650,6 +650,11 @@ async def test_daemon_serves_probes_and_metrics(tmp_path: Path, device_plugins: 
             assert value(found, "mixed_cpu_nri_requests_total", event="synchronize", outcome="ok") == 1
             assert value(found, "mixed_cpu_nri_ready") == 1
             assert value(found, "mixed_cpu_kubelet_registered") == 0
+            # The device plugin off: so is asking kubelet's PodResources API (nothing hands out
+            # devices); the alerts on their gauges stay silent.
+            assert value(found, "mixed_cpu_device_plugin_enabled") == 0
+            assert value(found, "mixed_cpu_pod_resources_enabled") == 0
+            assert value(found, "mixed_cpu_dra_enabled") == 0
     assert proc.returncode == 0, "\n".join(seen)
     assert not any("Traceback" in line for line in seen), "\n".join(seen)
 

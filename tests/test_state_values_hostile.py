@@ -173,6 +173,26 @@ def test_the_edges_of_the_ranges_are_kept() -> None:
     assert problem.allowed == f"1000 to {MAX_CFS_QUOTA} us (the kernel's range)"
 
 
+@pytest.mark.parametrize("online", [1, 4, 5])
+def test_exclusive_cpus_up_to_the_online_ones_are_kept_one_more_is_set_aside(online: int) -> None:
+    """The boundary itself: exactly as many exclusive CPUs as are online is a record the node can
+    hold; one more is not (issue 32: a check off by one survived the tests)."""
+
+    def with_exclusive(cpus: int) -> PodRecord:
+        return PodRecord(
+            cgroup_parent="/p",
+            baseline=PERIOD,
+            period=PERIOD,
+            containers=Containers({"a": ContainerRecord("c", 0, f"0-{cpus - 1}")}),
+        )
+
+    assert out_of_range(with_exclusive(online), online) is None
+    problem = out_of_range(with_exclusive(online + 1), online)
+    assert problem is not None
+    assert (problem.field, problem.value) == ("container a: exclusive", f"0-{online}")
+    assert problem.allowed == f"0 to {online} CPUs (the online CPUs)"
+
+
 @pytest.mark.parametrize("baseline", [10**30, 6_400_000])
 def test_a_hostile_baseline_in_the_state_file_is_set_aside(tmp_path: Path, baseline: int) -> None:
     StateStore(tmp_path, fsync=False).save(_books(baseline))

@@ -6,6 +6,7 @@ listens on, not root, a config it cannot read."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import shutil
@@ -22,7 +23,8 @@ import pytest
 from mixedcpu_support import ROOT, Daemon, daemon_process, run_cli, write_daemon_config
 
 from api.nri import api_pb2 as api
-from nri_plugin.daemon.status_client import render_table
+from nri_plugin.daemon import status_client
+from nri_plugin.daemon.status_client import render_table, run_status
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.nri.simulator import RuntimeSimulator
@@ -126,6 +128,20 @@ async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None
         quotas = lines.index("POD QUOTAS (1, in CPUs: quota / period)") + 2
         assert lines[quotas].split() == ["shop", "web", "4", "4", "2", "(first-seen)", "at", "target"]
 
+        # Found without the config: by its state dir, by its socket, and (a node whose config lives
+        # in the daemon's pod) in the default state dir when there is no default config file.
+        by_dir = await asyncio.to_thread(_status, "--state-dir", str(short_dir / "state"), "-o", "json")
+        assert json.loads(by_dir.stdout)["daemon"]["pid"] == proc.pid, by_dir.stderr
+        by_socket = await asyncio.to_thread(_status, "--socket", str(short_dir / "state" / "status.sock"))
+        assert by_socket.stdout.splitlines()[2:5] == lines[2:5], by_socket.stderr
+        out, err = io.StringIO(), io.StringIO()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(status_client, "DEFAULT_CONFIG_PATH", str(short_dir / "etc" / "config.toml"))
+            patch.setattr(status_client, "DEFAULT_STATE_DIR", str(short_dir / "state"))
+            found = await asyncio.to_thread(run_status, output="json", out=out, err=err)
+        assert found == 0, err.getvalue()
+        assert json.loads(out.getvalue())["daemon"]["pid"] == proc.pid
+
         # --watch: one JSON line per refresh, until interrupted.
         watcher = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "nri_plugin.daemon.cli", "status", "--config", str(config),
@@ -147,8 +163,8 @@ async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None
     status_socket = short_dir / "state" / "status.sock"
     assert gone.stderr.splitlines() == [
         f"error: no status socket at {status_socket}: the daemon is not running, or runs with another "
-        "state_dir; start it (systemctl start mixed-cpu-nri-plugin, or look at its pod), or pass the "
-        "--config it runs with"
+        "state_dir; start it (systemctl start mixed-cpu-nri-plugin, or look at its pod), or name its "
+        "state dir (--state-dir DIR: the chart's hostPaths.stateDir) or the --config it runs with"
     ]
     assert gone.stdout == ""
 
@@ -202,10 +218,42 @@ def test_not_root_is_told_to_run_as_root_or_in_the_pod(short_dir: Path) -> None:
 
 
 def test_a_config_it_cannot_read_is_status_2(short_dir: Path) -> None:
+    """A config named and missing: the fix is the daemon's own config, or where its socket is (not
+    to create a config, which would not make a daemon answer)."""
     result = _status("--config", str(short_dir / "absent.toml"))
     assert result.returncode == 2
-    assert len(result.stderr.splitlines()) == 1
-    assert result.stderr.startswith(f"error: {short_dir}/absent.toml: no such file")
+    assert result.stderr.splitlines() == [
+        f"error: {short_dir}/absent.toml: no such file; pass the --config the daemon runs with; or name "
+        "the daemon's state dir (--state-dir DIR) or socket (--socket PATH)"
+    ]
+    fifo = short_dir / "fifo.toml"
+    os.mkfifo(fifo)
+    refused = _status("--config", str(fifo))  # at once: nothing ever writes to the FIFO
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[0].startswith(f"error: {fifo}: a FIFO, not a regular file")
+
+
+def test_without_a_config_file_the_default_state_dir_is_asked(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DaemonSet's node: no /etc/mixed-cpu-nri/config.toml; status asks the default state dir."""
+    monkeypatch.setattr(status_client, "DEFAULT_CONFIG_PATH", str(short_dir / "etc" / "config.toml"))
+    monkeypatch.setattr(status_client, "DEFAULT_STATE_DIR", str(short_dir / "state"))
+    err = io.StringIO()
+    assert run_status(out=io.StringIO(), err=err) == 1
+    assert err.getvalue().startswith(f"error: no status socket at {short_dir}/state/status.sock: ")
+    # A default config that is there is read, and its state_dir asked.
+    (short_dir / "etc").mkdir()
+    (short_dir / "etc" / "config.toml").write_text(f'shared_cpuset = "0"\nstate_dir = "{short_dir}/other"\n')
+    err = io.StringIO()
+    assert run_status(out=io.StringIO(), err=err) == 1
+    assert err.getvalue().startswith(f"error: no status socket at {short_dir}/other/status.sock: ")
+
+
+def test_where_to_ask_is_one_choice() -> None:
+    result = _status("--state-dir", "/tmp", "--socket", "/tmp/s.sock")
+    assert result.returncode == 2
+    assert "not allowed with argument" in result.stderr
 
 
 def test_a_watch_interval_must_be_a_sane_number_of_seconds() -> None:
@@ -268,7 +316,17 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
                 "why": "its cgroup directory is gone",
                 "pod_key": "uid-1",
                 "container_id": None,
-            }
+            },
+            {
+                "at": "2025-11-27T09:55:00Z",
+                "kind": "pod_quota",
+                "message": "pod quota was off its target: brought back",
+                "why": "changed behind the plugin's back",
+                "pod_key": "uid-2",
+                "container_id": None,
+                "namespace": "shop",
+                "pod": "web-0",
+            },
         ],
     }
     jsonschema.Draft202012Validator(SCHEMA).validate(document)
@@ -276,7 +334,7 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
         "mixed-cpu-nri-plugin 0.1.0, pid 7, at 2025-11-27T10:00:00Z",
         "runtime        backing_off: no runtime has configured the plugin yet",
         "device plugin  off",
-        "pod resources  not asked (no pod_resources_socket, or markers not trusted)",
+        "pod resources  not asked: neither the device plugin nor DRA hands out devices to ask kubelet about",
         "DRA            off",
         "shared pool    0,4: 0 containers",
         "  NUMA node 0  0: 0 containers",
@@ -288,9 +346,10 @@ def test_the_table_of_an_empty_node_with_numa_and_heals() -> None:
         "POD QUOTAS (0, in CPUs: quota / period)",
         "(none)",
         "",
-        "LATEST HEALS (1)",
-        "AGO    KIND      POD    CONTAINER ID  WHAT",
-        "1m30s  pod_gone  uid-1  -             pod gone: its books and device bindings are dropped",
+        "LATEST HEALS (2)",
+        "AGO    KIND       POD         CONTAINER ID  WHAT",
+        "1m30s  pod_gone   uid uid-1   -             pod gone: its books and device bindings are dropped",
+        "5m0s   pod_quota  shop/web-0  -             pod quota was off its target: brought back",
     ]
 
     # A daemon older than the dra section: its document is still v1, and its table has no DRA line.
@@ -354,6 +413,7 @@ def _dra_section(**changes: Any) -> dict[str, Any]:
             "devices": 256,
             "failures": 0,
             "last_error": None,
+            "restores": 0,
         },
         "prepared_claims": {"count": 3, "capped": False, "read_error": None},
     }
@@ -371,6 +431,15 @@ def _dra_section(**changes: Any) -> dict[str, Any]:
                 "DRA            shared-cpus.mixed-cpu.openshift.io on node node-1",
                 "  kubelet      registered (1 registration)",
                 "  slices       published: generation 2, 256 devices",
+                "  claims       3 prepared",
+            ],
+        ),
+        (
+            {"resource_slices": {"generation": 4, "restores": 2}},  # kubelet wiped them twice
+            [
+                "DRA            shared-cpus.mixed-cpu.openshift.io on node node-1",
+                "  kubelet      registered (1 registration)",
+                "  slices       published: generation 4, 256 devices, restored 2 times",
                 "  claims       3 prepared",
             ],
         ),
@@ -415,6 +484,7 @@ def _dra_section(**changes: Any) -> dict[str, Any]:
                     "generation": None,
                     "devices": None,
                     "failures": None,
+                    "restores": None,
                 },
             },
             [

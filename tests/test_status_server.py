@@ -124,6 +124,28 @@ async def test_a_socket_left_by_a_previous_daemon_is_replaced(state_dir: Path) -
 
 
 @pytest.mark.asyncio
+async def test_closing_leaves_a_newer_daemons_socket_in_place(state_dir: Path) -> None:
+    """An old daemon still closing when a newer one already serves at the path (its socket renamed
+    over the old one's) must not remove the newer socket: `status` would then say the newer daemon is
+    not running (issue 32: a close() removing whatever is at the path survived the tests)."""
+    path = status_socket_path(str(state_dir))
+    old = StatusServer(path, _document)
+    newer = StatusServer(path, lambda: {**_document(), "daemon": "newer"})
+    await old.start()
+    try:
+        await newer.start()
+        try:
+            await old.close()
+            assert stat.S_ISSOCK(os.lstat(path).st_mode), "the newer daemon's socket is still there"
+            assert (await _fetch(path))["daemon"] == "newer"
+        finally:
+            await newer.close()
+        assert "status.sock" not in os.listdir(state_dir), "the newer daemon removes its own socket"
+    finally:
+        await old.close()
+
+
+@pytest.mark.asyncio
 async def test_a_path_that_cannot_be_served_is_a_warning_not_a_failed_start(state_dir: Path) -> None:
     path = status_socket_path(str(state_dir))
     os.mkdir(path)  # something else is there

@@ -37,7 +37,10 @@ def test_the_snapshot_says_who_holds_what_from_the_books_and_the_roster() -> Non
     # c2: not in the roster (the books loaded from the state file, before Synchronize).
     pool = SharedPool(frozenset({0, 4}), {0: frozenset({0, 1, 2, 3}), 1: frozenset({4, 5, 6, 7})})
     heal = HealNote(
-        T0 + 60, "pod_quota", "pod quota was off its target: brought back", {"why": "x", "pod_key": "a"}
+        T0 + 60,
+        "pod_quota",
+        "pod quota was off its target: brought back",
+        {"why": "x", "pod_key": "a", "namespace": "ns", "pod": "web"},
     )
     snapshot = domain_snapshot(
         books,
@@ -123,6 +126,8 @@ def test_the_snapshot_says_who_holds_what_from_the_books_and_the_roster() -> Non
                 "why": "x",
                 "pod_key": "a",
                 "container_id": None,
+                "namespace": "ns",
+                "pod": "web",
             }
         ],
     }

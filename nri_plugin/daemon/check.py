@@ -28,7 +28,8 @@ What is checked:
 * with ``[dra] enabled``: kubelet's plugin-registry and plugins directories are there and ours to
   write, the CDI directory is (or can be made), the node's name is known (``node_name`` or
   ``NODE_NAME``), and there are credentials for the API server (a kubeconfig, or the pod's service
-  account);
+  account); and, when a running daemon's ``status`` names its runtime, that the runtime reads our
+  CDI specs (containerd 1.7.12 or later: docs/dra.md, "Which runtimes read our CDI specs");
 * kubelet's pod-resources socket: a warning (one line) when it is not there or not asked, since the
   allocation marker alone then proves requests (a copied marker is refused only while its device is
   bound to another container); nothing when it is there;
@@ -44,6 +45,7 @@ import dataclasses
 import enum
 import errno
 import os
+import re
 import socket
 import stat
 from collections.abc import Iterable, Mapping
@@ -69,6 +71,8 @@ from nri_plugin.daemon.config import (
     read_numa_nodes,
     state_dir_problem,
 )
+from nri_plugin.daemon.status import status_socket_path
+from nri_plugin.daemon.status_client import StatusError, fetch_status
 from nri_plugin.deviceplugin.config import DEFAULT_POD_RESOURCES_SOCKET, DevicePluginConfig
 from nri_plugin.deviceplugin.podresources import get_served, socket_state
 from nri_plugin.dra.config import DraConfig
@@ -79,6 +83,7 @@ __all__ = [
     "Finding",
     "Report",
     "Status",
+    "check_cdi_runtime",
     "check_cgroup_driver",
     "check_cgroups",
     "check_device_plugin_dir",
@@ -102,6 +107,10 @@ _TOPIC_WIDTH: Final = 22
 SERVICE_ACCOUNT_TOKEN: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 _BUS_DAEMON: Final = "org.freedesktop.DBus"
 _BUS_DAEMON_PATH: Final = "/org/freedesktop/DBus"
+# The first containerd that reads the CDI specs our DRA driver writes (cdiVersion 0.6.0, device
+# annotations): 1.7.0-1.7.11 vendor a CDI library that knows specs up to 0.5.0 and refuses them.
+CONTAINERD_CDI_FLOOR: Final = (1, 7, 12)
+_VERSION: Final = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
 # A runtime answers a connection on its NRI socket at once; this only bounds a wedged one.
 CONNECT_TIMEOUT: Final = 2.0
 _NRI_FIX: Final = (
@@ -428,10 +437,13 @@ def check_state_dir(path: str) -> Finding:
     return _fail(topic, f"{path} does not exist, and {parent} is not a writable directory", fix)
 
 
-def check_device_plugin_dir(device_plugin: DevicePluginConfig) -> Finding:
+def check_device_plugin_dir(device_plugin: DevicePluginConfig, *, dra: bool = False) -> Finding:
+    """kubelet's device-plugin directory, where the device plugin registers; not needed with it off
+    (`dra`: the DRA front door on, which then serves the requests)."""
     topic = "device-plugin dir"
     if not device_plugin.enabled:
-        return _ok(topic, "not used: [device_plugin] enabled = false (kubelet must advertise the resource)")
+        serves = "DRA serves the requests" if dra else "the pod annotation alone proves requests"
+        return _ok(topic, f"not used: [device_plugin] enabled = false; {serves}")
     directory = str(device_plugin.plugin_dir)
     if not os.path.isdir(directory):
         exists = "is not a directory" if os.path.lexists(directory) else "does not exist"
@@ -502,6 +514,43 @@ def check_dra(
         )
     findings.append(_api_credentials(dra, environ, token_path))
     return findings
+
+
+def check_cdi_runtime(dra: DraConfig, runtime: Mapping[str, Any] | None) -> Finding | None:
+    """Whether the runtime (`runtime`: the ``runtime`` object of a running daemon's status) reads the
+    CDI specs of our DRA driver; None when DRA is off or the runtime's name and version are not known."""
+    if not dra.enabled or not runtime:
+        return None
+    name, version = runtime.get("name"), runtime.get("version")
+    if not isinstance(name, str) or not isinstance(version, str):
+        return None
+    topic = "CDI in the runtime"
+    if name != "containerd":
+        return _ok(topic, f"{name} {version} (CRI-O releases with DRA v1 read cdiVersion 0.6.0 specs)")
+    match = _VERSION.match(version)
+    if match is None:
+        return _warn(
+            topic,
+            f"containerd version {version!r} is not one this check can read",
+            "make sure it is 1.7.12 or later: older ones refuse the DRA driver's CDI specs",
+        )
+    if tuple(int(part) for part in match.groups()) >= CONTAINERD_CDI_FLOOR:
+        return _ok(topic, f"containerd {version} reads the DRA driver's CDI specs (1.7.12 or later)")
+    return _fail(
+        topic,
+        f"containerd {version} refuses the DRA driver's CDI specs: its CDI library knows specs up to "
+        '0.5.0 and ours are 0.6.0 (containers of prepared claims fail with "unresolvable CDI devices")',
+        "upgrade containerd to 1.7.12 or later, or leave [dra] off on this node",
+    )
+
+
+def _runtime_seen(state_dir: str) -> Mapping[str, Any] | None:
+    """The runtime a daemon running with `state_dir` is connected to (its status), None if none answers."""
+    try:
+        runtime = fetch_status(status_socket_path(state_dir))["runtime"]
+    except (StatusError, KeyError, TypeError):
+        return None
+    return runtime if isinstance(runtime, dict) else None
 
 
 def _kubelet_dir(topic: str, directory: str, key: str, host_dir: str) -> Finding:
@@ -706,6 +755,10 @@ def run_checks(
         first = _fail("config", str(exc))
     findings = _node_findings(config, kubelet_config, mountinfo_path)
     findings.extend(check_dra(config.dra, os.environ if environ is None else environ))
+    if config.dra.enabled:
+        cdi = check_cdi_runtime(config.dra, _runtime_seen(config.state_dir))
+        if cdi is not None:
+            findings.append(cdi)
     return Report(config.source, (first, *findings), note)
 
 
@@ -749,7 +802,7 @@ def _node_findings(config: Config, kubelet_config: str | None, mountinfo_path: s
         if bus is not None:
             findings.append(bus)
     findings.append(check_state_dir(config.state_dir))
-    findings.append(check_device_plugin_dir(config.device_plugin))
+    findings.append(check_device_plugin_dir(config.device_plugin, dra=config.dra.enabled))
     pod_resources = check_pod_resources(config)
     if pod_resources is not None:
         findings.append(pod_resources)

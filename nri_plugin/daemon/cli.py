@@ -24,7 +24,7 @@ import structlog
 
 from cgroups.mode import DEFAULT_MOUNTINFO
 from nri_plugin.common.buildinfo import PROGRAM, version_line
-from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH
+from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
 from nri_plugin.daemon.logs import LEVELS, configure_logging
 
 __all__ = ["EXIT_OUTPUT_CLOSED", "main"]
@@ -89,6 +89,7 @@ Exit status: 0 when nothing FAILs (warnings included), 1 otherwise."""
 _CONFIG_EPILOG: Final = f"""\
 Only the file is read: '{_PROG} check' tells whether the config suits this node. run's own
 options (--socket, --nri-plugin-name, --nri-plugin-index, --log-level) win over what is printed.
+With --defaults no file is read: every key at its default, shared_cpuset (required) commented out.
 
 Exit status: 0 when printed; 2 when run would refuse the config (one line names the key and the fix)."""
 
@@ -97,10 +98,12 @@ _STATUS_EPILOG: Final = f"""\
 The socket is <state_dir>/status.sock, mode 0600: run the command as root on the node, or inside the
 daemon's own pod (the image has no shell; this needs none):
   kubectl exec -n <namespace> ds/<daemonset> -- {_PROG} status
-docs/status.md describes every field of --output json.
+On a node without a config file (the DaemonSet keeps its config in the pod), the daemon is asked in
+the default state_dir, {DEFAULT_STATE_DIR}, where the chart and the manifests mount it; --state-dir
+or --socket names another. docs/status.md describes every field of --output json.
 
 Exit status: 0 when the daemon answered, 1 when it cannot be asked (not running, or not root: one
-line says which, and the fix), 2 when the config file cannot be read."""
+line says which, and the fix), 2 when the config file given cannot be read."""
 
 
 def _positive_seconds(text: str) -> float:
@@ -174,11 +177,25 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_STATUS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    status.add_argument(
+    where = status.add_mutually_exclusive_group()
+    where.add_argument(
         "--config",
-        default=DEFAULT_CONFIG_PATH,
+        default=None,
         metavar="PATH",
-        help=f"the daemon's config file, which names its state_dir (default: {DEFAULT_CONFIG_PATH})",
+        help=f"the daemon's config file, which names its state_dir (default: {DEFAULT_CONFIG_PATH} when "
+        f"there is one, else the default state_dir, {DEFAULT_STATE_DIR})",
+    )
+    where.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="the daemon's state_dir, where its status socket is (e.g. the chart's hostPaths.stateDir)",
+    )
+    where.add_argument(
+        "--socket",
+        default=None,
+        metavar="PATH",
+        help="the daemon's status socket itself (<state_dir>/status.sock)",
     )
     status.add_argument(
         "--output",
@@ -239,11 +256,17 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_CONFIG_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    config.add_argument(
+    source = config.add_mutually_exclusive_group()
+    source.add_argument(
         "--config",
         default=DEFAULT_CONFIG_PATH,
         metavar="PATH",
         help=f"the TOML config file (default: {DEFAULT_CONFIG_PATH})",
+    )
+    source.add_argument(
+        "--defaults",
+        action="store_true",
+        help="read no file: print every key's default (shared_cpuset, which has none, commented out)",
     )
 
     demo = commands.add_parser(
@@ -354,7 +377,9 @@ def _enable_nri(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from nri_plugin.daemon.status_client import run_status
 
-    return run_status(args.config, output=args.output, watch=args.watch)
+    return run_status(
+        args.config, state_dir=args.state_dir, socket=args.socket, output=args.output, watch=args.watch
+    )
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -382,13 +407,17 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(sys.stdout, runtime_name=name, runtime_version=version, keep=args.keep))
 
 
-def _config(path: str) -> int:
-    """Print the effective config (`nri_plugin.daemon.effective`); a config error is one line, exit 2."""
-    from nri_plugin.daemon.config import ConfigError
+def _config(args: argparse.Namespace) -> int:
+    """Print the effective config (`nri_plugin.daemon.effective`), or the defaults; a config error
+    is one line, exit 2."""
+    from nri_plugin.daemon.config import ConfigError, ConfigMissing
     from nri_plugin.daemon.effective import config_command
 
     try:
-        text = config_command(path)
+        text = config_command(None if args.defaults else args.config)
+    except ConfigMissing as exc:
+        print(f"error: {exc}; '{_PROG} config --defaults' prints every key's default", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -400,7 +429,7 @@ def _config(path: str) -> int:
 _COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
     "version": _version,
     "enable-nri": _enable_nri,
-    "config": lambda args: _config(args.config),
+    "config": _config,
     "status": _status,
     "check": _check,
     "demo": _demo,

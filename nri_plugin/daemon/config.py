@@ -17,6 +17,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     metrics_address = "127.0.0.1:8891"     # host:port (":8891": every address) of /metrics, /healthz,
                                            # /readyz; "" turns it off
     reconcile_interval = 30                # seconds between the reconciler's checks of the node
+    creation_timeout = 300                 # seconds a CRI-O creation may run before a failed one
+                                           # gives its share back (CRI-O's container_create_timeout + 60)
     max_synchronize_mib = 32               # the most one Synchronize may bring (1-1024 MiB)
     systemd_bus = "/run/dbus/system_bus_socket"  # the system bus: pod slices' quotas set through
                                            # systemd (systemd driver); "": always the cgroup files
@@ -55,6 +57,7 @@ from typing import Any, Final, TypeVar
 import cgroups
 from cgroups import CgroupLayout, CgroupMode, CgroupModeError, CpusetError, Hierarchy
 from cgroups.mode import DEFAULT_CGROUP_ROOT, DEFAULT_MOUNTINFO
+from nri_plugin.common.smallfile import NotRegularFile, TooLarge, read_capped
 from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
 from nri_plugin.dra.config import DraConfig, DraConfigError
 from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH
@@ -100,6 +103,8 @@ MAX_SYNCHRONIZE_MIB: Final = 1024
 CGROUP_VERSIONS: Final = ("auto", "v1", "v2")
 DEFAULT_RECONCILE_INTERVAL: Final = 30.0
 RECONCILE_INTERVAL_RANGE: Final = (1.0, 3600.0)
+DEFAULT_CREATION_TIMEOUT: Final = 300.0  # = nri_plugin.mixedcpu.heal.CREATION_TIMEOUT (tested)
+CREATION_TIMEOUT_RANGE: Final = (1.0, 86400.0)
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
 NUMA_NODES_DIR: Final = "devices/system/node"
 _NUMA_NODE: Final = re.compile(r"node([0-9]+)")
@@ -146,6 +151,7 @@ class Config:
     log_format: str = "auto"
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
+    creation_timeout: float = DEFAULT_CREATION_TIMEOUT
     max_synchronize_mib: int = DEFAULT_MAX_SYNCHRONIZE_MIB
     systemd_bus: str = DEFAULT_SYSTEMD_BUS
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
@@ -170,6 +176,7 @@ _TOP_KEYS: Final = (
     "log_format",
     "metrics_address",
     "reconcile_interval",
+    "creation_timeout",
     "max_synchronize_mib",
     "systemd_bus",
     _SOURCES_TABLE,
@@ -350,15 +357,12 @@ def _metrics_address(check: _Checker, value: object) -> str:
     return text
 
 
-def _reconcile_interval(check: _Checker, value: object) -> float:
-    """Seconds between the reconciler's passes over the node (`nri_plugin.mixedcpu.heal`)."""
-    low, high = RECONCILE_INTERVAL_RANGE
+def _seconds(check: _Checker, key: str, limits: tuple[float, float], hint: str, value: object) -> float:
+    """A number of seconds within `limits`; `hint` ends the error."""
+    low, high = limits
     if isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high:
         return float(value)
-    raise check.error(
-        "reconcile_interval",
-        f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; e.g. reconcile_interval = 30",
-    )
+    raise check.error(key, f"{_show(value)} is not a number of seconds from {low:g} to {high:g}; {hint}")
 
 
 def _max_synchronize_mib(check: _Checker, value: object) -> int:
@@ -406,7 +410,18 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
         "log_level": functools.partial(check.choice, "log_level", choices=LOG_LEVELS),
         "log_format": functools.partial(check.choice, "log_format", choices=LOG_FORMATS),
         "metrics_address": functools.partial(_metrics_address, check),
-        "reconcile_interval": functools.partial(_reconcile_interval, check),
+        # Seconds between the reconciler's passes; seconds a CRI-O creation may run before it is
+        # taken for failed (nri_plugin.mixedcpu.heal).
+        "reconcile_interval": functools.partial(
+            _seconds, check, "reconcile_interval", RECONCILE_INTERVAL_RANGE, "e.g. reconcile_interval = 30"
+        ),
+        "creation_timeout": functools.partial(
+            _seconds,
+            check,
+            "creation_timeout",
+            CREATION_TIMEOUT_RANGE,
+            "take CRI-O's container_create_timeout (240 unless set) plus 60, e.g. creation_timeout = 300",
+        ),
         "max_synchronize_mib": functools.partial(_max_synchronize_mib, check),
         "systemd_bus": functools.partial(_systemd_bus, check),
     }
@@ -559,8 +574,16 @@ def read_document(source: str) -> dict[str, Any]:
     Raises `ConfigMissing` when there is no such file, `ConfigError` when it cannot be read or is
     no TOML."""
     try:
-        with open(source, "rb") as file:
-            data = file.read(MAX_CONFIG_SIZE + 1)
+        data = _read_config_file(source)
+    except NotRegularFile as exc:
+        raise ConfigError(
+            f"{source}: a {exc.kind}, not a regular file: no config is read from one; point --config at "
+            "the config file"
+        ) from None
+    except TooLarge:
+        raise ConfigError(
+            f"{source}: larger than {MAX_CONFIG_SIZE} bytes, which no config is; is it the right file?"
+        ) from None
     except FileNotFoundError:
         raise ConfigMissing(
             f"{source}: no such file; create it with at least shared_cpuset set ({_EXAMPLE}), "
@@ -568,10 +591,6 @@ def read_document(source: str) -> dict[str, Any]:
         ) from None
     except OSError as exc:
         raise ConfigError(_unreadable(source, exc)) from None
-    if len(data) > MAX_CONFIG_SIZE:
-        raise ConfigError(
-            f"{source}: larger than {MAX_CONFIG_SIZE} bytes, which no config is; is it the right file?"
-        )
     try:
         text = data.decode("utf-8")
         document = tomllib.loads(text)
@@ -585,6 +604,21 @@ def read_document(source: str) -> dict[str, Any]:
             f"{source}: not valid TOML: arrays or inline tables nested too deeply; fix the syntax there"
         ) from None
     return document
+
+
+def _read_config_file(source: str) -> bytes:
+    """The bytes of the config file; `TooLarge` past `MAX_CONFIG_SIZE`. Opened without waiting
+    (a FIFO with no writer would block the open, and then the read, for ever) and refused unless it
+    is a regular file: a FIFO, a device or a directory is `NotRegularFile`, at once. A symbolic link
+    is followed (a ConfigMap's file is one)."""
+    fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(info.st_mode)
+        return read_capped(fd, MAX_CONFIG_SIZE)
+    finally:
+        os.close(fd)
 
 
 def _unreadable(source: str, exc: OSError) -> str:

@@ -45,7 +45,6 @@ from nri_plugin.daemon.demo import (
     Naming,
     describe,
 )
-from nri_plugin.deviceplugin.marker import MARKER_ENV
 from nri_plugin.dra import cdi
 from nri_plugin.dra.claims import AllocatedDevice, ClaimError
 from nri_plugin.dra.kubeletplugin import DraKubeletPlugin, DraPluginSettings
@@ -201,7 +200,9 @@ class _DraScenario(DemoScenario):
         spec = json.loads(spec_file.read_text())
         [entry] = spec["devices"][0]["containerEdits"]["env"]
         self.say(f"  CDI spec {spec_file.name}: cdiVersion {spec['cdiVersion']}, kind {spec['kind']}")
-        self.say(f"  its container edits: env {entry[:60]}... (the marker, signed for dra.{DEVICE})")
+        name, _, marker = entry.partition("=")
+        version, signed_for, _ = marker.split(":")
+        self.say(f"  its container edits: env {name}={version}:{signed_for}:... (the marker, its MAC cut)")
         self.say()
         return str(cdi_id)
 
@@ -218,9 +219,9 @@ class _DraScenario(DemoScenario):
         self.say(f"  as kubelet asks:  {describe(container)}")
         before = read_cpu_quota(pod_dir).quota
         result = await self.sim.create_container(container, cdi_devices=[cdi_id])
-        injected = MARKER_ENV in env_of(result.container)
+        injected = cdi.marker_env(DEVICE) in env_of(result.container)
         self.say(
-            f"  CDI injected {MARKER_ENV}: {'yes' if injected else 'no'}; "
+            f"  CDI injected {cdi.marker_env(DEVICE)}: {'yes' if injected else 'no'}; "
             "the NRI plugin proves it and adjusts"
         )
         self.say(f"  as it is created: {describe(result.container)}")
@@ -236,7 +237,7 @@ class _DraScenario(DemoScenario):
         self.node.add_pod_cgroup(self.layout, thief_pod, 2 * PERIOD)
         await self.sim.run_pod_sandbox(thief_pod)
         fwd = self.sim.containers["fwd-1"]
-        copied = next(entry for entry in fwd.env if entry.startswith(MARKER_ENV + "="))
+        copied = next(entry for entry in fwd.env if entry.startswith(cdi.marker_env(DEVICE) + "="))
         container = self.container(thief_pod, "copy-1", "copy", env=(copied,))
         self.say(
             f"runtime: CreateContainer {thief_pod.namespace}/{thief_pod.name}/copy "

@@ -16,6 +16,7 @@ takes back, and gives the same configuration. The file is only read: whether it 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -36,10 +37,13 @@ from nri_plugin.daemon.config import (
 from nri_plugin.deviceplugin.config import TABLE as DEVICE_PLUGIN_TABLE
 from nri_plugin.dra.config import TABLE as DRA_TABLE
 
-__all__ = ["Setting", "config_command", "effective_settings", "render"]
+__all__ = ["Setting", "config_command", "default_settings", "effective_settings", "render"]
 
 FILE: Final = "file"
 DEFAULT: Final = "default"
+# The origin of a key that has no default (shared_cpuset): `config --defaults` prints it commented out.
+REQUIRED: Final = "required, no default"
+_REQUIRED_KEY: Final = "shared_cpuset"
 # The keys the daemon takes from its environment before the config file, and from which variable.
 ENVIRONMENT_KEYS: Final = {"plugin_name": "NRI_PLUGIN_NAME", "plugin_index": "NRI_PLUGIN_IDX"}
 _INHERITED_SOCKET: Final = "NRI_PLUGIN_SOCKET"
@@ -64,7 +68,23 @@ def effective_settings(path: str, environ: Mapping[str, str]) -> tuple[Config, l
     """The configuration `run --config path` would use with `environ`, and every key of it in the
     order the file's tables take. Raises `ConfigError` (`ConfigMissing` without a file) as `run`
     would, an environment variable it would refuse included."""
-    document = read_document(path)
+    return _settings(read_document(path), path, environ)
+
+
+def default_settings(environ: Mapping[str, str]) -> list[Setting]:
+    """Every key at its default (the environment's, for the keys `run` takes from it), as `config
+    --defaults` prints them: ``shared_cpuset``, which has none, is `REQUIRED`."""
+    # A stand-in for the one required key lets the rest be built; its line then says it has none.
+    settings = _settings({_REQUIRED_KEY: "0"}, "(the defaults)", environ)[1]
+    return [
+        dataclasses.replace(s, value="", origin=REQUIRED) if (s.table, s.key) == ("", _REQUIRED_KEY) else s
+        for s in settings
+    ]
+
+
+def _settings(
+    document: Mapping[str, Any], path: str, environ: Mapping[str, str]
+) -> tuple[Config, list[Setting]]:
     config = parse_config(document, source=path)
     settings: list[Setting] = []
     for name in (f.name for f in fields(Config) if f.name not in _NOT_KEYS):
@@ -115,20 +135,33 @@ def _toml_value(value: object) -> str | bool | int | float:
     raise TypeError(f"no TOML form for {type(value).__name__} {value!r}")
 
 
-def render(path: str, settings: list[Setting]) -> str:
-    """The settings as a TOML config file, each value's origin in a comment beside it."""
-    lines = [
-        f"# The effective configuration of {_comment(path)}: every key, with where its value comes from.",
-        "# `mixed-cpu-nri-plugin run --config FILE` takes this text back as it is.",
-        "",
-    ]
+def render(path: str | None, settings: list[Setting]) -> str:
+    """The settings as a TOML config file, each value's origin in a comment beside it; `path` None:
+    the defaults (`default_settings`), a required key commented out, for the user to set."""
+    if path is None:
+        lines = [
+            "# The defaults: every key, with where its value comes from (no config file read).",
+            f"# {_REQUIRED_KEY} has no default and `run` requires it: set it (uncomment its line) in the",
+            "# config file; `mixed-cpu-nri-plugin run --config FILE` then takes this text back.",
+            "",
+        ]
+    else:
+        lines = [
+            f"# The effective configuration of {_comment(path)}: every key, with where its value comes from.",
+            "# `mixed-cpu-nri-plugin run --config FILE` takes this text back as it is.",
+            "",
+        ]
     width = max(len(_assignment(s)) for s in settings) + 2
     table = ""
     for setting in settings:
         if setting.table != table:
             table = setting.table
             lines.extend(("", f"[{table}]"))
-        lines.append(f"{_assignment(setting):<{width}}# {_comment(setting.origin)}")
+        if setting.origin == REQUIRED:
+            example = '# shared_cpuset = "0-1"'
+            lines.append(f"{example:<{width}}# {REQUIRED}: the node's shared CPUs (a Linux cpu list)")
+        else:
+            lines.append(f"{_assignment(setting):<{width}}# {_comment(setting.origin)}")
     return "\n".join(lines) + "\n"
 
 
@@ -159,7 +192,9 @@ def _comment(text: str) -> str:
     return "".join(char if char.isprintable() else "?" for char in text)
 
 
-def config_command(path: str, environ: Mapping[str, str] | None = None) -> str:
-    """What ``config --config path`` prints. Raises `ConfigError`."""
-    settings = effective_settings(path, os.environ if environ is None else environ)[1]
-    return render(path, settings)
+def config_command(path: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """What ``config --config path`` prints; `path` None: ``config --defaults``. Raises `ConfigError`."""
+    environ = os.environ if environ is None else environ
+    if path is None:
+        return render(None, default_settings(environ))
+    return render(path, effective_settings(path, environ)[1])

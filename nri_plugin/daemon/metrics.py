@@ -12,14 +12,15 @@ server ``probe_connection_evicted`` (`nri_plugin.daemon.probes.ProbeObserver`); 
 Gauges are read from their owners when scraped, through callables bound once the owners exist
 (``track``; `nri_plugin.daemon.wiring` does it): the shared-container count from the plugin's books,
 readiness from the stub and the device plugin, so they cannot drift from what they describe and
-cost nothing per request.
+cost nothing per request. Which optional parts run (device plugin, PodResources, DRA) is set once
+(``features``), for alerts to be silent where a part is off.
 
 | metric | type | labels | meaning |
 |---|---|---|---|
 | `mixed_cpu_nri_requests_total` | counter | `event`, `outcome` | NRI requests answered |
 | `mixed_cpu_nri_request_duration_seconds` | histogram | `event` | time to answer one, 100 µs to 2 s |
 | `mixed_cpu_shared_containers` | gauge | | containers holding the shared CPUs now |
-| `mixed_cpu_cgroup_write_failures_total` | counter | `kind` | cgroup quota writes that failed |
+| `mixed_cpu_cgroup_write_failures_total` | counter | `kind` | cgroup quota writes that failed (writes only) |
 | `mixed_cpu_heals_total` | counter | `kind` | books or quotas put right by the reconciler |
 | `mixed_cpu_nri_reconnects_total` | counter | | connections to the runtime lost (then retried) |
 | `mixed_cpu_device_plugin_registrations_total` | counter | `outcome` | registrations with kubelet |
@@ -27,6 +28,9 @@ cost nothing per request.
 | `mixed_cpu_kubelet_registered` | gauge | | 1 while kubelet holds our registration (0 when off) |
 | `mixed_cpu_dra_registered` | gauge | | 1 while kubelet holds the DRA driver's registration (0 when off) |
 | `mixed_cpu_dra_resource_slices_published` | gauge | | 1 while the API server holds the node's pool |
+| `mixed_cpu_device_plugin_enabled` | gauge | | 1 when the config turns the device plugin on |
+| `mixed_cpu_pod_resources_enabled` | gauge | | 1 when kubelet's PodResources API is asked |
+| `mixed_cpu_dra_enabled` | gauge | | 1 when the config turns the DRA front door on |
 | `mixed_cpu_pod_resources_lookups_total` | counter | `outcome` | questions to kubelet's PodResources API |
 | `mixed_cpu_pod_resources_reachable` | gauge | | 1 while kubelet's record proves requests (0: marker alone) |
 | `mixed_cpu_pod_resources_degraded` | gauge | | 1 while List (no Get) or the marker alone proves |
@@ -35,6 +39,10 @@ cost nothing per request.
 | `mixed_cpu_nri_synchronize_pods` | gauge | | pods the runtime listed at its last Synchronize |
 | `mixed_cpu_nri_synchronize_containers` | gauge | | containers it listed then |
 | `mixed_cpu_nri_synchronize_bytes` | gauge | | that Synchronize's size, all chunks |
+| `mixed_cpu_nri_synchronize_duration_seconds` | gauge | | how long it took, first chunk to answer |
+| `mixed_cpu_nri_synchronize_timestamp_seconds` | gauge | | when it ended (Unix time; 0: none yet) |
+| `mixed_cpu_nri_configure_duration_seconds` | gauge | | how long the last Configure took |
+| `mixed_cpu_nri_configure_timestamp_seconds` | gauge | | when it ended (Unix time; 0: none yet) |
 | `process_resident_memory_bytes`, `process_cpu_seconds_total`, ... | | | the daemon process (Linux) |
 
 The Grafana dashboard (``packaging/helm/mixed-cpu-nri-plugin/dashboards/``) queries only these names.
@@ -52,13 +60,15 @@ Labels:
 * `kind`: `pod_quota_raise` (at a creation, which is then refused; or at Synchronize),
   `pod_quota_lower` (retried later; on cgroup v1 a few are normal right after a container stops),
   `pod_quota_restore` (putting the pod quota back after a failed creation),
-  `container_quota_lower` (a stopped container's own quota put back). A write the kernel took but
-  that reads back different counts too.
+  `container_quota_lower` (a stopped container's own quota put back). Only writes count: a pod
+  cgroup that cannot be opened or read is never written (its creation counts as refused for
+  `cgroup` in `mixed_cpu_shared_creations_total`).
 * `kind` of a heal (`nri_plugin.mixedcpu.heal`): `pod_gone` (a pod's cgroup gone, or the runtime
   no longer lists it, with no end reported: its books and device bindings dropped),
-  `container_never_created` (no cgroup after the grace period: the creation failed after our
-  adjustment), `container_gone` (the runtime's Synchronize no longer runs a container we held),
-  `pod_quota` (a pod quota found off its target and brought back).
+  `container_never_created` (the runtime showed the creation over without a container: on CRI-O no
+  cgroup `creation_timeout` after CreateContainer; on containerd its cgroup gone after
+  StartContainer), `container_gone` (the runtime's Synchronize no longer runs a
+  container we held), `pod_quota` (a pod quota found off its target and brought back).
 * `outcome` of a pod-resources lookup (`nri_plugin.deviceplugin.podresources`, asked for each
   container that presents an allocation marker): `ok` (kubelet's record decided, by Get), `list`
   (kubelet's record decided, by List: kubelet does not serve Get), `unavailable` (no socket or no
@@ -71,13 +81,16 @@ Labels:
   address); kubelet's probes and the scrape still get through.
 * `outcome` of a creation that proved a request for the shared CPUs (`nri_plugin.mixedcpu.plugin`):
   `granted`, or why it was refused: `pod_spec` (the pod spec must change: no exclusive CPUs, no
-  limit, ...), `node` (the node's setup must), `cgroup` (the pod quota could not be raised),
-  `state_file` (the books could not be saved). A creation the runtime gave up waiting for counts
+  limit, ...), `node` (the node's setup must: an empty pool, a cpuset the runtime garbled), `cgroup`
+  (the pod cgroup could not be opened or read, or its quota not raised), `state_file` (the books
+  could not be saved). Every refused creation counts here once, whatever its reason: the one
+  metric to alert on for refusals. A creation the runtime gave up waiting for counts
   in none (the request's own `outcome` is then `cancelled`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -181,6 +194,21 @@ class Metrics:
             "1 while the API server holds the node's ResourceSlices as the daemon last published them.",
             registry=r,
         )
+        self.device_plugin_enabled = Gauge(
+            "mixed_cpu_device_plugin_enabled",
+            "1 when the config turns the device plugin on ([device_plugin] enabled).",
+            registry=r,
+        )
+        self.pod_resources_enabled = Gauge(
+            "mixed_cpu_pod_resources_enabled",
+            "1 when kubelet's PodResources API is asked (pod_resources_socket set, markers trusted).",
+            registry=r,
+        )
+        self.dra_enabled = Gauge(
+            "mixed_cpu_dra_enabled",
+            "1 when the config turns the DRA front door on ([dra] enabled).",
+            registry=r,
+        )
         self.pod_resources_lookups = Counter(
             "mixed_cpu_pod_resources_lookups",
             "Questions to kubelet's PodResources API about a container's devices, by outcome.",
@@ -222,6 +250,26 @@ class Metrics:
             "Size of the last Synchronize, all of its chunks, as received.",
             registry=r,
         )
+        # The last Synchronize and Configure, kept: a daemon is synchronized a fraction of a second
+        # after it starts, before any scrape, so a rate() over the histogram never shows that one.
+        self.sync_duration = Gauge(
+            "mixed_cpu_nri_synchronize_duration_seconds",
+            "How long the last Synchronize took, from its first chunk to the answer.",
+            registry=r,
+        )
+        self.sync_timestamp = Gauge(
+            "mixed_cpu_nri_synchronize_timestamp_seconds",
+            "When the last Synchronize ended, in seconds since the epoch (0: none yet).",
+            registry=r,
+        )
+        self.configure_duration = Gauge(
+            "mixed_cpu_nri_configure_duration_seconds", "How long the last Configure took.", registry=r
+        )
+        self.configure_timestamp = Gauge(
+            "mixed_cpu_nri_configure_timestamp_seconds",
+            "When the last Configure ended, in seconds since the epoch (0: none yet).",
+            registry=r,
+        )
         # RSS, CPU time, open files of the daemon (read from /proc/self at each scrape).
         ProcessCollector(registry=r)
         for kind in WRITE_FAILURE_KINDS:
@@ -248,6 +296,9 @@ class Metrics:
             self._request_children[(event, outcome)] = children
         children[0].inc()
         children[1].observe(seconds)
+        if event == "configure" and outcome == "ok":
+            self.configure_duration.set(seconds)
+            self.configure_timestamp.set(time.time())
 
     def reconnecting(self) -> None:
         self.reconnects.inc()
@@ -270,10 +321,19 @@ class Metrics:
     def creation_decided(self, outcome: str) -> None:
         self.creations.labels(outcome).inc()
 
-    def synchronized(self, pods: int, containers: int, size: int) -> None:
+    def synchronized(self, pods: int, containers: int, size: int, seconds: float) -> None:
         self.sync_pods.set(pods)
         self.sync_containers.set(containers)
         self.sync_bytes.set(size)
+        self.sync_duration.set(seconds)
+        self.sync_timestamp.set(time.time())
+
+    def features(self, *, device_plugin: bool, pod_resources: bool, dra: bool) -> None:
+        """Which optional parts the daemon runs: an alert on one of their gauges (registered,
+        reachable) is silent on a node where the part is off (its gauge then reads 0 too)."""
+        self.device_plugin_enabled.set(device_plugin)
+        self.pod_resources_enabled.set(pod_resources)
+        self.dra_enabled.set(dra)
 
     # -- gauges read at scrape time --------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import socket
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import structlog
 
 from cgroups import CgroupError, CgroupNotFound, read_cpu_quota
 from nri_plugin import __version__
+from nri_plugin.common.unixsocket import FileId, bind_socket, remove_if_ours
 from nri_plugin.deviceplugin.podresources import PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.dra import cdi
@@ -182,6 +182,7 @@ def dra_status(dra: DraFrontDoor | None) -> dict[str, Any]:
             "devices": publisher.device_count if publisher is not None else None,
             "failures": publisher.failures if publisher is not None else None,
             "last_error": publisher.last_error if publisher is not None else None,
+            "restores": publisher.restores if publisher is not None else None,
         },
         "prepared_claims": count_prepared_claims(str(dra.config.cdi_dir)),
     }
@@ -215,7 +216,7 @@ class StatusServer:
         self.document = document
         self.connections = 0
         self._server: asyncio.AbstractServer | None = None
-        self._inode: int | None = None
+        self._identity: FileId | None = None
 
     async def start(self) -> None:
         try:
@@ -234,30 +235,16 @@ class StatusServer:
         log.info("serving the status", socket=self.path)
 
     def _bind(self) -> socket.socket:
-        """A listening socket at `path`, mode 0600 from the moment it has that name: bound under a
-        temporary name, its mode set, then renamed over whatever socket a previous daemon left
-        (the state dir's lock says no other daemon uses this one)."""
-        if len(os.fsencode(self.path)) > _MAX_SOCKET_PATH:
-            raise OSError(f"the path is {len(os.fsencode(self.path))} bytes long, over {_MAX_SOCKET_PATH}")
-        temporary = f"{self.path}.{os.getpid()}.tmp"
-        if len(os.fsencode(temporary)) > _MAX_SOCKET_PATH:
-            temporary = os.path.join(os.path.dirname(self.path), f".status.{os.getpid()}")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
+        """A listening socket at `path`, mode 0600 from the moment it has that name, replacing
+        whatever socket a previous daemon left (the state dir's lock says no other daemon uses this
+        one): `nri_plugin.common.unixsocket.bind_socket`."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(temporary)
-            os.chmod(temporary, 0o600)
-            if os.path.lexists(self.path) and not stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                raise OSError(f"{self.path} exists and is not a socket; remove it")
-            os.rename(temporary, self.path)
-            self._inode = os.stat(self.path).st_ino
+            self._identity = bind_socket(self.path, sock.bind)
             sock.listen(MAX_CONNECTIONS)
             sock.setblocking(False)
         except OSError:
             sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
             raise
         return sock
 
@@ -266,9 +253,7 @@ class StatusServer:
         if server is None:
             return
         server.close()
-        with contextlib.suppress(OSError):
-            if os.stat(self.path).st_ino == self._inode:  # ours still: not a newer daemon's
-                os.unlink(self.path)
+        remove_if_ours(self.path, self._identity)  # ours still: not a newer daemon's
         await server.wait_closed()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -1,9 +1,10 @@
 """``mixed-cpu-nri-plugin status``: ask the running daemon who holds the shared CPUs, and print it.
 
 The daemon's status socket (`nri_plugin.daemon.status`) is found from the config, as ``run`` finds
-its state dir. One request, plain blocking socket calls and the standard library only: the command
-runs wherever the daemon does, inside its distroless image too (``kubectl exec ds/<name> --
-mixed-cpu-nri-plugin status``). A failure is one line with its cause and its fix (`StatusError`).
+its state dir, or in the default state dir on a node with no config file (`find_socket`). One
+request, plain blocking socket calls and the standard library only: the command runs wherever the
+daemon does, inside its distroless image too (``kubectl exec ds/<name> -- mixed-cpu-nri-plugin
+status``). A failure is one line with its cause and its fix (`StatusError`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,25 @@ import time
 from collections.abc import Sequence
 from typing import Any, Final, TextIO
 
-from nri_plugin.daemon.config import ConfigError, load_config
+from nri_plugin.daemon.config import (
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_STATE_DIR,
+    ConfigError,
+    ConfigMissing,
+    load_config,
+)
 from nri_plugin.daemon.status import status_socket_path
 from nri_plugin.mixedcpu.status import SCHEMA
 
-__all__ = ["EXIT_CONFIG", "EXIT_UNREACHABLE", "StatusError", "fetch_status", "render_table", "run_status"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_UNREACHABLE",
+    "StatusError",
+    "fetch_status",
+    "find_socket",
+    "render_table",
+    "run_status",
+]
 
 EXIT_UNREACHABLE: Final = 1
 EXIT_CONFIG: Final = 2
@@ -46,7 +61,8 @@ def fetch_status(path: str, timeout: float = TIMEOUT) -> dict[str, Any]:
     except FileNotFoundError:
         raise StatusError(
             f"no status socket at {path}: the daemon is not running, or runs with another state_dir; start "
-            "it (systemctl start mixed-cpu-nri-plugin, or look at its pod), or pass the --config it runs with"
+            "it (systemctl start mixed-cpu-nri-plugin, or look at its pod), or name its state dir "
+            "(--state-dir DIR: the chart's hostPaths.stateDir) or the --config it runs with"
         ) from None
     except ConnectionRefusedError:
         raise StatusError(
@@ -111,22 +127,53 @@ def socket_from_config(config_path: str) -> str:
     return status_socket_path(load_config(config_path, check=False).state_dir)
 
 
+def find_socket(
+    config_path: str | None = None, *, state_dir: str | None = None, socket_path: str | None = None
+) -> str:
+    """Where to ask the daemon: the socket given, else the one in the state dir given, else the one
+    the config file given names; with none of them, the one the default config names, or, on a
+    node with no default config (the DaemonSet's config lives in its pod), the one in the default
+    state dir. Raises `ConfigError` for a config file that cannot be read (the default one too:
+    a config that is there but wrong is not silently passed over)."""
+    if socket_path is not None:
+        return socket_path
+    if state_dir is not None:
+        return status_socket_path(state_dir)
+    if config_path is not None:
+        try:
+            return socket_from_config(config_path)
+        except ConfigMissing:
+            raise ConfigError(
+                f"{config_path}: no such file; pass the --config the daemon runs with"
+            ) from None
+    try:
+        return socket_from_config(DEFAULT_CONFIG_PATH)
+    except ConfigMissing:
+        return status_socket_path(DEFAULT_STATE_DIR)
+
+
 def run_status(
-    config_path: str,
+    config_path: str | None = None,
     *,
+    state_dir: str | None = None,
+    socket: str | None = None,
     output: str = "table",
     watch: float | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
     """The ``status`` command: print the daemon's status once, or every `watch` seconds until
-    interrupted; the exit status (0, `EXIT_UNREACHABLE`, or `EXIT_CONFIG`)."""
+    interrupted; the exit status (0, `EXIT_UNREACHABLE`, or `EXIT_CONFIG`). The daemon is found as
+    `find_socket` says."""
     out = out or sys.stdout
     err = err or sys.stderr
     try:
-        path = socket_from_config(config_path)
+        path = find_socket(config_path, state_dir=state_dir, socket_path=socket)
     except ConfigError as exc:
-        print(f"error: {exc}", file=err)
+        print(
+            f"error: {exc}; or name the daemon's state dir (--state-dir DIR) or socket (--socket PATH)",
+            file=err,
+        )
         return EXIT_CONFIG
     while True:
         try:
@@ -163,7 +210,12 @@ def render_table(document: dict[str, Any]) -> str:
         cpus = node["cpus"] or "none (its containers get the whole pool)"
         name = f"  NUMA node {node['node']}"
         lines.append(f"{name:<15}{cpus}: {_count(node['containers'], 'container')}")
-    containers = document["containers"]
+    # By namespace, pod and container, as an operator looks for them (the document's order is the
+    # books', by pod UID).
+    containers = sorted(
+        document["containers"],
+        key=lambda row: (row["namespace"] or "~", row["pod"] or row["pod_key"], row["container"]),
+    )
     lines += ["", f"SHARED CONTAINERS ({len(containers)})"]
     lines += _table(
         ("NAMESPACE", "POD", "CONTAINER", "EXCLUSIVE", "SHARED", "PROOF", "DEVICE", "HELD FOR"),
@@ -202,7 +254,7 @@ def render_table(document: dict[str, Any]) -> str:
     lines += _table(
         ("AGO", "KIND", "POD", "CONTAINER ID", "WHAT"),
         [
-            (_age(h["at"], now), h["kind"], h["pod_key"] or "-", h["container_id"] or "-", h["message"])
+            (_age(h["at"], now), h["kind"], _heal_pod(h), h["container_id"] or "-", h["message"])
             for h in heals
         ],
     )
@@ -226,8 +278,11 @@ def _summary(document: dict[str, Any], now: datetime.datetime | None) -> list[st
         registrations = _count(device["registrations"], "registration")
         plugin = f"{device['state']} ({device['resource_name']}; {registrations})"
     resources = document["pod_resources"]
-    if not resources["configured"]:
-        record = "not asked (no pod_resources_socket, or markers not trusted)"
+    dra = document.get("dra") or {}
+    if not resources["configured"] and not device["enabled"] and not dra.get("enabled"):
+        record = "not asked: neither the device plugin nor DRA hands out devices to ask kubelet about"
+    elif not resources["configured"]:
+        record = "not asked: pod_resources_socket is empty, or the allocation marker is not trusted"
     elif resources["reachable"]:
         record = f"reachable: kubelet's record proves requests ({resources['socket']})"
     else:
@@ -259,6 +314,8 @@ def _dra(dra: dict[str, Any] | None) -> list[str]:
     elif published["published"]:
         devices = _count(published["devices"], "device")
         slices = f"published: generation {published['generation']}, {devices}"
+        if published["restores"]:
+            slices += f", restored {_count(published['restores'], 'time')}"
     elif published["failures"]:
         failures = _count(published["failures"], "failed attempt")
         slices = f"NOT published ({failures}, retrying): {published['last_error']}"
@@ -274,6 +331,13 @@ def _dra(dra: dict[str, Any] | None) -> list[str]:
         f"{'  slices':<15}{slices}",
         f"{'  claims':<15}{prepared}",
     ]
+
+
+def _heal_pod(heal: dict[str, Any]) -> str:
+    """The heal's pod by namespace/name when the daemon knew them, else by UID."""
+    if heal.get("namespace") and heal.get("pod"):
+        return f"{heal['namespace']}/{heal['pod']}"
+    return f"uid {heal['pod_key']}" if heal["pod_key"] else "-"
 
 
 def _pod_state(row: dict[str, Any]) -> str:

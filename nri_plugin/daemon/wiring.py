@@ -62,8 +62,9 @@ from nri_plugin.daemon.stateformat import STATE_FORMAT, StateFormatError, settle
 from nri_plugin.daemon.status import StatusParts, StatusServer, status_document, status_socket_path
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.deviceplugin.podresources import PodResourcesClient
+from nri_plugin.deviceplugin.podresources import DraDevices, PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
+from nri_plugin.dra import slices
 from nri_plugin.dra.kubeletplugin import DraPluginError
 from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
@@ -157,7 +158,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         identity = resolve_identity(options, config, env)
         metrics = build_metrics(config)
         key = load_marker_key(config)
-        record = build_allocation_record(config, key, observer=metrics)
+        record = build_allocation_record(config, key, observer=metrics, environ=env)
         writer = build_quota_writer(config)
         plugin = build_plugin(config, layout, key, allocations=record, observer=metrics, writer=writer)
         stub = build_stub(
@@ -291,7 +292,11 @@ def load_marker_key(config: Config) -> HostKey | None:
 
 
 def build_allocation_record(
-    config: Config, key: HostKey | None, *, observer: Metrics | None = None
+    config: Config,
+    key: HostKey | None,
+    *,
+    observer: Metrics | None = None,
+    environ: Mapping[str, str] = MappingProxyType({}),
 ) -> PodResourcesClient | None:
     """kubelet's PodResources client, when our markers are trusted, one of the front doors hands
     them out (the device plugin, or DRA: then the client also counts kubelet's DRA devices of our
@@ -301,10 +306,18 @@ def build_allocation_record(
     handed_out = device_plugin.enabled or config.dra.enabled
     if key is None or not handed_out or device_plugin.pod_resources_socket is None:
         return None
+    dra = config.dra.enabled
     return PodResourcesClient(
         str(device_plugin.pod_resources_socket),
         device_plugin.resource_name,
-        dra_driver=config.dra.driver_name if config.dra.enabled else None,
+        # Our driver's devices prove a request only from our pool (the node) and among those published.
+        dra=DraDevices(
+            config.dra.driver_name,
+            dra_node_name(config, environ),
+            frozenset(slices.device_names(device_plugin.device_count)),
+        )
+        if dra
+        else None,
         observer=observer,
     )
 
@@ -346,6 +359,7 @@ def build_plugin(
         raise _state_dir_error(config, exc) from None
     if writer is not None:
         plugin.quotas.writer = writer
+    plugin.healer.creation_timeout = config.creation_timeout
     plugin.creations = observer
     return plugin
 
@@ -406,17 +420,23 @@ def build_device_plugin(
 DRA_CLIENT_MODULES: Final = frozenset({"lightkube", "httpx2"})
 
 
-def build_dra(config: Config, key: HostKey | None, environ: Mapping[str, str]) -> DraFrontDoor | None:
-    """The DRA front door, when [dra] enables it (the config made sure markers are trusted then);
-    else None. Its node is [dra] node_name, else NODE_NAME. Raises `ConfigError`."""
-    if not config.dra.enabled or key is None:
-        return None
+def dra_node_name(config: Config, environ: Mapping[str, str]) -> str:
+    """The DRA pool's name: [dra] node_name, else NODE_NAME. Raises `ConfigError` when neither is set."""
     node_name = config.dra.node_name or environ.get("NODE_NAME", "")
     if not node_name:
         raise ConfigError(
             f"{config.source}: [dra] enabled = true needs the node's name: set NODE_NAME from the "
             "pod's spec.nodeName (the chart does), or [dra] node_name"
         )
+    return node_name
+
+
+def build_dra(config: Config, key: HostKey | None, environ: Mapping[str, str]) -> DraFrontDoor | None:
+    """The DRA front door, when [dra] enables it (the config made sure markers are trusted then);
+    else None. Its node is [dra] node_name, else NODE_NAME. Raises `ConfigError`."""
+    if not config.dra.enabled or key is None:
+        return None
+    node_name = dra_node_name(config, environ)
     try:
         from nri_plugin.dra.frontdoor import DraFrontDoor  # lightkube and httpx2: only when DRA is on
     except ModuleNotFoundError as exc:
@@ -483,6 +503,11 @@ def bind_gauges(
             dra_registered=lambda: dra.registered, dra_resource_slices_published=lambda: bool(dra.published)
         )
     record = plugin.allocations
+    metrics.features(
+        device_plugin=device_plugin is not None,
+        pod_resources=isinstance(record, PodResourcesClient),
+        dra=dra is not None,
+    )
     if isinstance(record, PodResourcesClient):
         metrics.track(
             pod_resources_reachable=lambda: record.answering,

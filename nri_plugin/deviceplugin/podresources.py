@@ -19,10 +19,13 @@ How it asks
     pod, and the List of a Synchronize, cost one question); anything else is asked again each time.
 
 Requests served through DRA
-    Given the name of our DRA driver (`dra_driver`), a container's ids of our resource also hold
-    ``dra.<device name>`` (`marker.dra_device_id`) for every device kubelet's record lists under the
-    container's dynamic resources (KEP-3695) with that driver: the id the DRA marker signs. Devices of
-    other drivers are not ours, whatever their names.
+    Given our DRA driver's devices (`DraDevices`: its name, this node's pool, the devices it
+    published), a container's ids of our resource also hold ``dra.<device name>``
+    (`marker.dra_device_id`) for every device kubelet's record lists under the container's dynamic
+    resources (KEP-3695) with that driver, from that pool, among those devices: the id the DRA
+    marker signs.
+    Devices of other drivers, of another node's pool, or that our pool never had are not ours,
+    whatever their names: kubelet's record of them proves nothing here.
 
 When kubelet cannot be asked
     No socket, a refused connection, an error, or no answer in time: the lookup answers None, and the
@@ -43,6 +46,7 @@ import os
 import stat
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Final, Protocol, TypeVar
 
 import grpc
@@ -62,6 +66,7 @@ __all__ = [
     "GET_RETRY_MAX",
     "LOOKUP_TIMEOUT",
     "MAX_ANSWER",
+    "DraDevices",
     "PodResourcesClient",
     "PodResourcesObserver",
     "get_served",
@@ -125,17 +130,27 @@ def socket_state(path: str) -> str | None:
     return None if stat.S_ISSOCK(mode) else f"{path} is not a socket"
 
 
+@dataclass(frozen=True)
+class DraDevices:
+    """Our DRA driver's devices as kubelet's record must name them to prove a request: the driver,
+    this node's pool (the node's name) and the device names the pool published."""
+
+    driver: str
+    pool: str
+    devices: frozenset[str]
+
+
 class PodResourcesClient:
     """kubelet's record of the devices of `resource_name` it allocated (an
-    `nri_plugin.mixedcpu.allocations.AllocationRecord`), and of the devices of our DRA driver
-    `dra_driver` (None: no DRA) as ``dra.<device name>``; see the module docstring."""
+    `nri_plugin.mixedcpu.allocations.AllocationRecord`), and of our DRA driver's devices `dra` (None:
+    no DRA) as ``dra.<device name>``; see the module docstring."""
 
     def __init__(
         self,
         socket_path: str,
         resource_name: str,
         *,
-        dra_driver: str | None = None,
+        dra: DraDevices | None = None,
         timeout: float = LOOKUP_TIMEOUT,
         ttl: float = CACHE_TTL,
         observer: PodResourcesObserver | None = None,
@@ -143,7 +158,7 @@ class PodResourcesClient:
     ) -> None:
         self.socket_path = socket_path
         self.resource_name = resource_name
-        self.dra_driver = dra_driver
+        self.dra = dra
         self.timeout = timeout
         self.ttl = ttl
         self.observer = observer
@@ -292,12 +307,15 @@ class PodResourcesClient:
                 if devices.resource_name == self.resource_name
                 for device_id in devices.device_ids
             }
-            if self.dra_driver is not None:
+            dra = self.dra
+            if dra is not None:
                 ids.update(
                     dra_device_id(device.device_name)
                     for claim in container.dynamic_resources
                     for device in claim.claim_resources
-                    if device.driver_name == self.dra_driver and device.device_name
+                    if device.driver_name == dra.driver
+                    and device.pool_name == dra.pool
+                    and device.device_name in dra.devices
                 )
             if ids:
                 found[container.name] = frozenset(ids)

@@ -51,8 +51,6 @@ import asyncio
 import contextlib
 import enum
 import logging
-import os
-import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,6 +62,7 @@ from api.deviceplugin.v1beta1 import api_pb2 as api
 from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless, within
+from nri_plugin.common.unixsocket import FileId, bind_socket, file_id, remove_if_ours
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.deviceplugin.registration import RegistrationState, check_transition
@@ -320,18 +319,6 @@ class _Inbox:
             await sleep_unless(clock, self._wake, seconds)
 
 
-_FileId = tuple[int, int, int]
-
-
-def _file_id(path: str) -> _FileId | None:
-    """(device, inode, ctime) of ``path`` itself, None if it is not there (or cannot be looked at)."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return (info.st_dev, info.st_ino, info.st_ctime_ns)
-
-
 async def _first_of(*events: asyncio.Event) -> None:
     waiters = [asyncio.ensure_future(event.wait()) for event in events]
     try:
@@ -354,7 +341,8 @@ class _Socket:
 
     server: grpc.aio.Server
     servicer: SharedCpusServicer
-    file_id: _FileId | None = None  # set once the server has started
+    path: str
+    file_id: FileId | None = None  # set once the socket is bound
 
 
 @dataclass
@@ -362,7 +350,7 @@ class _Round:
     """What the supervisor works with from one restart (new configuration or new try) to the next."""
 
     config: DevicePluginConfig
-    kubelet: _FileId | None = None  # kubelet.sock as we found it; None while disabled or waiting
+    kubelet: FileId | None = None  # kubelet.sock as we found it; None while disabled or waiting
     error: str = ""  # why the attempt failed, for BACKING_OFF's log line
     registered_at: float = 0.0  # clock time kubelet accepted us
     lost: _WatchEnd | None = None  # why REGISTERED ended
@@ -526,14 +514,14 @@ class DevicePluginServer:
 
     async def _wait_for_kubelet(self) -> RegistrationState:
         path = str(self._round.config.kubelet_socket)
-        kubelet = _file_id(path)
+        kubelet = file_id(path)
         if kubelet is None:
             log.info("waiting for kubelet", socket=path)
         while kubelet is None:
             await self._pause(self.check_interval)
             if _Signal.RECONFIGURED in self._inbox:
                 return self._restart()
-            kubelet = _file_id(path)
+            kubelet = file_id(path)
         self._round.kubelet = kubelet
         return _State.SERVING
 
@@ -626,9 +614,9 @@ class DevicePluginServer:
             return None
         if self._state is _State.REGISTERED and _Signal.STREAM_ENDED in self._inbox:
             return _WatchEnd.STREAM_ENDED
-        if self._socket is not None and _file_id(str(config.socket_path)) != self._socket.file_id:
+        if self._socket is not None and file_id(str(config.socket_path)) != self._socket.file_id:
             return _WatchEnd.SOCKET_REMOVED
-        if _file_id(str(config.kubelet_socket)) != kubelet:
+        if file_id(str(config.kubelet_socket)) != kubelet:
             return _WatchEnd.KUBELET_CHANGED
         return None
 
@@ -653,7 +641,7 @@ class DevicePluginServer:
     async def _serve(self, config: DevicePluginConfig) -> str | None:
         """Make sure our socket is up (re-created if it is gone); an error text if it cannot be."""
         path = str(config.socket_path)
-        if self._socket is not None and _file_id(path) == self._socket.file_id:
+        if self._socket is not None and file_id(path) == self._socket.file_id:
             return None
         await self._stop_serving()
         assert self._board is not None
@@ -666,19 +654,24 @@ class DevicePluginServer:
         )
         server = grpc.aio.server()
         api_grpc.add_DevicePluginServicer_to_server(servicer, server)
-        self._socket = _Socket(server, servicer)  # from here on, _stop_serving() cleans up
+        self._socket = _Socket(server, servicer, path)  # from here on, _stop_serving() cleans up
         try:
-            await _listen(server, path)
+            self._socket.file_id = bind_socket(
+                path, lambda temporary: server.add_insecure_port(f"unix:{temporary}")
+            )
+            await server.start()
         except (OSError, RuntimeError) as exc:
             await self._stop_serving()
             return f"cannot serve on {path}: {exc}"
-        self._socket.file_id = _file_id(path)
         log.info("device plugin serving", socket=path)
         return None
 
     async def _stop_serving(self) -> None:
         served, self._socket = self._socket, None
         if served is not None:
+            # The name first, before anything that awaits (and may be cancelled): the listening
+            # socket serves on without it. A file someone put there since is left alone.
+            remove_if_ours(served.path, served.file_id)
             served.servicer.close_streams()
             await served.server.stop(STOP_GRACE)
 
@@ -712,27 +705,3 @@ class DevicePluginServer:
             devices=config.device_count,
         )
         return None
-
-
-async def _listen(server: grpc.aio.Server, path: str) -> None:
-    """Bind `server` to a fresh unix socket at `path`, mode 0600, and start it."""
-    _remove_stale_socket(path)
-    # Bind with a umask that leaves the socket 0600 from its first instant, then say so again.
-    umask = os.umask(0o177)
-    try:
-        server.add_insecure_port(f"unix:{path}")
-    finally:
-        os.umask(umask)
-    os.chmod(path, 0o600)
-    await server.start()
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Remove a socket left at ``path`` by an earlier run; refuse to remove anything else."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise OSError(f"{path} exists and is not a socket; remove it or set another [device_plugin] endpoint")
-    os.unlink(path)

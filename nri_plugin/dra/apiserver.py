@@ -9,9 +9,12 @@ models):
   applies the new set (server-side apply as field manager :data:`FIELD_MANAGER`) with the pool
   generation raised by one, then deletes the slices the new set no longer has (fewer devices, fewer
   slices). A restart with the same configuration finds everything as it should be and writes nothing.
-  A failed attempt is retried with :class:`~nri_plugin.common.backoff.Backoff`; each kind of failure
-  (unreachable, refused credentials, no such node, ...) is logged once per streak as one line saying
-  the cause and the fix, the retries after it at debug level.
+  Then it watches them (from the list's resourceVersion, started anew every :data:`RESYNC_INTERVAL`
+  after a fresh check) and publishes again when someone deletes or changes them: kubelet wipes its
+  node's slices when it starts, and a driver's when the driver was unusable for 30 s.
+  A failed attempt is retried with :class:`~nri_plugin.common.backoff.Backoff`, whatever failed; each
+  kind of failure (unreachable, refused credentials, no such node, ...) is logged once per streak as
+  one line saying the cause and the fix, the retries after it at debug level.
 * :class:`ApiClaimSource` reads a ResourceClaim for kubelet's ``NodePrepareResources`` and returns
   the devices of our driver its allocation names (:class:`.claims.ClaimSource`), or raises
   :class:`.claims.ClaimError` with a message kubelet shows in the pod's events. The whole read is
@@ -26,24 +29,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Final, cast
 
 import httpx2
 import structlog
 from lightkube import ApiError, AsyncClient, ConfigError, KubeConfig
+from lightkube.core.exceptions import NotReadyError
 from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 from lightkube.types import PatchType
 
 from nri_plugin.common.backoff import Backoff
+from nri_plugin.common.text import clip
 from nri_plugin.dra import slices
-from nri_plugin.dra.claims import AllocatedDevice, ClaimError
+from nri_plugin.dra.claims import AllocatedDevice, ClaimError, ClaimSourceUnreachable
 
 __all__ = [
     "CLAIM_TIMEOUT",
     "FIELD_MANAGER",
     "REQUEST_TIMEOUT",
+    "RESYNC_INTERVAL",
     "SERVICE_ACCOUNT_DIR",
     "ApiClaimSource",
     "ClientConfigError",
@@ -65,6 +71,9 @@ REQUEST_TIMEOUT: Final = 10.0
 CLAIM_TIMEOUT: Final = 10.0
 BACKOFF_INITIAL: Final = 0.5
 BACKOFF_MAX: Final = 30.0
+# How often the slices are compared with the API server's even when the watch reported nothing (the
+# watch is then started anew from a fresh list).
+RESYNC_INTERVAL: Final = 300.0
 
 
 def default_backoff() -> Backoff:
@@ -168,9 +177,15 @@ def _publish_error(exc: BaseException, doing: str) -> PublishError:
     return PublishError("unexpected answer", f"unexpected answer to {doing}: {type(exc).__name__}: {exc}")
 
 
+def _status_code(exc: ApiError) -> int:
+    """The HTTP status of an API error; one from a watch's ERROR event has a Status but no response."""
+    response = getattr(exc, "response", None)
+    return exc.status.code or (response.status_code if response is not None else 0)
+
+
 def _api_error(exc: ApiError, doing: str) -> PublishError:
-    code = exc.status.code or exc.response.status_code
-    message = exc.status.message or ""
+    code = _status_code(exc)
+    message = clip(exc.status.message or "")  # the server's words: capped and escaped
     if code in (401, 403):
         return PublishError(
             "refused",
@@ -183,39 +198,40 @@ def _api_error(exc: ApiError, doing: str) -> PublishError:
     return PublishError("rejected", f"the API server rejected {doing} ({code}: {message})")
 
 
-def _pool_generation(obj: dict[str, Any]) -> int:
-    generation = ((obj.get("spec") or {}).get("pool") or {}).get("generation")
-    return generation if isinstance(generation, int) else 0
-
-
-# What a publish attempt may run into; anything else is a bug and ends the publisher.
+# What a publish attempt or a watch may run into from the API server and the client.
 _API_FAILURES = (httpx2.HTTPError, ConfigError, ValueError)
 
 
-def _shape(obj: dict[str, Any]) -> tuple[object, ...]:
-    """What decides whether a stored slice is the one we would publish (fields the server may add,
-    such as defaults or managed fields, do not count)."""
-    spec = obj.get("spec") or {}
-    pool = spec.get("pool") or {}
-    owners = tuple(
-        (ref.get("kind"), ref.get("name"), ref.get("uid"), bool(ref.get("controller")))
-        for ref in (obj.get("metadata") or {}).get("ownerReferences") or ()
-    )
-    return (
-        obj["metadata"]["name"],
-        spec.get("driver"),
-        spec.get("nodeName"),
-        pool.get("name"),
-        pool.get("generation"),
-        pool.get("resourceSliceCount"),
-        tuple(device.get("name") for device in spec.get("devices") or ()),
-        owners,
+def _unexpected(exc: BaseException, doing: str) -> PublishError:
+    """Anything else (a bug, an answer nobody foresaw): still a retried failure, never the end."""
+    return PublishError("unexpected", f"unexpected failure {doing}: {type(exc).__name__}: {exc}")
+
+
+def _report(
+    what: str, error: PublishError, cause: BaseException, previous: str | None, attempt: int, delay: float
+) -> None:
+    """A failure that will be retried: a warning for the first of a streak of one kind (with the
+    traceback when nobody foresaw it), debug lines for the retries after it."""
+    first = error.kind != previous
+    (log.warning if first else log.debug)(
+        what,
+        error=str(error),
+        attempt=attempt,
+        retry_in=round(delay, 2),
+        exc_info=cause if first and error.kind == "unexpected" else None,
     )
 
 
 class ResourceSlicePublisher:
     """Keeps the node's ResourceSlices on the API server: :meth:`run` publishes (retrying until it
-    succeeds) and publishes again after each :meth:`republish`.
+    succeeds), then watches our slices and publishes again whenever they are deleted or changed by
+    someone else, at every :meth:`republish` and :meth:`check`, and every `resync_interval` seconds.
+
+    kubelet deletes all of its node's ResourceSlices when it starts, and a driver's slices once the
+    driver has been unusable for a while (30 s); the watch sees those deletions and the pool is back
+    after one publish round. A watch that fails (the API server gone, its history expired) is started
+    again after a fresh check, with backoff. Every failure is retried, an unexpected one too (logged
+    with its traceback): publishing never gives up while the daemon runs.
 
     `client` is an ``AsyncClient`` (see :func:`make_client`), or a callable making one on the first
     attempt (so a missing service account is a retried, logged failure, not a crash at start)."""
@@ -228,26 +244,36 @@ class ResourceSlicePublisher:
         node_name: str,
         device_count: int,
         backoff: Backoff | None = None,
+        watch_backoff: Backoff | None = None,
+        resync_interval: float = RESYNC_INTERVAL,
     ) -> None:
         slices.slice_name(node_name, driver, 0)  # checks both names; raises ValueError
         slices.device_names(device_count)  # checks the count
+        if not resync_interval > 0:
+            raise ValueError(f"resync interval {resync_interval!r} must be positive (seconds)")
         self._client = LazyClient(client)
         self.driver = driver
         self.node_name = node_name
         self._device_count = device_count
         self.backoff = backoff if backoff is not None else default_backoff()
+        self.watch_backoff = watch_backoff if watch_backoff is not None else default_backoff()
+        self.resync_interval = resync_interval
         self.failures = 0  # failed attempts since the last success
         self.last_error: str | None = None
+        self.restores = 0  # publish rounds a watch event asked for (our slices deleted or changed)
+        self.watch_failures = 0  # watches that ended on an error since one last ran well
         self._generation: int | None = None
         self._published = False
+        self._expected: dict[str, tuple[object, ...]] = {}  # name -> shape of what we last wrote
+        self._list_version: str | None = None  # resourceVersion of the last round's list
         self._wanted = asyncio.Event()
         self._wanted.set()
         self._done = asyncio.Event()
 
     @property
     def published(self) -> bool:
-        """True once the API server holds the slices for the current device count (and until a
-        :meth:`republish` asks for another round)."""
+        """True once the API server holds the slices for the current device count, until they are
+        seen deleted or changed (or a :meth:`republish` asks for another round)."""
         return self._published
 
     @property
@@ -265,6 +291,11 @@ class ResourceSlicePublisher:
             slices.device_names(device_count)
             self._device_count = device_count
         self._published = False
+        self.check()
+
+    def check(self) -> None:
+        """Compare the API server's slices with ours as soon as :meth:`run` can, and restore them if
+        they differ (a round that finds them as they should be writes nothing)."""
         self._done.clear()
         self._wanted.set()
 
@@ -273,26 +304,31 @@ class ResourceSlicePublisher:
         await self._done.wait()
 
     async def run(self) -> None:
-        """Publish, retrying with backoff, then wait for :meth:`republish`; until cancelled."""
+        """Publish and keep the slices published (see the class), until cancelled."""
+        watcher = asyncio.create_task(self._keep_watching(), name="dra-resource-slices-watch")
+        try:
+            await self._keep_publishing()
+        finally:
+            watcher.cancel()
+            await asyncio.wait([watcher])
+
+    async def _keep_publishing(self) -> None:
         kind: str | None = None
         while True:
             await self._wanted.wait()
             self._wanted.clear()
             try:
                 await self.publish()
-            except PublishError as exc:
+            except Exception as exc:  # every failure is retried; CancelledError is not an Exception
+                error = exc if isinstance(exc, PublishError) else _unexpected(exc, "publishing")
                 self.failures += 1
-                self.last_error = str(exc)
+                self.last_error = str(error)
                 delay = self.backoff.next()
-                report = log.warning if exc.kind != kind else log.debug
-                report(
-                    "publishing the ResourceSlices failed, retrying",
-                    error=str(exc),
-                    attempt=self.failures,
-                    retry_in=round(delay, 2),
+                _report(
+                    "publishing the ResourceSlices failed, retrying", error, exc, kind, self.failures, delay
                 )
-                kind = exc.kind
-                await self._sleep_unless_republished(delay)
+                kind = error.kind
+                await self._sleep_unless_wanted(delay)
                 self._wanted.set()
                 continue
             if self.failures:
@@ -302,9 +338,69 @@ class ResourceSlicePublisher:
             kind = None
             self.backoff.reset()
 
-    async def _sleep_unless_republished(self, delay: float) -> None:
+    async def _sleep_unless_wanted(self, delay: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wanted.wait(), delay)
+
+    async def _keep_watching(self) -> None:
+        """After each published round, watch our slices from that round's list on; when the watch
+        ends (resync, an error), check again and watch from the new list."""
+        kind: str | None = None
+        while True:
+            await self._done.wait()
+            version = self._list_version
+            try:
+                await asyncio.wait_for(self._follow(version), self.resync_interval)
+            except asyncio.TimeoutError:  # the resync: look at the whole set again
+                kind = None
+                self.watch_failures = 0
+                self.watch_backoff.reset()
+            except Exception as exc:
+                error = exc if isinstance(exc, PublishError) else _describe_watch_failure(exc)
+                self.watch_failures += 1
+                delay = self.watch_backoff.next()
+                _report(
+                    "watching the ResourceSlices failed; checking them and watching again",
+                    error,
+                    exc,
+                    kind,
+                    self.watch_failures,
+                    delay,
+                )
+                kind = error.kind
+                await asyncio.sleep(delay)
+            self.check()
+
+    async def _follow(self, version: str | None) -> None:
+        """Watch our driver's slices on this node from `version` and start a publish round for each
+        event that leaves them unlike what we wrote. Raises what the watch raises."""
+        client = self._get_client()
+        stream = cast(
+            AsyncGenerator[tuple[str, ResourceSlice], None],
+            client.watch(
+                ResourceSlice,
+                fields=self._fields(),
+                resource_version=version,
+                server_timeout=max(1, math.ceil(self.resync_interval)),
+            ),
+        )
+        try:
+            async for event_type, obj in stream:
+                as_dict = obj.to_dict()
+                if slices.event_needs_publish(event_type, as_dict, self._expected):
+                    self.restores += 1
+                    report = log.warning if self._published else log.debug  # once per round
+                    report(
+                        "our ResourceSlices were deleted or changed on the API server; publishing them again",
+                        watch_event=event_type,
+                        slice=(as_dict.get("metadata") or {}).get("name"),
+                        node=self.node_name,
+                    )
+                    self.republish()
+                self.watch_failures = 0
+                self.watch_backoff.reset()
+        finally:
+            await stream.aclose()
 
     async def publish(self) -> None:
         """One attempt: make the API server hold exactly our slices. Raises :class:`PublishError`."""
@@ -312,14 +408,19 @@ class ResourceSlicePublisher:
         client = self._get_client()
         node_uid = await self._node_uid(client)
         existing = await self._existing(client)
-        current = max((_pool_generation(obj) for obj in existing.values()), default=0)
+        current = max((slices.pool_generation(obj) for obj in existing.values()), default=0)
         if current:
             wanted = self._slices(node_uid, count, current)
-            if {_shape(obj) for obj in wanted} == {_shape(obj) for obj in existing.values()}:
+            if {slices.slice_shape(obj) for obj in wanted} == {
+                slices.slice_shape(obj) for obj in existing.values()
+            }:
+                self._expect(wanted)
                 self._finish(current, count, changed=False)
                 return
         generation = current + 1
         wanted = self._slices(node_uid, count, generation)
+        # What the watch sees of our own writes below is what we expect: no new round for them.
+        self._expect(wanted)
         # The new generation first: the scheduler then sees the whole new pool and ignores the
         # older slices, which go after.
         for obj in wanted:
@@ -338,6 +439,12 @@ class ResourceSlicePublisher:
         for stale in sorted(set(existing) - names):
             await self._call(client.delete(ResourceSlice, stale), f"deleting stale ResourceSlice {stale}")
         self._finish(generation, count, changed=True)
+
+    def _expect(self, wanted: tuple[dict[str, Any], ...]) -> None:
+        self._expected = {obj["metadata"]["name"]: slices.slice_shape(obj) for obj in wanted}
+
+    def _fields(self) -> dict[str, Any]:
+        return {"spec.driver": self.driver, "spec.nodeName": self.node_name}
 
     def _slices(self, node_uid: str, count: int, generation: int) -> tuple[dict[str, Any], ...]:
         return slices.resource_slices(
@@ -401,17 +508,29 @@ class ResourceSlicePublisher:
         return uid
 
     async def _existing(self, client: AsyncClient) -> dict[str, dict[str, Any]]:
-        """Our driver's slices on this node, by name."""
+        """Our driver's slices on this node, by name; the list's resourceVersion is kept for the
+        watch that follows the round."""
         found: dict[str, dict[str, Any]] = {}
+        listing = client.list(ResourceSlice, fields=self._fields())
         try:
-            async for obj in client.list(
-                ResourceSlice, fields={"spec.driver": self.driver, "spec.nodeName": self.node_name}
-            ):
+            async for obj in listing:
                 as_dict = obj.to_dict()
                 found[as_dict["metadata"]["name"]] = as_dict
+            try:
+                self._list_version = listing.resourceVersion
+            except NotReadyError:  # the answer carried none: the watch then starts from "now"
+                self._list_version = None
         except _API_FAILURES as exc:
             raise _publish_error(exc, "listing our ResourceSlices") from exc
         return found
+
+
+def _describe_watch_failure(exc: BaseException) -> PublishError:
+    if isinstance(exc, ApiError) and _status_code(exc) == 410:
+        return PublishError("expired", "the watch's starting point expired on the API server (410 Gone)")
+    if isinstance(exc, (ApiError, *_API_FAILURES)):
+        return _publish_error(exc, "watching our ResourceSlices")
+    return _unexpected(exc, "watching our ResourceSlices")
 
 
 class ApiClaimSource:
@@ -442,7 +561,7 @@ class ApiClaimSource:
         try:
             claim = await asyncio.wait_for(client.get(ResourceClaim, name, namespace=namespace), self.timeout)
         except asyncio.TimeoutError as exc:
-            raise ClaimError(
+            raise ClaimSourceUnreachable(
                 f"the API server did not answer reading {claim_ref} within {self.timeout:g} s;"
                 " kubelet retries"
             ) from exc
@@ -452,16 +571,22 @@ class ApiClaimSource:
                 raise ClaimError(f"{claim_ref} does not exist (deleted?); nothing to prepare") from exc
             if code in (401, 403):
                 raise ClaimError(
-                    f"the API server refused reading {claim_ref} ({code}: {exc.status.message}): grant"
+                    f"the API server refused reading {claim_ref} ({code}: {clip(exc.status.message or '')}):"
+                    " grant"
                     " the daemon's service account get on resourceclaims (the chart's ClusterRole with"
                     " dra.enabled)"
                 ) from exc
             raise ClaimError(
-                f"the API server failed reading {claim_ref} ({code}: {exc.status.message})"
+                f"the API server failed reading {claim_ref} ({code}: {clip(exc.status.message or '')})"
             ) from exc
         except httpx2.TimeoutException as exc:
-            raise ClaimError(
+            raise ClaimSourceUnreachable(
                 f"the API server did not answer reading {claim_ref} in time; kubelet retries"
+            ) from exc
+        except httpx2.TransportError as exc:
+            raise ClaimSourceUnreachable(
+                f"the API server could not be reached to read {claim_ref} ({type(exc).__name__}: {exc});"
+                " kubelet retries"
             ) from exc
         except httpx2.HTTPError as exc:
             raise ClaimError(
@@ -488,7 +613,12 @@ class ApiClaimSource:
                 f"{claim_ref} is not allocated yet: the scheduler allocates it before kubelet prepares"
             )
         ours = tuple(
-            AllocatedDevice(request=result.request, pool=result.pool, device=result.device)
+            AllocatedDevice(
+                request=result.request,
+                pool=result.pool,
+                device=result.device,
+                admin_access=bool(result.adminAccess),
+            )
             for result in results or ()
             if result.driver == self.driver
         )

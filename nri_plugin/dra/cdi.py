@@ -4,18 +4,27 @@ kubelet's ``NodePrepareResources`` answer names CDI devices (Container Device In
 ``<vendor>/<class>=<name>``); kubelet hands those names to the runtime with the container, and the
 runtime (containerd, CRI-O) applies the ``containerEdits`` it finds for them in the spec files of its
 CDI directories (``/var/run/cdi`` among them) before the container is created. Our edit is one
-environment entry, ``MIXED_CPU_SHARED_CPUS_ALLOCATION=<key.sign("dra.<device>")>`` (see
-`nri_plugin.deviceplugin.marker`), which the NRI side checks like the device plugin's annotation.
+environment entry per device, ``MIXED_CPU_SHARED_CPUS_ALLOCATION_<DEVICE>=<key.sign("dra.<device>")>``
+(:func:`marker_env`, see `nri_plugin.deviceplugin.marker`), which the NRI side checks like the device
+plugin's annotation. The name carries the device because CDI merges a container's env entries by
+name: with one name for all, a container given two of our devices would keep only the last marker.
 
 One spec file per claim, named by the claim's uid, so unprepare removes exactly what prepare wrote
 and two claims never share a file. Inside, one CDI device per allocated device of ours, named
 ``<claim uid>-<device>``; its annotations record the claim (namespace, name, uid), the pool, the
 device and the claim's requests it serves, so that a prepare repeated after a daemon restart can be
-answered from the file alone when the API server cannot be asked (:func:`read_recorded`).
+answered from the file alone when the API server cannot be reached (:func:`read_recorded`). Such an
+answer is only as good as the file, and whoever can write the CDI directory can plant one: the record
+is taken only when each device is one the node published, in its pool, and its marker verifies with
+the node's key for that device, which a planted file cannot forge.
+
+The file is mode 0600: the runtimes read CDI specs as root (containerd and CRI-O run as root and
+check no mode), and a prepared claim's marker is nobody else's business.
 
 ``cdiVersion`` is 0.6.0, the oldest version with the fields we write (annotations on a device);
 runtimes refuse a spec whose version is older than its fields need, and accept any older version
-than they speak, so the oldest that fits is the most widely read.
+than they speak, so the oldest that fits is the most widely read. It sets a floor: containerd 1.7.12
+(docs/dra.md, "Which runtimes read our CDI specs"); ``check`` says so when the runtime is older.
 
 What reaches a file path is checked first (:func:`check_claim`): the uid must be a Kubernetes UID
 (a lowercase RFC 4122 UUID), so no claim can name a file outside ``cdi_dir``. Pure building and
@@ -28,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -37,7 +46,7 @@ from nri_plugin.common.atomicfile import write_atomically
 from nri_plugin.common.k8snames import is_dns_label, is_dns_subdomain
 from nri_plugin.common.smallfile import RefusedFile, read_small_file
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey, dra_device_id
-from nri_plugin.dra.claims import AllocatedDevice
+from nri_plugin.dra.claims import AllocatedDevice, base_request
 
 __all__ = [
     "CDI_VERSION",
@@ -54,6 +63,7 @@ __all__ = [
     "check_claim",
     "check_device",
     "encode_spec",
+    "marker_env",
     "prepared_devices",
     "read_recorded",
     "remove_spec",
@@ -65,7 +75,7 @@ VENDOR: Final = "mixed-cpu.openshift.io"
 CLASS: Final = "shared-cpus"
 KIND: Final = f"{VENDOR}/{CLASS}"
 CDI_VERSION: Final = "0.6.0"
-SPEC_MODE: Final = 0o644  # the runtime reads it; nothing in it is secret (the marker is bound on use)
+SPEC_MODE: Final = 0o600  # the runtime reads it as root; the markers are nobody else's business
 DIR_MODE: Final = 0o755  # the spec directory, when we make it: the runtime reads it
 # The file-name prefix: the kind with its slash made a dash, as CDI's own tools name spec files.
 _FILE_PREFIX: Final = f"{VENDOR}-{CLASS}_"
@@ -78,7 +88,7 @@ ANN_NAME: Final = f"{VENDOR}/claim-name"
 ANN_UID: Final = f"{VENDOR}/claim-uid"
 ANN_POOL: Final = f"{VENDOR}/pool"
 ANN_DEVICE: Final = f"{VENDOR}/device"
-ANN_REQUESTS: Final = f"{VENDOR}/requests"  # comma-separated: request names are DNS labels
+ANN_REQUESTS: Final = f"{VENDOR}/requests"  # comma-separated: DNS labels, or two joined by "/"
 _RECORDED: Final = (ANN_NAMESPACE, ANN_NAME, ANN_UID, ANN_POOL, ANN_DEVICE, ANN_REQUESTS)
 
 # metadata.uid as the API server makes it: a lowercase RFC 4122 UUID.
@@ -107,7 +117,7 @@ class ClaimRef:
 class PreparedDevice:
     """One device of a prepared claim as kubelet is told of it (one ``dra.v1`` Device)."""
 
-    requests: tuple[str, ...]  # the claim's requests it serves
+    requests: tuple[str, ...]  # the claim's requests it serves (base names, as kubelet matches them)
     pool: str
     device: str
     cdi_device_id: str  # the one CDI device kubelet passes to the runtime for it
@@ -136,17 +146,26 @@ def check_claim(claim: ClaimRef) -> None:
 
 def check_device(device: AllocatedDevice) -> None:
     """Raise `CdiError` unless `device` can be written into a spec: its device name a DNS label short
-    enough for the marker (59 characters), its request name a DNS label, its pool name set."""
+    enough for the marker (59 characters), its request a DNS label or two joined by ``/`` (a
+    subrequest of ``firstAvailable``), its pool name set, and not allocated with admin access."""
     if len(device.device) > _DEVICE_MAX or not is_dns_label(device.device):
         raise CdiError(
             f"allocated device name {_show(device.device)} is not a DNS label of at most "
             f"{_DEVICE_MAX} characters, so it cannot be signed into a marker; our ResourceSlice "
             "publishes shared-cpus-<n>: check the claim's allocation"
         )
-    if not is_dns_label(device.request):
+    parts = device.request.split("/")
+    if len(parts) > 2 or not all(is_dns_label(part) for part in parts):
         raise CdiError(
-            f"request name {_show(device.request)} of device {device.device} is not a DNS label; "
-            "check the claim's allocation"
+            f"request name {_show(device.request)} of device {device.device} is neither a DNS label "
+            "nor <request>/<subrequest> of two; check the claim's allocation"
+        )
+    if device.admin_access:
+        raise CdiError(
+            f"device {device.device} was allocated to request {_show(device.request)} with adminAccess: "
+            "admin access lets a claim reach a device another container may hold, and each of this "
+            "driver's devices is one container's ticket to the shared CPUs; remove adminAccess from "
+            "the request"
         )
     if not device.pool or len(device.pool) > _POOL_MAX or not device.pool.isprintable():
         raise CdiError(
@@ -164,6 +183,13 @@ def spec_path(cdi_dir: str | os.PathLike[str], claim_uid: str) -> Path:
             "refusing to name a CDI spec file after it"
         )
     return Path(cdi_dir) / f"{_FILE_PREFIX}{claim_uid}.json"
+
+
+def marker_env(device: str) -> str:
+    """The env name our spec sets `device`'s marker in: ``MIXED_CPU_SHARED_CPUS_ALLOCATION_`` and the
+    device name in capitals with its dashes as underscores (device names are DNS labels, so two
+    devices never share a name)."""
+    return f"{MARKER_ENV}_{device.upper().replace('-', '_')}"
 
 
 def cdi_device_name(claim_uid: str, device: str) -> str:
@@ -202,7 +228,7 @@ def build_spec(claim: ClaimRef, devices: Sequence[AllocatedDevice], key: HostKey
                     ANN_DEVICE: name,
                     ANN_REQUESTS: ",".join(requests),
                 },
-                "containerEdits": {"env": [f"{MARKER_ENV}={key.sign(dra_device_id(name))}"]},
+                "containerEdits": {"env": [f"{marker_env(name)}={key.sign(dra_device_id(name))}"]},
             }
         )
     return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": cdi_devices}
@@ -210,9 +236,17 @@ def build_spec(claim: ClaimRef, devices: Sequence[AllocatedDevice], key: HostKey
 
 def prepared_devices(claim_uid: str, devices: Sequence[AllocatedDevice]) -> tuple[PreparedDevice, ...]:
     """What kubelet is answered for `devices` of the claim `claim_uid`: one entry per device (as in
-    its spec, in the same order), with every request it serves and its CDI device id."""
+    its spec, in the same order), with every request it serves and its CDI device id. A subrequest
+    (``shared/first``) is answered as its request (``shared``): kubelet gives a container the devices
+    whose ``request_names`` hold the request the container names, and a container can only name a
+    claim's own requests."""
     return tuple(
-        PreparedDevice(tuple(requests), pool, name, cdi_device_id(claim_uid, name))
+        PreparedDevice(
+            tuple(dict.fromkeys(base_request(r) for r in requests)),
+            pool,
+            name,
+            cdi_device_id(claim_uid, name),
+        )
         for name, (pool, requests) in _grouped(devices).items()
     )
 
@@ -225,7 +259,7 @@ def encode_spec(spec: Mapping[str, Any]) -> bytes:
 def write_spec(
     cdi_dir: str | os.PathLike[str], claim: ClaimRef, spec: Mapping[str, Any], *, fsync: bool = True
 ) -> Path:
-    """Publish `spec` as the claim's spec file (atomically, mode 0644, replacing an earlier one) and
+    """Publish `spec` as the claim's spec file (atomically, mode 0600, replacing an earlier one) and
     return its path. The directory is made (0755) when it is missing: ``/var/run/cdi`` is on a tmpfs
     that a reboot empties, and nothing else may have made it yet. Raises `CdiError` for a bad uid,
     `OSError` when the file cannot be written."""
@@ -246,10 +280,18 @@ def remove_spec(cdi_dir: str | os.PathLike[str], claim_uid: str) -> bool:
     return True
 
 
-def read_recorded(cdi_dir: str | os.PathLike[str], claim: ClaimRef) -> tuple[AllocatedDevice, ...] | None:
+def read_recorded(
+    cdi_dir: str | os.PathLike[str],
+    claim: ClaimRef,
+    *,
+    key: HostKey,
+    pool: str,
+    devices: Container[str],
+) -> tuple[AllocatedDevice, ...] | None:
     """The devices a spec file written earlier for `claim` records (one per request it serves, in
     the file's order), or None when the claim has no spec file. Raises `CdiError` when the file is
-    not one of ours, is damaged, or records another claim; `OSError` when it cannot be read."""
+    not one of ours (a device not among the published `devices` of `pool`, or whose marker `key`
+    did not sign), is damaged, or records another claim; `OSError` when it cannot be read."""
     check_claim(claim)
     path = spec_path(cdi_dir, claim.uid)
     try:
@@ -261,18 +303,22 @@ def read_recorded(cdi_dir: str | os.PathLike[str], claim: ClaimRef) -> tuple[All
             f"CDI spec {path} is {exc}; remove it and let kubelet prepare the claim again"
         ) from None
     try:
-        devices = _recorded_devices(json.loads(data), claim)
-        for device in devices:
+        recorded = _recorded_devices(json.loads(data), claim, key)
+        for device in recorded:
             check_device(device)
+            if device.pool != pool or device.device not in devices:
+                raise ValueError(
+                    f"device {device.device} of pool {device.pool!r} is not one this node published"
+                )
     except (ValueError, KeyError, TypeError, AttributeError, CdiError) as exc:
         raise CdiError(
             f"CDI spec {path} is not one this driver wrote for claim {claim.namespace}/{claim.name} "
-            f"({exc}); remove it and let kubelet prepare the claim again"
+            f"({_show(str(exc), 200)}); remove it and let kubelet prepare the claim again"
         ) from None
-    return devices
+    return recorded
 
 
-def _recorded_devices(spec: Any, claim: ClaimRef) -> tuple[AllocatedDevice, ...]:
+def _recorded_devices(spec: Any, claim: ClaimRef, key: HostKey) -> tuple[AllocatedDevice, ...]:
     if spec.get("kind") != KIND:
         raise ValueError(f"kind {spec.get('kind')!r}, not {KIND}")
     recorded: list[AllocatedDevice] = []
@@ -286,6 +332,10 @@ def _recorded_devices(spec: Any, claim: ClaimRef) -> tuple[AllocatedDevice, ...]
         device = notes[ANN_DEVICE]
         if entry["name"] != cdi_device_name(claim.uid, device):
             raise ValueError(f"device {entry['name']!r} does not match its annotations")
+        [env] = entry["containerEdits"]["env"]
+        name, _, marker = env.partition("=")
+        if name != marker_env(device) or key.verify(marker) != dra_device_id(device):
+            raise ValueError(f"device {device!r} does not carry the marker this node's key signs for it")
         for request in notes[ANN_REQUESTS].split(","):
             recorded.append(AllocatedDevice(request=request, pool=notes[ANN_POOL], device=device))
     if not recorded:

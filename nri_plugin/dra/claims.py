@@ -11,22 +11,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["AllocatedDevice", "ClaimError", "ClaimSource"]
+__all__ = ["AllocatedDevice", "ClaimError", "ClaimSource", "ClaimSourceUnreachable", "base_request"]
 
 
 @dataclass(frozen=True)
 class AllocatedDevice:
     """One result of a claim's allocation that names our driver."""
 
-    request: str  # the claim's request this device serves (for an extended resource: the generated one)
+    # The claim's request this device serves, as the result names it: ``<request>``, or
+    # ``<request>/<subrequest>`` when the request lists alternatives (``firstAvailable``) and the
+    # scheduler chose one of them. For an extended resource: the request the scheduler generated.
+    request: str
     pool: str  # the ResourceSlice pool: our node's name
     device: str  # a device of that pool, e.g. "shared-cpus-3"
+    admin_access: bool = False  # the result's adminAccess: access to a device someone else may hold
+
+
+def base_request(request: str) -> str:
+    """The claim's own request a result's request reference belongs to: ``shared`` for both
+    ``shared`` and ``shared/first``. A container names that one in ``resources.claims[].request``, and
+    kubelet matches it against a prepared device's ``request_names``."""
+    return request.split("/", 1)[0]
 
 
 class ClaimError(Exception):
     """The claim cannot be prepared now; the message, sent back to kubelet, says why and what to do
     (the claim is gone or was re-created with another uid, it is not allocated, it names no device of
     ours, or the API server could not be asked)."""
+
+
+class ClaimSourceUnreachable(ClaimError):
+    """The API server could not be reached at all (no connection, or no answer in time): it said
+    nothing about the claim. Only then may a prepare be answered from the spec written before; an
+    answer (the claim is gone, re-created, refused, a server error) is a plain `ClaimError`."""
 
 
 class ClaimSource(Protocol):
@@ -36,5 +53,6 @@ class ClaimSource(Protocol):
         """Our driver's devices in the claim's allocation, in the order the allocation lists them.
 
         Raises :class:`ClaimError` when the claim cannot be read, its uid is not `uid`, it is not
-        allocated, or none of its results names our driver."""
+        allocated, or none of its results names our driver; :class:`ClaimSourceUnreachable` when
+        the API server could not be reached."""
         ...

@@ -6,8 +6,10 @@
 * the kubelet plugin (:mod:`.kubeletplugin`), which registers with kubelet and prepares claims,
   reading each claim's allocation from the API server (:class:`.apiserver.ApiClaimSource`);
 * unless ``publish_resource_slices = false``, the ResourceSlice publisher
-  (:class:`.apiserver.ResourceSlicePublisher`), which runs in the background and retries until the
-  API server holds the node's pool.
+  (:class:`.apiserver.ResourceSlicePublisher`), which runs in the background, retries until the
+  API server holds the node's pool, and keeps it there: it watches the slices, publishes them again
+  when kubelet (at its start, or after the driver was unusable) or anyone else deletes or changes
+  them, and checks them at every registration kubelet reports.
 
 Both share one API client, made at the first call that needs it: missing credentials are a logged,
 retried failure of the publisher and an error kubelet shows for a prepare, never a crash at start
@@ -66,6 +68,8 @@ class DraFrontDoor:
             self.publisher = ResourceSlicePublisher(
                 client=self._client, driver=config.driver_name, node_name=node_name, device_count=device_count
             )
+            # A (re)registration often follows a kubelet start, which wipes the node's slices: look.
+            self.kubelet_plugin.on_registered = self.publisher.check
         self._publishing: asyncio.Task[None] | None = None
 
     @property
@@ -103,8 +107,8 @@ class DraFrontDoor:
 
 
 def _say_if_failed(task: asyncio.Task[None]) -> None:
-    """The publisher retries every failure it knows; one it does not is a bug: said, not swallowed
-    (the kubelet plugin goes on serving, and the gauge and ``status`` show the slices unpublished)."""
+    """The publisher retries every failure of a round or a watch; should it still end, that is a bug:
+    said, not swallowed (the kubelet plugin goes on serving, and the gauge and ``status`` show it)."""
     if not task.cancelled() and task.exception() is not None:
         log.error(
             "the ResourceSlice publisher stopped on an unexpected error; restart the daemon to publish again",

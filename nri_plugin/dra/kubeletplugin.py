@@ -13,31 +13,48 @@ version it speaks), dials the announced endpoint and says how that went with
   the devices with their CDI device ids. A claim that cannot be prepared gets its own ``error``
   entry; the call itself never fails for one bad claim, so the others proceed.
 * ``NodeUnprepareResources`` once the pod is gone: the spec is removed (already gone is success).
-* ``NodeWatchResources`` (``v1.DRAResourceHealth``): every device healthy, sent when the stream
-  opens and again every `HEALTH_REFRESH` seconds, so kubelet never sees a device go stale.
+* ``NodeWatchResources`` (``v1.DRAResourceHealth``, and ``v1alpha1.DRAResourceHealth`` for kubelets
+  1.34-1.36, which have only that client): every device healthy, sent when the stream opens and
+  again every `HEALTH_REFRESH` seconds, so kubelet never sees a device go stale.
 
 Both calls are idempotent: kubelet repeats them until every claim succeeds, also across our
-restarts. A prepare repeated while the API server cannot be asked (the daemon restarted during an
-outage) is answered from the spec file written the first time, whose annotations record the claim's
-devices; the spec is then rewritten from that record with the current key.
+restarts. A prepare repeated while the API server cannot be reached (the daemon restarted during an
+outage: no connection, or no answer in time) is answered from the spec file written the first time,
+whose annotations record the claim's devices; the spec is then rewritten from that record with the
+current key. Only then, and only from a spec that proves to be ours: every device it names is one
+this node published, in our pool, and carries the marker the node's key signs for it (a planted spec
+cannot). An answer of the API server (the claim is gone, re-created, refused, a server error) is
+final: it is the claim's error, whatever file is there.
+
+One kubelet call may name thousands of claims, and the loop that prepares them also serves the
+runtime's NRI requests, which must never wait long. So at most `PREPARE_CONCURRENCY` claims are
+prepared at a time (across all calls), each claim's step yields to the loop before the next, the
+file writes run in worker threads, and each claim prepared is logged at debug level with one line
+per call at info (failures at warning, at most `FAILURE_LINES` a call, the rest counted).
 
 A starting kubelet's plugin watcher only notices sockets created after it watches, and an operator or
 a clean-up may delete ours: the registration socket is checked every `CHECK_INTERVAL` (an ``lstat``)
 and served anew when it is gone or another file, so kubelet calls GetInfo again. The service socket is
-checked likewise. Both sockets are mode 0600 (kubelet runs as root).
+checked likewise. Both sockets are mode 0600 (kubelet runs as root), made by
+`nri_plugin.common.unixsocket`. A socket that cannot be served again (a file planted at its path)
+is said at warning once, then every `REPEAT_WARNING` seconds while it lasts.
+
+Strings from kubelet (a registration error) and from the API server (in a claim's error) are capped
+and escaped (`nri_plugin.common.text.clip`) before they are kept, logged or answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
-import stat
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import grpc
 import structlog
@@ -46,13 +63,17 @@ from api.dra.v1 import api_pb2 as dra
 from api.dra.v1 import api_pb2_grpc as dra_grpc
 from api.drahealth.v1 import api_pb2 as health
 from api.drahealth.v1 import api_pb2_grpc as health_grpc
+from api.drahealth.v1alpha1 import api_pb2 as health_alpha
+from api.drahealth.v1alpha1 import api_pb2_grpc as health_alpha_grpc
 from api.pluginregistration.v1 import api_pb2 as reg
 from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless, within
 from nri_plugin.common.k8snames import is_dns_subdomain
+from nri_plugin.common.text import clip
+from nri_plugin.common.unixsocket import FileId, bind_socket, file_id, remove_if_ours, socket_path_problem
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.dra import cdi
-from nri_plugin.dra.claims import AllocatedDevice, ClaimError, ClaimSource
+from nri_plugin.dra.claims import AllocatedDevice, ClaimError, ClaimSource, ClaimSourceUnreachable
 from nri_plugin.dra.config import DRIVER_NAME_MAX
 
 if TYPE_CHECKING:
@@ -68,16 +89,22 @@ __all__ = [
 ]
 
 log = structlog.get_logger("nri_plugin.dra")
+T = TypeVar("T")
 
 PLUGIN_TYPE: Final = "DRAPlugin"  # kubelet's plugin handler for DRA drivers
-# The gRPC services we serve on the endpoint, as kubelet names them in supported_versions.
-SUPPORTED_VERSIONS: Final = ("v1.DRAPlugin", "v1.DRAResourceHealth")
+# The gRPC services we serve on the endpoint, as kubelet names them in supported_versions. kubelets
+# 1.34-1.36 open the health stream as v1alpha1 (whatever we announce); later ones pick v1 when announced.
+SUPPORTED_VERSIONS: Final = ("v1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 CHECK_INTERVAL: Final = 0.5  # seconds between the socket checks
 HEALTH_REFRESH: Final = 10.0  # seconds between repeats of the (unchanging) health list
 CLAIM_TIMEOUT: Final = 10.0  # how long a prepare waits for the ClaimSource before it uses the file
 STOP_GRACE: Final = 1.0  # how long close() lets an in-flight call finish
-# A driver name is a DNS subdomain (resource.k8s.io/v1); it names a directory and a socket here.
-_SOCKET_PATH_MAX: Final = 107  # sun_path holds 108 bytes with the terminating NUL
+# Claims prepared at once, over all calls: enough to overlap the API server's round trips, few enough
+# that the loop's queue never holds more than a few claims' steps ahead of an NRI request.
+PREPARE_CONCURRENCY: Final = 8
+FAILURE_LINES: Final = 5  # claim failures logged one by one per call; the rest are counted
+REPEAT_WARNING: Final = 60.0  # seconds between warnings while a socket still cannot be served
+_ERROR_LIMIT: Final = 1024  # characters of a claim's error kept (it quotes the API server)
 
 
 class DraPluginError(Exception):
@@ -136,21 +163,12 @@ class _DraServicer(dra_grpc.DRAPluginServicer):
     async def NodePrepareResources(
         self, request: dra.NodePrepareResourcesRequest, context: ServicerContext[Any, Any]
     ) -> dra.NodePrepareResourcesResponse:
-        claims = list(request.claims)
-        answers = await asyncio.gather(*(self._plugin._prepare(c.namespace, c.name, c.uid) for c in claims))
-        response = dra.NodePrepareResourcesResponse()
-        for claim, answer in zip(claims, answers, strict=True):
-            response.claims[claim.uid].CopyFrom(answer)
-        return response
+        return await self._plugin._prepare_all(request.claims)
 
     async def NodeUnprepareResources(
         self, request: dra.NodeUnprepareResourcesRequest, context: ServicerContext[Any, Any]
     ) -> dra.NodeUnprepareResourcesResponse:
-        response = dra.NodeUnprepareResourcesResponse()
-        for claim in request.claims:
-            error = await self._plugin._unprepare(claim.namespace, claim.name, claim.uid)
-            response.claims[claim.uid].error = error
-        return response
+        return await self._plugin._unprepare_all(request.claims)
 
 
 class _HealthServicer(health_grpc.DRAResourceHealthServicer):
@@ -160,16 +178,22 @@ class _HealthServicer(health_grpc.DRAResourceHealthServicer):
     async def NodeWatchResources(
         self, request: health.NodeWatchResourcesRequest, context: ServicerContext[Any, Any]
     ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
-        plugin = self._plugin
-        plugin.open_health_streams += 1
-        log.debug("NodeWatchResources opened", event_name="NodeWatchResources")
-        try:
-            while True:
-                yield plugin._health()
-                if await sleep_unless(plugin.clock, plugin._closing, plugin.health_refresh):
-                    return
-        finally:
-            plugin.open_health_streams -= 1
+        async for message in self._plugin._health_stream("v1"):
+            yield message
+
+
+class _HealthV1Alpha1Servicer(health_alpha_grpc.DRAResourceHealthServicer):
+    """The same stream for kubelets that only have the v1alpha1 client: the two versions' messages
+    have the same fields and numbers, so each message is v1's bytes read as v1alpha1's type."""
+
+    def __init__(self, plugin: DraKubeletPlugin) -> None:
+        self._plugin = plugin
+
+    async def NodeWatchResources(
+        self, request: health_alpha.NodeWatchResourcesRequest, context: ServicerContext[Any, Any]
+    ) -> AsyncIterator[health_alpha.NodeWatchResourcesResponse]:
+        async for message in self._plugin._health_stream("v1alpha1"):
+            yield health_alpha.NodeWatchResourcesResponse.FromString(message.SerializeToString())
 
 
 @dataclass(frozen=True)
@@ -199,11 +223,9 @@ class DraPluginSettings:
                 "the DRA pool name (the node name) is empty; set [dra] node_name or env NODE_NAME"
             )
         for path in (self.registration_socket, self.endpoint):
-            if len(os.fsencode(path)) > _SOCKET_PATH_MAX:
-                raise DraPluginError(
-                    f"socket path {path} is longer than {_SOCKET_PATH_MAX} bytes, the unix socket "
-                    "limit; use shorter [dra] registry_dir, plugins_dir or driver_name"
-                )
+            problem = socket_path_problem(path)
+            if problem is not None:
+                raise DraPluginError(f"{problem}; use shorter [dra] registry_dir, plugins_dir or driver_name")
 
     @property
     def registration_socket(self) -> Path:
@@ -222,7 +244,7 @@ class _Served:
 
     server: grpc.aio.Server
     path: str
-    file_id: tuple[int, int, int] | None = None
+    file_id: FileId | None = None
 
 
 class DraKubeletPlugin:
@@ -258,10 +280,19 @@ class DraKubeletPlugin:
         self.registrations = 0  # successful registrations kubelet reported
         self.registration_sockets = 0  # times the registration socket was created
         self.open_health_streams = 0
+        # Called at each successful registration kubelet reports (the front door checks the slices).
+        self.on_registered: Callable[[], None] | None = None
         self._registration_error = ""
         self._registered = asyncio.Event()
         self._closing = asyncio.Event()
         self._locks = _ClaimLocks()
+        self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
+        # The spec files are written, read and removed by one thread of our own (made at start): the
+        # loop shares the interpreter with one worker at most, never with a pool of them.
+        self._files: ThreadPoolExecutor | None = None
+        self._published = frozenset(settings.device_names)
+        self._serve_failures = 0  # failed attempts to serve the sockets again, since the last success
+        self._serve_warned_at: float | None = None
         self._service: _Served | None = None
         self._registration: _Served | None = None
         self._task: asyncio.Task[None] | None = None
@@ -293,10 +324,11 @@ class DraKubeletPlugin:
         if self._task is not None:
             raise RuntimeError("DraKubeletPlugin already started")
         self._closing.clear()
+        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dra-cdi-files")
         try:
             await self._ensure_served()
         except DraPluginError:
-            await self._stop_serving()
+            await self.close()
             raise
         self._task = asyncio.create_task(self._keep_served(), name="dra-kubelet-plugin")
 
@@ -309,6 +341,9 @@ class DraKubeletPlugin:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._stop_serving()
+        files, self._files = self._files, None
+        if files is not None:
+            files.shutdown(wait=False)  # a write under way finishes; nothing waits for it any more
 
     async def __aenter__(self) -> DraKubeletPlugin:
         await self.start()
@@ -324,7 +359,28 @@ class DraKubeletPlugin:
             try:
                 await self._ensure_served()
             except DraPluginError as exc:
-                log.warning("DRA plugin socket could not be re-created; trying again", error=str(exc))
+                self._serve_failed(exc)
+                continue
+            if self._serve_failures:
+                log.info("DRA plugin sockets served again", failed_attempts=self._serve_failures)
+                self._serve_failures = 0
+                self._serve_warned_at = None
+
+    def _serve_failed(self, exc: DraPluginError) -> None:
+        """A failed attempt to serve a socket again: a warning for the first, then one every
+        `REPEAT_WARNING` seconds while they go on (the others at debug level)."""
+        self._serve_failures += 1
+        now = self.clock.monotonic()
+        if self._serve_warned_at is not None and now - self._serve_warned_at < REPEAT_WARNING:
+            log.debug("DRA plugin socket still cannot be re-created", error=str(exc))
+            return
+        self._serve_warned_at = now
+        log.warning(
+            "DRA plugin socket could not be re-created; trying again every "
+            f"{self.check_interval:g} s (said again every {REPEAT_WARNING:g} s while it fails)",
+            error=str(exc),
+            failed_attempts=self._serve_failures,
+        )
 
     async def _ensure_served(self) -> None:
         """Serve whichever socket is not (yet, or any more) ours: the service socket first, so kubelet
@@ -337,6 +393,7 @@ class DraKubeletPlugin:
             server = grpc.aio.server()
             dra_grpc.add_DRAPluginServicer_to_server(_DraServicer(self), server)
             health_grpc.add_DRAResourceHealthServicer_to_server(_HealthServicer(self), server)
+            health_alpha_grpc.add_DRAResourceHealthServicer_to_server(_HealthV1Alpha1Servicer(self), server)
             self._service = await _serve(server, self.endpoint, dir_mode=0o750)
             log.info("DRA plugin serving", socket=str(self.endpoint), driver=self.driver_name)
         if not _still_ours(self._registration):
@@ -357,12 +414,10 @@ class DraKubeletPlugin:
     async def _stop_serving(self) -> None:
         served = [s for s in (self._registration, self._service) if s is not None]
         self._registration = self._service = None
+        for each in served:  # the names first, before anything that awaits (and may be cancelled)
+            remove_if_ours(each.path, each.file_id)  # a file someone put there since is left alone
         for each in served:
             await _stop(each)
-            # Ours only: a file someone put there since is left alone.
-            if each.file_id is not None and _file_id(each.path) == each.file_id:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(each.path)
         self._registered.clear()
 
     # -- registration ---------------------------------------------------------------------------------
@@ -373,8 +428,10 @@ class DraKubeletPlugin:
             self._registration_error = ""
             self._registered.set()
             log.info("registered with kubelet", driver=self.driver_name, endpoint=str(self.endpoint))
+            if self.on_registered is not None:
+                self.on_registered()
         else:
-            self._registration_error = error or "kubelet gave no reason"
+            self._registration_error = clip(error) if error else "kubelet gave no reason"
             self._registered.clear()
             log.error(
                 "kubelet refused our DRA plugin", driver=self.driver_name, error=self._registration_error
@@ -382,29 +439,51 @@ class DraKubeletPlugin:
 
     # -- dra.v1 -----------------------------------------------------------------------------------------
 
-    async def _prepare(self, namespace: str, name: str, uid: str) -> dra.NodePrepareResourceResponse:
+    async def _in_file_thread(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`call(*args, **kwargs)` on the plugin's file thread (or the loop's default executor
+        when the plugin is not started)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._files, functools.partial(call, *args, **kwargs)
+        )
+
+    async def _prepare_all(self, claims: Sequence[dra.Claim]) -> dra.NodePrepareResourcesResponse:
+        """The claims of one NodePrepareResources call, at most `PREPARE_CONCURRENCY` at a time over
+        all calls, the loop given back after each one; never raises."""
+        response = dra.NodePrepareResourcesResponse()
+        pending: Iterator[dra.Claim] = iter(claims)
+        report = _CallReport("NodePrepareResources")
+        started = self.clock.monotonic()
+
+        async def worker() -> None:
+            for claim in pending:  # one iterator shared by the workers: each claim is taken once
+                async with self._prepare_slots:
+                    answer = await self._prepare(claim.namespace, claim.name, claim.uid, report)
+                response.claims[claim.uid].CopyFrom(answer)
+                await asyncio.sleep(0)  # an NRI request waiting behind this claim goes first
+
+        await asyncio.gather(*(worker() for _ in range(min(PREPARE_CONCURRENCY, len(claims)))))
+        report.summary(len(claims), seconds=round(self.clock.monotonic() - started, 3))
+        return response
+
+    async def _prepare(
+        self, namespace: str, name: str, uid: str, report: _CallReport | None = None
+    ) -> dra.NodePrepareResourceResponse:
         """One claim of a NodePrepareResources call; never raises."""
+        report = report if report is not None else _CallReport("NodePrepareResources")
         claim = cdi.ClaimRef(namespace=namespace, name=name, uid=uid)
         try:
             cdi.check_claim(claim)
             async with self._locks.hold(uid):
                 devices = await self._allocated_devices(claim)
-                self._check_pool(claim, devices)
+                self._check_published(devices)
                 spec = cdi.build_spec(claim, devices, self.key)
-                await asyncio.to_thread(cdi.write_spec, self.cdi_dir, claim, spec, fsync=self.fsync)
+                await self._in_file_thread(cdi.write_spec, self.cdi_dir, claim, spec, fsync=self.fsync)
         except (ClaimError, cdi.CdiError, OSError) as exc:
-            message = f"claim {namespace}/{name} ({uid[:80]}): {exc}"
-            log.warning(
-                "NodePrepareResources: claim not prepared", event_name="NodePrepareResources", error=message
-            )
-            return dra.NodePrepareResourceResponse(error=message)
+            return dra.NodePrepareResourceResponse(error=report.failure(claim, clip(str(exc), _ERROR_LIMIT)))
         except Exception as exc:  # a bug must cost one claim, never the daemon
-            log.exception(
-                "NodePrepareResources: unexpected failure", claim=f"{namespace}/{name}", uid=uid[:80]
-            )
-            return dra.NodePrepareResourceResponse(
-                error=f"claim {namespace}/{name} ({uid[:80]}): internal error in the DRA driver: {exc!r}"
-            )
+            log.exception("NodePrepareResources: unexpected failure", uid=clip(uid, 80))
+            reason = f"internal error in the DRA driver: {clip(repr(exc), _ERROR_LIMIT)}"
+            return dra.NodePrepareResourceResponse(error=report.failure(claim, reason))
         answer = dra.NodePrepareResourceResponse()
         for prepared in cdi.prepared_devices(uid, devices):
             answer.devices.add(
@@ -413,7 +492,8 @@ class DraKubeletPlugin:
                 device_name=prepared.device,
                 cdi_device_ids=[prepared.cdi_device_id],
             )
-        log.info(
+        report.done += 1
+        log.debug(
             "NodePrepareResources: claim prepared",
             event_name="NodePrepareResources",
             claim=f"{namespace}/{name}",
@@ -423,58 +503,83 @@ class DraKubeletPlugin:
         return answer
 
     async def _allocated_devices(self, claim: cdi.ClaimRef) -> tuple[AllocatedDevice, ...]:
-        """The claim's devices from the ClaimSource; when it fails, from the spec written earlier
-        (ClaimError if there is none)."""
+        """The claim's devices from the ClaimSource. Only while it cannot reach the API server (no
+        connection, no answer in time), from the spec written earlier, if it proves to be ours
+        (ClaimError if there is none); any answer of the API server is final."""
         try:
             devices = await within(
                 self.clock,
                 self.claim_timeout,
                 self.claims.allocated_devices(claim.namespace, claim.name, claim.uid),
             )
-        except Exception as exc:  # whatever failed, the spec written before may still answer
-            if isinstance(exc, ClaimError):
-                reason = str(exc)
-            elif isinstance(exc, TimeoutError):
-                reason = f"the claim source gave no answer within {self.claim_timeout} s"
-            else:
-                log.warning("claim source failed unexpectedly", exc_info=exc, uid=claim.uid)
-                reason = f"the claim source failed: {exc!r}"
-            recorded = await asyncio.to_thread(cdi.read_recorded, self.cdi_dir, claim)
+        except (ClaimSourceUnreachable, TimeoutError) as exc:
+            reason = (
+                str(exc)
+                if isinstance(exc, ClaimSourceUnreachable)
+                else f"the claim source gave no answer within {self.claim_timeout} s"
+            )
+            recorded = await self._in_file_thread(
+                cdi.read_recorded,
+                self.cdi_dir,
+                claim,
+                key=self.key,
+                pool=self.pool_name,
+                devices=self._published,
+            )
             if recorded is None:
                 raise ClaimError(reason) from None
             log.warning(
-                "NodePrepareResources: claim source failed; answering from the spec written before",
+                "NodePrepareResources: the API server cannot be reached; answering from our spec",
                 claim=f"{claim.namespace}/{claim.name}",
                 uid=claim.uid,
-                reason=reason,
+                reason=clip(reason),
             )
             return recorded
+        except ClaimError:
+            raise
+        except Exception as exc:  # a broken claim source is the claim's error, never a file's say
+            log.warning("claim source failed unexpectedly", exc_info=exc, uid=claim.uid)
+            raise ClaimError(f"the claim source failed: {clip(repr(exc))}") from None
         if not devices:
             raise ClaimError("its allocation names no device of this driver; check the claim's status")
         return tuple(devices)
 
-    def _check_pool(self, claim: cdi.ClaimRef, devices: Sequence[AllocatedDevice]) -> None:
+    def _check_published(self, devices: Sequence[AllocatedDevice]) -> None:
+        """Refuse a device this node did not publish: another node's pool, or a name our pool lacks."""
         for device in devices:
             if device.pool != self.pool_name:
                 raise cdi.CdiError(
-                    f"device {device.device} was allocated from pool {device.pool!r}, but this node's "
-                    f"pool is {self.pool_name!r}: the claim was allocated for another node"
+                    f"device {clip(device.device, 80)} was allocated from pool {clip(device.pool, 80)!r}, "
+                    f"but this node's pool is {self.pool_name!r}: the claim was allocated for another node"
+                )
+            if device.device not in self._published:
+                raise cdi.CdiError(
+                    f"device {clip(device.device, 80)} is not one this node published (its pool has "
+                    f"{len(self._published)} devices): the allocation is stale or forged; check the "
+                    "claim's status and the node's ResourceSlices"
                 )
 
-    async def _unprepare(self, namespace: str, name: str, uid: str) -> str:
+    async def _unprepare_all(self, claims: Sequence[dra.Claim]) -> dra.NodeUnprepareResourcesResponse:
+        """The claims of one NodeUnprepareResources call, one after another (each waits for the file
+        thread, so the loop turns between them); logged as prepares are. Never raises."""
+        response = dra.NodeUnprepareResourcesResponse()
+        report = _CallReport("NodeUnprepareResources")
+        for claim in claims:
+            response.claims[claim.uid].error = await self._unprepare(
+                claim.namespace, claim.name, claim.uid, report
+            )
+        report.summary(len(claims))
+        return response
+
+    async def _unprepare(self, namespace: str, name: str, uid: str, report: _CallReport) -> str:
         """One claim of a NodeUnprepareResources call: "" or the error; never raises."""
         try:
             async with self._locks.hold(uid):
-                removed = await asyncio.to_thread(cdi.remove_spec, self.cdi_dir, uid)
+                removed = await self._in_file_thread(cdi.remove_spec, self.cdi_dir, uid)
         except (cdi.CdiError, OSError) as exc:
-            message = f"claim {namespace}/{name} ({uid[:80]}): {exc}"
-            log.warning(
-                "NodeUnprepareResources: claim not unprepared",
-                event_name="NodeUnprepareResources",
-                error=message,
-            )
-            return message
-        log.info(
+            return report.failure(cdi.ClaimRef(namespace, name, uid), clip(str(exc), _ERROR_LIMIT))
+        report.done += 1
+        log.debug(
             "NodeUnprepareResources: claim unprepared",
             event_name="NodeUnprepareResources",
             claim=f"{namespace}/{name}",
@@ -484,6 +589,18 @@ class DraKubeletPlugin:
         return ""
 
     # -- health -----------------------------------------------------------------------------------------
+
+    async def _health_stream(self, version: str) -> AsyncIterator[health.NodeWatchResourcesResponse]:
+        """The health list now and every `health_refresh` seconds, until the plugin closes."""
+        self.open_health_streams += 1
+        log.debug("NodeWatchResources opened", event_name="NodeWatchResources", version=version)
+        try:
+            while True:
+                yield self._health()
+                if await sleep_unless(self.clock, self._closing, self.health_refresh):
+                    return
+        finally:
+            self.open_health_streams -= 1
 
     def _health(self) -> health.NodeWatchResourcesResponse:
         now = int(time.time())
@@ -499,20 +616,38 @@ class DraKubeletPlugin:
         )
 
 
-_FileId = tuple[int, int, int]
+@dataclass
+class _CallReport:
+    """What became of the claims of one NodePrepareResources (or NodeUnprepareResources) call: the
+    first `FAILURE_LINES` failures logged one by one, then one summary line."""
 
+    call: str  # the method, as the log lines name it
+    done: int = 0  # claims that succeeded
+    failed: int = 0
 
-def _file_id(path: str) -> _FileId | None:
-    """(device, inode, ctime) of `path` itself, None if it is not there (or cannot be looked at)."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return (info.st_dev, info.st_ino, info.st_ctime_ns)
+    def failure(self, claim: cdi.ClaimRef, reason: str) -> str:
+        """The error answered for `claim` (its names from kubelet capped); logged while the budget lasts."""
+        where = f"{clip(claim.namespace, 80)}/{clip(claim.name, 80)} ({clip(claim.uid, 80)})"
+        message = f"claim {where}: {reason}"
+        self.failed += 1
+        if self.failed <= FAILURE_LINES:
+            log.warning(f"{self.call}: claim failed", event_name=self.call, error=message)
+        return message
+
+    def summary(self, claims: int, **more: object) -> None:
+        log.info(
+            f"{self.call} done",
+            event_name=self.call,
+            claims=claims,
+            succeeded=self.done,
+            failed=self.failed,
+            failures_not_logged=max(0, self.failed - FAILURE_LINES),
+            **more,
+        )
 
 
 def _still_ours(served: _Served | None) -> bool:
-    return served is not None and served.file_id is not None and _file_id(served.path) == served.file_id
+    return served is not None and served.file_id is not None and file_id(served.path) == served.file_id
 
 
 async def _serve(server: grpc.aio.Server, path: Path, *, dir_mode: int) -> _Served:
@@ -520,31 +655,14 @@ async def _serve(server: grpc.aio.Server, path: Path, *, dir_mode: int) -> _Serv
     where = str(path)
     try:
         path.parent.mkdir(mode=dir_mode, parents=True, exist_ok=True)
-        _remove_stale_socket(where)
-        umask = os.umask(0o177)  # the socket is 0600 from its first instant
-        try:
-            server.add_insecure_port(f"unix:{where}")
-        finally:
-            os.umask(umask)
-        os.chmod(where, 0o600)
+        identity = bind_socket(where, lambda temporary: server.add_insecure_port(f"unix:{temporary}"))
         await server.start()
     except (OSError, RuntimeError) as exc:
         await server.stop(None)
         raise DraPluginError(f"cannot serve the DRA plugin on {where}: {exc}") from None
-    return _Served(server, where, _file_id(where))
+    return _Served(server, where, identity)
 
 
 async def _stop(served: _Served | None) -> None:
     if served is not None:
         await served.server.stop(STOP_GRACE)
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Remove a socket left at `path` by an earlier run; refuse to remove anything else."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise OSError(f"{path} exists and is not a socket; remove it or set another [dra] directory")
-    os.unlink(path)

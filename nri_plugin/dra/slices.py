@@ -22,12 +22,15 @@ where the cluster enables it. The chart renders the same object; this builder is
 it with.
 
 Objects are plain dicts in the API's JSON shape: what the API server takes, what kubernetes-validate
-checks and what lightkube sends as it is (a server-side apply body). Pure: no I/O here.
+checks and what lightkube sends as it is (a server-side apply body). :func:`slice_shape` and
+:func:`event_needs_publish` decide whether a stored slice, or a watch event on one, still matches
+what the publisher last wrote. Pure: no I/O here.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any, Final
 
 from nri_plugin.common.k8snames import SUBDOMAIN_MAX, is_dns_subdomain
@@ -39,9 +42,12 @@ __all__ = [
     "MAX_DEVICES_PER_SLICE",
     "device_class",
     "device_names",
+    "event_needs_publish",
+    "pool_generation",
     "resource_slices",
     "slice_count",
     "slice_name",
+    "slice_shape",
 ]
 
 API_VERSION: Final = "resource.k8s.io/v1"
@@ -145,3 +151,55 @@ def device_class(driver: str, extended_resource_name: str = DEFAULT_EXTENDED_RES
         "metadata": {"name": driver},
         "spec": spec,
     }
+
+
+def pool_generation(obj: Mapping[str, Any]) -> int:
+    """A stored slice's ``spec.pool.generation`` (0 when it has none)."""
+    generation = ((obj.get("spec") or {}).get("pool") or {}).get("generation")
+    return generation if isinstance(generation, int) and not isinstance(generation, bool) else 0
+
+
+def slice_shape(obj: Mapping[str, Any]) -> tuple[object, ...]:
+    """What decides whether a stored slice is the one we would publish: name, driver, node, pool
+    (name, generation, slice count), device names and owners. Fields the server adds (defaults,
+    managed fields, resourceVersion) do not count."""
+    metadata = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    pool = spec.get("pool") or {}
+    owners = tuple(
+        (ref.get("kind"), ref.get("name"), ref.get("uid"), bool(ref.get("controller")))
+        for ref in metadata.get("ownerReferences") or ()
+    )
+    return (
+        metadata.get("name"),
+        spec.get("driver"),
+        spec.get("nodeName"),
+        pool.get("name"),
+        pool.get("generation"),
+        pool.get("resourceSliceCount"),
+        tuple(device.get("name") for device in spec.get("devices") or ()),
+        owners,
+    )
+
+
+def event_needs_publish(
+    event_type: str, obj: Mapping[str, Any], published: Mapping[str, tuple[object, ...]]
+) -> bool:
+    """Whether a watch event on our driver's slices of this node means the API server no longer
+    holds exactly `published` (slice name -> :func:`slice_shape` of what we wrote):
+
+    * ``DELETED`` of one of ours (kubelet wiping the node's slices at its start, or the driver's
+      after it was unusable for a while; an operator; the garbage collector);
+    * ``ADDED`` or ``MODIFIED`` leaving a slice unlike ours (another writer changed it), or adding
+      one we did not write (publishing again deletes it).
+
+    The events of our own writes match `published` and need nothing; so do other kinds of event
+    (``BOOKMARK``) and the deletion of a slice we no longer publish."""
+    name = (obj.get("metadata") or {}).get("name")
+    if not isinstance(name, str):
+        return False
+    if event_type == "DELETED":
+        return name in published
+    if event_type in ("ADDED", "MODIFIED"):
+        return published.get(name) != slice_shape(obj)
+    return False

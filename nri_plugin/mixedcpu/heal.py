@@ -2,7 +2,7 @@
 history of events.
 
 The handlers keep the books from the runtime's events, but real runtimes do not report every end
-they cause (``runtime-observations.md``, "The project's plugin on real runtimes"):
+they cause (docs/runtime-behaviour.md, "Ends the runtimes do not report"):
 
 * containerd forgets the pods it ran before its own restart: they are never reported stopped or
   removed, so their device bindings would never end, and the next pod kubelet gives such a device
@@ -13,7 +13,7 @@ they cause (``runtime-observations.md``, "The project's plugin on real runtimes"
 * a stopped container's cgroup lingers until removal with its raised quota, so cgroup v1 refuses
   the lower pod quota (put right at the stop itself: `quota.PodQuotas.restore_container`).
 
-So the `Healer` trusts the node, but only what it has seen twice:
+So the `Healer` checks the books against the node, and takes nothing away on one look:
 
 * a pod whose cgroup directory is missing at two passes a reconcile interval apart (an event of the
   pod in between starts the count again; nothing is decided in the middle of a pod's events) is
@@ -23,17 +23,35 @@ So the `Healer` trusts the node, but only what it has seen twice:
   missing cgroup until the runtime says the pod is removed (StopPodSandbox, RemovePodSandbox, or a
   Synchronize without it). A cgroup that cannot be checked (a path refused, a symlink, a permission)
   is never taken for a missing one;
-* a container whose cgroup has not appeared `grace` seconds after the runtime could have made it
-  (longer than any normal creation) gives its share back (``container_never_created``). When that is
-  depends on the runtime (``runtime-observations.md``): CRI-O makes the cgroup in its ``runc create``
-  right after NRI CreateContainer, so the grace counts from the creation; containerd makes it only at
-  StartContainer, which kubelet may send any time later (a loaded node, an image pull), so there it
-  counts from StartContainer: a container not yet started keeps its share until its start, its stop
-  or removal, or Synchronize (the runtime's own word). A container whose share was given back and
-  that the runtime starts after all gets it again, its pod raised before it runs;
+* a container given a share whose creation the runtime never finished gives it back
+  (``container_never_created``), but only once the runtime shows the creation over: never on a look
+  that finds no cgroup while the creation may still be running (a runtime writes the container's
+  raised quota late in its creation, and cgroup v1 refuses it above a lowered pod quota: the
+  creation would fail). What shows it depends on the runtime (docs/design.md, Healing):
+
+  - CRI-O calls NRI CreateContainer before its ``runc create``, which makes the cgroup; a failed
+    ``runc create`` is followed by no NRI event at all, and its Synchronize does not list a
+    container still in ``runc create`` either. So the watch ends at StartContainer with the cgroup
+    there, and otherwise is decided `creation_timeout` seconds after CreateContainer: CRI-O abandons
+    a ``runc create`` after its ``container_create_timeout`` (240 s by default) and deletes what it
+    made, so a container with no cgroup by then was never created, and one with its cgroup was.
+    (PostCreateContainer, which CRI-O sends after a ``runc create`` that worked, says nothing the
+    cgroup and StartContainer do not: the plugin does not subscribe to it, which would add a round
+    trip to every creation);
+  - containerd makes the cgroup in its task's creation, just before it tells plugins of
+    StartContainer, which kubelet may send any time later: a container not yet started keeps its
+    share until its start, its stop or removal, or Synchronize (containerd lists what it created and
+    holds Synchronize while a CRI call is in flight). Once started, a cgroup gone `grace` seconds
+    later was made and removed by the runtime: the container is over.
+
+  Before either, the runtime's own word ends the watch: StopContainer or RemoveContainer of the
+  container, a newer instance in its slot (kubelet's retry: the share passes to it), its pod's end.
+  A container whose share was given back and that the runtime starts after all gets it again, its
+  pod raised before it runs;
 * at Synchronize, a container the books held that the runtime no longer runs has given its share
-  back (``container_gone``), and a pod the runtime no longer lists has ended its bindings
-  (``pod_gone``);
+  back (``container_gone``), but for a CRI-O creation still within its `creation_timeout`: CRI-O lists
+  no container still in ``runc create``, so its share is carried over (`carry_creations`); and a pod
+  the runtime no longer lists has ended its bindings (``pod_gone``);
 * every pod quota is brought to its target, whoever moved it (``pod_quota``).
 
 When: at the events of a pod (its overdue creations are looked at), at Synchronize, and every
@@ -62,10 +80,11 @@ from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota
 from nri_plugin.mixedcpu.policy import pod_key
 from nri_plugin.mixedcpu.quota import PodQuotas, PodState
-from nri_plugin.mixedcpu.status import RECENT_HEALS, HealNote
+from nri_plugin.mixedcpu.status import RECENT_HEALS, HealNote, Holder, Roster
 
 __all__ = [
     "CREATION_GRACE",
+    "CREATION_TIMEOUT",
     "HEAL_KINDS",
     "MIN_CREATION_GRACE",
     "PASS_BUDGET",
@@ -77,13 +96,17 @@ __all__ = [
 
 log = structlog.get_logger(LOGGER_NAME)
 
-# How long after the runtime could have made it (CRI-O: CreateContainer; containerd: StartContainer)
-# a container's cgroup may take to appear: far longer than that takes (tens of milliseconds), and at
-# most one reconcile interval, so a failed creation is healed within one period; but never under
-# MIN_CREATION_GRACE, however short the interval: a slow step (a loaded node, emulation) must not lose
-# its share before the runtime has made its cgroup.
+# containerd: how long after StartContainer (its task creation has made the cgroup by then) a cgroup
+# may be missing before the container is taken for over: at most one reconcile interval, so a
+# container gone without a word is healed within one period; but never under MIN_CREATION_GRACE,
+# however short the interval.
 CREATION_GRACE: Final = 10.0
 MIN_CREATION_GRACE: Final = 2.0
+# CRI-O: how long after NRI CreateContainer a creation may still be running. CRI-O waits for its
+# `runc create` at most its runtime handler's container_create_timeout (240 s by default, never under
+# 30 s), then kills and deletes it; the steps around it (storage, mounts, the cleanup) take seconds:
+# a minute more is kept for them. Raise it with container_create_timeout (the `creation_timeout` key).
+CREATION_TIMEOUT: Final = 300.0
 HEAL_KINDS: Final = ("pod_gone", "container_never_created", "container_gone", "pod_quota")
 # Wall seconds one reconcile pass may take (its reads and writes of pod cgroups: about 0.1 ms a pod);
 # past it the rest waits for the next pass.
@@ -95,6 +118,16 @@ _T = TypeVar("_T")
 
 _WHY_FORGOTTEN = "its cgroup directory is gone, and the runtime never reported the pod stopped or removed"
 _KEPT = "pod gone: its books are dropped; its device bindings last until the runtime reports it removed"
+
+
+def _gone(*, books: bool, bindings: bool, kept: bool) -> str:
+    """What a pod_gone heal dropped, said of what the pod had: its books, its device bindings (or
+    that they are kept, in the marker fallback), or both."""
+    if bindings and kept:
+        return _KEPT
+    if bindings:
+        return f"pod gone: its {'books and ' if books else ''}device bindings are dropped"
+    return "pod gone: its books are dropped"
 
 
 class HealObserver(Protocol):
@@ -111,7 +144,8 @@ class _Creation(NamedTuple):
     slot: Slot
     container_id: str
     cgroups_path: str  # as the runtime sent it: validated when it is looked for, not at creation
-    due: float | None  # on the clock: when its cgroup must exist; None: not before its StartContainer
+    due: float | None  # on the clock: when its creation is over; None: not before its StartContainer
+    since: str  # the event `due` counts from: CreateContainer (CRI-O) or StartContainer
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +168,8 @@ class Healer:
     """Checks the books held by `quotas` against the node; see the module docstring.
 
     `interval` None: no timer, the checks run at events and Synchronize only. `grace` defaults to
-    `CREATION_GRACE`, or the interval when that is shorter, but not under `MIN_CREATION_GRACE`.
+    `CREATION_GRACE`, or the interval when that is shorter, but not under `MIN_CREATION_GRACE`;
+    `creation_timeout` (settable) is `CREATION_TIMEOUT`.
     """
 
     def __init__(
@@ -151,6 +186,7 @@ class Healer:
         self.quotas = quotas
         self.interval = interval
         self.grace = grace if grace is not None else _default_grace(interval)
+        self.creation_timeout = CREATION_TIMEOUT
         self.observer = observer
         self._clock = clock
         # Pod key -> slot name -> the latest creation in that slot whose cgroup is yet to be seen.
@@ -163,9 +199,13 @@ class Healer:
         # again if the runtime starts it after all. One per slot, until the slot's next watched
         # creation, the container's end, the pod's end or Synchronize.
         self._given_back: dict[str, dict[str, ContainerRecord]] = {}
-        # Whether the runtime makes a container's cgroup inside CreateContainer (CRI-O), so that its
-        # grace counts from there; otherwise (containerd, or a runtime not named) from StartContainer.
+        # Whether the runtime makes a container's cgroup inside its creation (CRI-O: `runc create` after
+        # NRI CreateContainer), so that a creation is watched from there until its start or
+        # `creation_timeout`; otherwise (containerd, or a runtime not named) from StartContainer, for
+        # `grace`.
         self.cgroup_at_creation = False
+        # Ids of the watched CRI-O creations the last Synchronize did not list but carried over.
+        self.carried: frozenset[str] = frozenset()
         # Whether device bindings outlive a missing pod cgroup (until the runtime reports the pod
         # removed): they must where they are the only proof against a replayed marker.
         self.keep_bindings = True
@@ -177,6 +217,8 @@ class Healer:
         self._grace_due = 0.0
         self._deferred: list[str] = []  # pod keys a pass over its budget left for the next one
         self.recent: deque[HealNote] = deque(maxlen=RECENT_HEALS)  # the latest heals, newest first
+        # Who the shared containers are (the plugin's), for the namespace and name of a heal's pod.
+        self.roster: Roster | None = None
 
     @property
     def books(self) -> Books:
@@ -267,23 +309,28 @@ class Healer:
     # -- the events ---------------------------------------------------------------------------------------
 
     def watch_creation(self, slot: Slot, container: api.Container) -> None:
-        """A container was given a share: its cgroup must appear within `grace` seconds of the moment
-        the runtime could have made it (`cgroup_at_creation`: now; else at its StartContainer). (Its
-        path is checked when it is looked for: most containers end the watch by their events first.)"""
+        """A container was given a share: its creation is watched until the runtime shows it over
+        (`cgroup_at_creation`: its start, or `creation_timeout` seconds from now; else from its
+        StartContainer on, for `grace`). (Its path is checked when it is looked for: most containers
+        end the watch by their events first.)"""
         path = container.linux.cgroups_path
         if not path:  # no path: only its events can end it
             return
         _drop(self._given_back, slot)  # a new instance: the one given back is dead
-        due = self._clock.monotonic() + self.grace if self.cgroup_at_creation else None
-        self._creations.setdefault(slot.pod, {})[slot.name] = _Creation(slot, container.id, path, due)
+        if self.cgroup_at_creation:
+            due: float | None = self._clock.monotonic() + self.creation_timeout
+            creation = _Creation(slot, container.id, path, due, "CreateContainer")
+        else:
+            due, creation = None, _Creation(slot, container.id, path, None, "StartContainer")
+        self._creations.setdefault(slot.pod, {})[slot.name] = creation
         if due is not None:
             self._arm_grace(due)
 
     async def container_started(self, slot: Slot, pod: api.PodSandbox, container: api.Container) -> None:
         """StartContainer: the runtime has made the container's cgroup (containerd makes it here, just
-        before it tells plugins), or is about to. A watched container's grace counts from now if its
-        cgroup is not there yet; one whose share was given back gets it again, its pod raised before
-        it runs (a `PluginRefusal` if the pod cgroup fails us, as at a creation)."""
+        before it tells plugins). A watched container's `grace` counts from now if its cgroup is not
+        there; one whose share was given back gets it again, its pod raised before it runs (a
+        `PluginRefusal` if the pod cgroup fails us, as at a creation)."""
         creation = self._creations.get(slot.pod, {}).get(slot.name)
         if creation is not None and creation.container_id == container.id:
             try:
@@ -366,14 +413,46 @@ class Healer:
                 fields = {"container_id": container.id, EVENT_NAME: "Synchronize"}
                 self.quotas.restore_container(container.linux.cgroups_path, record.exclusive, fields)
 
+    def carry_creations(
+        self, previous: Books, books: Books, pods: Mapping[str, api.PodSandbox], listed: Iterable[str]
+    ) -> None:
+        """Synchronize on CRI-O: a watched creation not yet due that the runtime does not list may
+        still be in its ``runc create`` (CRI-O lists a container only once that is done). Its share
+        is carried into the rebuilt `books` (if its pod is listed and its slot free there) and its
+        watch kept, so its pod quota is not lowered under it."""
+        carried: set[str] = set()
+        if self.cgroup_at_creation:
+            seen = set(listed)
+            now = self._clock.monotonic()
+            for slots in self._creations.values():
+                for creation in slots.values():
+                    slot = creation.slot
+                    pod = pods.get(slot.pod)
+                    record = previous.holder(slot)
+                    if pod is None or record is None or creation.container_id in seen:
+                        continue
+                    if record.id != creation.container_id or books.holder(slot) is not None:
+                        continue  # another instance: the books' own word
+                    if creation.due is None or creation.due <= now:
+                        continue  # over by now: Synchronize says it is gone
+                    new_pod = None
+                    if slot.pod not in books.pods:
+                        new_pod = PodRecord(cgroup_parent=pod.linux.cgroup_parent, baseline=None, period=1)
+                    books.hold(slot, record, new_pod=new_pod)
+                    carried.add(creation.container_id)
+        self.carried = frozenset(carried)
+
     def after_sync(
         self, previous: Books, pods: Iterable[api.PodSandbox], containers: Iterable[api.Container]
     ) -> None:
         """Say what Synchronize, the runtime's own view, healed of the previous books; the watches
-        end (the runtime lists what it created); the timer starts."""
+        end (the runtime lists what it created) but those of the creations `carry_creations` carried;
+        the timer starts."""
         present = {pod_key(pod) for pod in pods}
         states = {container.id: container.state for container in containers}
         for slot, record in previous.slots():
+            if record.id in self.carried:
+                continue
             state = states.get(record.id)
             if state is not None and state != api.CONTAINER_STOPPED:
                 continue
@@ -381,22 +460,30 @@ class Healer:
             self._healed(
                 "container_gone",
                 "shared container no longer running: its share is given back",
+                self._holder(record.id),
                 why=f"{why}, and no StopContainer or RemoveContainer reached the plugin",
                 container_id=record.id,
                 slot=str(slot),
             )
-        for key in sorted((set(previous.pods) | previous.bound_pods()) - present):
+        bound = previous.bound_pods()
+        for key in sorted((set(previous.pods) | bound) - present):
             self._healed(
                 "pod_gone",
-                "pod gone: its books and device bindings are dropped",
+                _gone(books=key in previous.pods, bindings=key in bound, kept=False),
+                self._pod_holder(previous.pods.get(key)),
                 why="the runtime no longer lists it, and its end was not reported to the plugin",
                 pod_key=key,
             )
-        self._creations.clear()
+        kept = {
+            key: {name: c for name, c in slots.items() if c.container_id in self.carried}
+            for key, slots in self._creations.items()
+        }
+        self._creations = {key: slots for key, slots in kept.items() if slots}
         self._displaced.clear()
         self._given_back.clear()
         self._missing.clear()
         self.start()
+        self._arm_grace()
 
     # -- the whole pass -----------------------------------------------------------------------------------
 
@@ -465,6 +552,7 @@ class Healer:
             self._healed(
                 "pod_quota",
                 "pod quota was off its target: brought back",
+                self._pod_holder(self.books.pods.get(key)),
                 why="changed behind the plugin's back (another agent, systemd re-applying a unit), or a "
                 "lowering the kernel refused earlier",
                 pod_key=key,
@@ -477,8 +565,8 @@ class Healer:
         return 0
 
     async def _check_creations(self, key: str | None = None) -> int:
-        """The creations past their grace (of pod `key`, or all): a container whose cgroup never
-        appeared gives its share back. How many did."""
+        """The creations past their due (of pod `key`, or all): one the runtime finished (its
+        cgroup is there) is left alone; one it did not gives its share back. How many did."""
         now = self._clock.monotonic()
         pods = list(self._creations) if key is None else [key]
         watches = [c for pod in pods for c in self._creations.get(pod, {}).values()]
@@ -515,14 +603,24 @@ class Healer:
         if released is not None:
             self._given_back.setdefault(key, {})[creation.slot.name] = released[1]
         record = self.books.pods[key]
-        since = "CreateContainer" if self.cgroup_at_creation else "StartContainer"
         # Lowered first, then told: whoever reads the line (or the counter) sees the pod already right.
         await self.quotas.settle(key, record.cgroup_parent, {"pod_key": key, EVENT_NAME: "reconcile"})
+        if creation.since == "CreateContainer":
+            why = (
+                f"no cgroup {self.creation_timeout:g} s after CreateContainer, longer than the runtime "
+                "lets a creation run (CRI-O: container_create_timeout): its creation failed after the "
+                "plugin's adjustment, and no StopContainer or RemoveContainer follows"
+            )
+        else:
+            why = (
+                f"its cgroup, made by the runtime by StartContainer, is gone {self.grace:g} s later, and no "
+                "StopContainer or RemoveContainer came"
+            )
         self._healed(
             "container_never_created",
             "container never created: its share is given back",
-            why=f"its cgroup did not appear within {self.grace:g} s of {since}: the runtime's "
-            "creation failed after the plugin's adjustment, and no StopContainer or RemoveContainer follows",
+            self._holder(creation.container_id),
+            why=why,
             container_id=creation.container_id,
             slot=str(creation.slot),
             container_cgroup=cgroup.fs_path,
@@ -555,13 +653,16 @@ class Healer:
     def _drop_pod(self, key: str, why: str, cgroup_parent: str | None = None) -> None:
         books = self.books
         cgroup_parent = cgroup_parent or books.cgroup_parent(key) or "?"
+        who = self._pod_holder(books.pods.get(key))
+        bound = key in books.bound_pods()
         record = books.pods.pop(key, None)
         freed = [] if self.keep_bindings else books.unbind_pod(key)
         self.quotas.cancel_retry(key)
         self.forget_pod(key)
         self._healed(
             "pod_gone",
-            _KEPT if self.keep_bindings else "pod gone: its books and device bindings are dropped",
+            _gone(books=record is not None, bindings=bound, kept=self.keep_bindings),
+            who,
             why=why,
             pod_key=key,
             pod_cgroup=cgroup_parent,
@@ -569,7 +670,17 @@ class Healer:
             devices=freed,
         )
 
-    def _healed(self, kind: str, message: str, **fields: object) -> None:
+    def _holder(self, container_id: str) -> Holder | None:
+        return self.roster.get(container_id) if self.roster is not None else None
+
+    def _pod_holder(self, record: PodRecord | None) -> Holder | None:
+        return self.roster.of_pod(record) if self.roster is not None else None
+
+    def _healed(self, kind: str, message: str, who: Holder | None = None, **fields: object) -> None:
+        """Log the heal, keep it for the status, count it; `who`: its pod's namespace and name,
+        when the roster knows them."""
+        if who is not None:
+            fields = {"namespace": who.namespace, "pod": who.pod, **fields}
         log.info(message, heal=kind, **fields)
         self.recent.appendleft(HealNote(time.time(), kind, message, fields))
         if self.observer is not None:

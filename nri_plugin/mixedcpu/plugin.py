@@ -20,9 +20,10 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   kept raised. Any other container: no update at all, so kubelet's request goes through untouched.
   With NUMA-local shared CPUs, new exclusive CPUs on other nodes bring other shared CPUs: the books
   and the pod quota follow (the pod's raised before the reply).
-* **Synchronize**: the books are rebuilt from the running containers, containers that prove a
-  request but lack the current shared CPUs get ``ContainerUpdate``s, and pod quotas are brought to
-  their targets.
+* **Synchronize**: the books are rebuilt from the running containers (and, on CRI-O, the creations
+  still within their time, which CRI-O does not list: `heal.Healer.carry_creations`), containers that
+  prove a request but lack the current shared CPUs get ``ContainerUpdate``s, and pod quotas are
+  brought to their targets.
 * **UpdatePodSandbox** (kubelet resized the pod in place; NRI v0.10+): the pod's own quota from
   its new resources, and its quota raised to that plus the shares again (`quota.PodQuotas.resize`).
   Runtimes that do not send it: the pod quota kubelet rewrote is noticed at the pod's next
@@ -35,7 +36,7 @@ pod by pod, so that nothing else changes the books meanwhile; no handler waits f
 pod quota writer, `nri_plugin.systemd`, tells systemd in the background).
 
 Beside the events, `heal.Healer` checks the books against the node (pods whose cgroup is gone,
-containers whose cgroup never appeared, pod quotas off their target): at each pod's events, at
+containers the runtime shows never created, pod quotas off their target): at each pod's events, at
 Synchronize, and every `reconcile_interval` seconds once synchronized.
 """
 
@@ -123,7 +124,8 @@ class CreationObserver(Protocol):
 
     def creation_decided(self, outcome: str) -> None:
         """`outcome`: ``granted``, or why it was refused: ``pod_spec`` or ``node`` (the policy's
-        `PolicyError.kind`), ``cgroup`` (the pod quota could not be raised), ``state_file``."""
+        `PolicyError.kind`), ``cgroup`` (the pod cgroup could not be opened, read or raised),
+        ``state_file``."""
 
 
 def _refusal(exc: PolicyError) -> PluginRefusal:
@@ -194,6 +196,7 @@ class MixedCpuPlugin(
         self.later = LaterLines()  # the info line of each creation, written after its reply
         self.creations: CreationObserver | None = None  # settable, as `observer` is
         self.roster = Roster()  # who the shared containers are, for the status
+        self.healer.roster = self.roster  # a heal names its pod by namespace and name
 
     @property
     def books(self) -> Books:
@@ -237,8 +240,8 @@ class MixedCpuPlugin(
 
     async def configure(self, request: api.ConfigureRequest) -> None:
         self.runtime = request.runtime_name
-        # CRI-O makes a container's cgroup right after NRI CreateContainer; containerd only at
-        # StartContainer (runtime-observations.md): where the healer's grace counts from.
+        # CRI-O makes a container's cgroup in its runc create, after NRI CreateContainer; containerd
+        # only at StartContainer: what the healer watches a creation by.
         self.healer.cgroup_at_creation = request.runtime_name == "cri-o"
         if request.runtime_name == "cri-o" and self.trust_pod_annotation:
             # CRI-O (1.30 and later) runs its own shared-CPU hook, after NRI, for a pod that names a
@@ -443,6 +446,7 @@ class MixedCpuPlugin(
             check_all=tracing,
         )
         present = {pod_key(pod): pod for pod in pods}
+        self.healer.carry_creations(previous, rebuilt.books, present, (c.id for c in containers))
         self.healer.before_sync(previous, containers)
         failed = await self.quotas.sync_pods(present, rebuilt.books, previous, rebuilt.applied)
         updates = updates_to_send(rebuilt, failed)

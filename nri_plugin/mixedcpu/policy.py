@@ -94,8 +94,10 @@ ISOLATED_ENV: Final = "OPENSHIFT_ISOLATED_CPUS"
 LEGACY_SHARED_ENV: Final = "OPENSHIFT_MUTUAL_CPUS"
 # What the three names above begin with: an env without it sets none of them.
 _ENV_PREFIX: Final = "OPENSHIFT_"
-# The env entry of the DRA marker, up to its value.
-_MARKER_ENV_ENTRY: Final = MARKER_ENV + "="
+# The env entries of the DRA marker, up to their value: the DRA driver's specs set one per device,
+# MIXED_CPU_SHARED_CPUS_ALLOCATION_<DEVICE>= (CDI merges env entries by name); specs written before
+# that set the bare name.
+_MARKER_ENV_DEVICE: Final = MARKER_ENV + "_"
 POD_ANNOTATION_PREFIX: Final = "cpu-shared.crio.io/"
 POD_ANNOTATION_VALUE: Final = "enable"
 REQUEST_RESOURCE: Final = "workload.openshift.io/enable-shared-cpus"
@@ -240,7 +242,7 @@ def shows_evidence(pod: api.PodSandbox, container: api.Container) -> bool:
     if not env:
         return False
     text = "\n".join(env)
-    return _ENV_PREFIX in text or _MARKER_ENV_ENTRY in text
+    return _ENV_PREFIX in text or (MARKER_ENV in text and bool(_env_markers(container)))
 
 
 def presents_marker(container: api.Container) -> bool:
@@ -262,20 +264,39 @@ _IN_ENV: Final = f"the {MARKER_ENV} env entry (set by the DRA driver's CDI spec)
 _IN_ANNOTATION: Final = f"the {MARKER_ANNOTATION} annotation"
 
 
-def _env_marker(container: api.Container) -> str | None:
-    """The value of the container's DRA marker env entry (the last one wins, as for the CPU
-    variables), None when it has none."""
-    for entry in reversed(container.env):
-        if entry.startswith(_MARKER_ENV_ENTRY):
-            return entry[len(_MARKER_ENV_ENTRY) :]
-    return None
+def _env_markers(container: api.Container) -> dict[str, str]:
+    """The container's DRA marker env entries, name -> value (the last of a name wins, as for the
+    CPU variables)."""
+    found: dict[str, str] = {}
+    for entry in container.env:
+        if entry.startswith(MARKER_ENV):
+            name, equals, value = entry.partition("=")
+            if equals and (name == MARKER_ENV or name.startswith(_MARKER_ENV_DEVICE)):
+                found[name] = value
+    return found
+
+
+def _env_marker(container: api.Container, notes: list[str] | None = None) -> str | None:
+    """The value of the container's DRA marker env entry, None when it has none. A container given
+    two devices of the driver carries one entry each: the first by name is checked (one device is
+    all a container needs), and `notes` say which were not."""
+    markers = _env_markers(container)
+    if not markers:
+        return None
+    first, *others = sorted(markers)
+    if others and notes is not None:
+        notes.append(
+            f"{len(markers)} DRA marker env entries; {first} is checked, not {', '.join(others)}: "
+            "a container needs one shared-CPUs device, give it one claim of one device"
+        )
+    return markers[first]
 
 
 def _find_marker(container: api.Container, notes: list[str]) -> _Marker | None:
     """The marker the container presents: the annotation when it has one (a differing env entry is
     noted as ignored), else the DRA env entry; None when it presents neither."""
     annotation = container.annotations.get(MARKER_ANNOTATION)
-    env = _env_marker(container)
+    env = _env_marker(container, notes if annotation is None else None)
     if annotation is None:
         return None if env is None else _Marker(env, "DRA marker", _IN_ENV)
     if env is not None and env != annotation:

@@ -20,7 +20,7 @@ import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, Slot
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.policy import SharedPool, choose_shared, cpus_or_empty, format_cpuset, shared_by_node
 
 __all__ = [
@@ -99,6 +99,12 @@ class Roster:
         self._holders[container_id] = holder
         if len(self._holders) > 2 * books.shared_containers + 64:
             self._holders = {cid: h for cid, h in self._holders.items() if books.holds(cid)}
+
+    def of_pod(self, record: PodRecord | None) -> Holder | None:
+        """Who one of the pod's shared containers is (its namespace and name are the pod's)."""
+        if record is None:
+            return None
+        return next((h for held in record.containers.values() if (h := self.get(held.id)) is not None), None)
 
     def released(self, container_id: str) -> None:
         self._holders.pop(container_id, None)
@@ -225,5 +231,7 @@ def _heal(note: HealNote) -> dict[str, Any]:
         "message": note.message,
         "why": str(fields.get("why", "")),
         "pod_key": str(pod_key) if pod_key else None,
+        "namespace": str(fields["namespace"]) if fields.get("namespace") else None,
+        "pod": str(fields["pod"]) if fields.get("pod") else None,
         "container_id": str(fields["container_id"]) if fields.get("container_id") else None,
     }

@@ -10,8 +10,9 @@ and the operation goes on without them, as on a real node; an error status fails
 
 Real runtimes do not keep every promise of that model; `RuntimeModes` (``sim.modes``, all off by
 default) switches on the behaviours seen on them that leave a plugin's view of the node behind:
-pods forgotten across a restart, creations that fail after the plugins adjusted them, stopped
-containers whose resources linger until removal. The simulator holds no resources itself: it calls
+pods forgotten across a restart, creations that fail after the plugins adjusted them, a slow
+``runc create`` between NRI CreateContainer and PostCreateContainer, stopped containers whose
+resources linger until removal. The simulator holds no resources itself: it calls
 `RuntimeSimulator.release_resources` when the runtime would delete a container's cgroup, for a
 subclass that plays the cgroups (the tests' fake tree) to do it.
 
@@ -93,8 +94,8 @@ class CdiInjectionFailed(Exception):
 
 @dataclass
 class RuntimeModes:
-    """Behaviours of real runtimes that a plugin cannot learn from its events (``runtime-observations.
-    md``, "The project's plugin on real runtimes"); each off by default, switched on to reproduce it."""
+    """Behaviours of real runtimes that a plugin cannot learn from its events (docs/runtime-behaviour.md,
+    "Ends the runtimes do not report"); each off by default, switched on to reproduce it."""
 
     # containerd (its issue 8426, still so in v2.4): after its own restart it never reports the pods it
     # ran before as stopped or removed (no StopPodSandbox, no RemovePodSandbox); their containers'
@@ -111,6 +112,11 @@ class RuntimeModes:
     # plugins hear of the start), however long after CreateContainer kubelet starts it; off, as CRI-O,
     # in CreateContainer right after the plugins' adjustment (its runc create). See `make_resources`.
     cgroup_made_at_start: bool = False
+    # CRI-O: its ``runc create`` (which makes the cgroup) runs after NRI CreateContainer, outside the
+    # runtime's NRI lock, and PostCreateContainer follows it: the seconds it takes, on `RuntimeSimulator.
+    # clock` (a loaded node or a slow disk make seconds ordinary). With `create_fails_after_adjustment`
+    # it fails at their end. 0: at once, in the same hold of the lock as NRI CreateContainer.
+    runc_create_seconds: float = 0.0
 
 
 class AdjustmentConflict(Exception):
@@ -215,6 +221,7 @@ class RuntimeSimulator:
         # Called once a Synchronize's messages are built, just before the first is sent.
         self.on_sync_start: Callable[[], None] | None = None
         self.modes = RuntimeModes()
+        self.clock: Clock = LOOP_CLOCK  # what `RuntimeModes.runc_create_seconds` are counted on
         # Pods this runtime ran before its restart and forgot (`RuntimeModes.forgets_pods_on_restart`),
         # and the events it did not send for them: (event, pod id).
         self.forgotten_pods: set[str] = set()
@@ -630,49 +637,77 @@ class RuntimeSimulator:
     async def create_container(
         self, container: api.Container, *, cdi_devices: Sequence[str] = ()
     ) -> CreateResult:
-        """CreateContainer through every subscribed plugin; the adjusted container is stored.
+        """CreateContainer through every subscribed plugin; the adjusted container is created (its
+        resources made: `make_resources`), stored, and PostCreateContainer sent.
 
         `cdi_devices`: fully qualified CDI device names (``<vendor>/<class>=<name>``, as kubelet passes
         them in the CRI request); their env edits are applied first, and one no spec defines raises
         `CdiInjectionFailed` before any plugin is called (see `cdi`).
 
+        With `RuntimeModes.runc_create_seconds`, the creation proper (CRI-O's ``runc create``) takes
+        that long after NRI CreateContainer, the lock let go meanwhile (other events go on); with
+        `RuntimeModes.create_fails_after_adjustment` it then fails (`CreationFailed`), no event sent."""
+        async with self._lock:
+            pod, current, merged, updates = await self._adjusted(container, cdi_devices)
+            if self.modes.runc_create_seconds <= 0:
+                return await self._created(pod, current, merged, updates)
+        await self.clock.sleep(self.modes.runc_create_seconds)
+        async with self._lock:
+            return await self._created(pod, current, merged, updates)
+
+    async def _adjusted(
+        self, container: api.Container, cdi_devices: Sequence[str]
+    ) -> tuple[api.PodSandbox, api.Container, api.ContainerAdjustment, list[api.ContainerUpdate]]:
+        """NRI CreateContainer: the pod, the container as the plugins adjusted it, the adjustment
+        merged over them and the updates of other containers they asked.
+
         Each plugin is sent the pod and the container as the plugins before it adjusted it; its
         adjustment is claimed, merged and applied at once (`_take_adjustment`). The request goes
         out encoded from its two parts (`_create_request`), the pod's encoded once per creation."""
-        async with self._lock:
-            pod = self.pods[container.pod_sandbox_id]
-            current = _copy(container)
-            current.state = api.CONTAINER_CREATED
-            ident = current.id  # (each read of a message's field makes a new str)
-            if cdi_devices:
-                self._inject_cdi(current, cdi_devices)
-            merged = api.ContainerAdjustment()
-            claims: dict[str, str] = {}
-            updates: list[api.ContainerUpdate] = []
-            plugins = self._subscribers(Event.CREATE_CONTAINER)
-            pod_field = _length_delimited(_POD_TAG, pod.SerializeToString()) if plugins else b""
-            for plugin in plugins:
-                request = _create_request(pod_field, current)
-                reply = await self._call(
-                    plugin, _CREATE.method, request, _CREATE.response_type, container=ident
-                )
-                if reply is None:
-                    continue
-                if reply.update:
-                    asked = reply.update[:]
-                    _refuse_own_update(asked, ident, plugin.full_name)
-                    updates += asked
-                _take_adjustment(merged, current, reply.adjust, claims, plugin.full_name)
-            if self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT):
-                await self._validate(pod, container, merged, updates)
-            if self.modes.create_fails_after_adjustment:
-                raise CreationFailed(ident)
-            if not self.modes.cgroup_made_at_start:
-                self.make_resources(current)
-            self.containers[ident] = current
-            for update in updates:
-                self._apply_update(update, source=_CREATE.method)
-            return CreateResult(merged, current, updates)
+        pod = self.pods[container.pod_sandbox_id]
+        current = _copy(container)
+        current.state = api.CONTAINER_CREATED
+        ident = current.id  # (each read of a message's field makes a new str)
+        if cdi_devices:
+            self._inject_cdi(current, cdi_devices)
+        merged = api.ContainerAdjustment()
+        claims: dict[str, str] = {}
+        updates: list[api.ContainerUpdate] = []
+        plugins = self._subscribers(Event.CREATE_CONTAINER)
+        pod_field = _length_delimited(_POD_TAG, pod.SerializeToString()) if plugins else b""
+        for plugin in plugins:
+            request = _create_request(pod_field, current)
+            reply = await self._call(plugin, _CREATE.method, request, _CREATE.response_type, container=ident)
+            if reply is None:
+                continue
+            if reply.update:
+                asked = reply.update[:]
+                _refuse_own_update(asked, ident, plugin.full_name)
+                updates += asked
+            _take_adjustment(merged, current, reply.adjust, claims, plugin.full_name)
+        if self._subscribers(Event.VALIDATE_CONTAINER_ADJUSTMENT):
+            await self._validate(pod, container, merged, updates)
+        return pod, current, merged, updates
+
+    async def _created(
+        self,
+        pod: api.PodSandbox,
+        current: api.Container,
+        merged: api.ContainerAdjustment,
+        updates: list[api.ContainerUpdate],
+    ) -> CreateResult:
+        """The creation proper (CRI-O's ``runc create``, which makes the cgroup; containerd makes it
+        at the start), then PostCreateContainer."""
+        if self.modes.create_fails_after_adjustment:
+            raise CreationFailed(current.id)
+        if not self.modes.cgroup_made_at_start:
+            self.make_resources(current)
+        self.containers[current.id] = current
+        for update in updates:
+            self._apply_update(update, source=_CREATE.method)
+        if self._subscribers(Event.POST_CREATE_CONTAINER):
+            await self._state_event(Event.POST_CREATE_CONTAINER, pod, current)
+        return CreateResult(merged, current, updates)
 
     def _inject_cdi(self, container: api.Container, names: Sequence[str]) -> None:
         """The CDI devices' env edits, applied to `container`; `CdiInjectionFailed` as the runtime."""

@@ -5,7 +5,7 @@ shape of `nri_plugin.mixedcpu.quota.PodQuotaWriter`). For a pod whose cgroup is 
 (`units.pod_unit`), the limit is set on the unit with ``SetUnitProperties(unit, runtime=true, ...)``
 on the system bus, so that systemd, which writes a unit's recorded values again at every
 ``daemon-reload`` or change of the unit, keeps it: a value written to the file behind its back would
-be put back (``runtime-observations.md``, "systemd puts back cgroup files written behind its back").
+be put back (docs/runtime-behaviour.md, "systemd puts back cgroup files written behind its back").
 
 **systemd is never waited for on the request path.** A write goes to the cgroup file at once (the
 kernel's own answer, a refusal the caller knows how to retry, comes back to the caller), and systemd

@@ -38,7 +38,7 @@ from mixedcpu_support import (
 
 from api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey, dra_device_id
-from nri_plugin.deviceplugin.podresources import PodResourcesClient
+from nri_plugin.deviceplugin.podresources import DraDevices, PodResourcesClient
 from nri_plugin.nri.cdispecs import CdiSpecs
 from nri_plugin.nri.simulator import RuntimeSimulator, env_of
 
@@ -47,6 +47,7 @@ DRIVER = "shared-cpus.mixed-cpu.openshift.io"
 CDI_KIND = "mixed-cpu.openshift.io/shared-cpus"
 NAMING = NAMINGS[0]
 FORGED = "v1:dra.shared-cpus-4:" + "A" * 43
+PUBLISHED = frozenset(f"shared-cpus-{n}" for n in range(8))  # what node-1's ResourceSlices list
 
 
 @pytest.fixture
@@ -108,7 +109,12 @@ async def dra_node(root: Path, *, kubelet_answers: bool = True) -> AsyncIterator
     record = PodResourcesRecord(root / "pr" / "kubelet.sock" if kubelet_answers else None)
     await record.start()
     tree = FakeCgroups(root / "cgroup", 2)
-    allocations = PodResourcesClient(str(root / "pr" / "kubelet.sock"), RESOURCE, dra_driver=DRIVER, ttl=0.0)
+    allocations = PodResourcesClient(
+        str(root / "pr" / "kubelet.sock"),
+        RESOURCE,
+        dra=DraDevices(DRIVER, "node-1", PUBLISHED),
+        ttl=0.0,
+    )
     plugin, key = make_plugin(root / "state", tree.layout, allocations=allocations)
     socket = root / "nri.sock"
     try:
@@ -169,9 +175,17 @@ async def test_forged_and_replayed_env_markers_get_nothing_where_kubelet_answers
             f"ns/thief/{name} (a replayed, harvested or planted marker)"
             for name in ("copy", "env", "forged")
         ]
-        # Another driver's device under our device's name proves nothing either.
+        # Another driver's device under our device's name proves nothing either; nor does our
+        # driver's device in another node's pool, or one our pool never published.
         node.record.claim("ns", "thief", "gpu", "gpus", "gpu.example.com", "shared-cpus-3")
         assert not shared(await node.create(thief, "t4", "gpu", cdi_devices=[cdi]))
+        node.record.claim("ns", "thief", "other-pool", "c2", DRIVER, "shared-cpus-3", pool="node-2")
+        assert not shared(await node.create(thief, "t5", "other-pool", cdi_devices=[cdi]))
+        unpublished = prepare(
+            node.cdi_dir, "uid-8", "shared-cpus-99999", node.key.sign("dra.shared-cpus-99999")
+        )
+        node.record.claim("ns", "thief", "unpublished", "c3", DRIVER, "shared-cpus-99999")
+        assert not shared(await node.create(thief, "t6", "unpublished", cdi_devices=[unpublished]))
 
 
 @pytest.mark.asyncio

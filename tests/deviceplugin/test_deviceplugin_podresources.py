@@ -27,6 +27,7 @@ from nri_plugin.deviceplugin.podresources import (
     GET_RETRY_FIRST,
     LOOKUP_TIMEOUT,
     MAX_ANSWER,
+    DraDevices,
     PodResourcesClient,
     socket_state,
 )
@@ -329,17 +330,22 @@ async def test_check_says_when_kubelet_does_not_serve_get(
 # -- requests served through DRA (kubelet's dynamic_resources, KEP-3695) --------------------------------
 
 DRIVER = "shared-cpus.mixed-cpu.openshift.io"
+# What our driver published: node-1's pool, shared-cpus-0 .. shared-cpus-9.
+OURS = {"dra": DraDevices(DRIVER, "node-1", frozenset(f"shared-cpus-{n}" for n in range(10)))}
 
 
 def record_dra(served: PodResourcesRecord) -> None:
     """A pod whose "main" holds a DRA device of ours beside a device-plugin one, its "sidecar" one of
-    ours only, and its "gpu-user" a device of another driver under a name like ours."""
+    ours only, its "gpu-user" a device of another driver under a name like ours, its "far" one of our
+    driver in another node's pool, and its "ghost" one our pool never published."""
     served.assign("ns", "dra", "main", RESOURCE, "shared-cpus-1")
     cdi = ("mixed-cpu.openshift.io/shared-cpus=uid-1-shared-cpus-7",)
     served.claim("ns", "dra", "main", "cpus", DRIVER, "shared-cpus-7", cdi_devices=cdi)
     served.claim("ns", "dra", "sidecar", "cpus-2", DRIVER, "shared-cpus-8")
     served.claim("ns", "dra", "sidecar", "cpus-2", DRIVER, "shared-cpus-9")
     served.claim("ns", "dra", "gpu-user", "gpus", "gpu.example.com", "shared-cpus-5")
+    served.claim("ns", "dra", "far", "cpus-3", DRIVER, "shared-cpus-4", pool="node-2")
+    served.claim("ns", "dra", "ghost", "cpus-4", DRIVER, "shared-cpus-19999")
 
 
 DRA_PROOF = {
@@ -353,7 +359,7 @@ async def test_get_gives_a_container_its_dra_devices_of_our_driver_as_marker_ids
     record: PodResourcesRecord, directory: Path
 ) -> None:
     record_dra(record)
-    asked, lookups = client(directory / "kubelet.sock", ttl=0.0, dra_driver=DRIVER)
+    asked, lookups = client(directory / "kubelet.sock", ttl=0.0, **OURS)
     assert await asked.pod_allocations("ns", "dra") == DRA_PROOF
     assert await asked.pod_allocations("ns", "fwd") == {"main": frozenset({"shared-cpus-3"})}
     assert record.calls == ["Get", "Get"]
@@ -369,7 +375,7 @@ async def test_list_gives_the_dra_devices_of_our_driver_too(
 ) -> None:
     record_dra(record)
     record.get_enabled = False
-    asked, lookups = client(directory / "kubelet.sock", ttl=0.0, dra_driver=DRIVER)
+    asked, lookups = client(directory / "kubelet.sock", ttl=0.0, **OURS)
     assert await asked.pod_allocations("ns", "dra") == DRA_PROOF
     assert record.calls == ["Get", "List"]
     node = await asked.node_allocations()
@@ -388,7 +394,7 @@ async def test_a_pod_with_only_a_dra_device_of_ours_is_remembered(
     record.claim("ns", "drapod", "main", "cpus", DRIVER, "shared-cpus-0")
     record.claim("ns", "gpupod", "main", "gpus", "gpu.example.com", "gpu-0")
     clock = ManualClock()
-    asked, _ = client(directory / "kubelet.sock", clock=clock, ttl=2.0, dra_driver=DRIVER)
+    asked, _ = client(directory / "kubelet.sock", clock=clock, ttl=2.0, **OURS)
     for _ in range(3):
         assert await asked.pod_allocations("ns", "drapod") == {"main": frozenset({"dra.shared-cpus-0"})}
         assert await asked.pod_allocations("ns", "gpupod") == {}

@@ -1,8 +1,11 @@
 """A Kubernetes API server stand-in for the DRA tests: HTTP/1.1 on 127.0.0.1, objects kept in memory.
 
 It answers what the publisher and the claim source ask, the way the real server does on the wire:
-GET, LIST (with ``fieldSelector``), POST, PUT, PATCH (server-side apply only) and DELETE on any
-``/api/v1/...`` or ``/apis/<group>/<version>/...`` collection, namespaced or not. It fills
+GET, LIST (with ``fieldSelector``), WATCH (``?watch=true``: a chunked stream of JSON events, from a
+``resourceVersion`` or, without one, starting with an ADDED event for each object there), POST,
+PUT, PATCH (server-side apply only), DELETE, and DELETE on a collection (kubelet's DeleteCollection,
+with ``fieldSelector``) on any ``/api/v1/...`` or ``/apis/<group>/<version>/...`` collection,
+namespaced or not. It fills
 ``metadata.uid``, ``metadata.resourceVersion`` and ``metadata.creationTimestamp``, refuses a create of
 an existing name (409 AlreadyExists) and a PUT with a stale resourceVersion (409 Conflict), answers a
 missing object with 404 NotFound, and an apply that changes nothing leaves the object (and its
@@ -10,8 +13,11 @@ resourceVersion) as it was. Errors are ``Status`` objects in ``application/json`
 
 Every request is recorded (:attr:`FakeApiServer.requests`: method, path, query, headers, body), and the
 server can be told to fail the next N requests with a status code, or to hang them (no answer until the
-server closes), to drive a client's retries and timeouts. The parsing is our own, plain asyncio: request
-line, headers and a ``Content-Length`` body, several requests on one kept-alive connection.
+server closes), to drive a client's retries and timeouts; to stop listening (every connection, open
+watches too, dropped; new ones refused) and to listen again on the same port; and to keep changes
+out of the watch streams (:attr:`FakeApiServer.deliver_watch_events`), as a watch that missed them.
+The parsing is our own, plain asyncio: request line, headers and a ``Content-Length`` body, several
+requests on one kept-alive connection.
 """
 
 from __future__ import annotations
@@ -91,19 +97,40 @@ class FakeApiServer:
     require_token: bool = True
     _faults: list[_Fault] = field(default_factory=list)
     _versions: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _last_version: int = 0
+    # Every change, for the watches: (resourceVersion, collection, event type, object).
+    _events: list[tuple[int, str, str, dict[str, Any]]] = field(default_factory=list)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    deliver_watch_events: bool = True
+    watches: int = 0  # watch requests answered
+    # A watch from a resourceVersion below this gets the API server's "too old resource version"
+    # (an ERROR event carrying a 410 Expired Status), as after etcd compacted that history.
+    expired_below: int = 0
+    _watch_epoch: int = 0
     _server: asyncio.Server | None = None
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
     _handlers: set[asyncio.Task[None]] = field(default_factory=set)
     port: int = 0
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop_listening(self) -> None:
+        """The API server goes away: every connection (open watches too) dropped, new ones refused."""
+        await self.close()
+        self._server = None
+        self._closing = asyncio.Event()
+
+    async def listen_again(self) -> None:
+        """Back, on the same port, with the same objects."""
+        await self.start()
 
     async def close(self) -> None:
         self._closing.set()
         if self._server is not None:
             self._server.close()
+        self._wake()
         for task in list(self._handlers):
             task.cancel()
         for task in list(self._handlers):
@@ -152,14 +179,18 @@ class FakeApiServer:
         namespace: str,
         name: str,
         *,
-        results: list[dict[str, str]] | None,
+        results: list[dict[str, Any]] | None,
         uid: str | None = None,
+        requests: list[dict[str, Any]] | None = None,
     ) -> str:
-        """A ResourceClaim, allocated with `results` (driver, pool, device, request), or not allocated
+        """A ResourceClaim asking `requests` (default: one request "shared" of exactly one device),
+        allocated with `results` (driver, pool, device, request, maybe adminAccess), or not allocated
         when `results` is None. Its uid is returned."""
+        if requests is None:
+            requests = [{"name": "shared", "exactly": {"deviceClassName": "x"}}]
         obj: dict[str, Any] = {
             "metadata": {"name": name, "namespace": namespace},
-            "spec": {"devices": {"requests": [{"name": "shared", "exactly": {"deviceClassName": "x"}}]}},
+            "spec": {"devices": {"requests": requests}},
         }
         if results is not None:
             obj["status"] = {"allocation": {"devices": {"results": results}}}
@@ -211,6 +242,9 @@ class FakeApiServer:
                 fault = self._take_fault(request.path)
                 if fault is not None and fault.status is None:
                     await self._closing.wait()
+                    break
+                if fault is None and self._is_watch(request):
+                    await self._watch(request, writer)
                     break
                 if fault is not None and fault.status is not None:
                     status, body = fault.status, _status(fault.status, "injected failure")
@@ -267,6 +301,9 @@ class FakeApiServer:
                 return 200, self._list(collection, plural, request.query.get("fieldSelector", ""))
             if method == "POST":
                 return self._post(collection, plural, request.body)
+            if method == "DELETE":
+                self.delete_collection(collection, request.query.get("fieldSelector", ""))
+                return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}
             return 405, _status(405, f"{method} on a collection")
         current = stored.get(name)
         if method == "PATCH":
@@ -278,7 +315,7 @@ class FakeApiServer:
         if method == "PUT":
             return self._put(collection, name, current, request.body)
         if method == "DELETE":
-            del stored[name]
+            self._delete(collection, name)
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}
         return 405, _status(405, f"{method} on an object")
 
@@ -288,25 +325,123 @@ class FakeApiServer:
         obj["kind"], obj["apiVersion"] = kind, api_version
         metadata = obj.setdefault("metadata", {})
         metadata["uid"] = str(uuid.uuid4())
-        metadata["resourceVersion"] = str(next(self._versions))
+        metadata["resourceVersion"] = self._next_version()
         metadata["creationTimestamp"] = "2026-01-01T00:00:00Z"
         self.objects.setdefault(collection, {})[metadata["name"]] = obj
+        self._record(collection, "ADDED", obj)
         return obj
 
+    def delete_collection(self, collection: str, selector: str = "") -> list[str]:
+        """Delete what `selector` matches in `collection`, as DeleteCollection does; the names."""
+        stored = self.objects.get(collection, {})
+        gone = [name for name, obj in sorted(stored.items()) if _matches(obj, selector)]
+        for name in gone:
+            self._delete(collection, name)
+        return gone
+
+    def end_watches(self) -> None:
+        """End every open watch stream cleanly, as the API server does at a watch's timeout."""
+        self._watch_epoch += 1
+        self._wake()
+
+    def replace_object(self, collection: str, obj: dict[str, Any]) -> None:
+        """Another writer's update of a stored object (a new resourceVersion, a MODIFIED event)."""
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["resourceVersion"] = self._next_version()
+        self.objects[collection][obj["metadata"]["name"]] = obj
+        self._record(collection, "MODIFIED", obj)
+
+    def _delete(self, collection: str, name: str) -> None:
+        gone = self.objects[collection].pop(name)
+        gone["metadata"]["resourceVersion"] = self._next_version()
+        self._record(collection, "DELETED", gone)
+
+    def _next_version(self) -> str:
+        self._last_version = next(self._versions)
+        return str(self._last_version)
+
+    def _record(self, collection: str, kind: str, obj: dict[str, Any]) -> None:
+        if self.deliver_watch_events:
+            version = int(obj["metadata"]["resourceVersion"])
+            self._events.append((version, collection, kind, copy.deepcopy(obj)))
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def _list(self, collection: str, plural: str, selector: str) -> dict[str, Any]:
-        wanted = [term.split("=", 1) for term in selector.split(",") if term]
         items = [
             copy.deepcopy(obj)
             for _, obj in sorted(self.objects.get(collection, {}).items())
-            if all(_field(obj, path) == value for path, value in wanted)
+            if _matches(obj, selector)
         ]
         kind, api_version = KINDS[plural]
         return {
             "kind": f"{kind}List",
             "apiVersion": api_version,
-            "metadata": {"resourceVersion": str(next(self._versions))},
+            "metadata": {"resourceVersion": str(self._last_version)},
             "items": items,
         }
+
+    @staticmethod
+    def _is_watch(request: Request) -> bool:
+        return request.method == "GET" and request.query.get("watch") in ("true", "1")
+
+    async def _watch(self, request: Request, writer: asyncio.StreamWriter) -> None:
+        """A watch stream: chunked JSON lines until timeoutSeconds, the client leaves, or we close."""
+        located = _locate(request.path)
+        if (self.require_token and request.headers.get("authorization") != f"Bearer {TOKEN}") or (
+            located is None or located[2] is not None
+        ):
+            status, body = (
+                (401, _status(401, "no or wrong bearer token")) if located else (404, _status(404, "?"))
+            )
+            payload = json.dumps(body).encode()
+            writer.write(
+                f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            await writer.drain()
+            return
+        collection, _plural, _ = located
+        self.watches += 1
+        selector = request.query.get("fieldSelector", "")
+        since = request.query.get("resourceVersion", "")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        if since in ("", "0"):
+            cursor = self._last_version
+            for _, obj in sorted(self.objects.get(collection, {}).items()):
+                if _matches(obj, selector):
+                    _chunk(writer, {"type": "ADDED", "object": obj})
+        elif int(since) < self.expired_below:
+            expired = _status(410, f"too old resource version: {since} ({self.expired_below})", "Expired")
+            _chunk(writer, {"type": "ERROR", "object": expired})
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return
+        else:
+            cursor = int(since)
+        timeout = float(request.query.get("timeoutSeconds") or 0) or None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stream(writer, collection, selector, cursor), timeout)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def _stream(
+        self, writer: asyncio.StreamWriter, collection: str, selector: str, cursor: int
+    ) -> None:
+        epoch = self._watch_epoch
+        while not self._closing.is_set() and epoch == self._watch_epoch:
+            for version, where, kind, obj in self._events:
+                if version > cursor and where == collection and _matches(obj, selector):
+                    _chunk(writer, {"type": kind, "object": obj})
+                cursor = max(cursor, version)
+            await writer.drain()
+            await self._changed.wait()
 
     def _post(self, collection: str, plural: str, body: Any) -> tuple[int, dict[str, Any]]:
         name = body["metadata"]["name"]
@@ -323,8 +458,9 @@ class FakeApiServer:
         replaced = copy.deepcopy(body)
         for key in ("uid", "creationTimestamp"):
             replaced["metadata"][key] = current["metadata"][key]
-        replaced["metadata"]["resourceVersion"] = str(next(self._versions))
+        replaced["metadata"]["resourceVersion"] = self._next_version()
         self.objects[collection][name] = replaced
+        self._record(collection, "MODIFIED", replaced)
         return 200, copy.deepcopy(replaced)
 
     def _apply(self, collection: str, plural: str, name: str, request: Request) -> tuple[int, dict[str, Any]]:
@@ -351,8 +487,9 @@ class FakeApiServer:
             else:
                 merged[key] = copy.deepcopy(value)
         if merged != current:
-            merged["metadata"]["resourceVersion"] = str(next(self._versions))
+            merged["metadata"]["resourceVersion"] = self._next_version()
             self.objects[collection][name] = merged
+            self._record(collection, "MODIFIED", merged)
         return 200, copy.deepcopy(merged)
 
 
@@ -373,6 +510,18 @@ def _locate(path: str) -> tuple[str, str, str | None] | None:
         return None
     collection = "/" + "/".join(segments[: start + 1])
     return collection, rest[0], rest[1] if len(rest) == 2 else None
+
+
+def _matches(obj: dict[str, Any], selector: str) -> bool:
+    """Whether `obj` passes a field selector of ``path=value`` terms joined by commas."""
+    wanted = [term.split("=", 1) for term in selector.split(",") if term]
+    return all(_field(obj, path) == value for path, value in wanted)
+
+
+def _chunk(writer: asyncio.StreamWriter, event: dict[str, Any]) -> None:
+    """One watch event as one chunk of a chunked response: a JSON line."""
+    data = json.dumps(event).encode() + b"\n"
+    writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
 
 def _field(obj: dict[str, Any], dotted: str) -> str:

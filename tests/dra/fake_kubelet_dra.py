@@ -3,37 +3,48 @@
 Independent of the code under test: it does not import our generated modules (api.dra,
 api.pluginregistration, api.drahealth). Requests are encoded and answers decoded by hand, from the
 field numbers of kubelet's own protos (k8s.io/kubelet pkg/apis/pluginregistration/v1, dra/v1,
-dra-health/v1), with a small protobuf writer/reader below, and the calls go out through grpc with
+dra-health/v1 and v1alpha1), with a small protobuf writer/reader below, and the calls go out through grpc with
 identity (bytes) serializers on the upstream method paths. If our protos had a wrong number, name,
 package or type, these calls would fail or decode to something else.
 
 What it does, in kubelet's order: find ``*-reg.sock`` files in the registry directory, call GetInfo,
 check the type and the versions, dial the announced endpoint, report with NotifyRegistrationStatus;
-then NodePrepareResources / NodeUnprepareResources / NodeWatchResources on the endpoint.
+then NodePrepareResources / NodeUnprepareResources / NodeWatchResources on the endpoint. And what
+its DRA plugin manager does to the API server: delete the node's ResourceSlices (DeleteCollection by
+field selector) of every driver when kubelet starts, and of one driver once that driver has been
+unusable for its wiping delay (30 s), see :meth:`FakeKubeletDra.wipe_resource_slices`.
+
+Which health service it opens depends on the kubelet release it plays (`minor`): 1.34-1.36 have only
+the v1alpha1 client and open ``/v1alpha1.DRAResourceHealth/NodeWatchResources`` on every plugin
+(with their ResourceHealthStatus gate on), whatever it announced; later ones take v1 when the plugin
+announces ``v1.DRAResourceHealth``, else v1alpha1 when it announces that, else none.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import urllib.parse
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx2
 
 # Method paths: the upstream packages and services.
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
 PREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"
 UNPREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources"
-WATCH = "/v1.DRAResourceHealth/NodeWatchResources"
+HEALTH_METHOD = "/{}/NodeWatchResources"  # the service as announced: "v1.DRAResourceHealth", ...
 
 DRA_PLUGIN_TYPE = "DRAPlugin"
 KUBELET_VERSIONS = ("v1.DRAPlugin",)  # what this kubelet speaks (1.34+)
 HEALTH_VERSION = "v1.DRAResourceHealth"
-HEALTHY = 1  # v1.HealthStatus
+HEALTH_VERSION_ALPHA = "v1alpha1.DRAResourceHealth"
+HEALTHY = 1  # HealthStatus, the same in v1 and v1alpha1
 CALL_TIMEOUT = 15.0  # against hangs only
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
@@ -171,6 +182,18 @@ class DeviceHealth:
     last_updated_time: int
 
 
+def cdi_devices_for(prepared: Prepared, request: str) -> list[str]:
+    """The CDI devices kubelet hands the runtime for a container whose ``resources.claims`` entry
+    names this claim and `request` ("" for the whole claim): those of every prepared device whose
+    request_names hold `request` (or that names none)."""
+    return [
+        cdi_id
+        for device in prepared.devices
+        if not request or not device.request_names or request in device.request_names
+        for cdi_id in device.cdi_device_ids
+    ]
+
+
 def encode_claims(claims: list[Claim]) -> bytes:
     # Node(Un)PrepareResourcesRequest: repeated Claim claims = 1
     return b"".join(length_delimited(1, c.encode()) for c in claims)
@@ -238,9 +261,20 @@ class Registered:
     channel: grpc.aio.Channel
 
 
+def health_service(minor: int, supported_versions: tuple[str, ...]) -> str | None:
+    """The health service a kubelet 1.`minor` opens on a plugin announcing `supported_versions`."""
+    if minor <= 36:
+        return HEALTH_VERSION_ALPHA
+    for service in (HEALTH_VERSION, HEALTH_VERSION_ALPHA):
+        if service in supported_versions:
+            return service
+    return None
+
+
 @dataclass
 class FakeKubeletDra:
     registry_dir: Path
+    minor: int = 37  # the kubelet release played: 1.<minor>
     plugins: dict[str, Registered] = field(default_factory=dict)  # by driver name
     get_info_calls: int = 0
 
@@ -304,14 +338,30 @@ class FakeKubeletDra:
         return decode_unprepare_response(await call(encode_claims(claims), timeout=CALL_TIMEOUT))
 
     async def watch_health(self, driver: str) -> AsyncGenerator[list[DeviceHealth], None]:
-        """The health stream, one decoded message at a time (kubelet keeps it open)."""
-        call = self._channel(driver).unary_stream(WATCH, **_BYTES)
+        """The health stream this kubelet release opens, one decoded message at a time (kubelet keeps
+        it open). Raises LookupError when it would open none."""
+        service = health_service(self.minor, self.plugins[driver].info.supported_versions)
+        if service is None:
+            raise LookupError(f"kubelet 1.{self.minor} opens no health stream on {driver}")
+        call = self._channel(driver).unary_stream(HEALTH_METHOD.format(service), **_BYTES)
         stream: Any = call(b"")
         try:
             async for message in stream:
                 yield decode_health(message)
         finally:
             stream.cancel()
+
+    @staticmethod
+    async def wipe_resource_slices(api_url: str, token: str, node: str, driver: str = "") -> None:
+        """kubelet's wipe: DeleteCollection of the node's ResourceSlices (of `driver` only, if given),
+        as kubelet sends it at its start (all drivers) and when a driver's wiping delay ran out."""
+        selector = f"spec.nodeName={node}" + (f",spec.driver={driver}" if driver else "")
+        url = f"{api_url}/apis/resource.k8s.io/v1/resourceslices?" + urllib.parse.urlencode(
+            {"fieldSelector": selector}
+        )
+        async with httpx2.AsyncClient(timeout=CALL_TIMEOUT) as client:
+            response = await client.delete(url, headers={"Authorization": f"Bearer {token}"})
+        response.raise_for_status()
 
     async def close(self) -> None:
         for plugin in self.plugins.values():

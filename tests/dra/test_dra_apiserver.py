@@ -23,7 +23,7 @@ from wait_support import wait_until
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.dra import apiserver, slices
 from nri_plugin.dra.apiserver import ApiClaimSource, ClientConfigError, PublishError, ResourceSlicePublisher
-from nri_plugin.dra.claims import AllocatedDevice, ClaimError
+from nri_plugin.dra.claims import AllocatedDevice, ClaimError, ClaimSourceUnreachable
 
 DRIVER = "shared-cpus.mixed-cpu.openshift.io"
 OTHER_DRIVER = "gpu.example.com"
@@ -53,9 +53,19 @@ def fast_backoff() -> Backoff:
     return Backoff(0.01, 0.05)
 
 
-def publisher(client: AsyncClient, device_count: int = 256) -> ResourceSlicePublisher:
+def publisher(
+    client: AsyncClient, device_count: int = 256, resync_interval: float = 3600.0
+) -> ResourceSlicePublisher:
+    """A publisher with fast retries; the resync is an hour unless a test shortens it, so what
+    restores a slice within a test is the watch."""
     return ResourceSlicePublisher(
-        client=client, driver=DRIVER, node_name=NODE, device_count=device_count, backoff=fast_backoff()
+        client=client,
+        driver=DRIVER,
+        node_name=NODE,
+        device_count=device_count,
+        backoff=fast_backoff(),
+        watch_backoff=fast_backoff(),
+        resync_interval=resync_interval,
     )
 
 
@@ -297,6 +307,160 @@ async def test_republish_during_run_publishes_the_new_count(
     assert pools(server) == [(f"{NODE}-{DRIVER}-0", 2, 1, 10)]
 
 
+# -- keeping them published -------------------------------------------------------------------------
+
+OURS = f"spec.nodeName={NODE},spec.driver={DRIVER}"
+
+
+def names_and_devices(server: FakeApiServer) -> list[tuple[str, int]]:
+    return [(name, devices) for name, _, _, devices in pools(server)]
+
+
+FULL = [(f"{NODE}-{DRIVER}-0", 128), (f"{NODE}-{DRIVER}-1", 128)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "selector", [f"spec.nodeName={NODE}", OURS], ids=["kubelet-start", "driver-unusable"]
+)
+async def test_slices_kubelet_wipes_come_back(
+    server: FakeApiServer, client: AsyncClient, selector: str
+) -> None:
+    """kubelet deletes every slice of its node when it starts, and a driver's slices once the driver
+    was unusable for 30 s (DeleteCollection by field selector); the watch sees it and they return."""
+    server.add_node(NODE)
+    pub = publisher(client)
+    with structlog.testing.capture_logs() as logs:
+        task = await run_until_published(pub)
+        await wait_until(lambda: server.watches >= 1, what="the publisher watching its slices")
+        gone = server.delete_collection(SLICES, selector)
+        assert [name for name, _ in FULL] == gone
+        await wait_until(lambda: names_and_devices(server) == FULL, what="the slices published again")
+        await asyncio.wait_for(pub.wait_published(), GUARD)
+        await stop(task)
+    assert pub.published
+    assert pub.restores >= 1
+    seen = [entry for entry in logs if entry["event"].startswith("our ResourceSlices were deleted")]
+    assert [(entry["log_level"], entry["watch_event"]) for entry in seen][:1] == [("warning", "DELETED")]
+    assert server.watches == 1  # the same watch saw it through: it never failed
+    assert not [entry for entry in logs if entry["log_level"] not in ("info", "debug", "warning")]
+    assert not [entry for entry in logs if "failed" in entry["event"]]
+
+
+@pytest.mark.asyncio
+async def test_a_slice_changed_by_another_writer_is_put_back(
+    server: FakeApiServer, client: AsyncClient
+) -> None:
+    server.add_node(NODE)
+    pub = publisher(client)
+    task = await run_until_published(pub)
+    await wait_until(lambda: server.watches >= 1, what="the publisher watching its slices")
+    [first, _] = server.slices()
+    first["spec"]["devices"] = first["spec"]["devices"][:3]
+    server.replace_object(SLICES, first)
+    await wait_until(lambda: names_and_devices(server) == FULL, what="the slice put back")
+    await asyncio.wait_for(pub.wait_published(), GUARD)
+    assert {obj["spec"]["pool"]["generation"] for obj in server.slices()} == {2}  # a new generation
+    await stop(task)
+
+
+@pytest.mark.asyncio
+async def test_our_own_writes_start_no_new_round(server: FakeApiServer, client: AsyncClient) -> None:
+    server.add_node(NODE)
+    pub = publisher(client)
+    task = await run_until_published(pub)
+    await wait_until(lambda: server.watches >= 1, what="the publisher watching its slices")
+    pub.republish(device_count=300)  # three slices now: the watch sees our own applies
+    await asyncio.wait_for(pub.wait_published(), GUARD)
+    await wait_until(lambda: len(server.slices()) == 3, what="the new pool")
+    lists = len(
+        [r for r in server.requests if r.method == "GET" and r.path == SLICES and "watch" not in r.query]
+    )
+    await stop(task)
+    assert pub.restores == 0
+    assert lists == 2  # the first round and the republish, nothing the watch asked for
+
+
+@pytest.mark.asyncio
+async def test_an_expired_watch_starts_again_from_a_fresh_list(
+    server: FakeApiServer, client: AsyncClient
+) -> None:
+    """The API server ends a watch; resumed from its resourceVersion, it is too old (410 Expired):
+    the publisher checks the slices and watches again from the new list, and still sees deletions."""
+    server.add_node(NODE)
+    pub = publisher(client)
+    with structlog.testing.capture_logs() as logs:
+        task = await run_until_published(pub)
+        await wait_until(lambda: server.watches >= 1, what="the publisher watching its slices")
+        server.add_node("worker-2")  # history moves on, and what the watch started from is compacted
+        server.expired_below = server._last_version
+        server.end_watches()
+        await wait_until(lambda: server.watches >= 3, what="the watch resumed, expired, started again")
+        server.delete_collection(SLICES, OURS)
+        await wait_until(lambda: names_and_devices(server) == FULL, what="the slices published again")
+        await stop(task)
+    [expired] = [entry for entry in logs if entry["event"].startswith("watching the ResourceSlices failed")]
+    assert expired["log_level"] == "warning"
+    assert expired["error"] == "the watch's starting point expired on the API server (410 Gone)"
+    assert pub.restores >= 1
+
+
+@pytest.mark.asyncio
+async def test_a_missed_deletion_is_caught_at_the_resync(server: FakeApiServer, client: AsyncClient) -> None:
+    server.add_node(NODE)
+    pub = publisher(client, resync_interval=0.2)
+    task = await run_until_published(pub)
+    server.deliver_watch_events = False  # the watch misses what follows
+    server.delete_collection(SLICES, OURS)
+    await wait_until(lambda: names_and_devices(server) == FULL, what="the slices back after a resync")
+    assert pub.restores == 0  # not the watch: the resync's check
+    await stop(task)
+
+
+@pytest.mark.asyncio
+async def test_the_api_server_down_for_a_while_and_back(server: FakeApiServer, client: AsyncClient) -> None:
+    server.add_node(NODE)
+    pub = publisher(client)
+    task = await run_until_published(pub)
+    await wait_until(lambda: server.watches >= 1, what="the publisher watching its slices")
+    await server.stop_listening()
+    await wait_until(lambda: pub.watch_failures >= 1, what="the watch failing")
+    await wait_until(lambda: pub.failures >= 2, what="the checks failing")
+    server.objects[SLICES].clear()  # gone meanwhile, unseen
+    await server.listen_again()
+    await wait_until(lambda: names_and_devices(server) == FULL, what="the slices back")
+    await asyncio.wait_for(pub.wait_published(), GUARD)
+    await wait_until(lambda: pub.failures == 0, what="the failures cleared")
+    await stop(task)
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_error_is_retried_not_the_end(server: FakeApiServer, client: AsyncClient) -> None:
+    server.add_node(NODE)
+    pub = publisher(client)
+    real = pub._slices
+    calls = 0
+
+    def broken_once(node_uid: str, count: int, generation: int) -> tuple[dict[str, Any], ...]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug")
+        return real(node_uid, count, generation)
+
+    pub._slices = broken_once  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs:
+        task = await run_until_published(pub)
+    await stop(task)
+    assert names_and_devices(server) == FULL
+    [failure] = [
+        entry for entry in logs if entry["event"] == "publishing the ResourceSlices failed, retrying"
+    ]
+    assert failure["log_level"] == "warning"
+    assert failure["error"] == "unexpected failure publishing: RuntimeError: a bug"
+    assert isinstance(failure["exc_info"], RuntimeError)
+
+
 @pytest.mark.asyncio
 async def test_an_unreachable_api_server_is_a_publish_error(tmp_path: Path) -> None:
     async with FakeApiServer() as gone:
@@ -415,10 +579,55 @@ async def test_claim_devices_of_our_driver_in_allocation_order(
     ]
 
 
+# The claims and allocations as the scheduler writes them (resource.k8s.io/v1), one per shape.
+CLASS = DRIVER  # the chart's DeviceClass is named after the driver
+PLAIN = ([{"name": "shared", "exactly": {"deviceClassName": CLASS}}], [result("shared-cpus-4")])
+FIRST_AVAILABLE = (
+    [
+        {
+            "name": "cpus",
+            "firstAvailable": [
+                {"name": "gpu-side", "deviceClassName": "gpu.example.com"},
+                {"name": "shared", "deviceClassName": CLASS},
+            ],
+        }
+    ],
+    [result("shared-cpus-5", request="cpus/shared")],
+)
+ADMIN = (
+    [{"name": "watch", "exactly": {"deviceClassName": CLASS, "adminAccess": True}}],
+    [{**result("shared-cpus-6", request="watch"), "adminAccess": True}],
+)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        (PLAIN, (AllocatedDevice("shared", NODE, "shared-cpus-4"),)),
+        (FIRST_AVAILABLE, (AllocatedDevice("cpus/shared", NODE, "shared-cpus-5"),)),
+        (ADMIN, (AllocatedDevice("watch", NODE, "shared-cpus-6", admin_access=True),)),
+    ],
+    ids=["plain", "firstAvailable", "adminAccess"],
+)
+async def test_claim_shapes_the_scheduler_writes(
+    server: FakeApiServer,
+    client: AsyncClient,
+    shape: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+    expected: tuple[AllocatedDevice, ...],
+) -> None:
+    requests, results = shape
+    uid = server.add_claim("team-a", "c", requests=requests, results=results)
+    stored = server.objects["/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims"]["c"]
+    validate(stored)  # the shape is one the API server takes
+    assert await claims(client).allocated_devices("team-a", "c", uid) == expected
+
+
 @pytest.mark.asyncio
 async def test_claim_not_found(server: FakeApiServer, client: AsyncClient) -> None:
-    with pytest.raises(ClaimError, match=r"^ResourceClaim team-a/gone does not exist"):
+    with pytest.raises(ClaimError, match=r"^ResourceClaim team-a/gone does not exist") as info:
         await claims(client).allocated_devices("team-a", "gone", "uid-1")
+    assert not isinstance(info.value, ClaimSourceUnreachable)  # an answer: no spec file may overrule it
 
 
 @pytest.mark.asyncio
@@ -459,8 +668,9 @@ async def test_claim_read_refused_or_failed(
 ) -> None:
     uid = server.add_claim("team-a", "c", results=[result("shared-cpus-0")])
     server.fail_next(1, status=status)
-    with pytest.raises(ClaimError, match=message):
+    with pytest.raises(ClaimError, match=message) as info:
         await claims(client).allocated_devices("team-a", "c", uid)
+    assert not isinstance(info.value, ClaimSourceUnreachable)  # the server answered
     # The next read goes through.
     assert len(await claims(client).allocated_devices("team-a", "c", uid)) == 1
 
@@ -472,7 +682,8 @@ async def test_claim_read_from_a_hanging_api_server_is_bounded(
     uid = server.add_claim("team-a", "c", results=[result("shared-cpus-0")])
     server.hang_next(1)
     with pytest.raises(
-        ClaimError, match=r"did not answer reading ResourceClaim team-a/c within 0.2 s; kubelet retries"
+        ClaimSourceUnreachable,
+        match=r"did not answer reading ResourceClaim team-a/c within 0.2 s; kubelet retries",
     ):
         await asyncio.wait_for(claims(client, timeout=0.2).allocated_devices("team-a", "c", uid), GUARD)
 
@@ -484,7 +695,8 @@ async def test_claim_read_from_an_unreachable_api_server(tmp_path: Path) -> None
     client = apiserver.make_client(str(path), timeout=2.0)
     try:
         with pytest.raises(
-            ClaimError, match=r"could not be reached to read ResourceClaim team-a/c \(ConnectError"
+            ClaimSourceUnreachable,
+            match=r"could not be reached to read ResourceClaim team-a/c \(ConnectError",
         ):
             await claims(client).allocated_devices("team-a", "c", "uid")
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,15 +20,14 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-from fake_apiserver import FakeApiServer
-from fake_kubelet_dra import Claim, FakeKubeletDra
+from fake_apiserver import SLICES, TOKEN, FakeApiServer
+from fake_kubelet_dra import Claim, FakeKubeletDra, cdi_devices_for
 from mixedcpu_support import make_container
 from redteam_support import NAMING, DaemonNode, daemon_node, is_shared, short_directory, within
 from wait_support import wait_until
 
 from nri_plugin.daemon.status import status_socket_path
 from nri_plugin.daemon.status_client import fetch_status, render_table
-from nri_plugin.deviceplugin.marker import MARKER_ENV
 from nri_plugin.dra import cdi
 from nri_plugin.nri.cdispecs import CdiSpecs
 from nri_plugin.nri.simulator import env_of
@@ -103,7 +103,7 @@ async def test_the_daemon_registers_publishes_prepares_and_the_container_gets_sh
         await node.sim.run_pod_sandbox(pod)
         container = make_container(NAMING, pod, "fwd-1", "fwd", cpus="2-3", quota=200000)
         result = await within(node.sim.create_container(container, cdi_devices=[cdi_id]))
-        assert env_of(result.container)[MARKER_ENV] == node.key.sign("dra.shared-cpus-7")
+        assert env_of(result.container)[cdi.marker_env("shared-cpus-7")] == node.key.sign("dra.shared-cpus-7")
         assert is_shared(result)
 
         # A second prepare (kubelet retries) answers the same; unprepare removes the spec, twice is fine.
@@ -178,6 +178,7 @@ async def test_the_status_shows_the_dra_front_door_and_its_claim() -> None:
             "devices": 256,
             "failures": 0,
             "last_error": None,
+            "restores": 0,
         }
         assert section["prepared_claims"] == {"count": 1, "capped": False, "read_error": None}
         [row] = document["containers"]
@@ -195,3 +196,149 @@ async def test_the_status_shows_the_dra_front_door_and_its_claim() -> None:
         await within(dra.kubelet.unprepare(DRIVER, [Claim("telco", "fwd-shared", uid)]))
         after = await asyncio.to_thread(fetch_status, path)
         assert after["dra"]["prepared_claims"]["count"] == 0
+
+
+async def test_claims_as_the_scheduler_writes_them_plain_first_available_and_admin_access() -> None:
+    """A firstAvailable result names ``<request>/<subrequest>``; kubelet gives the container that names
+    the request the devices whose request_names hold it, so the answer names the request alone. A
+    result with adminAccess is refused with the reason, alone."""
+    async with dra_node() as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))
+
+        def ours(device: str, request: str, **extra: object) -> dict[str, object]:
+            return {"driver": DRIVER, "pool": NODE, "device": device, "request": request, **extra}
+
+        plain = dra.api.add_claim("telco", "plain", results=[ours("shared-cpus-1", "shared")])
+        alternatives = [
+            {"name": "gpu-side", "deviceClassName": "gpu.example.com"},
+            {"name": "shared", "deviceClassName": DRIVER},
+        ]
+        first = dra.api.add_claim(
+            "telco",
+            "first",
+            requests=[{"name": "cpus", "firstAvailable": alternatives}],
+            results=[ours("shared-cpus-2", "cpus/shared")],
+        )
+        admin = dra.api.add_claim(
+            "telco",
+            "admin",
+            requests=[{"name": "watch", "exactly": {"deviceClassName": DRIVER, "adminAccess": True}}],
+            results=[ours("shared-cpus-3", "watch", adminAccess=True)],
+        )
+        claims = [
+            Claim("telco", "plain", plain),
+            Claim("telco", "first", first),
+            Claim("telco", "admin", admin),
+        ]
+        answer = await within(dra.kubelet.prepare(DRIVER, claims))
+
+        assert answer[plain].error == ""
+        assert [d.request_names for d in answer[plain].devices] == [("shared",)]
+        assert answer[first].error == ""
+        [device] = answer[first].devices
+        assert (device.request_names, device.device_name) == (("cpus",), "shared-cpus-2")
+        assert "allocated to request 'watch' with adminAccess" in answer[admin].error
+        assert "remove adminAccess from the request" in answer[admin].error
+        assert not answer[admin].devices
+        assert not cdi.spec_path(dra.cdi_dir, admin).exists()
+
+        # The container names the claim's request "cpus": kubelet hands it the device, the runtime
+        # injects it, and the container gets the shared CPUs.
+        cdi_ids = cdi_devices_for(answer[first], "cpus")
+        assert cdi_ids == [cdi.cdi_device_id(first, "shared-cpus-2")]
+        assert cdi_devices_for(answer[first], "cpus/shared") == []  # what kubelet would not match
+        node = dra.node
+        pod = node.pod("aaaa-4444", "fwd", namespace="telco")
+        await node.sim.run_pod_sandbox(pod)
+        container = make_container(NAMING, pod, "fwd-4", "fwd", cpus="2-3", quota=200000)
+        result = await within(node.sim.create_container(container, cdi_devices=cdi_ids))
+        assert env_of(result.container)[cdi.marker_env("shared-cpus-2")] == node.key.sign("dra.shared-cpus-2")
+        assert is_shared(result)
+
+
+# -- kubelet's life: its wipes of the node's ResourceSlices ---------------------------------------------
+
+
+async def _registered_and_published(dra: DraNode) -> None:
+    await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+    [socket] = dra.kubelet.registration_sockets()
+    await within(dra.kubelet.register(socket))
+    await wait_until(lambda: len(dra.api.slices()) == 2, what="the node's ResourceSlices")
+
+
+def _pool(dra: DraNode) -> list[tuple[str, int]]:
+    return [(obj["metadata"]["name"], len(obj["spec"]["devices"])) for obj in dra.api.slices()]
+
+
+FULL_POOL = [(f"{NODE}-{DRIVER}-0", 128), (f"{NODE}-{DRIVER}-1", 128)]
+DELETED_SEEN = "our ResourceSlices were deleted or changed on the API server; publishing them again"
+
+
+async def test_a_restarted_kubelet_wipes_the_node_s_slices_and_they_come_back() -> None:
+    """kubelet deletes every ResourceSlice of its node when it starts, then registers the plugins it
+    finds in its registry directory; the daemon, running all along, publishes the pool again."""
+    async with dra_node() as dra:
+        await _registered_and_published(dra)
+        await dra.kubelet.close()  # kubelet stops
+        kubelet = FakeKubeletDra(dra.kubelet.registry_dir)  # and starts again
+        dra.kubelet = kubelet
+        await within(kubelet.wipe_resource_slices(dra.api.url, TOKEN, NODE))
+        assert dra.api.slices() == []
+        await dra.node.daemon.wait_log(DELETED_SEEN, '"watch_event": "DELETED"')  # the watch saw it
+        [socket] = kubelet.registration_sockets()
+        await within(kubelet.register(socket))
+        await wait_until(lambda: _pool(dra) == FULL_POOL, what="the pool published again")
+        for obj in dra.api.slices():
+            kubernetes_validate.validate(obj, "1.34", strict=True)
+        path = status_socket_path(str(dra.node.state_dir))
+        await wait_until(
+            lambda: fetch_status(path)["dra"]["resource_slices"]["published"], what="status: published"
+        )
+        document = await asyncio.to_thread(fetch_status, path)
+        jsonschema.Draft202012Validator(STATUS_SCHEMA).validate(document)
+        assert document["dra"]["resource_slices"]["restores"] >= 1
+        [line] = [row for row in render_table(document).splitlines() if row.startswith("  slices")]
+        assert re.fullmatch(
+            r"  slices       published: generation \d+, 256 devices, restored \d+ times?", line
+        )
+
+
+async def test_the_driver_s_slices_wiped_after_it_was_unusable_come_back() -> None:
+    """kubelet deletes a driver's slices once the driver has been unusable for its wiping delay (30 s):
+    here the wipe lands after the daemon had come back and published (a restart that took about as
+    long as the delay), and kubelet registers it again."""
+    async with dra_node() as dra:
+        await _registered_and_published(dra)
+        writes = len(dra.api.writes())
+        await within(dra.kubelet.wipe_resource_slices(dra.api.url, TOKEN, NODE, DRIVER))
+        assert dra.api.slices() == []
+        await dra.node.daemon.wait_log(DELETED_SEEN, '"watch_event": "DELETED"')  # the watch saw it
+        await wait_until(lambda: _pool(dra) == FULL_POOL, what="the pool published again")
+        # The wipe (one DELETE) and the daemon's applies, nothing else: no stale deletes, no loop.
+        after = [(r.method, r.path.rsplit("/", 1)[-1]) for r in dra.api.writes()[writes:]]
+        assert after[0] == ("DELETE", "resourceslices")
+        assert sorted(after[1:]) == [("PATCH", name) for name, _ in FULL_POOL]
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))  # kubelet takes it again: the pool is as it was
+        assert _pool(dra) == FULL_POOL
+
+
+async def test_the_api_server_down_for_a_while_and_back() -> None:
+    async with dra_node() as dra:
+        await _registered_and_published(dra)
+        path = status_socket_path(str(dra.node.state_dir))
+        await dra.api.stop_listening()
+        dra.api.objects[SLICES].clear()  # and the slices went meanwhile (unseen by any watch)
+        await dra.node.daemon.wait_log("watching the ResourceSlices failed; checking them and watching again")
+        await wait_until(
+            lambda: fetch_status(path)["dra"]["resource_slices"]["failures"] >= 1,
+            what="status: the checks failing while the API server is away",
+        )
+        await dra.api.listen_again()
+        await wait_until(lambda: _pool(dra) == FULL_POOL, what="the pool published again")
+        await wait_until(
+            lambda: fetch_status(path)["dra"]["resource_slices"]["failures"] == 0, what="status: recovered"
+        )
+        assert dra.node.daemon.proc.returncode is None

@@ -9,19 +9,36 @@ import os
 import shutil
 import stat
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import structlog
 from cdi_support import load_valid_spec
-from fake_kubelet_dra import HEALTH_VERSION, HEALTHY, Claim, FakeKubeletDra, Prepared
+from fake_kubelet_dra import (
+    HEALTH_VERSION,
+    HEALTH_VERSION_ALPHA,
+    HEALTHY,
+    Claim,
+    FakeKubeletDra,
+    Prepared,
+    health_service,
+)
 from wait_support import wait_until
 
-from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey
-from nri_plugin.dra.claims import AllocatedDevice, ClaimError
-from nri_plugin.dra.kubeletplugin import DraKubeletPlugin, DraPluginError, DraPluginSettings
+from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.dra import cdi
+from nri_plugin.dra.claims import AllocatedDevice, ClaimError, ClaimSourceUnreachable
+from nri_plugin.dra.kubeletplugin import (
+    FAILURE_LINES,
+    PREPARE_CONCURRENCY,
+    DraKubeletPlugin,
+    DraPluginError,
+    DraPluginSettings,
+)
 
 DRIVER = "shared-cpus.mixed-cpu.openshift.io"
 NODE = "node-1"
@@ -44,16 +61,30 @@ def _spec_name(uid: str) -> str:
 
 @dataclass
 class FakeClaimSource:
-    """The API server's view of the claims: allocated devices by uid; `down` makes every call fail."""
+    """The API server's view of the claims: allocated devices by uid; `down` makes every call fail as
+    an unreachable server does, `answer` makes it fail with the server's answer (e.g. a 404)."""
 
     allocations: dict[str, tuple[AllocatedDevice, ...]] = field(default_factory=dict)
     down: bool = False
+    answer: str = ""
     calls: int = 0
+    reading: int = 0  # reads under way now
+    most_reading: int = 0  # the most under way at once
+    delay: float = 0.0  # each read takes this long (seconds)
 
     async def allocated_devices(self, namespace: str, name: str, uid: str) -> tuple[AllocatedDevice, ...]:
         self.calls += 1
+        self.reading += 1
+        self.most_reading = max(self.most_reading, self.reading)
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+        finally:
+            self.reading -= 1
         if self.down:
-            raise ClaimError("the API server could not be asked: connection refused")
+            raise ClaimSourceUnreachable("the API server could not be reached: connection refused")
+        if self.answer:
+            raise ClaimError(self.answer)
         if uid not in self.allocations:
             raise ClaimError(f"claim {namespace}/{name} has no allocation of this driver")
         return self.allocations[uid]
@@ -147,7 +178,7 @@ def _check_prepared_claim(node: Node, claim: Claim, answer: Prepared, devices: l
     by_name = {d["name"]: d for d in spec["devices"]}
     for _, device in devices:
         env = dict(e.split("=", 1) for e in by_name[f"{claim.uid}-{device}"]["containerEdits"]["env"])
-        assert node.key.verify(env[MARKER_ENV]) == f"dra.{device}"
+        assert node.key.verify(env[cdi.marker_env(device)]) == f"dra.{device}"
 
 
 # -- registration -------------------------------------------------------------------------------------
@@ -162,12 +193,25 @@ async def test_kubelet_registers_the_plugin(node: Node, plugin: DraKubeletPlugin
     assert registered.info.type == "DRAPlugin"
     assert registered.info.name == DRIVER
     assert registered.info.endpoint == str(node.plugins_dir / DRIVER / "dra.sock")
-    assert set(registered.info.supported_versions) == {"v1.DRAPlugin", HEALTH_VERSION}
+    assert set(registered.info.supported_versions) == {"v1.DRAPlugin", HEALTH_VERSION, HEALTH_VERSION_ALPHA}
     await asyncio.wait_for(plugin.wait_registered(), 15)
     assert plugin.registered
     assert plugin.registration_error == ""
     for path in (sockets[0], Path(registered.info.endpoint)):
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+
+
+@pytest.mark.asyncio
+async def test_each_registration_is_announced_to_on_registered(node: Node, plugin: DraKubeletPlugin) -> None:
+    """The front door checks the ResourceSlices then: a new registration often follows a kubelet
+    start, which wiped them."""
+    calls: list[int] = []
+    plugin.on_registered = lambda: calls.append(plugin.registrations)
+    (socket,) = node.kubelet.registration_sockets()
+    await node.kubelet.notify(socket, False, "refused")  # a refusal is not a registration
+    await _registered(node, plugin)
+    await _registered(node, plugin)  # kubelet restarted and registered the socket again
+    assert calls == [1, 2]
 
 
 @pytest.mark.asyncio
@@ -223,7 +267,7 @@ async def test_a_file_in_the_way_is_a_clear_error(node: Node) -> None:
         ({"driver_name": "../evil"}, "not a DNS subdomain"),
         ({"driver_name": "Shared.Example"}, "not a DNS subdomain"),
         ({"pool_name": ""}, "pool name"),
-        ({"registry_dir": "/tmp/" + "d" * 120}, "longer than 107 bytes"),
+        ({"registry_dir": "/tmp/" + "d" * 120}, "over 107, the unix socket limit"),
     ],
 )
 def test_bad_settings_are_refused_with_what_to_set(node: Node, change: dict[str, str], match: str) -> None:
@@ -244,7 +288,7 @@ async def test_prepare_writes_the_spec_and_answers_its_cdi_devices(
     _check_prepared_claim(node, CLAIM_A, answers[UID_A], A_DEVICES)
     _check_prepared_claim(node, CLAIM_B, answers[UID_B], B_DEVICES)
     mode = (node.cdi_dir / _spec_name(UID_A)).stat().st_mode
-    assert stat.S_IMODE(mode) == 0o644
+    assert stat.S_IMODE(mode) == 0o600
 
 
 @pytest.mark.asyncio
@@ -265,9 +309,19 @@ async def test_unprepare_removes_the_spec_and_twice_is_fine(node: Node, plugin: 
     await node.kubelet.prepare(DRIVER, [CLAIM_A, CLAIM_B])
     assert await node.kubelet.unprepare(DRIVER, [CLAIM_A]) == {UID_A: ""}
     assert _spec_files(node) == [_spec_name(UID_B)]
-    assert await node.kubelet.unprepare(DRIVER, [CLAIM_A, CLAIM_B]) == {UID_A: "", UID_B: ""}
+    with structlog.testing.capture_logs() as logs:
+        assert await node.kubelet.unprepare(DRIVER, [CLAIM_A, CLAIM_B]) == {UID_A: "", UID_B: ""}
     assert await node.kubelet.unprepare(DRIVER, [CLAIM_A, CLAIM_B]) == {UID_A: "", UID_B: ""}
     assert _spec_files(node) == []
+    # One info line per call; each claim at debug level.
+    [done] = [e for e in logs if e["log_level"] == "info"]
+    assert (done["event"], done["claims"], done["succeeded"], done["failed"]) == (
+        "NodeUnprepareResources done",
+        2,
+        2,
+        0,
+    )
+    assert [e["uid"] for e in logs if e["log_level"] == "debug"] == [UID_A, UID_B]
 
 
 @pytest.mark.asyncio
@@ -306,7 +360,7 @@ async def test_after_a_restart_prepare_is_answered_from_the_file_while_the_sourc
         assert node.source.calls == calls + 3  # the source was asked first
         assert again[UID_A] == first[UID_A]
         assert again[UID_B] == first[UID_B]
-        assert "could not be asked" in again[UID_C].error  # never prepared: no file to answer from
+        assert "could not be reached" in again[UID_C].error  # never prepared: no file to answer from
         _check_prepared_claim(node, CLAIM_A, again[UID_A], A_DEVICES)
         assert await node.kubelet.unprepare(DRIVER, [CLAIM_A]) == {UID_A: ""}  # needs no API server
     await node.kubelet.close()
@@ -368,12 +422,169 @@ async def test_a_damaged_spec_file_is_an_error_for_its_claim_only(
     _check_prepared_claim(node, CLAIM_A, answers[UID_A], A_DEVICES)
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("device", ["shared-cpus-4", "shared-cpus-19999"])
+async def test_a_device_the_node_did_not_publish_is_refused(
+    node: Node, plugin: DraKubeletPlugin, device: str
+) -> None:
+    node.source.allocations[UID_C] = (AllocatedDevice("shared", NODE, device),)  # 4 were published
+    await _registered(node, plugin)
+    answers = await node.kubelet.prepare(DRIVER, [CLAIM_C, CLAIM_A])
+    assert f"device {device} is not one this node published" in answers[UID_C].error
+    assert answers[UID_C].devices == ()
+    assert answers[UID_A].error == ""
+    assert _spec_files(node) == [_spec_name(UID_A)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "failure",
+    [
+        ClaimError("ResourceClaim team-a/web-0-shared does not exist (deleted?); nothing to prepare"),
+        ClaimError("the API server failed reading ResourceClaim team-a/web-0-shared (503: unavailable)"),
+        RuntimeError("a bug in the claim source"),
+    ],
+)
+async def test_an_answer_of_the_api_server_is_final_whatever_file_is_there(
+    node: Node, plugin: DraKubeletPlugin, failure: Exception
+) -> None:
+    """The spec written before answers only while the API server cannot be reached: a claim it says
+    is gone (or any other answer, or a broken source) is the claim's error."""
+
+    class Answering(FakeClaimSource):
+        async def allocated_devices(self, namespace: str, name: str, uid: str) -> tuple[AllocatedDevice, ...]:
+            raise failure
+
+    await _registered(node, plugin)
+    assert (await node.kubelet.prepare(DRIVER, [CLAIM_A]))[UID_A].error == ""
+    spec = (node.cdi_dir / _spec_name(UID_A)).read_bytes()
+    plugin.claims = Answering()
+    again = (await node.kubelet.prepare(DRIVER, [CLAIM_A]))[UID_A]
+    assert again.devices == ()
+    expected = str(failure) if isinstance(failure, ClaimError) else "the claim source failed"
+    assert expected in again.error
+    assert (node.cdi_dir / _spec_name(UID_A)).read_bytes() == spec  # not rewritten either
+
+
+@pytest.mark.asyncio
+async def test_a_planted_spec_is_not_answered_while_the_api_server_is_down(
+    node: Node, plugin: DraKubeletPlugin
+) -> None:
+    """Someone who can write the CDI directory but does not hold the node's key writes a spec in
+    our format for a claim: with the API server unreachable, it is refused, and left as it was."""
+    await _registered(node, plugin)
+    other = DraKubeletPlugin(
+        replace(node.settings, cdi_dir=node.root / "elsewhere"), HostKey(os.urandom(32)), node.source
+    )
+    node.source.allocations[UID_C] = (AllocatedDevice("shared", NODE, "shared-cpus-1"),)
+    assert (await other._prepare(CLAIM_C.namespace, CLAIM_C.name, UID_C)).error == ""
+    planted = (node.root / "elsewhere" / _spec_name(UID_C)).read_bytes()
+    (node.cdi_dir / _spec_name(UID_C)).write_bytes(planted)
+    node.source.down = True
+    answer = (await node.kubelet.prepare(DRIVER, [CLAIM_C]))[UID_C]
+    assert answer.devices == ()
+    assert "is not one this driver wrote" in answer.error
+    assert "marker this node's key signs" in answer.error
+    assert (node.cdi_dir / _spec_name(UID_C)).read_bytes() == planted
+
+
+@pytest.mark.asyncio
+async def test_a_large_call_is_prepared_a_few_claims_at_a_time(node: Node, plugin: DraKubeletPlugin) -> None:
+    """Many claims in one call: at most PREPARE_CONCURRENCY are read at once, all are answered."""
+    node.source.delay = 0.002  # each read waits on the API server a little
+    claims = []
+    for n in range(120):
+        uid = str(uuid.UUID(int=n + 1, version=4))
+        node.source.allocations[uid] = (AllocatedDevice("shared", NODE, DEVICES[n % len(DEVICES)]),)
+        claims.append(Claim("team-a", f"claim-{n}", uid))
+    await _registered(node, plugin)
+    answers = await node.kubelet.prepare(DRIVER, claims)
+    assert sorted(answers) == sorted(c.uid for c in claims)
+    assert all(answer.error == "" for answer in answers.values())
+    assert node.source.most_reading == PREPARE_CONCURRENCY  # overlapped, and bounded
+    assert len(_spec_files(node)) == len(claims)
+
+
+@pytest.mark.asyncio
+async def test_claims_that_fail_at_once_still_give_the_loop_back_between_them(
+    node: Node, plugin: DraKubeletPlugin
+) -> None:
+    """Claims refused without any I/O (a bad uid) never hold the loop for the whole call: other
+    tasks run between them; and only the first FAILURE_LINES are logged one by one."""
+    await _registered(node, plugin)
+    claims = [Claim("team-a", f"bad-{n}", f"not-a-uid-{n}") for n in range(400)]
+    turns = 0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal turns
+        while not done.is_set():
+            await asyncio.sleep(0)
+            turns += 1
+
+    ticking = asyncio.ensure_future(ticker())
+    with structlog.testing.capture_logs() as logs:
+        answers = await node.kubelet.prepare(DRIVER, claims)
+    done.set()
+    await ticking
+    assert all("is not a Kubernetes UID" in answer.error for answer in answers.values())
+    assert turns >= len(claims) // PREPARE_CONCURRENCY  # the loop turned between the claims
+    warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert len(warnings) == FAILURE_LINES
+    [summary] = [entry for entry in logs if entry["event"] == "NodePrepareResources done"]
+    assert (summary["failed"], summary["failures_not_logged"]) == (400, 400 - FAILURE_LINES)
+
+
+@pytest.mark.asyncio
+async def test_a_huge_registration_error_is_kept_capped_and_escaped(
+    node: Node, plugin: DraKubeletPlugin
+) -> None:
+    (socket,) = node.kubelet.registration_sockets()
+    error = "refused\n\x1b[31mFAKE" + "y" * 3_000_000
+    await node.kubelet.notify(socket, False, error)
+    kept = plugin.registration_error
+    assert len(kept) < 600
+    assert kept.startswith("refused\\n\\x1b[31mFAKE")
+    assert kept.endswith(f"... ({len(error)} characters)")
+    assert kept.isprintable()
+
+
+@pytest.mark.asyncio
+async def test_a_file_planted_over_a_socket_is_warned_of_once_while_it_lasts(
+    node: Node, plugin: DraKubeletPlugin
+) -> None:
+    endpoint = node.plugins_dir / DRIVER / "dra.sock"
+    with structlog.testing.capture_logs() as logs:
+        endpoint.unlink()
+        endpoint.write_text("planted")
+        await wait_until(
+            lambda: sum(e["event"] == "DRA plugin socket still cannot be re-created" for e in logs) >= 10,
+            what="ten attempts failed",
+        )
+        endpoint.unlink()
+        await wait_until(lambda: stat.S_ISSOCK(os.lstat(endpoint).st_mode) if endpoint.exists() else False)
+        await wait_until(lambda: any(e["event"] == "DRA plugin sockets served again" for e in logs))
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert [e["event"].split(";")[0] for e in warnings] == [
+        "DRA service socket gone",
+        "DRA plugin socket could not be re-created",
+    ]
+
+
 # -- health -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
-async def test_the_health_stream_lists_every_device_healthy(node: Node, plugin: DraKubeletPlugin) -> None:
+@pytest.mark.parametrize(
+    ("minor", "service"), [(34, HEALTH_VERSION_ALPHA), (36, HEALTH_VERSION_ALPHA), (37, HEALTH_VERSION)]
+)
+async def test_the_health_stream_lists_every_device_healthy(
+    node: Node, plugin: DraKubeletPlugin, minor: int, service: str
+) -> None:
+    """kubelets 1.34-1.36 open v1alpha1 (their only client), 1.37 picks v1 from what we announce."""
+    node.kubelet.minor = minor
     await _registered(node, plugin)
+    assert health_service(minor, node.kubelet.plugins[DRIVER].info.supported_versions) == service
     stream = node.kubelet.watch_health(DRIVER)
     first = await asyncio.wait_for(anext(stream), 15)
     assert [(d.pool_name, d.device_name, d.health) for d in first] == [

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from nri_plugin.dra import slices
 
@@ -161,3 +163,79 @@ def test_the_schema_refuses_a_broken_device_class() -> None:
     obj["spec"]["selectors"][0]["cel"] = {"expr": "true"}  # "expression" is the field
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(obj)
+
+
+def _doc_examples() -> list[dict[str, Any]]:
+    """The API objects in docs/dra.md's yaml blocks."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "dra.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    return [doc for block in blocks for doc in yaml.safe_load_all(block) if doc]
+
+
+def test_the_examples_in_docs_dra_are_valid_objects() -> None:
+    examples = _doc_examples()
+    kinds = sorted(obj["kind"] for obj in examples)
+    assert kinds == ["DeviceClass", "ResourceClaimTemplate", "ResourceClaimTemplate"]
+    for obj in examples:
+        validate(obj)
+    [device_class] = [obj for obj in examples if obj["kind"] == "DeviceClass"]
+    assert device_class == slices.device_class(DRIVER)
+    alternatives = [
+        request["firstAvailable"]
+        for obj in examples
+        if obj["kind"] == "ResourceClaimTemplate"
+        for request in obj["spec"]["spec"]["devices"]["requests"]
+        if "firstAvailable" in request
+    ]
+    assert [subs[0]["deviceClassName"] for subs in alternatives] == [DRIVER]  # ours first
+
+
+# -- watch events --------------------------------------------------------------------------------------
+
+
+def _published() -> dict[str, tuple[object, ...]]:
+    return {obj["metadata"]["name"]: slices.slice_shape(obj) for obj in build(256)}
+
+
+def test_the_events_of_our_own_writes_need_nothing() -> None:
+    published = _published()
+    for obj in build(256):
+        stored = copy.deepcopy(obj)
+        stored["metadata"].update(resourceVersion="42", uid="x", managedFields=[{"manager": "us"}])
+        for kind in ("ADDED", "MODIFIED"):
+            assert not slices.event_needs_publish(kind, stored, published)
+    assert not slices.event_needs_publish("BOOKMARK", {"metadata": {"resourceVersion": "9"}}, published)
+
+
+def test_a_deleted_slice_of_ours_needs_publishing_a_stale_one_not() -> None:
+    published = _published()
+    first, second = build(256)
+    assert slices.event_needs_publish("DELETED", first, published)
+    assert slices.event_needs_publish("DELETED", second, published)
+    (stale,) = [obj for obj in build(300) if obj["metadata"]["name"].endswith("-2")]
+    assert not slices.event_needs_publish("DELETED", stale, published)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda obj: obj["spec"].update(devices=obj["spec"]["devices"][:3]),
+        lambda obj: obj["spec"]["pool"].update(generation=7),
+        lambda obj: obj["spec"]["pool"].update(resourceSliceCount=1),
+        lambda obj: obj["metadata"].update(ownerReferences=[]),
+        lambda obj: obj["spec"].update(nodeName="worker-2"),
+    ],
+    ids=["devices", "generation", "slice-count", "owner", "node"],
+)
+def test_a_slice_changed_by_someone_else_needs_publishing(change: Any) -> None:
+    published = _published()
+    obj = copy.deepcopy(build(256)[0])
+    change(obj)
+    assert slices.event_needs_publish("MODIFIED", obj, published)
+
+
+def test_a_slice_we_did_not_write_needs_publishing() -> None:
+    """Publishing deletes it (a leftover of a larger count, or someone else's slice in our pool)."""
+    (extra,) = [obj for obj in build(300) if obj["metadata"]["name"].endswith("-2")]
+    assert slices.event_needs_publish("ADDED", extra, _published())
+    assert not slices.event_needs_publish("ADDED", {"metadata": {}}, _published())  # no name: not one

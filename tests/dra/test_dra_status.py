@@ -130,6 +130,7 @@ async def test_not_publishing_says_so_and_off_is_all_null() -> None:
                 "devices": None,
                 "failures": None,
                 "last_error": None,
+                "restores": None,
             }
             table = render_table(_document(section)).splitlines()
             assert "  slices       not published by this daemon (publish_resource_slices = false)" in table

@@ -234,12 +234,10 @@ class Runtime(RuntimeSimulator):
         again.restore(self)
         return again
 
-    async def create_container(
-        self, container: api.Container, *, cdi_devices: Sequence[str] = ()
-    ) -> CreateResult:
-        result = await super().create_container(container, cdi_devices=cdi_devices)
-        self.tree.run_container(result.container)
-        return result
+    def make_resources(self, container: api.Container) -> None:
+        """The runtime makes the container's cgroups with its adjusted resources (CRI-O's runc
+        create, or containerd's task creation at the start: `RuntimeModes.cgroup_made_at_start`)."""
+        self.tree.run_container(container)
 
     def start_without_plugins(self, container: api.Container) -> None:
         """A container the runtime created and started while no plugin was connected."""
