@@ -1,6 +1,6 @@
 """The build's one addition to pyproject.toml: record the commit a wheel or sdist is built from.
 
-``nri_plugin/_build_info.py`` (read by `nri_plugin.common.buildinfo`) is written into what is built,
+The module ``nri_plugin._build_info`` (read by `nri_plugin.common.buildinfo`) is written into what is built,
 never into the source tree: into the sdist's tree, and into the wheel's build directory (not for
 an editable install: the checkout it runs moves on, and says "unknown"). The commit
 is ``MIXED_CPU_NRI_BUILD_COMMIT`` when set, else ``git rev-parse HEAD`` of the checkout (``+dirty``

@@ -49,7 +49,7 @@ def test_the_version_is_pyprojects() -> None:
 def test_version_names_the_commit_a_build_recorded(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """What setup.py writes into a wheel: nri_plugin/_build_info.py with COMMIT."""
+    """What setup.py writes into a wheel: the module nri_plugin._build_info with COMMIT."""
     recorded = types.ModuleType("nri_plugin._build_info")
     recorded.COMMIT = "0123456789abcdef0123456789abcdef01234567"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nri_plugin._build_info", recorded)

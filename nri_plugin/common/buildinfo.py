@@ -1,6 +1,6 @@
 """Which build this is: the package's version and the commit it was built from.
 
-A wheel or an sdist made by the project's build (setup.py) carries ``nri_plugin/_build_info.py``,
+A wheel or an sdist made by the project's build (setup.py) carries the module ``nri_plugin._build_info``,
 whose ``COMMIT`` is the commit of the checkout it was built from (``git rev-parse HEAD``, with
 ``+dirty`` when tracked files differed from it; ``MIXED_CPU_NRI_BUILD_COMMIT`` in the environment
 wins, for a build from a tree without git). A wheel built from an sdist keeps the sdist's. A source
