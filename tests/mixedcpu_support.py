@@ -178,6 +178,14 @@ def make_container(
 
 
 def marker(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:
+    """The annotation of kubelet's first allocation of `device` (allocation 1: the same value at every
+    call, so two containers given it present one allocation, one of them a copy); a later
+    allocation of it is `new_allocation`."""
+    return {ANNOTATION_KEY: key.sign(device, allocation=1)}
+
+
+def new_allocation(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:
+    """The annotation of a new allocation of `device` by kubelet (a fresh Allocate)."""
     return {ANNOTATION_KEY: key.sign(device)}
 
 
@@ -380,6 +388,19 @@ def run_cli(*args: str, timeout: float, check: bool = False) -> subprocess.Compl
     )
 
 
+async def stream_lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
+    """Every line of `stream` (without its newline), whatever its length, to the end. The stream's
+    own line reader raises on a line over its 64 KiB limit; a reader that stopped there would leave
+    the writer blocked on a full pipe (issue 32)."""
+    pending = b""
+    while chunk := await stream.read(1 << 16):
+        *complete, pending = (pending + chunk).split(b"\n")
+        for raw in complete:
+            yield raw.decode(errors="replace")
+    if pending:
+        yield pending.decode(errors="replace")
+
+
 class Daemon:
     """A daemon subprocess and every line it wrote to stderr so far (read as they come). `guard`
     bounds each wait (against hangs only)."""
@@ -393,9 +414,9 @@ class Daemon:
 
     async def _read(self) -> None:
         assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
+        async for line in stream_lines(self.proc.stderr):  # every line, whatever its length
             async with self._new_line:
-                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                self.lines.append(line)
                 self._new_line.notify_all()
 
     @property

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mixedcpu_support import ROOT, start_daemon
+from mixedcpu_support import ROOT, start_daemon, stream_lines
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from wait_support import wait_until
@@ -105,19 +105,6 @@ async def scrape(host: str, port: int) -> Samples:
     assert reply.status == 200, reply
     assert reply.headers["content-type"] == CONTENT_TYPE_LATEST, reply.headers
     return samples(reply.text)
-
-
-async def stream_lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
-    """Every line of `stream` (without its newline), whatever its length, to the end. The stream's
-    own line reader raises on a line over its 64 KiB limit; a reader that stopped there would leave
-    the writer blocked on a full pipe (issue 32)."""
-    pending = b""
-    while chunk := await stream.read(1 << 16):
-        *complete, pending = (pending + chunk).split(b"\n")
-        for raw in complete:
-            yield raw.decode(errors="replace")
-    if pending:
-        yield pending.decode(errors="replace")
 
 
 async def bound_address(lines: AsyncIterator[str], seen: list[str]) -> tuple[str, int]:

@@ -412,7 +412,7 @@ def test_demo_dra_shows_a_prepared_claim_getting_the_shared_cpus(capsys: pytest.
         "kubelet: NodePrepareResources -> device shared-cpus-0, CDI id mixed-cpu.openshift.io/shared-cpus="
         in out
     )
-    edits = "its container edits: env MIXED_CPU_SHARED_CPUS_ALLOCATION_SHARED_CPUS_0=v1:dra.shared-cpus-0:"
+    edits = "its container edits: env MIXED_CPU_SHARED_CPUS_ALLOCATION_SHARED_CPUS_0=v2:dra.shared-cpus-0:"
     assert edits in out
     assert "as it is created: cpus=0-1,4-5" in out
     assert "OPENSHIFT_SHARED_CPUS=0-1 OPENSHIFT_ISOLATED_CPUS=4-5" in out

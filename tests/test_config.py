@@ -58,6 +58,19 @@ def test_minimal_config_takes_the_defaults(tmp_path: Path, sysfs: Path) -> None:
     assert config.device_plugin == DevicePluginConfig()
 
 
+def test_nri_stall_limit_is_seconds_in_range() -> None:
+    """How long the NRI connection may be stuck before /healthz fails (issue 29): 60 s by default."""
+    assert parse_config({"shared_cpuset": "0"}).nri_stall_limit == 60.0
+    for good in (1, 5.5, 3600):
+        assert parse_config({"shared_cpuset": "0", "nri_stall_limit": good}).nri_stall_limit == good
+    for bad in (0, 0.5, 3601, True, "60"):
+        with pytest.raises(ConfigError) as info:
+            parse_config({"shared_cpuset": "0", "nri_stall_limit": bad})
+        assert "nri_stall_limit: " in str(info.value)
+        assert "seconds from 1 to 3600" in str(info.value)
+        assert "registration timeout" in str(info.value)
+
+
 def test_every_key(tmp_path: Path, sysfs: Path) -> None:
     config = load_config(
         write(

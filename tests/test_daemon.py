@@ -27,6 +27,7 @@ import structlog
 import structlog.testing
 from host_guard import refuse_host_paths
 from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
+from mixedcpu_support import Daemon as HelperDaemon
 
 from api.nri import api_pb2 as api
 from nri_plugin.common.clock import ManualClock
@@ -176,6 +177,54 @@ async def test_second_signal_during_a_hung_shutdown_exits_at_once(signum: int) -
     assert log[:4] == ["start device plugin", "nri run", "nri stop", "nri ended"]
     assert log[4] == "close device plugin"
     await asyncio.wait_for(running, GUARD)
+
+
+class DeafNri(StandInNri):
+    """An NRI side whose stop() does not end its run (as the stub did while its close waited for a
+    runtime that stopped reading, issue 29): only cancelling the run ends it."""
+
+    def stop(self) -> None:
+        self.log.append("nri stop")
+
+
+@pytest.mark.asyncio
+async def test_the_first_signal_ends_the_daemon_even_if_the_nri_side_does_not_stop() -> None:
+    log: list[str] = []
+    nri = DeafNri(log)
+    daemon = Daemon(
+        nri,
+        services=[StandInService("probes", log)],
+        state=StandInState(log),
+        drain_seconds=0.0,
+        nri_stop_seconds=0.05,
+    )
+    assert app.NRI_STOP_SECONDS == 10.0
+    running = asyncio.ensure_future(daemon.main())
+    await asyncio.wait_for(nri.running.wait(), GUARD)
+    with structlog.testing.capture_logs() as logged:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(running, GUARD) == 0
+    assert log == ["start probes", "nri run", "nri stop", "close probes", "flush"]
+    assert {
+        "event": "the NRI side did not stop in time; shutting down without it",
+        "waited_seconds": 0.05,
+        "log_level": "error",
+    } in logged
+
+
+@pytest.mark.asyncio
+async def test_the_tests_daemon_helper_reads_lines_of_any_length() -> None:
+    """Issue 32: the helper stopped reading stderr after a line over 64 KiB (asyncio's line limit),
+    and the daemon then blocked on the full pipe, which looked like an NRI timeout."""
+    script = "import sys; sys.stderr.write('x' * 200_000 + '\\n' + 'y' * 70_000 + '\\nend\\nno newline')"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    helper = HelperDaemon(proc, GUARD)
+    await helper.wait_log("end")
+    assert await asyncio.wait_for(proc.wait(), GUARD) == 0
+    assert await helper.stop() == 0
+    assert [len(line) for line in helper.lines] == [200_000, 70_000, 3, 10]
 
 
 @pytest.mark.asyncio

@@ -36,6 +36,7 @@ log_format = "json"
 metrics_address = ":9000"
 reconcile_interval = 7.5
 max_synchronize_mib = 64
+nri_stall_limit = 90.0
 systemd_bus = ""
 
 [trusted_sources]

@@ -31,6 +31,7 @@ from mixedcpu_support import (
     make_plugin,
     make_pod,
     marker,
+    new_allocation,
     plugin_running,
 )
 
@@ -148,44 +149,56 @@ def node(tmp_path: Path) -> Node:
 
 
 @pytest.mark.asyncio
-async def test_with_kubelets_record_a_pod_gone_at_two_looks_is_dropped_with_its_bindings(
-    tmp_path: Path,
+@pytest.mark.parametrize("answers", [True, False], ids=["kubelet-answers", "kubelet-configured-but-silent"])
+async def test_a_pod_gone_at_two_looks_keeps_its_bindings_and_kubelets_newest_allocation_wins(
+    tmp_path: Path, answers: bool
 ) -> None:
     """containerd after its restart: the pod's end is never reported; its cgroup is gone all the same.
-    kubelet's record proves requests, so the binding ends with the pod, at the second look."""
+    Its books go at the second look, its binding does not, whether kubelet's record answers or not
+    (issue 29, item 3: two looks must not let a copy of its marker through). The device's next
+    allocation by kubelet takes it at its first creation; a copy of the old marker stays refused."""
     kubelet = FakeKubeletRecord()
+    kubelet.reachable = answers
     node = Node(tmp_path, allocations=kubelet)
     plugin = node.plugin
     forgotten = node.pod("1-1", "forgotten")
     kubelet.allocate(forgotten, "fwd", "dev-1")
     await plugin.synchronize([forgotten], [])  # synchronized: the timer runs
-    container = await node.create(forgotten, "c1")
-    await plugin.stop_container(forgotten, container)
-    node.tree.remove_container(container)
-    await plugin.remove_container(forgotten, container)
-    assert plugin.books.pods == {}  # back at its own quota: forgotten by the books, but still bound
-    assert plugin.books.devices == {"dev-1": Slot(forgotten.uid, "fwd")}
-    node.delete_pod(forgotten)  # no StopPodSandbox, no RemovePodSandbox
-    await node.clock.advance(INTERVAL)
-    assert plugin.books.devices != {}, "not at the first look"
-    await node.clock.advance(INTERVAL - 1)
-    assert plugin.books.devices != {}, "not before the second"
+    await node.create(forgotten, "c1")
+    node.delete_pod(forgotten)  # and its running container: no StopPodSandbox, no RemovePodSandbox
+    kubelet.forget(forgotten)
     with structlog.testing.capture_logs() as logs:
-        await node.clock.advance(1)
+        await node.clock.advance(2 * INTERVAL)
     [gone] = heals(logs, "pod_gone")
-    assert gone["event"] == "pod gone: its device bindings are dropped"
+    assert gone["event"].startswith("pod gone: its books are dropped; its device bindings last")
     assert gone["pod_key"] == forgotten.uid
-    assert gone["devices"] == ["dev-1"]
     assert "never reported the pod stopped or removed" in gone["why"]
-    assert plugin.books.devices == {}
-    assert node.saved().load().devices == {}
-    assert node.seen.heals == {"pod_gone": 1}
-    # ... and kubelet's next holder of that device id gets the shared CPUs.
+    assert plugin.books.pods == {}
+    await node.clock.advance(10 * INTERVAL)
+    assert plugin.books.devices == {"dev-1": Slot(forgotten.uid, "fwd")}
+    assert node.saved().load().devices == {"dev-1": Slot(forgotten.uid, "fwd")}
+    # A copy of its marker in a pod kubelet gave nothing: refused.
+    thief = node.pod("3-3", "thief")
+    copied = make_container(node.naming, thief, "c9", "fwd", annotations=marker(node.key, "dev-1"))
+    with structlog.testing.capture_logs() as logs:
+        assert await plugin.create_container(thief, copied) is None
+    [refused] = [e for e in logs if e["event"] == "request refused"]
+    assert ("kubelet's record shows no" if answers else "a replayed marker") in refused["reason"]
+    # kubelet gives the device to a new pod: its fresh marker is granted at its first creation.
     successor = node.pod("2-2", "successor")
     kubelet.allocate(successor, "fwd", "dev-1")
-    taken = await node.create(successor, "c2")
-    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
+    fresh = make_container(node.naming, successor, "c2", "fwd", annotations=new_allocation(node.key, "dev-1"))
+    response = await plugin.create_container(successor, fresh)
+    assert response is not None
+    assert response.adjust.linux.resources.cpu.cpus == "0-1,4-5"
+    assert node.tree.pod_quota(successor) == RAISED
     assert plugin.books.devices == {"dev-1": Slot(successor.uid, "fwd")}
+    # ... and the old allocation is spent: a copy of it is refused, here as after a restart.
+    kubelet.reachable = False
+    again = make_container(node.naming, thief, "c10", "fwd", annotations=marker(node.key, "dev-1"))
+    assert await plugin.create_container(thief, again) is None
+    restarted, _ = make_plugin(tmp_path / "state", node.tree.layout, SHARED, allocations=kubelet)
+    assert await restarted.create_container(thief, again) is None
     plugin.healer.stop()
 
 
@@ -225,11 +238,12 @@ async def test_a_pod_cgroup_missing_for_a_look_costs_no_binding_in_the_marker_fa
 
 
 @pytest.mark.asyncio
-async def test_in_the_marker_fallback_a_binding_lasts_until_the_runtime_says_the_pod_is_removed(
+async def test_in_the_marker_fallback_a_binding_outlives_a_missing_cgroup_until_a_newer_allocation(
     tmp_path: Path,
 ) -> None:
-    """No kubelet record: a binding is the only proof against a replay, so a pod whose cgroup is gone
-    for good keeps its bindings (its books go) until Synchronize no longer lists it."""
+    """No kubelet record: a pod whose cgroup is gone for good keeps its bindings (its books go); a copy
+    of its marker is refused before and after the runtime says the pod is gone, and the device's next
+    allocation by kubelet is granted at its first creation."""
     node = Node(tmp_path)
     plugin = node.plugin
     vanished = node.pod("1-1", "vanished")
@@ -239,48 +253,50 @@ async def test_in_the_marker_fallback_a_binding_lasts_until_the_runtime_says_the
     with structlog.testing.capture_logs() as logs:
         await node.clock.advance(2 * INTERVAL)
     [gone] = heals(logs, "pod_gone")
-    assert gone["event"].endswith("its device bindings last until the runtime reports it removed")
-    assert (gone["containers"], gone["devices"]) == (["fwd"], [])
+    assert "its device bindings last until the runtime reports it removed" in gone["event"]
+    assert gone["containers"] == ["fwd"]
     assert plugin.books.pods == {}
     await node.clock.advance(10 * INTERVAL)
     assert plugin.books.devices == {"dev-1": Slot(vanished.uid, "fwd")}
-    successor = node.pod("2-2", "successor")
-    assert (
-        await plugin.create_container(
-            successor,
-            make_container(node.naming, successor, "c2", "fwd", annotations=marker(node.key, "dev-1")),
-        )
-        is None
-    ), "a valid marker or a replay: no telling while the binding lasts"
-    await plugin.synchronize([successor], [])  # the runtime's word: the pod is no more
+    copier = node.pod("2-2", "copier")
+    copy = make_container(node.naming, copier, "c2", "fwd", annotations=marker(node.key, "dev-1"))
+    assert await plugin.create_container(copier, copy) is None, "a copy of the holder's allocation"
+    await plugin.synchronize([copier], [])  # the runtime's word: the holder's pod is no more
     assert plugin.books.devices == {}
-    taken = await node.create(successor, "c3")  # kubelet's retry
-    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
+    with structlog.testing.capture_logs() as logs:
+        assert await plugin.create_container(copier, copy) is None, "its holder gone: still a copy"
+    [refused] = [e for e in logs if e["event"] == "request refused"]
+    assert "a marker is good for one allocation, also once its holder is gone" in refused["reason"]
+    successor = node.pod("3-3", "successor")
+    fresh = make_container(node.naming, successor, "c3", "fwd", annotations=new_allocation(node.key, "dev-1"))
+    response = await plugin.create_container(successor, fresh)
+    assert response is not None
+    assert response.adjust.linux.resources.cpu.cpus == "0-1,4-5"
+    assert plugin.books.devices == {"dev-1": Slot(successor.uid, "fwd")}
     plugin.healer.stop()
 
 
 @pytest.mark.asyncio
 async def test_without_a_timer_a_vanished_holder_keeps_its_device(tmp_path: Path) -> None:
-    """A creation presenting a bound device never decides that the holder's pod is gone."""
+    """A creation presenting a bound device never decides that the holder's pod is gone; the
+    runtime's word ends the binding, but the allocation stays spent: only a newer one is granted."""
     node = Node(tmp_path, interval=None)
     plugin = node.plugin
     holder = node.pod("1-1", "holder")
     await node.create(holder, "c1")
     node.delete_pod(holder)  # and its running container, with no event of either
     successor = node.pod("2-2", "successor")
+    copy = make_container(node.naming, successor, "c2", "fwd", annotations=marker(node.key, "dev-1"))
     with structlog.testing.capture_logs() as logs:
-        assert (
-            await plugin.create_container(
-                successor,
-                make_container(node.naming, successor, "c2", "fwd", annotations=marker(node.key, "dev-1")),
-            )
-            is None
-        )
+        assert await plugin.create_container(successor, copy) is None
     assert heals(logs, "pod_gone") == []
     assert list(plugin.books.pods) == [holder.uid]
     await plugin.remove_pod_sandbox(holder)  # the runtime's word
-    taken = await node.create(successor, "c3")
-    assert taken.linux.resources.cpu.cpus == "0-1,4-5"
+    assert await plugin.create_container(successor, copy) is None
+    fresh = make_container(node.naming, successor, "c3", "fwd", annotations=new_allocation(node.key, "dev-1"))
+    response = await plugin.create_container(successor, fresh)
+    assert response is not None
+    assert response.adjust.linux.resources.cpu.cpus == "0-1,4-5"
 
 
 # -- creations that failed after our adjustment ------------------------------------------------------
@@ -918,7 +934,7 @@ async def test_the_pass_drops_a_pod_missing_at_two_looks_never_in_its_events(nod
         await node.clock.advance(INTERVAL)  # the second, an interval later
     [gone] = heals(logs, "pod_gone")
     # The marker fallback: its books go, its binding stays until the runtime says it is removed.
-    assert (gone["pod_key"], gone["containers"], gone["devices"]) == (pod.uid, ["fwd"], [])
+    assert (gone["pod_key"], gone["containers"]) == (pod.uid, ["fwd"])
     assert list(plugin.books.pods) == [other.uid]
     assert plugin.books.devices["dev-1"] == Slot(pod.uid, "fwd")
     assert plugin.shared_containers == 1

@@ -644,6 +644,51 @@ async def test_local_close_flushes_then_closes(trunk_and_peer: tuple[Trunk, RawP
 
 
 @pytest.mark.asyncio
+async def test_local_close_does_not_wait_on_a_peer_that_does_not_read(
+    trunk_and_peer: tuple[Trunk, RawPeer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 29: a close flushed for ever what a peer that stopped reading never read, so the trunk
+    never closed (and the stub never reconnected nor stopped). Now the flush is bounded
+    (`Trunk.close_timeout`), then the socket is aborted: the trunk closes, the peer gets what the
+    socket buffers held and then the end of file, the rest is dropped and logged."""
+    trunk, peer = trunk_and_peer
+    assert trunk.close_timeout == mux.CLOSE_FLUSH_TIMEOUT
+    trunk.close_timeout = 0.1
+    peer.writer.transport.pause_reading()  # type: ignore[attr-defined]
+    recorder = Recorder()
+    send = trunk.channel(2, recorder)
+    message = bytes(4 << 20)  # far more than the socket buffers hold
+    send(message)
+    assert trunk._transport is not None
+    assert trunk._transport.get_write_buffer_size() > 0
+    trunk.close()
+    assert trunk.closing
+    assert recorder.lost == [None]
+    await guarded(trunk.wait_closed())
+    assert "did not read our last" in caplog.text
+    peer.writer.transport.resume_reading()  # type: ignore[attr-defined]
+    received = await peer.read_to_eof()
+    assert 0 < len(received) < len(b"".join(encode(2, message)))
+
+
+@pytest.mark.asyncio
+async def test_a_close_with_nothing_left_to_flush_is_not_aborted(
+    trunk_and_peer: tuple[Trunk, RawPeer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bound only ever cuts a flush short: a peer that reads gets everything (above too), and a
+    trunk closed with an empty write buffer closes at once, its timer gone with it."""
+    trunk, peer = trunk_and_peer
+    trunk.close_timeout = 0.05
+    trunk.channel(1, Recorder())
+    trunk.close()
+    await guarded(trunk.wait_closed())
+    assert trunk._flush_timer is None
+    assert await peer.read_to_eof() == b""
+    await asyncio.sleep(0.1)  # past the bound: nothing fires (no warning, no error)
+    assert "did not read" not in caplog.text
+
+
+@pytest.mark.asyncio
 async def test_receiver_failure_closes_the_trunk(trunk_and_peer: tuple[Trunk, RawPeer]) -> None:
     class Broken(Recorder):
         def data_received(self, data: bytes | memoryview) -> None:

@@ -740,6 +740,75 @@ async def test_stop_ends_the_backoff_wait_at_once(socket_path: Path) -> None:
     assert stub.state is ConnectionState.STOPPED
 
 
+class RegistersOnly:
+    """A runtime that takes the plugin's registration and then says nothing (no Configure, no
+    Synchronize), until `close()`: a runtime stuck between registration and configuration."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.trunks: list[mux.Trunk] = []
+        self.registered = asyncio.Event()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.get_running_loop().create_unix_server(self._accept, str(self.path))
+
+    def _accept(self) -> mux.Trunk:
+        trunk = mux.Trunk()
+
+        async def register(_request: api.RegisterPluginRequest, _ctx: object) -> api.Empty:
+            self.registered.set()
+            return api.Empty()
+
+        service = {RUNTIME_SERVICE: {"RegisterPlugin": UnaryMethod(api.RegisterPluginRequest, register)}}
+        server = Server(service, functools.partial(trunk.send, mux.RUNTIME_SERVICE_CONN))
+        trunk.channel(mux.RUNTIME_SERVICE_CONN, server)
+        self.trunks.append(trunk)
+        return trunk
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for trunk in self.trunks:  # first: from Python 3.12 on, wait_closed waits for every connection
+            trunk.close()
+        await self._server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_the_stub_says_how_long_it_is_stuck_and_why_it_lost_its_connection(socket_path: Path) -> None:
+    """`stalled_for` counts, on the stub's clock, from the start of an attempt until it is READY or
+    waits by design (BACKING_OFF); `lost` says why and when the last connection ended (what
+    ``/healthz`` and ``/readyz`` tell, issue 29)."""
+    clock = ManualClock()
+    backoff = Backoff(initial=1.0, maximum=1.0, jitter=(1.0, 1.0))
+    stub = Stub(
+        Recorder(), name="test", index="10", socket_path=str(socket_path), backoff=backoff, clock=clock
+    )
+    assert (stub.stalled_for, stub.lost) == (0.0, None)
+    running = asyncio.ensure_future(stub.run())
+    try:
+        await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF))
+        assert stub.stalled_for == 0.0, "no runtime to connect to: waiting by design"
+        assert stub.lost is None, "never connected: nothing lost"
+        runtime = RegistersOnly(socket_path)
+        await runtime.start()
+        await clock.advance(1.0)  # the reconnect wait: the attempt begins
+        await guarded(runtime.registered.wait())
+        await guarded(stub.wait_for_state(ConnectionState.REGISTERED))
+        await clock.advance(30.0)
+        assert stub.stalled_for == 30.0, "registered, never configured: stuck since the attempt began"
+        await runtime.close()
+        await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF))
+        assert stub.stalled_for == 0.0
+        assert stub.lost is not None
+        assert stub.lost.cause == "the runtime closed the connection"
+        assert stub.lost.at > 0
+    finally:
+        stub.stop()
+        await guarded(running)
+    assert stub.stalled_for == 0.0
+
+
 async def next_backoff(stub: Stub, clock: ManualClock) -> float:
     """The wait the stub is backing off for, once it waits (the clock has no other timer)."""
     await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF))

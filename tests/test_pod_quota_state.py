@@ -513,10 +513,13 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
         devices = {name: f"shared-cpus-{i}" for i, name in enumerate(NAMES)}
         cpus = {"a": "2-3", "b": "4-5", "c": "6-7"}
         live: dict[str, api.Container] = {}  # name -> the running instance
-        bound: set[str] = set()  # names whose device is bound to them (until the pod sandbox stops)
+        bound: set[str] = set()  # names whose allocation this pod's container presented first
+        stolen: set[str] = set()  # names whose allocation the other pod's container presented first
         dead: dict[str, list[api.Container]] = {name: [] for name in NAMES}  # stopped, not removed
         counter = 0
         for kind, name, new_first in events:
+            if kind == "restart" and name in stolen:
+                continue  # its allocation is spent on the other pod: its marker is refused from now on
             if kind == "restart":
                 counter += 1
                 new = make_container(
@@ -549,8 +552,9 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
             elif kind == "remove" and dead[name]:
                 await plugin.remove_container(pod, dead[name].pop(0))
             elif kind == "replay":
-                # Another pod's container presents this name's marker: refused while the device is
-                # bound to this pod's container of that name, running or stopped.
+                # Another pod's container presents this name's marker: refused once this pod's
+                # container of that name presented it, running, stopped or gone; else the other pod
+                # presents it first, and this name's own container is the copy from then on.
                 thief_pod = make_pod(CGROUPFS, "9999-0000")
                 tree.add_pod(thief_pod, 100_000)
                 thief = make_container(
@@ -559,6 +563,7 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
                 reply = await plugin.create_container(thief_pod, thief)
                 assert (reply is None) == (name in bound)
                 if reply is not None:
+                    stolen.add(name)
                     await plugin.stop_container(thief_pod, thief)
                     await plugin.remove_container(thief_pod, thief)
                 await plugin.remove_pod_sandbox(thief_pod)

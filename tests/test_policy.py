@@ -7,6 +7,9 @@ real plugin object against a fake cgroup v1 tree (no NRI transport: see test_mix
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,12 +21,14 @@ from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_p
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset, parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, MARKER_ENV, HostKey, dra_device_id
-from nri_plugin.mixedcpu.books import Slot
+from nri_plugin.mixedcpu.books import Slot, Spent
 from nri_plugin.mixedcpu.policy import (
     ISOLATED_ENV,
     MAX_CFS_QUOTA,
     SHARED_ENV,
     PolicyError,
+    Proof,
+    RequestCheck,
     _cpu_env,
     baseline_from_pod_resources,
     check_request,
@@ -948,3 +953,85 @@ def test_cpu_env_takes_the_last_value_of_each_variable() -> None:
     assert _cpu_env(container) == ("0-1", "5-6")
     assert _cpu_env(api.Container(env=["PATH=/bin", "OPENSHIFT_SHARED_CPUS=2"])) == ("2", None)
     assert _cpu_env(api.Container(env=["PATH=/bin"])) == (None, None)
+
+
+# -- kubelet's newest allocation wins (issue 29) --------------------------------------------------------
+
+
+def _allocation(
+    value: str, spent: dict[str, Spent], holders: dict[str, Slot] | None = None, *, uid: str = "0000-1111"
+) -> RequestCheck:
+    """The marker-only check of a container (slot `<uid>/main`) presenting `value`."""
+    pod, container = _request({ANNOTATION_KEY: value})
+    pod.uid = uid
+    return check_request(
+        pod, container, marker_key=KEY, trust_pod_annotation=False, device_holders=holders or {}, spent=spent
+    )
+
+
+def test_a_newer_allocation_takes_the_device_from_its_holder_running_or_gone() -> None:
+    other = Slot("other-pod", "main")
+    newer = KEY.sign("shared-cpus-3", allocation=8)
+    for holders in ({"shared-cpus-3": other}, {}):
+        check = _allocation(newer, {"shared-cpus-3": Spent(7, *other)}, holders)
+        assert check.proof == Proof("device-plugin", "shared-cpus-3", 8)
+        assert check.refusals == ()
+
+
+def test_the_same_or_an_older_allocation_in_another_slot_is_a_copy() -> None:
+    other = Slot("other-pod", "main")
+    spent = {"shared-cpus-3": Spent(7, *other)}
+    for allocation in (7, 6):
+        value = KEY.sign("shared-cpus-3", allocation=allocation)
+        held = _allocation(value, spent, {"shared-cpus-3": other})
+        assert held.proof is None
+        assert held.refusals == (
+            f"refused the {ANNOTATION_KEY} annotation: device shared-cpus-3 is already held by container "
+            "other-pod/main (a replayed marker)",
+        )
+        gone = _allocation(value, spent)  # its holder's pod ended: the binding is over, the allocation spent
+        assert gone.proof is None
+        assert "a marker is good for one allocation, also once its holder is gone" in gone.refusals[0]
+        assert gone.waits_for is None
+
+
+def test_its_own_slot_presents_its_allocation_again_whatever_its_number() -> None:
+    mine = Slot("0000-1111", "main")
+    for allocation in (5, 7, 9):
+        check = _allocation(
+            KEY.sign("shared-cpus-3", allocation=allocation), {"shared-cpus-3": Spent(7, *mine)}
+        )
+        assert check.proof is not None
+
+
+def test_a_marker_of_an_earlier_version_is_allocation_0() -> None:
+    context = b"mixed-cpu-nri-plugin shared-cpus-allocation v1\0"  # v1:<device>:<mac>, as documented
+    digest = hmac.new(b"k" * 32, context + b"shared-cpus-3", hashlib.sha256).digest()
+    legacy = f"v1:shared-cpus-3:{base64.urlsafe_b64encode(digest).rstrip(b'=').decode()}"
+    other = Slot("other-pod", "main")
+    assert _allocation(legacy, {}).proof == Proof("device-plugin", "shared-cpus-3", 0)
+    # Bound to another slot (at allocation 0, as every binding saved before numbers existed): a copy.
+    assert _allocation(legacy, {"shared-cpus-3": Spent(0, *other)}, {"shared-cpus-3": other}).proof is None
+    # ... and any numbered allocation is newer than such a binding.
+    check = _allocation(KEY.sign("shared-cpus-3", allocation=1), {}, {"shared-cpus-3": other})
+    assert check.proof is not None
+
+
+def test_a_dra_marker_proves_nothing_outside_the_pods_its_claim_was_reserved_for() -> None:
+    value = KEY.sign(DRA_ID, pods=["aaaa-1111"], allocation=3)
+    outside = _allocation(value, {}, uid="bbbb-2222")
+    assert outside.proof is None
+    assert "reserved for other pods (aaaa-1111), not pod bbbb-2222 (a copied marker)" in outside.refusals[0]
+    assert _allocation(value, {}, uid="aaaa-1111").proof is not None
+
+
+def test_a_claim_reserved_for_two_pods_waits_for_the_holders_binding_to_end() -> None:
+    value = KEY.sign(DRA_ID, pods=["aaaa-1111", "bbbb-2222"], allocation=3)
+    holder = Slot("aaaa-1111", "main")
+    spent = {DRA_ID: Spent(3, *holder)}
+    waiting = _allocation(value, spent, {DRA_ID: holder}, uid="bbbb-2222")
+    assert waiting.proof is None
+    assert waiting.waits_for == DRA_ID
+    assert "for now" in waiting.refusals[0]
+    assert _allocation(value, spent, {}, uid="bbbb-2222").proof is not None  # its binding ended
+    assert _allocation(value, spent, {}, uid="cccc-3333").proof is None  # not reserved for that one

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from probe_support import GUARD, bound_address, collect, stream_lines
+from mixedcpu_support import stream_lines
+from probe_support import GUARD, bound_address, collect
 
 # Lines around the one `bound_address` looks for: longer than the stream's line limit and than the
 # pipe's buffer, before it and after it, and a last line without its newline.

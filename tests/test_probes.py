@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import re
 import shutil
@@ -49,7 +50,9 @@ from nri_plugin.daemon.probes import (
     ProbeServer,
     parse_address,
 )
+from nri_plugin.nri.connection import ConnectionState
 from nri_plugin.nri.simulator import RuntimeSimulator
+from nri_plugin.nri.stub import LostConnection
 
 HOST = "127.0.0.1"
 
@@ -66,12 +69,15 @@ class Switch:
 
 @contextlib.asynccontextmanager
 async def serving(
-    metrics: Callable[[], bytes] | None = None, readiness: Callable[[], str | None] | None = None
+    metrics: Callable[[], bytes] | None = None,
+    readiness: Callable[[], str | None] | None = None,
+    liveness: Callable[[], str | None] | None = None,
 ) -> AsyncIterator[tuple[ProbeServer, int]]:
     server = ProbeServer(
         f"{HOST}:0",
         metrics=metrics or Metrics().render,
         readiness=readiness or (lambda: None),
+        liveness=liveness,
     )
     async with server:
         [address] = server.bound
@@ -126,6 +132,56 @@ async def test_routes() -> None:
         missing = await get(HOST, port, "/nope")
         assert missing.status == 404
         assert missing.text == "no such path '/nope'; try /metrics, /healthz, /readyz\n"
+
+
+@dataclasses.dataclass
+class StuckStub:
+    """What `probes.liveness` and `probes.readiness` read of the stub, set by the test."""
+
+    stalled_for: float = 0.0
+    state: ConnectionState = ConnectionState.BACKING_OFF
+    lost: LostConnection | None = None
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+@pytest.mark.asyncio
+async def test_healthz_fails_once_the_nri_connection_is_stuck_past_the_limit() -> None:
+    """Issue 29: /healthz said ok while the NRI connection was wedged for good. Now it fails once the
+    stub has been neither serving nor waiting to reconnect for more than nri_stall_limit seconds;
+    said once at error, once at info when it moves again."""
+    stub = StuckStub(stalled_for=60.0, state=ConnectionState.CONFIGURED)
+    check = probes.liveness(stub, 60.0)  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logged:
+        async with serving(liveness=check) as (_, port):
+            await healthy(port)  # at the limit: still healthy
+            stub.stalled_for = 61.0
+            for _ in range(2):
+                reply = await get(HOST, port, "/healthz")
+                assert (reply.status, reply.text) == (
+                    503,
+                    "unhealthy: the NRI connection has been stuck for 61 s (over nri_stall_limit = 60), now "
+                    "configured: neither serving the runtime nor waiting to reconnect\n",
+                )
+            stub.stalled_for, stub.state = 0.0, ConnectionState.BACKING_OFF
+            await healthy(port)
+    assert [(entry["log_level"], entry["event"]) for entry in logged if "NRI" in entry["event"]] == [
+        ("error", "NRI connection stuck: /healthz fails, so kubelet restarts the daemon"),
+        ("info", "NRI connection moving again: /healthz ok"),
+    ]
+
+
+def test_readyz_says_why_and_since_when_the_nri_connection_was_lost() -> None:
+    stub = StuckStub()
+    check = probes.readiness(stub, None)  # type: ignore[arg-type]
+    assert check() == "not registered with the runtime (NRI) yet"
+    stub.lost = LostConnection("the runtime closed the connection", 1_790_000_000.0)
+    assert re.fullmatch(
+        r"the connection to the runtime \(NRI\) was lost at 2026-09-21T14:13:20Z \([0-9]+ s ago\): "
+        r"the runtime closed the connection; reconnecting \(now backing_off\)",
+        check() or "",
+    )
+    stub.ready.set()
+    assert check() is None
 
 
 @pytest.mark.asyncio

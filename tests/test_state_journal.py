@@ -22,7 +22,7 @@ from nri_plugin.common.clock import ManualClock
 from nri_plugin.mixedcpu import bookkeeper
 from nri_plugin.mixedcpu import store as state_file
 from nri_plugin.mixedcpu.bookkeeper import COMPACT_MIN_BYTES, FLUSH_DELAY, Bookkeeper
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot, Spent
 from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore, apply_operation
 
 
@@ -103,8 +103,38 @@ def test_the_journal_lines_are_the_change(tmp_path: Path) -> None:
             ["C", "new-7", "app", "n-7" * 8, 2, "6-7", "newdev-7"],
             ["B", "newdev-7", "new-7", "app"],
             ["U", "dev-0"],
+            ["A", "newdev-7", 0, "new-7", "app"],  # (dev-0's allocation stays spent: no line)
         ]
     ]
+    loaded = StateStore(tmp_path).load()
+    assert loaded.spent == keeper.books.spent
+    assert loaded.spent["dev-0"] == Spent(0, "pod-0", "app")
+
+
+def test_the_allocations_presented_are_journaled_and_survive_a_restart(tmp_path: Path) -> None:
+    keeper = _keeper(tmp_path, _pods(2))
+    keeper.books.hold(Slot("pod-1", "app"), ContainerRecord("c-1b", 2, "4-5", "dev-1"), allocation=41)
+    keeper.books.unbind_pod("pod-1")
+    keeper.commit()
+    loaded = StateStore(tmp_path).load()
+    assert "dev-1" not in loaded.devices
+    assert loaded.spent["dev-1"] == Spent(41, "pod-1", "app")
+    keeper.flush(force=True)  # the snapshot holds it too
+    assert StateStore(tmp_path).load().spent["dev-1"] == Spent(41, "pod-1", "app")
+
+
+def test_a_state_file_from_before_allocations_were_kept_reads_its_bindings_as_allocation_0(
+    tmp_path: Path,
+) -> None:
+    keeper = _keeper(tmp_path, _pods(2))
+    keeper.flush(force=True)
+    path = tmp_path / STATE_FILE_NAME
+    data = json.loads(path.read_text())
+    del data["spent"]
+    path.write_text(json.dumps(data))
+    loaded = StateStore(tmp_path).load()
+    assert loaded == keeper.books
+    assert dict(loaded.spent) == {device: Spent(0, *slot) for device, slot in loaded.devices.items()}
 
 
 @pytest.mark.asyncio

@@ -12,7 +12,9 @@ config) and knows them only by what it does with them:
 Signals, while the daemon runs:
 
 * the first SIGTERM, SIGINT or SIGHUP stops the NRI side (the connection closes, handlers in flight
-  are cancelled); the services are closed and the state flushed; the exit status is 0. SIGHUP is
+  are cancelled; a runtime that does not read costs at most the mux's 2 s close bound, and should
+  the NRI side still not have ended after `NRI_STOP_SECONDS`, the shutdown goes on without it,
+  saying so); the services are closed and the state flushed; the exit status is 0. SIGHUP is
   a stop signal too, not a reload: the config is read once, at start, so under a supervisor that
   restarts the daemon (systemd, a DaemonSet) SIGHUP amounts to a restart that reads it anew, and
   at a terminal that hangs up the daemon still stops in order, saying so;
@@ -51,6 +53,7 @@ __all__ = [
     "EXIT_CONFIG",
     "EXIT_OK",
     "NRI_ENDED",
+    "NRI_STOP_SECONDS",
     "STOP_SIGNALS",
     "Daemon",
     "DaemonError",
@@ -68,6 +71,9 @@ EXIT_CONFIG: Final = 2
 STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # After shutdown, how long tasks we did not start (grpc's per-RPC tasks) may take to end by themselves.
 DRAIN_SECONDS: Final = 1.0
+# After a stop signal, how long the NRI side may take to end before the shutdown goes on without it:
+# well within a pod's default grace (30 s) with the services' close, the state flush and the drain.
+NRI_STOP_SECONDS: Final = 10.0
 # What the operator reads when the NRI side ends by itself: the connection ended, reconnecting is
 # off (the wiring gives the runtime-launched daemon its own wording).
 NRI_ENDED: Final = (
@@ -129,15 +135,18 @@ class Daemon:
         stderr: TextIO | None = None,
         drain_seconds: float = DRAIN_SECONDS,
         nri_ended: str = NRI_ENDED,
+        nri_stop_seconds: float = NRI_STOP_SECONDS,
     ) -> None:
         self.nri = nri
         self.services = tuple(services)
         self.state = state
         self.drain_seconds = drain_seconds
         self.nri_ended = nri_ended
+        self.nri_stop_seconds = nri_stop_seconds
         self._hard_exit = hard_exit
         self._stderr = stderr
         self._stopping = False
+        self._stop_requested = asyncio.Event()
 
     @property
     def stopping(self) -> bool:
@@ -162,6 +171,7 @@ class Daemon:
     def stop(self) -> None:
         """Begin an orderly stop, as the first SIGTERM does."""
         self._stopping = True
+        self._stop_requested.set()
         self.nri.stop()
 
     # -- start, serve, shut down -----------------------------------------------------------------------
@@ -173,7 +183,7 @@ class Daemon:
             for service in self.services:
                 await service.start()
                 started.append(service)
-            await self.nri.run()
+            await self._run_nri()
             if not self._stopping:
                 # Also in the log, not only on stderr: the runtime-launched daemon's log is a file.
                 log.warning("the connection to the runtime ended; not reconnecting", why=self.nri_ended)
@@ -184,6 +194,30 @@ class Daemon:
             raise DaemonError(str(exc), EXIT_CONFIG) from None
         finally:
             await self._shut_down(started)
+
+    async def _run_nri(self) -> None:
+        """The NRI side until it ends; once a stop has begun, for at most `nri_stop_seconds` more,
+        then it is cancelled and the shutdown goes on (whatever the connection to the runtime is
+        doing, the first signal ends the daemon)."""
+        run = asyncio.ensure_future(self.nri.run())
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        try:
+            await asyncio.wait((run, stop), return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                await asyncio.wait((run,), timeout=self.nri_stop_seconds)
+            if not run.done():
+                log.error(
+                    "the NRI side did not stop in time; shutting down without it",
+                    waited_seconds=self.nri_stop_seconds,
+                )
+                run.cancel()
+                await asyncio.wait((run,), timeout=self.drain_seconds)
+                return
+            run.result()
+        finally:
+            stop.cancel()
+            if not run.done():
+                run.cancel()
 
     async def _shut_down(self, started: Sequence[Service]) -> None:
         """The NRI side has stopped: close the services, newest first, then flush the state."""

@@ -31,8 +31,8 @@ What is checked:
   account); and, when a running daemon's ``status`` names its runtime, that the runtime reads our
   CDI specs (containerd 1.7.12 or later: docs/dra.md, "Which runtimes read our CDI specs");
 * kubelet's pod-resources socket: a warning (one line) when it is not there or not asked, since the
-  allocation marker alone then proves requests (a copied marker is refused only while its device is
-  bound to another container); nothing when it is there;
+  allocation marker alone then proves requests (a copied marker is refused only if another container
+  presented its allocation first); nothing when it is there;
 * with kubelet's config file (``KubeletConfiguration`` YAML): ``reservedSystemCPUs`` is a cpu list
   kubelet accepts and holds the shared CPUs (else kubelet may hand them out as exclusive CPUs), and
   ``cpuManagerPolicy`` is ``static`` (else no container has exclusive CPUs, and none can ask for

@@ -20,6 +20,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
     creation_timeout = 300                 # seconds a CRI-O creation may run before a failed one
                                            # gives its share back (CRI-O's container_create_timeout + 60)
     max_synchronize_mib = 32               # the most one Synchronize may bring (1-1024 MiB)
+    nri_stall_limit = 60                   # seconds the NRI connection may be stuck (neither serving
+                                           # nor waiting to reconnect) before /healthz fails (1-3600)
     systemd_bus = "/run/dbus/system_bus_socket"  # the system bus: pod slices' quotas set through
                                            # systemd (systemd driver); "": always the cgroup files
 
@@ -105,6 +107,11 @@ DEFAULT_RECONCILE_INTERVAL: Final = 30.0
 RECONCILE_INTERVAL_RANGE: Final = (1.0, 3600.0)
 DEFAULT_CREATION_TIMEOUT: Final = 300.0  # = nri_plugin.mixedcpu.heal.CREATION_TIMEOUT (tested)
 CREATION_TIMEOUT_RANGE: Final = (1.0, 86400.0)
+# How long the stub may spend neither serving the runtime nor waiting between reconnect attempts
+# before /healthz fails (`nri_plugin.daemon.probes.liveness`): far above what an attempt takes (the
+# registration timeout is 5 s; a lost connection's hang-up at most the mux's 2 s close bound).
+DEFAULT_NRI_STALL_LIMIT: Final = 60.0
+NRI_STALL_LIMIT_RANGE: Final = (1.0, 3600.0)
 ONLINE_CPUS_FILE: Final = "devices/system/cpu/online"
 NUMA_NODES_DIR: Final = "devices/system/node"
 _NUMA_NODE: Final = re.compile(r"node([0-9]+)")
@@ -153,6 +160,7 @@ class Config:
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
     creation_timeout: float = DEFAULT_CREATION_TIMEOUT
     max_synchronize_mib: int = DEFAULT_MAX_SYNCHRONIZE_MIB
+    nri_stall_limit: float = DEFAULT_NRI_STALL_LIMIT
     systemd_bus: str = DEFAULT_SYSTEMD_BUS
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     dra: DraConfig = field(default_factory=DraConfig)
@@ -178,6 +186,7 @@ _TOP_KEYS: Final = (
     "reconcile_interval",
     "creation_timeout",
     "max_synchronize_mib",
+    "nri_stall_limit",
     "systemd_bus",
     _SOURCES_TABLE,
     _DEVICE_PLUGIN_TABLE,
@@ -423,6 +432,14 @@ def _optional_values(check: _Checker, document: Mapping[str, Any]) -> dict[str, 
             "take CRI-O's container_create_timeout (240 unless set) plus 60, e.g. creation_timeout = 300",
         ),
         "max_synchronize_mib": functools.partial(_max_synchronize_mib, check),
+        # Seconds the NRI connection may be stuck before /healthz fails (nri_plugin.daemon.probes).
+        "nri_stall_limit": functools.partial(
+            _seconds,
+            check,
+            "nri_stall_limit",
+            NRI_STALL_LIMIT_RANGE,
+            "e.g. nri_stall_limit = 60 (keep it above the runtime's registration timeout, 5 s by default)",
+        ),
         "systemd_bus": functools.partial(_systemd_bus, check),
     }
     return {key: parse(document[key]) for key, parse in parsers.items() if key in document}

@@ -201,8 +201,11 @@ class _DraScenario(DemoScenario):
         [entry] = spec["devices"][0]["containerEdits"]["env"]
         self.say(f"  CDI spec {spec_file.name}: cdiVersion {spec['cdiVersion']}, kind {spec['kind']}")
         name, _, marker = entry.partition("=")
-        version, signed_for, _ = marker.split(":")
-        self.say(f"  its container edits: env {name}={version}:{signed_for}:... (the marker, its MAC cut)")
+        version, signed_for, _ = marker.split(":", 2)
+        self.say(
+            f"  its container edits: env {name}={version}:{signed_for}:... (the marker: its allocation, "
+            "pods and MAC cut)"
+        )
         self.say()
         return str(cdi_id)
 

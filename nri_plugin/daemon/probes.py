@@ -1,11 +1,16 @@
 """``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1, served on the daemon's own event loop.
 
 * ``GET /metrics``: the Prometheus text exposition (`nri_plugin.daemon.metrics.Metrics.render`).
-* ``GET /healthz``: 200 ``ok`` whenever the loop answers at all. Because it is served on the loop
-  that also serves NRI, a wedged loop fails liveness instead of looking healthy from another thread.
+* ``GET /healthz``: 200 ``ok`` when the loop answers and the NRI connection is not stuck
+  (`liveness`): 503 and one line once the stub has spent more than ``nri_stall_limit`` seconds
+  neither serving the runtime nor waiting between reconnect attempts (`Stub.stalled_for`), which no
+  waiting mends and a restart may. Because it is served on the loop that also serves NRI, a wedged
+  loop fails liveness too, instead of looking healthy from another thread. A runtime that is away
+  (its socket absent, refusing) keeps the daemon healthy: it reconnects by design.
 * ``GET /readyz``: 200 ``ok`` when registered and synchronized with the runtime and, with the device
-  plugin on, registered with kubelet; otherwise 503 and one line saying what is missing. The same
-  line goes to the log at warning every 30 s while it lasts (`NotReadyWarnings`), metrics on or off.
+  plugin on, registered with kubelet; otherwise 503 and one line saying what is missing (after a lost
+  NRI connection: why it was lost and since when). The same line goes to the log at warning every
+  30 s while it lasts (`NotReadyWarnings`), metrics on or off.
 
 Deliberately small: one request per connection (``Connection: close``), GET and HEAD only (405 for
 other methods), no request body read, the request head limited to `MAX_HEAD` bytes (431) and
@@ -41,6 +46,7 @@ import json
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
@@ -49,7 +55,8 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
-from nri_plugin.daemon.config import metrics_address_problem, split_host_port
+from nri_plugin.daemon.config import DEFAULT_NRI_STALL_LIMIT, metrics_address_problem, split_host_port
+from nri_plugin.mixedcpu.status import rfc3339
 
 if TYPE_CHECKING:
     from nri_plugin.deviceplugin.server import DevicePluginServer
@@ -66,6 +73,7 @@ __all__ = [
     "ProbeError",
     "ProbeObserver",
     "ProbeServer",
+    "liveness",
     "parse_address",
     "readiness",
 ]
@@ -148,12 +156,56 @@ def readiness(
     def check() -> str | None:
         missing = []
         if not stub.ready.is_set():
-            missing.append("not registered with the runtime (NRI) yet")
+            missing.append(_nri_missing(stub))
         if device_plugin is not None and device_plugin.config.enabled and not device_plugin.registered:
             missing.append(_kubelet_missing(str(device_plugin.config.plugin_dir)))
         if dra is not None and not dra.registered:
             missing.append("the DRA driver is not registered with kubelet yet (its plugin watcher)")
         return "; ".join(missing) or None
+
+    return check
+
+
+def _nri_missing(stub: Stub) -> str:
+    """Not serving the runtime: not yet, or since a lost connection (its cause and when)."""
+    lost = stub.lost
+    if lost is None:
+        return "not registered with the runtime (NRI) yet"
+    ago = max(0, round(time.time() - lost.at))
+    return (
+        f"the connection to the runtime (NRI) was lost at {rfc3339(lost.at)} ({ago} s ago): {lost.cause}; "
+        f"reconnecting (now {stub.state.value})"
+    )
+
+
+def liveness(stub: Stub, limit: float = DEFAULT_NRI_STALL_LIMIT) -> Callable[[], str | None]:
+    """What ``/healthz`` asks: None while healthy, else why not: the NRI connection stuck for more
+    than `limit` seconds (`Stub.stalled_for`). Said at error when it turns unhealthy, at info when it
+    recovers (once each, however often the probe asks)."""
+    failing = False
+
+    def check() -> str | None:
+        nonlocal failing
+        stalled = stub.stalled_for
+        if stalled <= limit:
+            if failing:
+                log.info("NRI connection moving again: /healthz ok", state=stub.state.value)
+                failing = False
+            return None
+        why = (
+            f"the NRI connection has been stuck for {stalled:.0f} s (over nri_stall_limit = {limit:g}), "
+            f"now {stub.state.value}: neither serving the runtime nor waiting to reconnect"
+        )
+        if not failing:
+            log.error(
+                "NRI connection stuck: /healthz fails, so kubelet restarts the daemon",
+                state=stub.state.value,
+                stalled_seconds=round(stalled),
+                nri_stall_limit=limit,
+                last_lost=stub.lost.cause if stub.lost is not None else None,
+            )
+            failing = True
+        return why
 
     return check
 
@@ -466,7 +518,8 @@ class _Refused(Exception):
 
 class ProbeServer:
     """The HTTP endpoint; ``async with ProbeServer(address, metrics=..., readiness=...) as server``.
-    `observer` is told of each connection evicted."""
+    `liveness` (default: always healthy) is what ``/healthz`` asks; `observer` is told of each
+    connection evicted."""
 
     def __init__(
         self,
@@ -474,12 +527,14 @@ class ProbeServer:
         *,
         metrics: Callable[[], bytes],
         readiness: Callable[[], str | None],
+        liveness: Callable[[], str | None] | None = None,
         observer: ProbeObserver | None = None,
     ) -> None:
         self.address = address
         self.host, self.port = parse_address(address)
         self._metrics = metrics
         self._readiness = readiness
+        self._liveness = liveness
         self.observer = observer
         self._listeners: list[socket.socket] = []
         self._open: ConnectionTable[_Connection] = ConnectionTable(
@@ -696,6 +751,9 @@ class ProbeServer:
 
     def _route(self, path: str) -> tuple[int, bytes, str]:
         if path == "/healthz":
+            unhealthy = self._liveness() if self._liveness is not None else None
+            if unhealthy:
+                return 503, f"unhealthy: {unhealthy}\n".encode(), _TEXT
             return 200, b"ok\n", _TEXT
         if path == "/readyz":
             missing = self._readiness()

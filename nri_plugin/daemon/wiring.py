@@ -57,7 +57,7 @@ from nri_plugin.daemon.instance import (
 )
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
-from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, readiness
+from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, liveness, readiness
 from nri_plugin.daemon.stateformat import STATE_FORMAT, StateFormatError, settle_state_format
 from nri_plugin.daemon.status import StatusParts, StatusServer, status_document, status_socket_path
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
@@ -161,9 +161,13 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         record = build_allocation_record(config, key, observer=metrics, environ=env)
         writer = build_quota_writer(config)
         plugin = build_plugin(config, layout, key, allocations=record, observer=metrics, writer=writer)
+        if key is not None:
+            # New allocations numbered above every one the books hold, whatever the clock did.
+            key.raise_floor(plugin.books.newest_allocation())
         stub = build_stub(
             plugin, identity, options, max_sync_bytes=config.max_synchronize_mib << 20, observer=metrics
         )
+        plugin.send_updates = stub.update_containers  # grants that wait for a binding's end
         device_plugin = build_device_plugin(config, key, observer=metrics)
         dra = build_dra(config, key, env)
         probes = build_probes(config, metrics, stub, device_plugin, dra)
@@ -462,14 +466,15 @@ def build_probes(
     device_plugin: DevicePluginServer | None,
     dra: DraFrontDoor | None = None,
 ) -> ProbeServer | None:
-    """``/metrics``, ``/healthz`` and ``/readyz`` on metrics_address (None when that is "").
-    Raises `ProbeError`."""
+    """``/metrics``, ``/healthz`` (failing once the NRI connection is stuck for nri_stall_limit
+    seconds) and ``/readyz`` on metrics_address (None when that is ""). Raises `ProbeError`."""
     if metrics is None:
         return None
     return ProbeServer(
         config.metrics_address,
         metrics=metrics.render,
         readiness=readiness(stub, device_plugin, dra),
+        liveness=liveness(stub, config.nri_stall_limit),
         observer=metrics,
     )
 

@@ -383,8 +383,8 @@ class PodResourcesClient:
         self._warned_unstamped, self._degraded_since_warning = True, 0
         log.warning(
             "kubelet's pod-resources API cannot be asked: the allocation marker alone proves requests "
-            "for shared CPUs until it can (a copied marker is then only refused while its device is "
-            "bound to another container); mount kubelet's pod-resources directory",
+            "for shared CPUs until it can (a copied marker is then refused only if another container "
+            "presented its allocation first); mount kubelet's pod-resources directory",
             socket=self.socket_path,
             reason=why,
         )

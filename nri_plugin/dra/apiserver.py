@@ -612,12 +612,14 @@ class ApiClaimSource:
             raise ClaimError(
                 f"{claim_ref} is not allocated yet: the scheduler allocates it before kubelet prepares"
             )
+        pods = _reserved_pods(claim)
         ours = tuple(
             AllocatedDevice(
                 request=result.request,
                 pool=result.pool,
                 device=result.device,
                 admin_access=bool(result.adminAccess),
+                reserved_for=pods,
             )
             for result in results or ()
             if result.driver == self.driver
@@ -628,3 +630,18 @@ class ApiClaimSource:
                 " this driver to prepare it"
             )
         return ours
+
+
+def _reserved_pods(claim: ResourceClaim) -> tuple[str, ...]:
+    """The uids of the pods the claim is reserved for (``status.reservedFor`` entries naming core
+    pods; other consumers are not pods and prove nothing), sorted, each once."""
+    consumers = claim.status.reservedFor if claim.status is not None else None
+    return tuple(
+        sorted(
+            {
+                consumer.uid
+                for consumer in consumers or ()
+                if consumer.resource == "pods" and not consumer.apiGroup and consumer.uid
+            }
+        )
+    )

@@ -4,10 +4,12 @@ kubelet's ``NodePrepareResources`` answer names CDI devices (Container Device In
 ``<vendor>/<class>=<name>``); kubelet hands those names to the runtime with the container, and the
 runtime (containerd, CRI-O) applies the ``containerEdits`` it finds for them in the spec files of its
 CDI directories (``/var/run/cdi`` among them) before the container is created. Our edit is one
-environment entry per device, ``MIXED_CPU_SHARED_CPUS_ALLOCATION_<DEVICE>=<key.sign("dra.<device>")>``
-(:func:`marker_env`, see `nri_plugin.deviceplugin.marker`), which the NRI side checks like the device
-plugin's annotation. The name carries the device because CDI merges a container's env entries by
-name: with one name for all, a container given two of our devices would keep only the last marker.
+environment entry per device, ``MIXED_CPU_SHARED_CPUS_ALLOCATION_<DEVICE>=<key.sign("dra.<device>",
+pods=...)>`` (:func:`marker_env`, see `nri_plugin.deviceplugin.marker`): a new allocation, good only
+in the pods the claim was reserved for (its ``status.reservedFor`` as the prepare read it), which the
+NRI side checks like the device plugin's annotation. The name carries the device because CDI merges
+a container's env entries by name: with one name for all, a container given two of our devices
+would keep only the last marker.
 
 One spec file per claim, named by the claim's uid, so unprepare removes exactly what prepare wrote
 and two claims never share a file. Inside, one CDI device per allocated device of ours, named
@@ -89,6 +91,8 @@ ANN_UID: Final = f"{VENDOR}/claim-uid"
 ANN_POOL: Final = f"{VENDOR}/pool"
 ANN_DEVICE: Final = f"{VENDOR}/device"
 ANN_REQUESTS: Final = f"{VENDOR}/requests"  # comma-separated: DNS labels, or two joined by "/"
+# Comma-separated uids of the pods the claim was reserved for; absent in specs of earlier versions.
+ANN_PODS: Final = f"{VENDOR}/reserved-for-pods"
 _RECORDED: Final = (ANN_NAMESPACE, ANN_NAME, ANN_UID, ANN_POOL, ANN_DEVICE, ANN_REQUESTS)
 
 # metadata.uid as the API server makes it: a lowercase RFC 4122 UUID.
@@ -202,11 +206,15 @@ def cdi_device_id(claim_uid: str, device: str) -> str:
     return f"{KIND}={cdi_device_name(claim_uid, device)}"
 
 
-def build_spec(claim: ClaimRef, devices: Sequence[AllocatedDevice], key: HostKey) -> dict[str, Any]:
+def build_spec(
+    claim: ClaimRef, devices: Sequence[AllocatedDevice], key: HostKey, *, allocation: int | None = None
+) -> dict[str, Any]:
     """The CDI spec (a JSON-ready dict) for `claim` allocated `devices`, each device's edits setting
-    the marker variable to its signed ``dra.<device>`` id. A device listed for several requests of
-    the claim is one CDI device recording all of them. Raises `CdiError` for a bad claim or device,
-    or none at all."""
+    the marker variable to its signed ``dra.<device>`` id: a new allocation (`allocation`: its
+    number; None: the key's next), good in the pods the claim is reserved for. A device listed for
+    several requests of the claim is one CDI device recording all of them. Raises `CdiError` for a
+    bad claim or device, or none at all. Each prepare is a new allocation: a spec written again for
+    the same claim differs in its markers' numbers only."""
     check_claim(claim)
     if not devices:
         raise CdiError(
@@ -215,20 +223,34 @@ def build_spec(claim: ClaimRef, devices: Sequence[AllocatedDevice], key: HostKey
         )
     for device in devices:
         check_device(device)
+    pods = sorted({uid for device in devices for uid in device.reserved_for})
+    try:
+        markers = {
+            name: key.sign(dra_device_id(name), pods=pods, allocation=allocation)
+            for name in _grouped(devices)
+        }
+    except ValueError as exc:
+        raise CdiError(
+            f"claim {claim.namespace}/{claim.name} ({claim.uid}) cannot be signed for the pods it is "
+            f"reserved for ({exc}); check the claim's status.reservedFor"
+        ) from None
     cdi_devices = []
     for name, (pool, requests) in _grouped(devices).items():
+        notes = {
+            ANN_NAMESPACE: claim.namespace,
+            ANN_NAME: claim.name,
+            ANN_UID: claim.uid,
+            ANN_POOL: pool,
+            ANN_DEVICE: name,
+            ANN_REQUESTS: ",".join(requests),
+        }
+        if pods:
+            notes[ANN_PODS] = ",".join(pods)
         cdi_devices.append(
             {
                 "name": cdi_device_name(claim.uid, name),
-                "annotations": {
-                    ANN_NAMESPACE: claim.namespace,
-                    ANN_NAME: claim.name,
-                    ANN_UID: claim.uid,
-                    ANN_POOL: pool,
-                    ANN_DEVICE: name,
-                    ANN_REQUESTS: ",".join(requests),
-                },
-                "containerEdits": {"env": [f"{marker_env(name)}={key.sign(dra_device_id(name))}"]},
+                "annotations": notes,
+                "containerEdits": {"env": [f"{marker_env(name)}={markers[name]}"]},
             }
         )
     return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": cdi_devices}
@@ -332,15 +354,32 @@ def _recorded_devices(spec: Any, claim: ClaimRef, key: HostKey) -> tuple[Allocat
         device = notes[ANN_DEVICE]
         if entry["name"] != cdi_device_name(claim.uid, device):
             raise ValueError(f"device {entry['name']!r} does not match its annotations")
-        [env] = entry["containerEdits"]["env"]
-        name, _, marker = env.partition("=")
-        if name != marker_env(device) or key.verify(marker) != dra_device_id(device):
-            raise ValueError(f"device {device!r} does not carry the marker this node's key signs for it")
+        reserved = _signed_pods(entry, device, key)
         for request in notes[ANN_REQUESTS].split(","):
-            recorded.append(AllocatedDevice(request=request, pool=notes[ANN_POOL], device=device))
+            recorded.append(
+                AllocatedDevice(request=request, pool=notes[ANN_POOL], device=device, reserved_for=reserved)
+            )
     if not recorded:
         raise ValueError("no devices")
     return tuple(recorded)
+
+
+def _signed_pods(entry: Any, device: str, key: HostKey) -> tuple[str, ...]:
+    """The pods a spec file's device records (its pods annotation; none in specs of earlier versions),
+    once its marker proves to be the one this node's key signed for that device and those pods.
+    Raises ValueError (or KeyError, TypeError) for anything else."""
+    pods = entry["annotations"].get(ANN_PODS, "")
+    if not isinstance(pods, str):
+        raise ValueError("the pods annotation is not a string")
+    reserved = tuple(pods.split(",")) if pods else ()
+    [env] = entry["containerEdits"]["env"]
+    name, _, marker = env.partition("=")
+    signed = key.read(marker)
+    if name != marker_env(device) or signed is None or signed.device != dra_device_id(device):
+        raise ValueError(f"device {device!r} does not carry the marker this node's key signs for it")
+    if signed.pods != frozenset(reserved):
+        raise ValueError(f"device {device!r}: its marker names other pods than its annotation records")
+    return reserved
 
 
 def _grouped(devices: Iterable[AllocatedDevice]) -> dict[str, tuple[str, list[str]]]:

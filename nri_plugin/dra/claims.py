@@ -25,6 +25,9 @@ class AllocatedDevice:
     pool: str  # the ResourceSlice pool: our node's name
     device: str  # a device of that pool, e.g. "shared-cpus-3"
     admin_access: bool = False  # the result's adminAccess: access to a device someone else may hold
+    # The uids of the pods the claim was reserved for when read (its status.reservedFor): the marker
+    # signed for the device proves a request in those pods only. Empty: not known (no pod bound).
+    reserved_for: tuple[str, ...] = ()
 
 
 def base_request(request: str) -> str:

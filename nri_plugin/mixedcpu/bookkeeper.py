@@ -19,7 +19,7 @@ from typing import Final
 import structlog
 
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
-from nri_plugin.mixedcpu.books import Books, Containers, PodRecord, Slot
+from nri_plugin.mixedcpu.books import Books, Containers, PodRecord, Slot, Spent
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME
 from nri_plugin.mixedcpu.store import Loaded, StateStore, changes_line, header_line, same_header
 
@@ -61,6 +61,7 @@ class Bookkeeper:
         # Changed since the last write: pod key (device id) -> what the files hold for it.
         self._pods: dict[str, PodRecord | None] = {}
         self._devices: dict[str, Slot | None] = {}
+        self._spent: dict[str, Spent | None] = {}
         self._flush_timer: Timer | None = None
         self._compaction: Future[int] | None = None
         self._compacted_bytes = 0  # of the journal, by the compaction under way
@@ -84,6 +85,9 @@ class Bookkeeper:
         for device in old.devices.keys() | books.devices.keys():
             if books.devices.get(device) != old.devices.get(device):
                 self._devices.setdefault(device, old.devices.get(device))
+        for device in old.spent.keys() | books.spent.keys():
+            if books.spent.get(device) != old.spent.get(device):
+                self._spent.setdefault(device, old.spent.get(device))
         self._books = books
         if self._journal is None:
             self._unsaved = True  # Synchronize: start the journal now, not at the first creation
@@ -101,10 +105,10 @@ class Bookkeeper:
         if not establish and self._journal is None:
             return
         self._absorb()
-        if self._pods or self._devices or self._unsaved:
+        if self._pods or self._devices or self._spent or self._unsaved:
             if self._unrebuildable_changed() or (self._unsaved and self._journal is None and self._pods):
                 self._write()
-            elif (self._pods or self._devices or self._unsaved) and self._flush_timer is None:
+            elif (self._pods or self._devices or self._spent or self._unsaved) and self._flush_timer is None:
                 self._defer()
         self._maybe_compact()
 
@@ -118,7 +122,7 @@ class Bookkeeper:
         """Whether the books hold changes a `commit` would write or schedule (without any, it only
         looks at the compaction: a creation's commit after a commit ahead that wrote its books
         can be left out)."""
-        return bool(self._books.changed or self._pods or self._devices or self._unsaved)
+        return bool(self._books.changed or self._pods or self._devices or self._spent or self._unsaved)
 
     def _defer(self) -> None:
         try:
@@ -136,6 +140,7 @@ class Bookkeeper:
             force
             or self._pods
             or self._devices
+            or self._spent
             or self._unsaved
             or self._journal_bytes
             or self._journal is None
@@ -174,6 +179,9 @@ class Bookkeeper:
 
     def _absorb(self) -> None:
         """Take the books' changes; for a key already waiting, the files still hold the older value."""
+        spent = self._books.take_spent_changes()
+        for device, spent_before in spent.items():
+            self._spent.setdefault(device, spent_before)
         pods, devices = self._books.take_changes()
         if not self._pods:
             self._pods = pods  # (the books start new ones: these are ours)
@@ -188,11 +196,15 @@ class Bookkeeper:
 
     def _unrebuildable_changed(self) -> bool:
         """Whether a waiting change is one Synchronize cannot rebuild: a pod's baseline (or the pod
-        itself), a device binding."""
+        itself), a device binding, an allocation presented."""
         pods = self._books.pods
         for key, old in self._pods.items():
             new = pods.get(key)
             if new is not old and (old is None or new is None or not same_header(old, new)):
+                return True
+        if self._spent:
+            spent = self._books.spent
+            if any(spent.get(device) != old for device, old in self._spent.items()):
                 return True
         if self._devices:
             devices = self._books.devices
@@ -206,11 +218,12 @@ class Bookkeeper:
         if self._journal is None:
             self._compact_now()
             return
-        data = changes_line(self._books, self._pods, self._devices)
+        data = changes_line(self._books, self._pods, self._devices, self._spent)
         if data:
             self._append(data)
         self._pods.clear()
         self._devices.clear()
+        self._spent.clear()
 
     def _append(self, data: bytes) -> None:
         assert self._journal is not None
@@ -232,6 +245,7 @@ class Bookkeeper:
         self._journal, self._journal_bytes, self._snapshot_bytes = first, 0, len(data)
         self._pods.clear()
         self._devices.clear()
+        self._spent.clear()
         self._unsaved = False
 
     def _maybe_compact(self) -> None:

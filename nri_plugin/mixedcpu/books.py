@@ -20,15 +20,18 @@ restart therefore *replaces* the old contribution instead of adding to it, whate
 runtime reports ``create(new)``, ``stop(old)`` and ``remove(old)`` in; and ``stop``/``remove`` of a
 container id only release the slot if that id still holds it.
 
-Device ids are *bound* to slots (``devices``): the first slot that presents a valid marker for a
-device id is bound to it, and stays bound while its container stops, restarts and is removed, until
-the runtime stops or removes that pod's sandbox (when kubelet's allocation of the device to that pod
-ends). A marker whose device id is bound to another slot is a replay, refused even while the
-rightful holder is stopped (crash-loop back-off, a restart under way); its own restart is accepted.
-A runtime does not always report a pod's end (containerd forgets the pods it ran before its own
-restart), so where kubelet's record proves requests the reconciler (`nri_plugin.mixedcpu.heal`) also
-ends a binding when the pod's cgroup is gone at two looks: ``pod_cgroups`` remembers where each
-bound pod's cgroup is, even once its record is dropped.
+Device ids are *bound* to slots (``devices``): the slot that presents kubelet's newest allocation
+of a device id (its marker's allocation number, `nri_plugin.deviceplugin.marker`) is bound to it, and
+stays bound while its container stops, restarts and is removed, until the runtime stops or removes
+that pod's sandbox (or Synchronize no longer lists it), or until a container presents a newer
+allocation of the same device: a fresh ``Allocate`` (or DRA prepare) is kubelet's word that the
+previous holder is gone, so the binding moves and the older one ends. ``spent`` remembers, for each
+device id, the newest allocation presented and the slot that presented it, also once its binding has
+ended: a marker is good for one allocation, so the same or an older allocation presented in any other
+slot is a copy and refused, whether its holder is running, stopped or gone; its own slot's restart
+(and a re-created sandbox of its pod) is accepted. Nothing is unbound because a pod's cgroup looks
+missing: only the runtime's events and kubelet's newer allocations end a binding. ``pod_cgroups``
+remembers where each bound pod's cgroup is, even once its record is dropped.
 
 Records are immutable: `PodRecord`, its `Containers` and `ContainerRecord` cannot be changed in place
 (assigning a field raises), so every change makes a new record and puts it in ``Books.pods`` in place
@@ -52,7 +55,7 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import Final, NamedTuple, TypeVar
 
-__all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "WatchedMap"]
+__all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "Spent", "WatchedMap"]
 
 
 class Slot(NamedTuple):
@@ -64,6 +67,19 @@ class Slot(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.pod}/{self.name}"
+
+
+class Spent(NamedTuple):
+    """The newest allocation of a device id presented so far: its number (0: a marker without one,
+    or a binding saved before numbers existed) and the slot that presented it."""
+
+    allocation: int
+    pod: str
+    name: str
+
+    @property
+    def slot(self) -> Slot:
+        return Slot(self.pod, self.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +206,7 @@ class Books:
         pods: Mapping[str, PodRecord] | None = None,
         devices: Mapping[str, Slot] | None = None,
         pod_cgroups: dict[str, str] | None = None,
+        spent: Mapping[str, Spent] | None = None,
     ) -> None:
         # Container id -> the slots holding it (one, unless the books were edited by hand).
         self._holding: dict[str, dict[Slot, None]] = {}
@@ -203,11 +220,18 @@ class Books:
         # the same for device ids.
         self._pod_changes: dict[str, PodRecord | None] = {}
         self._device_changes: dict[str, Slot | None] = {}
+        self._spent_changes: dict[str, Spent | None] = {}
         self._pods: WatchedMap[PodRecord] = WatchedMap(self._pod_written)
         self._devices: WatchedMap[Slot] = WatchedMap(self._device_written)
+        self._spent: WatchedMap[Spent] = WatchedMap(self._spent_written)
         self._pods.update(pods or {})
         # Device id -> the slot it is bound to. Without saved bindings, those of the live slots.
         self._devices.update(devices if devices is not None else self.live_devices())
+        # Device id -> the newest allocation presented. Without saved ones (books from before they
+        # were kept), the bindings' as allocation 0: older than any numbered marker.
+        if spent is None:
+            spent = {device: Spent(0, *slot) for device, slot in self._devices.items()}
+        self._spent.update(spent)
         # Pod key -> cgroup parent of the pods devices were bound to, as the binding event (or
         # Synchronize) named it: where to look for a bound pod whose record is gone. An index, not
         # part of the books' value (not compared, not saved: Synchronize rebuilds it).
@@ -229,6 +253,15 @@ class Books:
     def devices(self, devices: Mapping[str, Slot]) -> None:
         self._devices.replace_all(devices)
 
+    @property
+    def spent(self) -> WatchedMap[Spent]:
+        """Device id -> the newest allocation of it presented (see the module docstring)."""
+        return self._spent
+
+    @spent.setter
+    def spent(self, spent: Mapping[str, Spent]) -> None:
+        self._spent.replace_all(spent)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Books) and self.pods == other.pods and self.devices == other.devices
 
@@ -239,20 +272,27 @@ class Books:
 
     def copy(self) -> Books:
         """Books that change apart from these (the records themselves are immutable, so shared)."""
-        return Books(self.pods, self.devices, dict(self.pod_cgroups))
+        return Books(self.pods, self.devices, dict(self.pod_cgroups), self.spent)
 
     # -- what changed ------------------------------------------------------------------------------
 
     @property
     def changed(self) -> bool:
         """Whether anything was written since the last `take_changes`."""
-        return bool(self._pod_changes or self._device_changes)
+        return bool(self._pod_changes or self._device_changes or self._spent_changes)
 
     def take_changes(self) -> tuple[dict[str, PodRecord | None], dict[str, Slot | None]]:
         """The pod keys and device ids written since the last call, each with what it held before
-        the first of those writes (None: absent); the record starts afresh."""
+        the first of those writes (None: absent); the record starts afresh (`spent`'s too: take
+        those first with `take_spent_changes` where they are saved)."""
         changes = self._pod_changes, self._device_changes
-        self._pod_changes, self._device_changes = {}, {}
+        self._pod_changes, self._device_changes, self._spent_changes = {}, {}, {}
+        return changes
+
+    def take_spent_changes(self) -> dict[str, Spent | None]:
+        """The device ids whose `spent` entry was written since the last call (or `take_changes`),
+        each with its entry before the first of those writes (None: absent)."""
+        changes, self._spent_changes = self._spent_changes, {}
         return changes
 
     def _pod_written(self, key: str, old: PodRecord | None, new: PodRecord | None) -> None:
@@ -284,6 +324,9 @@ class Books:
         if new is not None:
             self._by_slot.setdefault(new, {})[device] = None
             self._by_pod.setdefault(new.pod, {})[device] = None
+
+    def _spent_written(self, device: str, old: Spent | None, new: Spent | None) -> None:
+        self._spent_changes.setdefault(device, old)
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -338,33 +381,56 @@ class Books:
 
     # -- changing ----------------------------------------------------------------------------------
 
-    def bind(self, device: str, slot: Slot) -> None:
+    def bind(self, device: str, slot: Slot, allocation: int | None = None) -> None:
         """Bind a device id to the slot that proved its request with it. A slot has one device: a
-        slot presenting another one (a new allocation) gives up the one it had."""
+        slot presenting another one (a new allocation) gives up the one it had.
+
+        `allocation`: the number of the allocation the slot presented (the caller has checked that it
+        may: `policy.check_request`); it becomes the device's `spent` entry, or raises the slot's own.
+        None: the slot's record again (a restart given back, an update): bound only while no other
+        slot has presented a newer allocation of the device."""
+        last = self.spent.get(device)
+        if allocation is None:
+            if last is not None and last.slot != slot:
+                return  # a newer allocation took the device: it stays with that one
+            allocation = 0
+        if last is None or last.slot != slot or allocation > last.allocation:
+            self.spent[device] = Spent(allocation, slot.pod, slot.name)
         for other in [d for d in self._by_slot.get(slot, ()) if d != device]:
             del self.devices[other]
         if self.devices.get(device) != slot:
             self.devices[device] = slot
 
-    def bindings_at(self, slot: Slot, device: str | None) -> dict[str, Slot | None]:
+    def newest_allocation(self) -> int:
+        """The largest allocation number the books hold (0: none)."""
+        return max((spent.allocation for spent in self.spent.values()), default=0)
+
+    def bindings_at(self, slot: Slot, device: str | None) -> Bindings:
         """What `hold` of a record presenting `device` in `slot` may change of the bindings (the
         device's, and the slot's other devices'), to put back with `restore_bindings`."""
         touched: dict[str, Slot | None] = dict.fromkeys(self._by_slot.get(slot, ()), slot)
+        spent: dict[str, Spent | None] = {}
         if device is not None:
             touched[device] = self.devices.get(device)
-        return touched
+            spent[device] = self.spent.get(device)
+        return Bindings(touched, spent)
 
-    def restore_bindings(self, bindings: Mapping[str, Slot | None]) -> None:
+    def restore_bindings(self, bindings: Bindings) -> None:
         """Put back bindings taken with `bindings_at` (None: unbound)."""
-        for device, slot in bindings.items():
+        for device, slot in bindings.devices.items():
             if slot is None:
                 self.devices.pop(device, None)
             elif self.devices.get(device) != slot:
                 self.devices[device] = slot
+        for device, spent in bindings.spent.items():
+            if spent is None:
+                self.spent.pop(device, None)
+            elif self.spent.get(device) != spent:
+                self.spent[device] = spent
 
     def unbind_pod(self, key: str) -> list[str]:
         """The pod's sandbox was stopped or removed: kubelet's allocations to it are over. Returns the
-        device ids set free."""
+        device ids set free (their `spent` entries stay: a copy of their markers is still refused)."""
         freed = sorted(self._by_pod.get(key, ()))
         for device in freed:
             del self.devices[device]
@@ -372,16 +438,21 @@ class Books:
         return freed
 
     def hold(
-        self, slot: Slot, record: ContainerRecord, *, new_pod: PodRecord | None = None
+        self,
+        slot: Slot,
+        record: ContainerRecord,
+        *,
+        new_pod: PodRecord | None = None,
+        allocation: int | None = None,
     ) -> ContainerRecord | None:
         """Give the slot to `record` (its pod must be known, or given as `new_pod`: a pod the books
         do not hold yet, put in with the slot held in one step) and bind its device id, if any, to
-        the slot. Returns the record it replaced, if any."""
+        the slot (`bind`, with `allocation`). Returns the record it replaced, if any."""
         pod = self.pods[slot.pod] if new_pod is None else new_pod
         previous = pod.containers.get(slot.name)
         self.pods[slot.pod] = pod.holding(slot.name, record)
         if record.device is not None:
-            self.bind(record.device, slot)
+            self.bind(record.device, slot, allocation)
             self.pod_cgroups[slot.pod] = pod.cgroup_parent
         return previous
 
@@ -409,6 +480,13 @@ class Books:
         slot, _ = found
         self.pods[slot.pod] = self.pods[slot.pod].without(slot.name)
         return found
+
+
+class Bindings(NamedTuple):
+    """Bindings and spent allocations as `Books.bindings_at` found them (None: absent)."""
+
+    devices: dict[str, Slot | None]
+    spent: dict[str, Spent | None]
 
 
 _K = TypeVar("_K")

@@ -5,8 +5,9 @@ The handlers keep the books from the runtime's events, but real runtimes do not 
 they cause (docs/runtime-behaviour.md, "Ends the runtimes do not report"):
 
 * containerd forgets the pods it ran before its own restart: they are never reported stopped or
-  removed, so their device bindings would never end, and the next pod kubelet gives such a device
-  id would see its valid marker refused as a replay;
+  removed, so their books would hold their shares for good. (Their device bindings are not the
+  reconciler's business: a binding ends at the runtime's word, or when kubelet allocates the device
+  anew and the new holder presents its newer marker, `nri_plugin.mixedcpu.books`; never by a look);
 * CRI-O calls NRI CreateContainer before ``runc create``; when that fails, no StopContainer or
   RemoveContainer follows: the container would keep its share of the pod quota, and its place in
   the books and in ``mixed_cpu_shared_containers``, for good;
@@ -17,12 +18,14 @@ So the `Healer` checks the books against the node, and takes nothing away on one
 
 * a pod whose cgroup directory is missing at two passes a reconcile interval apart (an event of the
   pod in between starts the count again; nothing is decided in the middle of a pod's events) is
-  dropped from the books (``pod_gone``), and its device bindings end with it when kubelet's record
-  proves requests (`keep_bindings` False). In the marker fallback mode (no kubelet record) a binding
-  is the only thing that tells a replayed marker from its rightful holder's restart: it outlives a
-  missing cgroup until the runtime says the pod is removed (StopPodSandbox, RemovePodSandbox, or a
-  Synchronize without it). A cgroup that cannot be checked (a path refused, a symlink, a permission)
-  is never taken for a missing one;
+  dropped from the books (``pod_gone``): its shares are given back. Its device bindings are left
+  alone, whatever kubelet's record says and whether or not it answers: a look cannot tell a
+  forgotten pod from one whose cgroup is briefly missing, and a binding dropped on looks would let a
+  copy of its marker through. They end when the runtime says the pod is stopped or removed
+  (StopPodSandbox, RemovePodSandbox, or a Synchronize without it), or when kubelet allocates the
+  device to another pod and that pod's container presents the newer marker; even then the
+  allocation stays spent, so a copy of the old marker is refused. A cgroup that cannot be checked (a
+  path refused, a symlink, a permission) is never taken for a missing one;
 * a container given a share whose creation the runtime never finished gives it back
   (``container_never_created``), but only once the runtime shows the creation over: never on a look
   that finds no cgroup while the creation may still be running (a runtime writes the container's
@@ -57,8 +60,7 @@ So the `Healer` checks the books against the node, and takes nothing away on one
 When: at the events of a pod (its overdue creations are looked at), at Synchronize, and every
 `interval` seconds on the clock once the runtime has synchronized us (a whole pass). A pass costs
 one cgroup directory walk and one quota read per pod in the books (the pods holding shared
-containers) and, with kubelet's record, one existence check per pod holding only a device binding;
-it writes, saves and logs nothing when nothing changed. Each
+containers); it writes, saves and logs nothing when nothing changed. Each
 heal is logged (what, and why) and counted (`HealObserver.healed`).
 """
 
@@ -117,12 +119,15 @@ PASS_SLICE: Final = 0.02
 _T = TypeVar("_T")
 
 _WHY_FORGOTTEN = "its cgroup directory is gone, and the runtime never reported the pod stopped or removed"
-_KEPT = "pod gone: its books are dropped; its device bindings last until the runtime reports it removed"
+_KEPT = (
+    "pod gone: its books are dropped; its device bindings last until the runtime reports it removed "
+    "or kubelet's newer allocation of the device is presented"
+)
 
 
 def _gone(*, books: bool, bindings: bool, kept: bool) -> str:
     """What a pod_gone heal dropped, said of what the pod had: its books, its device bindings (or
-    that they are kept, in the marker fallback), or both."""
+    that they are kept: a look never ends them), or both."""
     if bindings and kept:
         return _KEPT
     if bindings:
@@ -206,9 +211,6 @@ class Healer:
         self.cgroup_at_creation = False
         # Ids of the watched CRI-O creations the last Synchronize did not list but carried over.
         self.carried: frozenset[str] = frozenset()
-        # Whether device bindings outlive a missing pod cgroup (until the runtime reports the pod
-        # removed): they must where they are the only proof against a replayed marker.
-        self.keep_bindings = True
         # Pod key -> when a pass first found its cgroup missing (it is gone at a second look).
         self._missing: dict[str, float] = {}
         self._tick: Timer | None = None
@@ -524,17 +526,13 @@ class Healer:
     def _end_pass(self, started: float, records: dict[str, PodRecord], healed: int) -> PassReport:
         books = self.books
         bound_only = books.bound_pods() - set(books.pods)
-        for key in sorted(bound_only):
-            if not self.keep_bindings and self._seen_gone(key):
-                self._drop_pod(key, _WHY_FORGOTTEN)
-                healed += 1
-        for key in set(self._missing) - set(books.pods) - (set() if self.keep_bindings else bound_only):
+        for key in set(self._missing) - set(books.pods):
             del self._missing[key]  # dropped, or no longer looked at
         for key in set(books.pod_cgroups) - bound_only - set(books.pods):
             del books.pod_cgroups[key]  # an index entry nothing refers to any more
         if healed or _changed(records, books):
             self.quotas.keeper.save_quietly()
-        report = PassReport(len(records) + len(bound_only), healed, time.perf_counter() - started)
+        report = PassReport(len(records), healed, time.perf_counter() - started)
         log.debug("reconcile pass", pods=report.pods, healed=report.healed, seconds=round(report.seconds, 6))
         return report
 
@@ -636,13 +634,6 @@ class Healer:
         except CgroupError:
             return False
 
-    def _seen_gone(self, key: str) -> bool:
-        """The pod's cgroup is missing at this look and was at one a reconcile interval earlier."""
-        if self._pod_gone(key):
-            return self._second_look(key)
-        self._missing.pop(key, None)
-        return False
-
     def _second_look(self, key: str) -> bool:
         """The pod's cgroup was found missing now: True if it was already at a look at least one
         reconcile interval ago (no interval: at an earlier look); else this look is remembered."""
@@ -651,23 +642,23 @@ class Healer:
         return first != now and now - first >= (self.interval or 0.0)
 
     def _drop_pod(self, key: str, why: str, cgroup_parent: str | None = None) -> None:
+        """The pod is gone by two looks: its books are dropped, its device bindings kept (see the
+        module docstring)."""
         books = self.books
         cgroup_parent = cgroup_parent or books.cgroup_parent(key) or "?"
         who = self._pod_holder(books.pods.get(key))
         bound = key in books.bound_pods()
         record = books.pods.pop(key, None)
-        freed = [] if self.keep_bindings else books.unbind_pod(key)
         self.quotas.cancel_retry(key)
         self.forget_pod(key)
         self._healed(
             "pod_gone",
-            _gone(books=record is not None, bindings=bound, kept=self.keep_bindings),
+            _gone(books=record is not None, bindings=bound, kept=True),
             who,
             why=why,
             pod_key=key,
             pod_cgroup=cgroup_parent,
             containers=sorted(record.containers) if record is not None else [],
-            devices=freed,
         )
 
     def _holder(self, container_id: str) -> Holder | None:

@@ -28,7 +28,11 @@ Synchronize's rebuilding of the books to `resync`. What it does per event:
   its new resources, and its quota raised to that plus the shares again (`quota.PodQuotas.resize`).
   Runtimes that do not send it: the pod quota kubelet rewrote is noticed at the pod's next
   container event, or by the reconciler.
-* **StopPodSandbox / RemovePodSandbox**: the pod's device bindings end; at removal its books too.
+* **StopPodSandbox / RemovePodSandbox**: the pod's device bindings end; at removal its books too. A
+  container refused only because one of those devices was bound to this pod (a DRA claim reserved
+  for both pods) gets the shared CPUs now: its pod quota raised in the handler, its cpuset and quota
+  by an UpdateContainers sent right after the reply (`send_updates`; its environment cannot change
+  after creation).
 * **Shutdown**: the books are written.
 
 Each handler holds `PodQuotas.lock` throughout, as the retries do and the reconciler's passes do
@@ -42,6 +46,7 @@ Synchronize, and every `reconcile_interval` seconds once synchronized.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -74,6 +79,7 @@ from nri_plugin.mixedcpu.policy import (
     cpus_or_empty,
     format_cpuset,
     plan_create,
+    plan_sync,
     plan_update,
     pod_key,
     presents_marker,
@@ -191,9 +197,14 @@ class MixedCpuPlugin(
         self.keeper = Bookkeeper(store, clock=clock)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
         self.healer = Healer(self.quotas, interval=reconcile_interval, observer=observer, clock=clock)
-        # Without kubelet's record, a device binding is the only proof against a replayed marker.
-        self.healer.keep_bindings = trusted.allocations is None
         self.later = LaterLines()  # the info line of each creation, written after its reply
+        # Device id -> container id -> (pod, container): containers refused only because a pod the
+        # same claim is reserved for holds the device (`RequestCheck.waits_for`), given the shared
+        # CPUs when that binding ends (`_grant_waiting`).
+        self.waiting: dict[str, dict[str, tuple[api.PodSandbox, api.Container]]] = {}
+        # Sends updates to the runtime outside any handler (the stub's `update_containers`, set by
+        # whoever runs the stub); None: such a grant waits for the next Synchronize's updates.
+        self.send_updates: Callable[[list[api.ContainerUpdate]], asyncio.Future[Any]] | None = None
         self.creations: CreationObserver | None = None  # settable, as `observer` is
         self.roster = Roster()  # who the shared containers are, for the status
         self.healer.roster = self.roster  # a heal names its pod by namespace and name
@@ -276,6 +287,8 @@ class MixedCpuPlugin(
                 **pod_fields(pod, container, event="CreateContainer"),
             )
         check = self._check(pod, container, event="CreateContainer", kubelet=kubelet, tracing=tracing)
+        if check.waits_for is not None:
+            self._wait(check.waits_for, pod, container)
         if check.proof is None:
             if tracing:
                 log.debug("no request for shared CPUs", **pod_fields(pod, container, event="CreateContainer"))
@@ -302,7 +315,9 @@ class MixedCpuPlugin(
             device=check.proof.device,
         )
         try:
-            quotas = await self.quotas.raise_for(pod, container, slot, record, saved)
+            quotas = await self.quotas.raise_for(
+                pod, container, slot, record, saved, allocation=check.proof.allocation
+            )
         except PluginRefusal as exc:
             self._creation_decided("state_file" if isinstance(exc, PluginFailure) else "cgroup")
             raise
@@ -392,14 +407,18 @@ class MixedCpuPlugin(
     @_holding_the_books
     async def stop_pod_sandbox(self, pod: api.PodSandbox) -> None:
         # kubelet's device allocations to the pod end with it: the device ids are free for others.
-        if self.books.unbind_pod(pod_key(pod)):
+        unbound = self.books.unbind_pod(pod_key(pod))
+        self._forget_waiting(pod_key(pod))
+        if unbound:
             self.keeper.save_quietly()
+            await self._grant_waiting(unbound, "StopPodSandbox")
 
     @_holding_the_books
     async def remove_pod_sandbox(self, pod: api.PodSandbox) -> None:
         key = pod_key(pod)
         self.quotas.cancel_retry(key)
         self.healer.forget_pod(key)
+        self._forget_waiting(key)
         unbound = self.books.unbind_pod(key)
         if self.books.pods.pop(key, None) is not None:
             log.info(
@@ -408,6 +427,7 @@ class MixedCpuPlugin(
             self.keeper.save_quietly()
         elif unbound:
             self.keeper.save_quietly()
+        await self._grant_waiting(unbound, "RemovePodSandbox")
 
     def sync_filter(self) -> Callable[[api.PodSandbox | None, api.Container], bool]:
         """Which containers of a Synchronize chunk `synchronize` is to see (the stub's
@@ -420,17 +440,16 @@ class MixedCpuPlugin(
     ) -> Sequence[api.ContainerUpdate]:
         node = await self._node_allocations(containers)
         previous = self.books
+        self.waiting = {}  # the containers still waiting are found again below
         pods = [_without_hostile_pod_resources(pod) for pod in pods]
         tracing = trace.tracing()  # asked once, not for each of thousands of containers
         found: dict[str, Holder] = {}  # who the proven containers are, for the roster
 
-        def check_at_sync(
-            pod: api.PodSandbox, container: api.Container, holders: Mapping[str, Slot]
-        ) -> RequestCheck:
+        def check_at_sync(pod: api.PodSandbox, container: api.Container, books: Books) -> RequestCheck:
             kubelet = None if node is None else devices_of(node, pod.namespace, pod.name, container.name)
-            check = self._check(
-                pod, container, holders, event="Synchronize", kubelet=kubelet, tracing=tracing
-            )
+            check = self._check(pod, container, books, event="Synchronize", kubelet=kubelet, tracing=tracing)
+            if check.waits_for is not None:
+                self._wait(check.waits_for, pod, container)
             if check.proof is not None:
                 created = container.created_at / 1e9 if container.created_at > 0 else None
                 found[container.id] = Holder(pod.namespace, pod.name, check.proof.source, created)
@@ -456,6 +475,83 @@ class MixedCpuPlugin(
         self.keeper.save_quietly()
         return updates
 
+    # -- containers waiting for a device's binding to end -----------------------------------------
+
+    def _wait(self, device: str, pod: api.PodSandbox, container: api.Container) -> None:
+        """Keep a copy of a container that gets the shared CPUs once `device`'s binding ends."""
+        copies = (
+            api.PodSandbox.FromString(pod.SerializeToString()),
+            api.Container.FromString(container.SerializeToString()),
+        )
+        self.waiting.setdefault(device, {})[container.id] = copies
+
+    def _forget_waiting(self, key: str, container_id: str | None = None) -> None:
+        """The pod `key` (or its container `container_id`) is gone: it waits for nothing any more."""
+        for device, waiting in list(self.waiting.items()):
+            for cid, (pod, _) in list(waiting.items()):
+                if pod_key(pod) == key and container_id in (None, cid):
+                    del waiting[cid]
+            if not waiting:
+                del self.waiting[device]
+
+    async def _grant_waiting(self, devices: Sequence[str], event: str) -> None:
+        """The bindings of `devices` ended: the containers waiting for one of them get the shared
+        CPUs: their pod quota raised now, their cpuset and quota by an UpdateContainers sent once the
+        runtime's current request is answered (their environment cannot change after creation)."""
+        updates: list[api.ContainerUpdate] = []
+        for device in devices:
+            for pod, container in list(self.waiting.pop(device, {}).values()):
+                update = await self._grant_late(pod, container, event)
+                if update is not None:
+                    updates.append(update)
+        if not updates:
+            return
+        if self.send_updates is None:
+            log.warning(
+                "shared CPUs given in the books only: no runtime connection to update the container "
+                "through; the next Synchronize brings its cpuset and quota",
+                event_name=event,
+            )
+            return
+        self.send_updates(updates).add_done_callback(_say_if_not_applied)
+
+    async def _grant_late(
+        self, pod: api.PodSandbox, container: api.Container, event: str
+    ) -> api.ContainerUpdate | None:
+        """A waiting container checked again; its update if it now gets the shared CPUs."""
+        check = self._check(pod, container, event=event)
+        if check.proof is None:
+            if check.waits_for is not None:
+                self._wait(check.waits_for, pod, container)
+            return None
+        try:
+            check_pod_resources(pod)
+            plan = plan_sync(self.shared, pod, container, numa_nodes=self.pool.numa_nodes)
+        except PolicyError as exc:
+            log.warning("refused shared CPUs", reason=str(exc), **pod_fields(pod, container, event=event))
+            return None
+        slot = container_slot(pod, container)
+        record = ContainerRecord(container.id, len(plan.shared.cpus), plan.exclusive_text, check.proof.device)
+        saved = self.books.pods.get(slot.pod)
+        try:
+            before, after = await self.quotas.raise_for(
+                pod, container, slot, record, saved, event=event, allocation=check.proof.allocation
+            )
+        except PluginRefusal:
+            return None  # (said by the pod quota's writer; the container stays as it is)
+        self.roster.given(
+            container.id, Holder(pod.namespace, pod.name, check.proof.source, time.time()), self.books
+        )
+        log.info(
+            "shared CPUs given once the device's binding ended; the container's environment does not "
+            "show them (it cannot change after creation)",
+            proof=str(check.proof),
+            cpus=format_cpuset(plan.cpus),
+            pod_quota=f"{show_quota(before)} -> {show_quota(after)}",
+            **pod_fields(pod, container, event=event),
+        )
+        return plan.update
+
     # -- steps -------------------------------------------------------------------------------------
 
     def _creation_decided(self, outcome: str) -> None:
@@ -466,24 +562,25 @@ class MixedCpuPlugin(
         self,
         pod: api.PodSandbox,
         container: api.Container,
-        holders: Mapping[str, Slot] | None = None,
+        books: Books | None = None,
         *,
         event: str,
         kubelet: frozenset[str] | None = None,
         tracing: bool | None = None,
     ) -> RequestCheck:
         """The policy's verdict on the container's request (`kubelet`: the device ids kubelet's record
-        gives it, None when not asked), its refusals and notes logged; traced when `tracing` (None:
-        `trace.tracing`)."""
-        if holders is None:
-            holders = self.books.device_holders() if presents_marker(container) else {}
+        gives it, None when it did not answer) against `books` (None: the plugin's), its refusals and
+        notes logged; traced when `tracing` (None: `trace.tracing`)."""
+        books = self.books if books is None else books
+        marker = presents_marker(container)
         check = check_request(
             pod,
             container,
             marker_key=self.marker_key,
             trust_pod_annotation=self.trust_pod_annotation,
-            device_holders=holders,
+            device_holders=books.device_holders() if marker else {},
             kubelet_devices=kubelet,
+            spent=books.spent if marker else None,
         )
         for refusal in check.refusals:
             log.warning("request refused", reason=refusal, **pod_fields(pod, container, event=event))
@@ -550,6 +647,8 @@ class MixedCpuPlugin(
     async def _release(self, pod: api.PodSandbox, container: api.Container, why: str) -> None:
         event = "StopContainer" if why == "stopped" else "RemoveContainer"
         key = pod_key(pod)
+        if self.waiting:
+            self._forget_waiting(key, container.id)
         await self.quotas.resolve_unknown(key, pod.linux.cgroup_parent)
         pod_before = self.books.pods.get(key)  # immutable: the books' pod as it was, for the trace
         held = self.books.release_holder(container.id)
@@ -569,6 +668,22 @@ class MixedCpuPlugin(
         if key in self.books.pods:
             await self.quotas.settle(key, pod.linux.cgroup_parent, pod_fields(pod, event=event))
         trace.pod_quota_settled(pod, container, (pod_before, self.books.pods.get(key)), event)
+
+
+def _say_if_not_applied(task: asyncio.Future[Any]) -> None:
+    """Log an UpdateContainers of containers given their shares late that the runtime did not apply
+    (the next Synchronize sends it again)."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    failed = [] if error is not None else task.result()
+    if error is not None or failed:
+        log.warning(
+            "the runtime did not apply the update of containers given their shares late; the next "
+            "Synchronize sends it again",
+            error=str(error) if error is not None else None,
+            containers=[update.container_id for update in failed],
+        )
 
 
 def _without_hostile_pod_resources(pod: api.PodSandbox) -> api.PodSandbox:

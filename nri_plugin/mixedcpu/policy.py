@@ -2,18 +2,21 @@
 
 Who gets shared CPUs: a container whose request is *proven* by a trusted source (`check_request`):
 
-* the signed allocation marker, backed by kubelet's own record when it can be asked
+* the signed allocation marker, backed by kubelet's own record when it answers
   (`nri_plugin.mixedcpu.allocations`): the device ids kubelet's PodResources API says it allocated
   to this very container are the proof, and a marker on a container kubelet gave none is refused,
   however valid its signature (replayed, harvested from kubelet's checkpoint, or planted). When
-  kubelet cannot be asked, the marker alone: verified with the node's `HostKey`; a forged value is
-  refused, and so is a valid one whose device id is bound to another slot (pod and
-  container name, see `nri_plugin.mixedcpu.books`; bound from the first presentation until that
-  pod's sandbox stops), running or not: a replay. The marker is found in ``container.annotations``
-  (the device plugin's ``Allocate`` answer) or, for a request served through DRA, in the container's
-  env as ``MIXED_CPU_SHARED_CPUS_ALLOCATION=<marker>`` (set by our DRA driver's CDI spec; its device
-  id is ``dra.<device name>``). Both get the same checks; a container with both is judged by the
-  annotation;
+  kubelet does not answer (not configured, its socket missing, an error), the marker alone: verified
+  with the node's `HostKey`; a forged value is refused, a DRA marker presented outside the pods its
+  claim was reserved for is refused, and so is a valid one whose allocation another slot (pod and
+  container name, see `nri_plugin.mixedcpu.books`) presented first, unless the marker's own
+  allocation is newer: kubelet's newest allocation of a device wins (a fresh ``Allocate`` or DRA
+  prepare is kubelet's word that the previous holder is gone), and the same or an older allocation
+  in another slot is a copy, refused whether its first holder still runs or not. The marker is found
+  in ``container.annotations`` (the device plugin's ``Allocate`` answer) or, for a request served
+  through DRA, in the container's env as ``MIXED_CPU_SHARED_CPUS_ALLOCATION=<marker>`` (set by our
+  DRA driver's CDI spec; its device id is ``dra.<device name>``). Both get the same checks; a
+  container with both is judged by the annotation;
 * when enabled in the config, the pod annotation ``cpu-shared.crio.io/<container name>: enable``
   that OpenShift's admission plugin adds.
 
@@ -47,7 +50,7 @@ from cgroups.cpuset import format as _format_cpus
 from cgroups.cpuset import parse as parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY as MARKER_ANNOTATION
 from nri_plugin.deviceplugin.marker import DRA_ID_PREFIX, MARKER_ENV
-from nri_plugin.mixedcpu.books import Slot
+from nri_plugin.mixedcpu.books import Slot, Spent
 
 __all__ = [
     "DEFAULT_CFS_PERIOD",
@@ -163,6 +166,7 @@ class Proof(NamedTuple):
 
     source: Literal["device-plugin", "kubelet", "pod-annotation"]
     device: str | None = None
+    allocation: int = 0  # the marker's allocation number, for the books' `spent` entry
 
     def __str__(self) -> str:
         if self.source == "kubelet":
@@ -183,16 +187,30 @@ class RequestCheck(NamedTuple):
     proof: Proof | None
     notes: tuple[str, ...] = ()
     refusals: tuple[str, ...] = ()
+    # A device id when the marker was refused only because that device is bound to a container of
+    # another pod the same claim was reserved for: it is granted once that binding ends.
+    waits_for: str | None = None
 
 
 _BY_ANNOTATION: Final = Proof("pod-annotation")
 
 
+class Signed(Protocol):
+    """What a valid marker says (`nri_plugin.deviceplugin.marker.Signed`)."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def allocation(self) -> int: ...
+    @property
+    def pods(self) -> frozenset[str]: ...
+
+
 class MarkerKey(Protocol):
     """What checks an allocation marker: the node's `HostKey` (`nri_plugin.deviceplugin.marker`)."""
 
-    def verify(self, value: str) -> str | None:
-        """The device id the marker was signed for; None for a marker not made with this key."""
+    def read(self, value: str) -> Signed | None:
+        """What the marker says; None for a marker not made with this key."""
 
 
 def check_request(
@@ -203,30 +221,34 @@ def check_request(
     trust_pod_annotation: bool,
     device_holders: Mapping[str, Slot],
     kubelet_devices: frozenset[str] | None = None,
+    spent: Mapping[str, Spent] | None = None,
 ) -> RequestCheck:
     """Does a trusted source prove that this container asked for shared CPUs?
 
     `marker_key` is None when the allocation marker (annotation or DRA env entry, `presents_marker`)
-    is not a trusted source. `device_holders`
-    maps device ids to the slots they are bound to (`Books.device_holders`). `kubelet_devices`: the
+    is not a trusted source. `device_holders` maps device ids to the slots they are bound to
+    (`Books.device_holders`), `spent` to the newest allocation presented (`Books.spent`; a bound
+    device missing from it counts as allocation 0 of its holder; `spent` None: allocations are not
+    compared, a device bound to another slot is refused whatever its marker). `kubelet_devices`: the
     device ids of our resource kubelet's record says it allocated to this container, or None when
-    kubelet could not be asked (then the marker and its binding decide). The marker is looked at
-    first, then the pod annotation; the env only when neither proves anything.
+    kubelet did not answer (then the marker and the allocations presented before decide). The marker is looked
+    at first, then the pod annotation; the env only when neither proves anything.
     """
-    notes: list[str] = []
-    refusals: list[str] = []
+    said = _Said([], [], [])
+    notes, refusals = said.notes, said.refusals
     marker = _find_marker(container, notes)
     if marker is None:
         proof = None
     elif kubelet_devices is not None and marker_key is not None:
-        proof = _kubelet_proof(pod, container, marker, kubelet_devices, refusals)
+        proof = _kubelet_proof(pod, container, marker, marker_key, kubelet_devices, spent or {}, refusals)
     else:
-        proof = _marker_proof(pod, container, marker, marker_key, device_holders, notes, refusals)
+        proof = _marker_proof(pod, container, marker, marker_key, device_holders, spent, said)
     if proof is None:
         proof = _annotation_proof(pod, container, trust_pod_annotation, notes)
     if proof is None:
         notes.extend(_env_notes(container))
-    return RequestCheck(proof, tuple(notes), tuple(refusals))
+    waits = said.waits[0] if said.waits and proof is None else None
+    return RequestCheck(proof, tuple(notes), tuple(refusals), waits)
 
 
 def shows_evidence(pod: api.PodSandbox, container: api.Container) -> bool:
@@ -304,49 +326,105 @@ def _find_marker(container: api.Container, notes: list[str]) -> _Marker | None:
     return _Marker(annotation, "device-plugin marker", _IN_ANNOTATION)
 
 
+class _Said(NamedTuple):
+    """What a check says besides its proof: `notes`, `refusals`, and `waits` (the device whose
+    binding's end will grant the container: `RequestCheck.waits_for`)."""
+
+    notes: list[str]
+    refusals: list[str]
+    waits: list[str]
+
+
 def _marker_proof(
     pod: api.PodSandbox,
     container: api.Container,
     marker: _Marker,
     marker_key: MarkerKey | None,
     device_holders: Mapping[str, Slot],
-    notes: list[str],
-    refusals: list[str],
+    spent: Mapping[str, Spent] | None,
+    said: _Said,
 ) -> Proof | None:
-    """The marker's own proof (kubelet not asked), if it holds one; why not goes to `notes` or
-    `refusals`."""
+    """The marker's own proof (kubelet not asked), if it holds one; why not goes to `said`."""
     if marker_key is None:
-        notes.append(f"{marker.kind} ignored: trusted_sources.device_plugin_marker is false")
+        said.notes.append(f"{marker.kind} ignored: trusted_sources.device_plugin_marker is false")
         return None
-    device = marker_key.verify(marker.value)
-    if device is None:
-        refusals.append(
+    signed = marker_key.read(marker.value)
+    if signed is None:
+        said.refusals.append(
             f"refused {marker.where}: it was not signed with this node's key "
             "(forged, or copied from another node)"
         )
         return None
-    holder = device_holders.get(device)
-    if holder is not None and holder != container_slot(pod, container):
-        refusals.append(
-            f"refused {marker.where}: device {device} is already held by "
-            f"container {holder} (a replayed marker)"
+    if signed.pods and pod.uid not in signed.pods:
+        said.refusals.append(
+            f"refused {marker.where}: device {signed.device} was prepared for a claim reserved for "
+            f"other pods ({', '.join(sorted(signed.pods)[:3])}{', ...' if len(signed.pods) > 3 else ''}), "
+            f"not pod {pod.uid or '(no uid)'} (a copied marker)"
         )
         return None
-    return Proof("device-plugin", device)
+    holder = device_holders.get(signed.device)
+    last = spent.get(signed.device) if spent is not None else None
+    if last is None and holder is not None:
+        # Bound before allocations were numbered (0); not compared at all without `spent`.
+        last = Spent(0 if spent is not None else signed.allocation, holder.pod, holder.name)
+    if last is None or _newest(container_slot(pod, container), signed, last, holder, marker, said):
+        return Proof("device-plugin", signed.device, signed.allocation)
+    return None
+
+
+def _newest(
+    mine: Slot, signed: Signed, last: Spent, holder: Slot | None, marker: _Marker, said: _Said
+) -> bool:
+    """Whether the slot `mine` may take `signed`'s device, whose newest allocation presented is
+    `last` (bound to `holder`, None: its binding ended): its own slot's, a newer allocation, or a claim
+    reserved for this pod too whose holder's binding has ended. Why not goes to `said`."""
+    if last.slot == mine or signed.allocation > last.allocation:
+        return True
+    device = signed.device
+    # A claim reserved for several pods is one allocation for each of them: once its holder's binding
+    # has ended, the next of those pods may take the device; until then it waits.
+    shared_claim = mine.pod in signed.pods and last.pod != mine.pod and signed.allocation == last.allocation
+    if shared_claim and holder is None:
+        return True
+    if shared_claim and holder == last.slot:
+        said.waits.append(device)
+        said.refusals.append(
+            f"refused {marker.where} for now: device {device} is held by container {holder} of another "
+            "pod its claim is reserved for; it is given to this one when that pod ends"
+        )
+    elif holder is not None and holder != mine:
+        said.refusals.append(
+            f"refused {marker.where}: device {device} is already held by container {holder} "
+            "(a replayed marker)"
+        )
+    else:
+        said.refusals.append(
+            f"refused {marker.where}: this allocation of device {device} was presented by container "
+            f"{last.slot} first; a marker is good for one allocation, also once its holder is gone "
+            "(a replayed marker)"
+        )
+    return False
 
 
 def _kubelet_proof(
     pod: api.PodSandbox,
     container: api.Container,
     marker: _Marker,
+    marker_key: MarkerKey,
     devices: frozenset[str],
+    spent: Mapping[str, Spent],
     refusals: list[str],
 ) -> Proof | None:
     """kubelet's record as the proof of a container that presents a marker: the device kubelet
     allocated to it (by the device plugin or our DRA driver), whatever the marker says; none
-    allocated: the marker is refused."""
+    allocated: the marker is refused. Its allocation number: the marker's, when it names that
+    device, and never below the newest presented (kubelet says this container holds it now)."""
     if devices:
-        return Proof("kubelet", min(devices))
+        device = min(devices)
+        signed = marker_key.read(marker.value)
+        allocation = signed.allocation if signed is not None and signed.device == device else 0
+        last = spent.get(device)
+        return Proof("kubelet", device, max(allocation, last.allocation if last is not None else 0))
     refusals.append(
         f"refused {marker.where}: kubelet's record shows no shared-CPUs device "
         f"allocated to container {describe(pod, container)} (a replayed, harvested or planted marker)"

@@ -243,9 +243,11 @@ class PodQuotas:
         saved: PodRecord | None,
         *,
         event: str = "CreateContainer",
+        allocation: int | None = None,
     ) -> tuple[CpuQuota, CpuQuota]:
         """Hold the slot and raise the pod's quota; the pod's limit before and after. `event`: the NRI
-        event it is done for (CreateContainer; UpdateContainer when a container's share changes).
+        event it is done for (CreateContainer; UpdateContainer when a container's share changes);
+        `allocation`: the number of the allocation the record's marker presents (`Books.bind`).
 
         On failure everything is undone (the pod's record back to `saved`, no device bound, the pod
         quota written back) and a `PreconditionFailed` (cgroup) or `PluginFailure` (state file) raised.
@@ -261,6 +263,7 @@ class PodQuotas:
                 slot,
                 record,
                 new_pod=None if slot.pod in books.pods else baselines.new_pod_record(pod, before),
+                allocation=allocation,
             )
             # Journaled ahead of the raise: killed right after it, the next start knows the pod's own
             # quota (and there is one append per creation, not two).

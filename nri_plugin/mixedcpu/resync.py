@@ -20,7 +20,7 @@ import structlog
 
 from api.nri import api_pb2 as api
 from cgroups import format_cpuset
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields
 from nri_plugin.mixedcpu.policy import (
     NumaNodes,
@@ -43,8 +43,9 @@ log = structlog.get_logger(LOGGER_NAME)
 # running, and a pod quota left too high throttles nobody.
 _GONE = api.CONTAINER_STOPPED
 
-# The plugin's request check (logged), given the device bindings as rebuilt so far.
-CheckRequest = Callable[[api.PodSandbox, api.Container, Mapping[str, Slot]], RequestCheck]
+# The plugin's request check (logged), given the books (their device bindings and the allocations
+# presented) as rebuilt so far.
+CheckRequest = Callable[[api.PodSandbox, api.Container, Books], RequestCheck]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +102,11 @@ def rebuild_books(
     present = {pod_key(pod): pod for pod in pods}
     known = {record.id: record for record in previous.records()}
     # Device ids stay bound to their slots while the slot's pod exists, even with its container
-    # stopped: a copy of the marker in another pod must not take the device meanwhile.
+    # stopped; the allocations presented are kept whatever became of their pods: a copy of a marker
+    # in another pod must not take the device, meanwhile or later.
     bound = {device: slot for device, slot in previous.device_holders().items() if slot.pod in present}
     where = {slot.pod: present[slot.pod].linux.cgroup_parent for slot in bound.values()}
-    rebuilt = Rebuilt(Books({}, bound, where))
+    rebuilt = Rebuilt(Books({}, bound, where, previous.spent))
     pool = SharedPool(shared, numa_nodes)
     for container in _live(containers, by_sandbox, known, check_all):
         pod = by_sandbox[container.pod_sandbox_id]
@@ -139,7 +141,7 @@ def _adopt(
 ) -> None:
     """Give one running container its slot in the rebuilt books, if it proves a request."""
     books = rebuilt.books
-    proof = check(pod, container, books.devices).proof
+    proof = check(pod, container, books).proof
     if proof is None:
         return
     recorded = cpus_or_empty(before.exclusive) if before is not None else frozenset()
@@ -157,6 +159,7 @@ def _adopt(
     books.hold(
         slot,
         ContainerRecord(container.id, len(given.cpus), plan.exclusive_text, proof.device),
+        allocation=proof.allocation if proof.device is not None else None,
         new_pod=(
             None
             if slot.pod in books.pods

@@ -34,17 +34,21 @@ When the files are written (at once, deferred, compacted in a worker thread) is 
 
 The snapshot (version 1): ``{"devices": {id: {"pod", "container"}}, "journal": n, "pods": {key:
 {"cgroup_parent", "baseline", "period", "baseline_source", "target", "containers": {name: {"id",
-"shared_cpus", "contribution", "exclusive", "device"}}}}, "version": 1}``, compact, keys sorted.
+"shared_cpus", "contribution", "exclusive", "device"}}}}, "spent": {id: {"allocation", "pod",
+"container"}}, "version": 1}``, compact, keys sorted.
 ``target`` and ``contribution`` are for people reading the file; they are recomputed at load. A file
-from before the bindings were saved (no ``devices``) gets the bindings of its live slots. A snapshot
-with no ``journal`` (`StateStore.save`, earlier versions) has none.
+from before the bindings were saved (no ``devices``) gets the bindings of its live slots; one from
+before the allocations presented were saved (no ``spent``) gets its bindings' as allocation 0 (older
+than any numbered marker: `nri_plugin.mixedcpu.books`). A snapshot with no ``journal``
+(`StateStore.save`, earlier versions) has none.
 
 ``journal: n`` names the journal that follows it: files ``pod-quotas.json.journal.n``, ``n+1``, ...
 are replayed in order, up to the first missing number. Each line is what one write changed: a JSON
 array of operations on the books, ``["P", pod, cgroup_parent, baseline, period, source]`` (the
 pod's record, its slots kept), ``["C", pod, name, id, shared_cpus, exclusive, device]`` (a slot
 held), ``["F", pod, name]`` (a slot freed), ``["X", pod]`` (the pod dropped), ``["B", device, pod,
-name]`` (bound), ``["U", device]`` (unbound). Each sets a value, so replaying an operation already
+name]`` (bound), ``["U", device]`` (unbound), ``["A", device, allocation, pod, name]`` (the newest
+allocation of the device presented). Each sets a value, so replaying an operation already
 in the snapshot is harmless; a line cut short loses one write whole. A compaction first moves the
 appends to the next number, then writes the snapshot naming that number, then deletes the journals
 before it: killed at any step, the files on disk still replay to the books of some instant after
@@ -65,6 +69,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final
@@ -73,7 +78,7 @@ import structlog
 
 from nri_plugin.common.atomicfile import write_atomically
 from nri_plugin.common.smallfile import NotRegularFile, SymbolicLink, TooLarge, read_small_file
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot, Spent
 from nri_plugin.mixedcpu.bounds import set_aside_out_of_range
 
 __all__ = [
@@ -133,6 +138,14 @@ def books_to_json(books: Books) -> dict[str, Any]:
             device: {"pod": slot.pod, "container": slot.name}
             for device, slot in sorted(books.devices.items())
         },
+        "spent": _spent_to_json(books),
+    }
+
+
+def _spent_to_json(books: Books) -> dict[str, dict[str, Any]]:
+    return {
+        device: {"allocation": spent.allocation, "pod": spent.pod, "container": spent.name}
+        for device, spent in sorted(books.spent.items())
     }
 
 
@@ -155,18 +168,41 @@ def books_from_json(data: object) -> Books:
     if devices is None:
         # A file from before the bindings were saved: the live slots' devices are all we know.
         books.devices = books.live_devices()
-        return books
-    if not isinstance(devices, dict):
-        raise ValueError('"devices" is not an object')
-    for device, entry in devices.items():
-        if not isinstance(entry, dict):
-            raise ValueError("a device entry is not an object")
-        books.devices[_text(device, "device id")] = Slot(
-            _text(entry.get("pod"), "device pod"), _text(entry.get("container"), "device container")
-        )
-    for device, slot in books.live_devices().items():
-        books.devices.setdefault(device, slot)
+    else:
+        if not isinstance(devices, dict):
+            raise ValueError('"devices" is not an object')
+        for device, entry in devices.items():
+            if not isinstance(entry, dict):
+                raise ValueError("a device entry is not an object")
+            books.devices[_text(device, "device id")] = Slot(
+                _text(entry.get("pod"), "device pod"), _text(entry.get("container"), "device container")
+            )
+        for device, slot in books.live_devices().items():
+            books.devices.setdefault(device, slot)
+    _spent_from_json(books, data.get("spent"))
     return books
+
+
+def _spent_from_json(books: Books, spent: object) -> None:
+    """`books`' spent allocations from a snapshot's ``spent`` (None: a file from before it)."""
+    if spent is not None and not isinstance(spent, dict):
+        raise ValueError('"spent" is not an object')
+    for device, entry in (spent or {}).items():
+        if not isinstance(entry, dict):
+            raise ValueError("a spent entry is not an object")
+        books.spent[_text(device, "device id")] = _spent(
+            [entry.get("allocation"), entry.get("pod"), entry.get("container")]
+        )
+    # Bound before allocations were numbered (or saved): allocation 0, older than any numbered one.
+    for device, slot in books.devices.items():
+        books.spent.setdefault(device, Spent(0, slot.pod, slot.name))
+
+
+def _spent(args: list[Any]) -> Spent:
+    allocation = args[0]
+    if isinstance(allocation, bool) or not isinstance(allocation, int) or not 0 <= allocation < 10**20:
+        raise ValueError(f"allocation {allocation!r} is not a number from 0 to 10**20 - 1")
+    return Spent(allocation, _text(args[1], "spent pod"), _text(args[2], "spent container"))
 
 
 def _text(value: object, what: str) -> str:
@@ -283,9 +319,14 @@ def header_line(key: str, record: PodRecord) -> bytes:
     return _encode_operations([_header_operation(_text_json(key), record)])
 
 
-def changes_line(books: Books, pods: dict[str, PodRecord | None], devices: dict[str, Slot | None]) -> bytes:
-    """The journal line that turns what the files hold (`pods` and `devices`: each key changed, with
-    its value in the files) into `books`; empty when nothing differs."""
+def changes_line(
+    books: Books,
+    pods: dict[str, PodRecord | None],
+    devices: dict[str, Slot | None],
+    spent: Mapping[str, Spent | None] | None = None,
+) -> bytes:
+    """The journal line that turns what the files hold (`pods`, `devices` and `spent`: each key
+    changed, with its value in the files) into `books`; empty when nothing differs."""
     ops: list[Operation] = []
     for key, old in pods.items():
         ops += pod_operations(key, old, books.pods.get(key))
@@ -294,7 +335,18 @@ def changes_line(books: Books, pods: dict[str, PodRecord | None], devices: dict[
         for device, old in devices.items()
         if (now := books.devices.get(device)) != old
     ]
+    ops += [
+        _spent_operation(device, spent_now)
+        for device, spent_before in (spent or {}).items()
+        if (spent_now := books.spent.get(device)) is not None and spent_now != spent_before
+    ]
     return _encode_operations(ops)
+
+
+def _spent_operation(device: str, spent: Spent) -> Operation:
+    return (
+        f'["A",{_text_json(device)},{int(spent.allocation)},{_text_json(spent.pod)},{_text_json(spent.name)}]'
+    )
 
 
 def _encode_operations(ops: list[Operation]) -> bytes:
@@ -307,6 +359,9 @@ def apply_operation(books: Books, op: object) -> None:
     if not isinstance(op, list) or not op or op[0] not in _ARITY or len(op) != _ARITY[op[0]]:
         raise ValueError(f"not a journal operation: {op!r}")
     kind, args = op[0], op[1:]
+    if kind == "A":
+        books.spent[_text(args[0], "device id")] = _spent(args[1:])
+        return
     if kind in ("B", "U"):
         device = _text(args[0], "device id")
         if kind == "B":
@@ -328,7 +383,7 @@ def apply_operation(books: Books, op: object) -> None:
         books.pods[key] = pod.holding(_text(args[1], "container name"), _slot_record(args[2:]))
 
 
-_ARITY: Final = {"P": 6, "C": 7, "F": 3, "X": 2, "B": 4, "U": 2}
+_ARITY: Final = {"P": 6, "C": 7, "F": 3, "X": 2, "B": 4, "U": 2, "A": 5}
 
 
 def _pod_header(args: list[Any], containers: Containers) -> PodRecord:
@@ -580,6 +635,7 @@ class StateStore:
         link = "" if journal is None else f'"journal":{journal},'
         texts: dict[str, tuple[PodRecord, bytes]] = {}
         parts = [f'{{"devices":{_dumps(devices)},{link}"pods":{{'.encode()]
+        spent = _dumps(_spent_to_json(books))
         for i, key in enumerate(sorted(pods)):
             if i:
                 parts.append(b",")
@@ -588,7 +644,7 @@ class StateStore:
             text = known[1] if known is not None and known[0] is pod else _pod_text(key, pod)
             texts[key] = (pod, text)
             parts.append(text)
-        parts.append(f'}},"version":{STATE_VERSION}}}'.encode() + end)
+        parts.append(f'}},"spent":{spent},"version":{STATE_VERSION}}}'.encode() + end)
         self._texts = texts  # only the pods still in the books: a dropped one's text goes too
         return b"".join(parts)
 

@@ -53,7 +53,8 @@ log = structlog.get_logger(LOGGER_NAME)
 # How each trusted source proved a request (the policy's `Proof.source`).
 _PROVEN_BY: Final = {
     "device-plugin": "the allocation marker (the device plugin's annotation or the DRA driver's env "
-    "entry): signed with this node's key, for a device id no other container holds",
+    "entry): signed with this node's key, and no other container presented the same or a newer "
+    "allocation of its device id",
     "kubelet": "kubelet's PodResources record: it allocated a device of our resource (device plugin or "
     "DRA) to this pod's container",
     "pod-annotation": "the pod annotation cpu-shared.crio.io/<container>: enable "

@@ -35,6 +35,7 @@ from nri_plugin.nri.muxcodec import (
 from nri_plugin.ttrpc.logbudget import LogBudget, suppressed_note
 
 __all__ = [
+    "CLOSE_FLUSH_TIMEOUT",
     "FIRST_FRAME_MAX",
     "HEADER_SIZE",
     "MAX_PAYLOAD",
@@ -77,6 +78,12 @@ _RELEASE_DELAY: Final = 0.1
 WRITE_HIGH_WATER: Final = 1 << 20
 WRITE_LOW_WATER: Final = 256 * 1024
 
+# How long a local close may wait for the peer to read what we already wrote before the socket is
+# aborted (what is still unread then is lost). A peer that reads takes milliseconds for the largest
+# backlog the high-water mark allows; a runtime waits at most its request timeout (NRI's default is
+# 2 s) for an answer, so answers it has not read by then are of no use to it.
+CLOSE_FLUSH_TIMEOUT: Final = 2.0
+
 
 class ChannelReceiver(Protocol):
     """What :meth:`Trunk.channel` delivers one connection's bytes to (e.g. a ttrpc endpoint)."""
@@ -112,6 +119,10 @@ class Trunk(asyncio.BufferedProtocol):
     :meth:`drain` waits for that, for writers of our own (unsolicited updates). The peer's unread
     requests then wait in its own socket buffer.
 
+    A close never waits on a peer that does not read: what we wrote is flushed for at most
+    `close_timeout` seconds (`CLOSE_FLUSH_TIMEOUT`), then the socket is aborted and the unread
+    rest dropped (logged at warning), so :attr:`closed` is always set within that time.
+
     The socket is read into one reusable buffer of `READ_BUFFER_SIZE` bytes (an
     `asyncio.BufferedProtocol`); :meth:`data_received` takes bytes fed by hand.
     """
@@ -129,6 +140,9 @@ class Trunk(asyncio.BufferedProtocol):
         self._writable = asyncio.Event()  # clear while the peer lets our answers pile up unread
         self._writable.set()
         self._paused = False  # `_writable` cleared: a plain flag for the loop of every read
+        self._flush_timer: asyncio.TimerHandle | None = None  # a close's bound on flushing
+        self.close_timeout: float = CLOSE_FLUSH_TIMEOUT
+        """Seconds a close waits for the peer to read what we wrote before aborting the socket."""
         self.closed = asyncio.Event()
         """Set when the trunk is closed for good; do not set it yourself."""
 
@@ -183,8 +197,15 @@ class Trunk(asyncio.BufferedProtocol):
             self._transport.write(frame)
 
     def close(self) -> None:
-        """Close the trunk (idempotent). Receivers get ``connection_lost(None)``."""
+        """Close the trunk (idempotent). Receivers get ``connection_lost(None)`` at once; what was
+        written is flushed for at most `close_timeout` seconds, then the socket is aborted."""
         self._shut_down(None)
+
+    @property
+    def closing(self) -> bool:
+        """True once the trunk began to close (the receivers were told), whether or not the socket
+        itself is closed yet (:attr:`closed`)."""
+        return self._shutting_down
 
     async def wait_closed(self) -> None:
         """Wait until the trunk is closed."""
@@ -262,6 +283,9 @@ class Trunk(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         self._shut_down(exc)
         self._writable.set()  # nothing more to wait for: drain() returns
         self._paused = False
@@ -332,6 +356,18 @@ class Trunk(asyncio.BufferedProtocol):
         self._large_bytes = 0
         heap.release_free_memory()
 
+    def _abort_unflushed(self, transport: asyncio.Transport) -> None:
+        """A close's flush took longer than `close_timeout`: the peer is not reading. Drop the rest."""
+        self._flush_timer = None
+        if self._transport is not transport:
+            return
+        logger.warning(
+            "NRI peer did not read our last %d bytes within %g s of closing the connection: aborting it",
+            transport.get_write_buffer_size(),
+            self.close_timeout,
+        )
+        transport.abort()
+
     def _shut_down(self, exc: Exception | None) -> None:
         if self._shutting_down:
             return
@@ -341,7 +377,12 @@ class Trunk(asyncio.BufferedProtocol):
         if transport is None:
             self.closed.set()
         elif exc is None:
-            transport.close()  # flush what we already wrote, then close
+            transport.close()  # flush what we already wrote, then close...
+            with contextlib.suppress(RuntimeError):  # (closed by hand, outside a loop)
+                # ...unless the peer does not read it in time (cancelled once the socket is closed)
+                self._flush_timer = asyncio.get_running_loop().call_later(
+                    self.close_timeout, self._abort_unflushed, transport
+                )
         else:
             transport.abort()
         receivers = list(self._receivers.values())

@@ -634,6 +634,23 @@ class RuntimeSimulator:
                 await self._state_event(Event.REMOVE_POD_SANDBOX, pod, None)
             self.forgotten_pods.discard(pod_id)
 
+    async def lose_pod(self, pod_id: str) -> list[str]:
+        """containerd's forgotten pod (its issue 8426) at its end: a pod it forgot across its restart
+        (`RuntimeModes.forgets_pods_on_restart`) goes with its containers and no event at all, not
+        even their stop or removal; their cgroups go too (`release_resources`). The ids of the
+        containers that went with it."""
+        async with self._lock:
+            if pod_id not in self.forgotten_pods:
+                raise ValueError(f"pod {pod_id} was not forgotten across a restart: its end is reported")
+            self.pods.pop(pod_id)
+            self.forgotten_pods.discard(pod_id)
+            gone = [cid for cid, c in self.containers.items() if c.pod_sandbox_id == pod_id]
+            for cid in gone:
+                self._release(self.containers.pop(cid))
+            self.omitted.append(("(every event of the pod and its containers)", pod_id))
+            log.info("pod gone with no event: the runtime forgot it across its restart", pod=pod_id)
+            return gone
+
     async def create_container(
         self, container: api.Container, *, cdi_devices: Sequence[str] = ()
     ) -> CreateResult:

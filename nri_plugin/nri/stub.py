@@ -73,6 +73,7 @@ __all__ = [
     "SYNC_OBJECT_COST",
     "ConnectionState",
     "Identity",
+    "LostConnection",
     "RuntimeInfo",
     "Stub",
     "StubError",
@@ -205,6 +206,14 @@ class RuntimeInfo:
     registration_timeout: float = DEFAULT_REGISTRATION_TIMEOUT
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     events: int = 0
+
+
+@dataclass(frozen=True)
+class LostConnection:
+    """Why the last connection to the runtime ended, and when (wall time, `time.time()`)."""
+
+    cause: str
+    at: float
 
 
 @dataclass(frozen=True)
@@ -431,6 +440,12 @@ class Stub:
         self.connections = 0
         self.synchronizations = 0
         self.connected_since: float | None = None  # wall time the live connection was opened
+        # The last connection that ended (not by stop()): why and when; None before any.
+        self.lost: LostConnection | None = None
+        self._drop_cause: str | None = None  # why the stub itself is closing the live connection
+        # `clock.monotonic()` since which the stub has been neither serving (READY) nor waiting by
+        # design (BACKING_OFF, STOPPED): see `stalled_for`.
+        self._stalled_since: float | None = None
         self._machine = ConnectionMachine()
         # Set while synchronized with a live runtime (from READY until the connection ends).
         self.ready = asyncio.Event()
@@ -462,6 +477,22 @@ class Stub:
     def stopping(self) -> bool:
         return self.state is S.STOPPED
 
+    @property
+    def stalled_for(self) -> float:
+        """Seconds the stub has been neither serving the runtime (READY) nor waiting by design
+        between attempts (BACKING_OFF) nor stopped; 0 when it is one of those.
+
+        It counts from the start of a connection attempt (or from leaving READY) and is reset when
+        the attempt reaches READY or ends (the wait before the next one). An attempt takes
+        milliseconds, at most the registration timeout when the runtime is slow; the hang-up of a
+        lost connection at most the trunk's `mux.CLOSE_FLUSH_TIMEOUT`. A large value means the
+        connection is stuck: a runtime that registered the plugin but does not configure or
+        synchronize it, or a hang-up that never ends (``/healthz`` fails on it).
+        """
+        if self._stalled_since is None:
+            return 0.0
+        return max(0.0, self.clock.monotonic() - self._stalled_since)
+
     async def wait_for_state(self, *states: ConnectionState) -> ConnectionState:
         """Wait until the connection enters one of `states` (at once if it is in one); that state."""
         if self.state in states:
@@ -473,6 +504,10 @@ class Stub:
     def _enter(self, target: ConnectionState) -> None:
         """Move to `target` (`IllegalTransition` if the table forbids it) and keep the events in step."""
         self._machine.move(target)
+        if target in (S.READY, S.BACKING_OFF, S.STOPPED):
+            self._stalled_since = None
+        elif self._stalled_since is None:
+            self._stalled_since = self.clock.monotonic()
         if target is S.READY:
             self.ready.set()
         elif target in (S.DISCONNECTED, S.STOPPED):
@@ -519,7 +554,12 @@ class Stub:
         if self.stopping or not self.reconnect:
             return None
         delay = self.backoff.next()
-        log.warning("nri connection lost, reconnecting", socket=self.socket_path, retry_in=round(delay, 2))
+        log.warning(
+            "nri connection lost, reconnecting",
+            socket=self.socket_path,
+            cause=self.lost.cause if self.lost is not None else None,
+            retry_in=round(delay, 2),
+        )
         if self.observer is not None:
             self.observer.reconnecting()
         return delay
@@ -570,23 +610,47 @@ class Stub:
         self.connected_since = time.time()
         session = self._session = _Session()
         self._enter(S.REGISTERING)
+        self._drop_cause = None
+        broken = functools.partial(self._drop, trunk, "the runtime broke the ttrpc protocol (see the log)")
         server = Server(
             {PLUGIN_SERVICE: self._methods(session)},
             functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN),
-            close_channel=trunk.close,
+            close_channel=broken,
         )
         trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
-        client = Client(functools.partial(trunk.send, mux.RUNTIME_SERVICE_CONN), close_channel=trunk.close)
+        client = Client(functools.partial(trunk.send, mux.RUNTIME_SERVICE_CONN), close_channel=broken)
         trunk.channel(mux.RUNTIME_SERVICE_CONN, client)
         self._trunk, self._client = trunk, client
         registered = False
         try:
             registered = await self._register(client)
             if registered:
-                await trunk.wait_closed()
+                # Until the connection is lost: the trunk tells its receivers at once, while the
+                # socket itself may take up to its close_timeout to close (`_hang_up` waits for it).
+                await client.wait_closed()
+                self._lost(trunk)
         finally:
             await self._hang_up(trunk, server)
         return registered
+
+    def _drop(self, trunk: mux.Trunk, cause: str) -> None:
+        """Close the live connection ourselves, for `cause` (what `lost` will say)."""
+        if not trunk.closing:
+            self._drop_cause = cause
+        trunk.close()
+
+    def _lost(self, trunk: mux.Trunk, cause: str | None = None) -> None:
+        """Record why and when the connection ended (not when stop() ended it)."""
+        if self.stopping:
+            return
+        if cause is None:
+            if self._drop_cause is not None:
+                cause = self._drop_cause
+            elif trunk.exception is not None:
+                cause = f"{type(trunk.exception).__name__}: {trunk.exception}"
+            else:
+                cause = "the runtime closed the connection"
+        self.lost = LostConnection(cause, time.time())
 
     async def _register(self, client: Client) -> bool:
         try:
@@ -601,6 +665,8 @@ class Stub:
             )
         except (TtrpcError, ConnectionClosed) as exc:
             log.error("nri registration failed", plugin=self.identity.full_name, error=str(exc))
+            if self._trunk is not None:
+                self._lost(self._trunk, f"registration failed: {exc}")
             return False
         log.info("registered with the runtime", plugin=self.identity.full_name, socket=self.socket_path)
         if self.state is S.REGISTERING:  # else Configure came first
@@ -617,6 +683,7 @@ class Stub:
         trunk.close()
         server.close()
         await server.wait_closed()
+        await trunk.wait_closed()  # within the trunk's close_timeout, however the peer behaves
 
     # -- unsolicited updates -----------------------------------------------------------------------
 
@@ -850,7 +917,12 @@ class Stub:
                 limit_bytes=self.max_sync_bytes,
             )
         if self._current(session) and self._trunk is not None:
-            self._trunk.close()
+            what = (
+                f"in more than {self.max_sync_chunks} chunks"
+                if chunks > self.max_sync_chunks
+                else f"of more than {self.max_sync_bytes} bytes"
+            )
+            self._drop(self._trunk, f"the plugin dropped it: a Synchronize {what} (max_synchronize_mib)")
         asyncio.get_running_loop().call_later(_RELEASE_DELAY, heap.release_free_memory)
         if chunks > self.max_sync_chunks:
             return TtrpcError(

@@ -35,6 +35,7 @@ from mixedcpu_support import (
     make_pod,
     plugin_running,
 )
+from wait_support import wait_until
 
 from api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey, dra_device_id
@@ -118,7 +119,8 @@ async def dra_node(root: Path, *, kubelet_answers: bool = True) -> AsyncIterator
     plugin, key = make_plugin(root / "state", tree.layout, allocations=allocations)
     socket = root / "nri.sock"
     try:
-        async with RuntimeSimulator(socket) as sim, plugin_running(plugin, socket):
+        async with RuntimeSimulator(socket) as sim, plugin_running(plugin, socket) as stub:
+            plugin.send_updates = stub.update_containers  # as the daemon's wiring does
             sim.cdi = CdiSpecs([root / "cdi"])
             await sim.wait_for_plugins(1, GUARD)
             yield Node(sim, tree, key, record, root / "cdi")
@@ -144,7 +146,9 @@ async def test_a_dra_prepared_container_gets_the_shared_cpus_by_kubelets_record(
             container = await node.create(pod, "c1", "main", cdi_devices=[cdi])
         assert shared(container)
         env = env_of(container)
-        assert env[MARKER_ENV] == node.key.sign("dra.shared-cpus-3"), "the runtime injected the CDI edit"
+        signed = node.key.read(env[MARKER_ENV])
+        assert signed is not None, "the runtime injected the CDI edit"
+        assert signed.device == "dra.shared-cpus-3"
         assert (env["OPENSHIFT_SHARED_CPUS"], env["OPENSHIFT_ISOLATED_CPUS"]) == ("0-1", "4-5")
         [given] = [entry for entry in logs if entry["event"] == "shared CPUs given"]
         assert "kubelet's allocation (dra.shared-cpus-3)" in str(given)
@@ -210,3 +214,50 @@ async def test_without_kubelets_record_the_binding_refuses_a_replay_and_the_key_
             "(a replayed marker)",
             f"refused {where}: it was not signed with this node's key (forged, or copied from another node)",
         ]
+
+
+@pytest.mark.asyncio
+async def test_a_claim_reserved_for_two_pods_goes_to_the_second_once_the_first_ends(root: Path) -> None:
+    """Without kubelet's record, one claim reserved for two pods (one allocation of one device): the
+    first container to present it holds the device, the other pod's waits, refused for now, and is
+    given the shared CPUs when the first pod's sandbox stops: its pod quota raised, its cpuset and
+    quota by an UpdateContainers right after that event (its env cannot change). A pod the claim is
+    not reserved for gets nothing, before or after."""
+    async with dra_node(root, kubelet_answers=False) as node:
+        first, second, other = (
+            node.pod("1111-aaaa", "first"),
+            node.pod("2222-bbbb", "second"),
+            node.pod("3333-cccc", "other"),
+        )
+        for pod in (first, second, other):
+            await node.sim.run_pod_sandbox(pod)
+        marker = node.key.sign(dra_device_id("shared-cpus-3"), pods=[first.uid, second.uid])
+        cdi = prepare(node.cdi_dir, "uid-1", "shared-cpus-3", marker)
+        assert shared(await node.create(first, "f1", "main", cdi_devices=[cdi]))
+        with structlog.testing.capture_logs() as logs:
+            assert not shared(await node.create(second, "s1", "main", cdi_devices=[cdi]))
+            assert not shared(await node.create(other, "o1", "main", cdi_devices=[cdi]))
+        waits, stranger = refusals(logs)
+        assert "for now: device dra.shared-cpus-3 is held by container 1111-aaaa/main" in waits
+        assert "reserved for other pods (1111-aaaa, 2222-bbbb), not pod 3333-cccc" in stranger
+        assert node.tree.pod_quota(second) == 2 * PERIOD
+        assert node.sim.unsolicited == []
+        # kubelet ends the first pod: its container stops (the binding holds), then its sandbox.
+        await node.sim.stop_container("f1")
+        assert node.sim.unsolicited == []
+        with structlog.testing.capture_logs() as logs:
+            await node.sim.stop_pod_sandbox(first.id)
+            # (the simulator notes an update as it arrives, and applies it once it holds its lock)
+            await wait_until(lambda: shared(node.sim.containers["s1"]), what="the late grant's update")
+        [given] = [entry for entry in logs if entry["event"].startswith("shared CPUs given once")]
+        assert given["container_id"] == "s1"
+        [sent] = node.sim.unsolicited
+        assert sent.containers == ("s1",)
+        assert sent.calls_in_flight == 0  # sent once the StopPodSandbox was answered
+        assert shared(node.sim.containers["s1"])
+        assert node.sim.containers["s1"].linux.resources.cpu.quota.value == 4 * PERIOD
+        assert node.tree.pod_quota(second) == 4 * PERIOD  # raised before the update was sent
+        assert not shared(node.sim.containers["o1"])
+        # The stranger's retry is still refused; the second pod's restart keeps the device.
+        assert not shared(await node.create(other, "o2", "main", cdi_devices=[cdi]))
+        assert shared(await node.create(second, "s2", "main", cdi_devices=[cdi]))

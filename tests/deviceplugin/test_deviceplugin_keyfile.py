@@ -36,7 +36,7 @@ def test_stable_across_restarts(tmp_path: Path) -> None:
     second = load_or_create_host_key(tmp_path)
     assert (tmp_path / KEY_FILE_NAME).read_bytes() == before
     assert second.verify(first.sign("shared-cpus-3")) == "shared-cpus-3"
-    assert first.sign("shared-cpus-3") == second.sign("shared-cpus-3")
+    assert first.sign("shared-cpus-3", allocation=9) == second.sign("shared-cpus-3", allocation=9)
 
 
 def test_fresh_state_dirs_get_different_secrets(tmp_path: Path) -> None:
@@ -74,7 +74,7 @@ def test_refuses_a_secret_others_can_read(tmp_path: Path, mode: int) -> None:
 def test_accepts_a_read_only_secret(tmp_path: Path) -> None:
     first = load_or_create_host_key(tmp_path)
     (tmp_path / KEY_FILE_NAME).chmod(0o400)
-    assert load_or_create_host_key(tmp_path).sign("x") == first.sign("x")
+    assert load_or_create_host_key(tmp_path).sign("x", allocation=9) == first.sign("x", allocation=9)
 
 
 @pytest.mark.parametrize("size", [0, 16, 31, 33, 64])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import os
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
+from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey, Signed
 
 KEY_A = HostKey(bytes(range(32)))
 KEY_B = HostKey(bytes(range(1, 33)))
@@ -29,17 +31,70 @@ def test_annotation_key_is_a_valid_kubernetes_annotation_key() -> None:
     assert prefix == prefix.lower()
 
 
+def _v1(key_bytes: bytes, device_id: str) -> str:
+    """A marker as earlier versions signed it (``v1:<device id>:<mac>``), from its documented form."""
+    context = b"mixed-cpu-nri-plugin shared-cpus-allocation v1\0"
+    digest = hmac.new(key_bytes, context + device_id.encode(), hashlib.sha256).digest()
+    return f"v1:{device_id}:{base64.urlsafe_b64encode(digest).rstrip(b'=').decode()}"
+
+
 def test_sign_then_verify() -> None:
     value = KEY_A.sign("shared-cpus-7")
-    assert value.startswith("v1:shared-cpus-7:")
+    assert value.startswith("v2:shared-cpus-7:")
     assert KEY_A.verify(value) == "shared-cpus-7"
     assert KEY_A.verify_annotations({ANNOTATION_KEY: value, "other": "x"}) == "shared-cpus-7"
 
 
-def test_signing_is_deterministic_per_key_and_id() -> None:
-    assert KEY_A.sign("shared-cpus-1") == KEY_A.sign("shared-cpus-1")
-    assert KEY_A.sign("shared-cpus-1") != KEY_A.sign("shared-cpus-2")
-    assert KEY_A.sign("shared-cpus-1") != KEY_B.sign("shared-cpus-1")
+def test_every_allocation_is_a_new_marker_numbered_above_the_last() -> None:
+    key = HostKey(bytes(range(32)))
+    first, second = key.sign("shared-cpus-1"), key.sign("shared-cpus-1")
+    assert first != second
+    read_first, read_second = key.read(first), key.read(second)
+    assert read_first is not None
+    assert read_second is not None
+    assert read_first.device == read_second.device == "shared-cpus-1"
+    assert read_second.allocation > read_first.allocation >= 1
+
+
+def test_allocations_are_numbered_above_the_floor_whatever_the_clock() -> None:
+    key = HostKey(bytes(range(32)))
+    ahead = 10**19  # a spent allocation far ahead of this clock (a clock stepped back since)
+    key.raise_floor(ahead)
+    signed = key.read(key.sign("shared-cpus-1"))
+    assert signed is not None
+    assert signed.allocation == ahead + 1
+
+
+def test_a_given_allocation_signs_the_same_marker() -> None:
+    assert KEY_A.sign("shared-cpus-1", allocation=5) == KEY_A.sign("shared-cpus-1", allocation=5)
+    assert KEY_A.sign("shared-cpus-1", allocation=5) != KEY_A.sign("shared-cpus-1", allocation=6)
+    assert KEY_A.sign("shared-cpus-1", allocation=5) != KEY_B.sign("shared-cpus-1", allocation=5)
+
+
+def test_pods_are_signed_into_the_marker() -> None:
+    pods = ["0b5f6a1e-3c1d-4e8a-9f00-5a1b2c3d4e5f", "1b5f6a1e-3c1d-4e8a-9f00-5a1b2c3d4e5f"]
+    value = KEY_A.sign("dra.shared-cpus-1", pods=pods, allocation=3)
+    signed = KEY_A.read(value)
+    assert signed is not None
+    assert signed.pods == frozenset(pods)
+    assert signed.allocation == 3
+    # Another pod list under the same MAC is not a marker.
+    assert KEY_A.read(value.replace(pods[1], "2b5f6a1e-3c1d-4e8a-9f00-5a1b2c3d4e5f")) is None
+    assert KEY_A.read(value.replace(f",{pods[1]}", "")) is None
+    with pytest.raises(ValueError, match="pod uids"):
+        KEY_A.sign("dra.shared-cpus-1", pods=["a,b"])
+
+
+def test_an_allocation_number_edited_is_refused() -> None:
+    value = KEY_A.sign("shared-cpus-1", allocation=5)
+    assert KEY_A.read(value.replace(":5:", ":6:")) is None
+
+
+def test_markers_of_earlier_versions_are_read_as_allocation_0() -> None:
+    value = _v1(bytes(range(32)), "shared-cpus-7")
+    assert KEY_A.read(value) == Signed("shared-cpus-7", 0, frozenset())
+    assert KEY_A.verify(value) == "shared-cpus-7"
+    assert KEY_B.read(value) is None
 
 
 def test_marker_made_with_another_key_is_refused() -> None:
@@ -47,13 +102,16 @@ def test_marker_made_with_another_key_is_refused() -> None:
 
 
 def test_signature_moved_to_another_device_id_is_refused() -> None:
-    mac = KEY_A.sign("shared-cpus-1").rpartition(":")[2]
+    value = KEY_A.sign("shared-cpus-1", allocation=9)
+    assert KEY_A.verify(value.replace("shared-cpus-1", "shared-cpus-2")) is None
+    mac = _v1(bytes(range(32)), "shared-cpus-1").rpartition(":")[2]
     assert KEY_A.verify(f"v1:shared-cpus-2:{mac}") is None
 
 
 def test_forged_mac_is_refused() -> None:
     forged = base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"=").decode()
     assert KEY_A.verify(f"v1:shared-cpus-1:{forged}") is None
+    assert KEY_A.verify(f"v2:shared-cpus-1:5::{forged}") is None
 
 
 @pytest.mark.parametrize(
@@ -67,6 +125,11 @@ def test_forged_mac_is_refused() -> None:
         "true",
         "shared-cpus-1",
         "v2:shared-cpus-1:" + "A" * 43,
+        "v2:shared-cpus-1:5:" + "A" * 43,
+        "v2:shared-cpus-1::" + ":" + "A" * 43,
+        "v2:shared-cpus-1:" + "1" * 21 + "::" + "A" * 43,
+        "v2:shared-cpus-1:5:x:" + "A" * 43,
+        "v3:shared-cpus-1:5::" + "A" * 43,
         "v1::" + "A" * 43,
         "v1:shared-cpus-1:" + "A" * 42,
         "v1:shared-cpus-1:" + "A" * 44,

@@ -182,10 +182,12 @@ class FakeApiServer:
         results: list[dict[str, Any]] | None,
         uid: str | None = None,
         requests: list[dict[str, Any]] | None = None,
+        reserved_for: list[str] = (),  # type: ignore[assignment]
     ) -> str:
         """A ResourceClaim asking `requests` (default: one request "shared" of exactly one device),
         allocated with `results` (driver, pool, device, request, maybe adminAccess), or not allocated
-        when `results` is None. Its uid is returned."""
+        when `results` is None, reserved for the pods with uids `reserved_for` (the scheduler's
+        status.reservedFor). Its uid is returned."""
         if requests is None:
             requests = [{"name": "shared", "exactly": {"deviceClassName": "x"}}]
         obj: dict[str, Any] = {
@@ -194,6 +196,10 @@ class FakeApiServer:
         }
         if results is not None:
             obj["status"] = {"allocation": {"devices": {"results": results}}}
+            if reserved_for:
+                obj["status"]["reservedFor"] = [
+                    {"resource": "pods", "name": f"pod-{uid}", "uid": uid} for uid in reserved_for
+                ]
         created = self._create(
             f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims", obj, "resourceclaims"
         )

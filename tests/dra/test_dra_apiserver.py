@@ -624,6 +624,21 @@ async def test_claim_shapes_the_scheduler_writes(
 
 
 @pytest.mark.asyncio
+async def test_claim_devices_carry_the_pods_it_is_reserved_for(
+    server: FakeApiServer, client: AsyncClient
+) -> None:
+    pods = ["bbbb-2", "aaaa-1"]
+    uid = server.add_claim("team-a", "shared", results=[result("shared-cpus-7")], reserved_for=pods)
+    # A consumer that is not a core pod (a custom controller's reservation) names no pod.
+    claim = server.objects["/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims"]["shared"]
+    claim["status"]["reservedFor"].append(
+        {"apiGroup": "example.com", "resource": "pods", "name": "not-a-pod", "uid": "cccc-3"}
+    )
+    [device] = await claims(client).allocated_devices("team-a", "shared", uid)
+    assert device.reserved_for == ("aaaa-1", "bbbb-2")
+
+
+@pytest.mark.asyncio
 async def test_claim_not_found(server: FakeApiServer, client: AsyncClient) -> None:
     with pytest.raises(ClaimError, match=r"^ResourceClaim team-a/gone does not exist") as info:
         await claims(client).allocated_devices("team-a", "gone", "uid-1")

@@ -125,10 +125,43 @@ def test_write_publishes_one_file_per_claim_readable_by_root_only(key: HostKey, 
     assert path == cdi_dir / f"mixed-cpu.openshift.io-shared-cpus_{UID}.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # the runtimes read it as root
     assert load_valid_spec(path) == spec
+    spec = cdi.build_spec(CLAIM, [_device()], key, allocation=7)
+    cdi.write_spec(cdi_dir, CLAIM, spec, fsync=False)
     first = path.read_bytes()
-    cdi.write_spec(cdi_dir, CLAIM, cdi.build_spec(CLAIM, [_device()], key), fsync=False)
-    assert path.read_bytes() == first  # the same claim and devices: the same file
+    cdi.write_spec(cdi_dir, CLAIM, cdi.build_spec(CLAIM, [_device()], key, allocation=7), fsync=False)
+    assert path.read_bytes() == first  # the same claim, devices and allocation: the same file
     assert sorted(p.name for p in cdi_dir.iterdir()) == [path.name]  # no temporary file left
+
+
+def test_the_marker_names_the_pods_the_claim_is_reserved_for_and_the_file_records_them(
+    key: HostKey, cdi_dir: Path
+) -> None:
+    pods = ("aaaaaaaa-0000-4000-8000-000000000001", "bbbbbbbb-0000-4000-8000-000000000002")
+    device = AllocatedDevice(request="shared", pool=POOL, device="shared-cpus-3", reserved_for=pods)
+    spec = cdi.build_spec(CLAIM, [device], key)
+    [entry] = spec["devices"]
+    [env] = entry["containerEdits"]["env"]
+    signed = key.read(env.partition("=")[2])
+    assert signed is not None
+    assert (signed.device, signed.pods) == ("dra.shared-cpus-3", frozenset(pods))
+    cdi.write_spec(cdi_dir, CLAIM, spec, fsync=False)
+    assert _read(cdi_dir, CLAIM, key) == (device,)  # the fallback signs for the same pods
+    # An annotation edited to other pods than the marker names: not a file this driver wrote.
+    entry["annotations"][cdi.ANN_PODS] = pods[0]
+    cdi.write_spec(cdi_dir, CLAIM, spec, fsync=False)
+    with pytest.raises(cdi.CdiError, match="names other pods than its annotation records"):
+        _read(cdi_dir, CLAIM, key)
+    # A spec written before the pods were recorded (none in its marker) reads back with none.
+    old = cdi.build_spec(CLAIM, [_device()], key)
+    cdi.write_spec(cdi_dir, CLAIM, old, fsync=False)
+    assert cdi.ANN_PODS not in old["devices"][0]["annotations"]
+    assert _read(cdi_dir, CLAIM, key) == (_device(),)
+
+
+def test_a_claim_reserved_for_what_cannot_be_signed_is_refused_with_a_reason(key: HostKey) -> None:
+    device = AllocatedDevice(request="shared", pool=POOL, device="shared-cpus-3", reserved_for=("a,b",))
+    with pytest.raises(cdi.CdiError, match=r"status\.reservedFor"):
+        cdi.build_spec(CLAIM, [device], key)
 
 
 def test_write_makes_a_missing_spec_directory(key: HostKey, tmp_path: Path) -> None:

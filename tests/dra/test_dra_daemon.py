@@ -103,7 +103,9 @@ async def test_the_daemon_registers_publishes_prepares_and_the_container_gets_sh
         await node.sim.run_pod_sandbox(pod)
         container = make_container(NAMING, pod, "fwd-1", "fwd", cpus="2-3", quota=200000)
         result = await within(node.sim.create_container(container, cdi_devices=[cdi_id]))
-        assert env_of(result.container)[cdi.marker_env("shared-cpus-7")] == node.key.sign("dra.shared-cpus-7")
+        signed = node.key.read(env_of(result.container)[cdi.marker_env("shared-cpus-7")])
+        assert signed is not None
+        assert signed.device == "dra.shared-cpus-7"
         assert is_shared(result)
 
         # A second prepare (kubelet retries) answers the same; unprepare removes the spec, twice is fine.
@@ -114,6 +116,82 @@ async def test_the_daemon_registers_publishes_prepares_and_the_container_gets_sh
                 uid: ""
             }
         assert not cdi.spec_path(dra.cdi_dir, uid).exists()
+
+
+async def test_a_copied_dra_marker_is_refused_in_any_pod_the_claim_is_not_reserved_for() -> None:
+    """Issue 30, item 5: no PodResources record here (the marker decides). The claim is reserved for
+    one pod; its marker copied into another pod's env (no claim, no request) gets nothing, while the
+    holder runs and once its pod has ended."""
+    async with dra_node() as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))
+        holder_uid = "aaaa-5555"
+        results = [{"driver": DRIVER, "pool": NODE, "device": "shared-cpus-5", "request": "shared"}]
+        uid = dra.api.add_claim("telco", "fwd-shared", results=results, reserved_for=[holder_uid])
+        answer = await within(dra.kubelet.prepare(DRIVER, [Claim("telco", "fwd-shared", uid)]))
+        [cdi_id] = answer[uid].devices[0].cdi_device_ids
+        node = dra.node
+        holder = node.pod(holder_uid, "fwd", namespace="telco")
+        await node.sim.run_pod_sandbox(holder)
+        container = make_container(NAMING, holder, "fwd-5", "fwd", cpus="2-3", quota=200000)
+        result = await within(node.sim.create_container(container, cdi_devices=[cdi_id]))
+        assert is_shared(result)
+        copied = env_of(result.container)[cdi.marker_env("shared-cpus-5")]
+        signed = node.key.read(copied)
+        assert signed is not None
+        assert signed.pods == {holder_uid}
+
+        async def copy_in(pod_uid: str, cid: str) -> bool:
+            pod = node.pod(pod_uid, f"copier-{cid}", namespace="telco")
+            await node.sim.run_pod_sandbox(pod)
+            env = (f"{cdi.marker_env('shared-cpus-5')}={copied}",)
+            copy = make_container(NAMING, pod, cid, "fwd", cpus="4-5", quota=200000, env=env)
+            return is_shared(await within(node.sim.create_container(copy)))
+
+        assert not await copy_in("bbbb-5555", "copy-1")
+        # The holder's pod ends; no kubelet record to ask: the copy is still refused.
+        await node.sim.stop_pod_sandbox(holder.id)
+        await node.sim.remove_pod_sandbox(holder.id)
+        assert not await copy_in("cccc-5555", "copy-2")
+        await within(node.daemon.wait_log("copier-copy-2", "a claim reserved for other pods (aaaa-5555)"))
+
+
+async def test_a_claim_reserved_for_two_pods_goes_to_the_second_when_the_first_ends() -> None:
+    """One claim reserved for two pods, no PodResources record: the second pod's container waits and
+    is given the shared CPUs, by the daemon's own UpdateContainers, when the first pod ends."""
+    async with dra_node() as dra:
+        await wait_until(lambda: dra.kubelet.registration_sockets(), what="the registration socket")
+        [socket] = dra.kubelet.registration_sockets()
+        await within(dra.kubelet.register(socket))
+        results = [{"driver": DRIVER, "pool": NODE, "device": "shared-cpus-6", "request": "shared"}]
+        pods = ["aaaa-6666", "bbbb-6666"]
+        uid = dra.api.add_claim("telco", "both", results=results, reserved_for=pods)
+        answer = await within(dra.kubelet.prepare(DRIVER, [Claim("telco", "both", uid)]))
+        [cdi_id] = answer[uid].devices[0].cdi_device_ids
+        node = dra.node
+        first, second = (node.pod(pod_uid, f"fwd-{i}", namespace="telco") for i, pod_uid in enumerate(pods))
+        results_by_pod = []
+        for i, pod in enumerate((first, second)):
+            await node.sim.run_pod_sandbox(pod)
+            container = make_container(
+                NAMING, pod, f"both-{i}", "fwd", cpus=f"{2 + 2 * i}-{3 + 2 * i}", quota=200000
+            )
+            results_by_pod.append(await within(node.sim.create_container(container, cdi_devices=[cdi_id])))
+        assert is_shared(results_by_pod[0])
+        assert not is_shared(results_by_pod[1])
+        await within(
+            node.daemon.wait_log("for now: device dra.shared-cpus-6 is held by container aaaa-6666/fwd")
+        )
+        await node.sim.stop_container("both-0")
+        await node.sim.stop_pod_sandbox(first.id)
+        await within(node.daemon.wait_log("shared CPUs given once the device's binding ended", "both-1"))
+        await wait_until(
+            lambda: node.sim.containers["both-1"].linux.resources.cpu.cpus == "0-1,4-5",
+            what="the daemon's update of the waiting container",
+        )
+        [sent] = node.sim.unsolicited
+        assert sent.containers == ("both-1",)
 
 
 async def test_a_claim_the_api_server_does_not_know_fails_alone_and_the_daemon_runs_on() -> None:
@@ -254,7 +332,9 @@ async def test_claims_as_the_scheduler_writes_them_plain_first_available_and_adm
         await node.sim.run_pod_sandbox(pod)
         container = make_container(NAMING, pod, "fwd-4", "fwd", cpus="2-3", quota=200000)
         result = await within(node.sim.create_container(container, cdi_devices=cdi_ids))
-        assert env_of(result.container)[cdi.marker_env("shared-cpus-2")] == node.key.sign("dra.shared-cpus-2")
+        signed = node.key.read(env_of(result.container)[cdi.marker_env("shared-cpus-2")])
+        assert signed is not None
+        assert signed.device == "dra.shared-cpus-2"
         assert is_shared(result)
 
 

@@ -5,6 +5,7 @@ spec files (each checked against the CDI schema), and the health stream."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import stat
@@ -293,13 +294,25 @@ async def test_prepare_writes_the_spec_and_answers_its_cdi_devices(
 
 @pytest.mark.asyncio
 async def test_prepare_twice_gives_the_same_answer_and_file(node: Node, plugin: DraKubeletPlugin) -> None:
+    """The same answer and the same file, but for its marker: each prepare is a new allocation of
+    the device (numbered above the last), so a container created after it is kubelet's newest."""
     await _registered(node, plugin)
     first = await node.kubelet.prepare(DRIVER, [CLAIM_A])
     path = node.cdi_dir / _spec_name(UID_A)
-    content = path.read_bytes()
+    content = json.loads(path.read_bytes())
     again = await node.kubelet.prepare(DRIVER, [CLAIM_A])
     assert again == first
-    assert path.read_bytes() == content
+    content_again = json.loads(path.read_bytes())
+    [before], [after] = (spec["devices"][0]["containerEdits"]["env"] for spec in (content, content_again))
+    marker_before = node.key.read(before.partition("=")[2])
+    marker_after = node.key.read(after.partition("=")[2])
+    assert marker_before is not None
+    assert marker_after is not None
+    assert marker_after.device == marker_before.device
+    assert marker_after.allocation > marker_before.allocation
+    for spec in (content, content_again):
+        del spec["devices"][0]["containerEdits"]
+    assert content_again == content
     assert _spec_files(node) == [path.name]
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from fault_support import TOTALS
 
-# The fake kubelet of the device-plugin tests.
+# The fake kubelet of the device-plugin tests, and the hostile runtime (raw requests on the real mux).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "deviceplugin"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hostile"))
 
 
 @pytest.fixture

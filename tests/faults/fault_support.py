@@ -598,17 +598,22 @@ def write_config(
     shared: frozenset[int] = frozenset({0, 1}),
     metrics: bool = False,
     extra: str = "",
+    device_plugin: str = "",
     pod_resources: str | None = None,
 ) -> Path:
     """The daemon's config: shared CPUs `shared` of online 0-15 (a fake sysfs), the tree `tree` (a
     fake one, or the real kernel's mounts, detected), the state dir ``state``; metrics and probes on
     a free port of 127.0.0.1 with `metrics` (the daemon logs which), else none; kubelet's
     device-plugin directory `plugin_dir` (default ``kubelet`` in `directory`: no kubelet there, the
-    device plugin waits for one); `extra`: more top-level lines. Never the host's system bus, nor
-    kubelet's PodResources socket: `pod_resources` (default ``pr.sock`` in `directory`, where nobody
-    answers: kubelet cannot be asked; "": no record at all)."""
+    device plugin waits for one); `extra`: more top-level lines; `device_plugin`: more lines of the
+    ``[device_plugin]`` table. Never the host's system bus, nor kubelet's PodResources socket:
+    `pod_resources` (default ``pr.sock`` in `directory`, where nobody answers: kubelet cannot be
+    asked; "": no record at all), unless `device_plugin` names one."""
     if pod_resources is None:
         pod_resources = f"{directory}/pr.sock"
+    pod_resources_line = f"pod_resources_socket = {json.dumps(pod_resources)}\n"
+    if "pod_resources_socket" in device_plugin:  # the test names its own
+        pod_resources_line = ""
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-15\n")
@@ -617,13 +622,13 @@ def write_config(
     else:
         assert tree.root is not None
         cgroups = f'cgroup_root = "{tree.root}"\ncgroup_version = "v{tree.version}"\n'
-    device_plugin = f'plugin_dir = "{plugin_dir or directory / "kubelet"}"'
+    plugin_dir_line = f'plugin_dir = "{plugin_dir or directory / "kubelet"}"'
     config = directory / "config.toml"
     config.write_text(
         f'shared_cpuset = "{format_cpuset(shared)}"\nsysfs_root = "{directory}/sys"\n'
         f'state_dir = "{directory}/state"\n{cgroups}log_format = "console"\n'
         f'metrics_address = "{"127.0.0.1:0" if metrics else ""}"\nsystemd_bus = ""\n{extra}\n'
-        f"[device_plugin]\n{device_plugin}\npod_resources_socket = {json.dumps(pod_resources)}\n"
+        f"[device_plugin]\n{plugin_dir_line}\n{pod_resources_line}{device_plugin}\n"
     )
     return config
 

@@ -2,11 +2,8 @@
 CRI-O that leaves the node or the books wrong, reproduced with the simulator's modes, through the
 daemon process; each ends with the invariant check.
 
-* 7a containerd forgets its pods across its own restart: the forgotten pod is deleted with no
-  StopPodSandbox or RemovePodSandbox, and kubelet gives its device to a new pod. The daemon has a
-  kubelet record to ask (here: configured, not answering): the reconciler finds the pod's cgroup gone
-  at two looks, one period apart, and the new pod's valid marker is accepted. (Without a kubelet
-  record the binding outlives the cgroup until the runtime says the pod is removed: test_heal.py.)
+* 7a containerd forgets its pods across its own restart, and kubelet gives the forgotten pod's device
+  to a new pod: test_fault_forgotten_pod.py.
 * 7b CRI-O's creation fails after our adjustment (``runc create``), and nothing more is ever said of
   the container: once the creation timeout has passed (CRI-O's own bound on a ``runc create``; 3 s
   here) its share is given back and it leaves the books and the ``mixed_cpu_shared_containers``
@@ -70,44 +67,6 @@ RUNC_CREATE = 3.0
 
 def elapsed_since(started: float) -> float:
     return asyncio.get_running_loop().time() - started
-
-
-@pytest.mark.asyncio
-async def test_a_forgotten_pods_device_goes_to_its_next_holder_within_two_periods(short_dir: Path) -> None:
-    node = make_node(short_dir, 1)  # containerd's naming, cgroupfs driver, v1
-    population, first = node.population, node.runtime
-    first.modes.forgets_pods_on_restart = True
-    config = write_config(short_dir, node.tree, extra=f"reconcile_interval = {INTERVAL}")
-    device = {ANNOTATION_KEY: population.key.sign("shared-cpus-7")}  # what the device plugin gave it
-    async with daemon_running(config, node.socket) as daemon:
-        async with first:
-            await within(first.wait_for_plugins(1, timeout=None))
-            old = population.pod("old", 2 * PERIOD)
-            await population.create(old, "old-a", "fwd", "2-3", asks=True, annotations=dict(device))
-            assert inconsistencies(population) == []
-        # containerd restarts: it restores its containers for NRI, not its pods.
-        second = population.runtime = first.restarted()
-        async with second:
-            await within(second.wait_for_plugins(1, timeout=None))
-            # kubelet deletes the pod: its container's stop and removal are reported, not the pod's.
-            await second.stop_container("old-a")
-            await second.remove_container("old-a")
-            await second.stop_pod_sandbox(old.id)
-            await second.remove_pod_sandbox(old.id)
-            assert second.omitted == [("StopPodSandbox", old.id), ("RemovePodSandbox", old.id)]
-            node.tree.delete_pod(old)
-            started = asyncio.get_running_loop().time()
-            line = await daemon.wait_log("pod gone", f"pod_key={old.uid}")
-            assert elapsed_since(started) <= 2 * INTERVAL + SLACK, line
-            assert "heal=pod_gone" in line, line
-            assert "shared-cpus-7" in line, line
-            assert "never reported the pod stopped or removed" in line, line
-            # kubelet gives the device to a new pod: its (valid) marker is not a replay.
-            new = population.pod("new", 2 * PERIOD)
-            await population.create(new, "new-a", "fwd", "4-5", asks=True, annotations=dict(device))
-            assert not daemon.logged("request refused"), daemon.stderr
-            assert inconsistencies(population) == []
-    assert inconsistencies(population, books=StateStore(node.state).load()) == []
 
 
 def crio_node(short_dir: Path) -> Node:

@@ -177,11 +177,13 @@ class HostileRuntime:
         self._server = await loop.create_unix_server(self._accept, str(self.path))
 
     async def close(self) -> None:
+        # The connections first: from Python 3.12 on, `wait_closed` waits until each has gone.
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
         for connection in self.connections:
             connection.trunk.close()
+        if self._server is not None:
+            await self._server.wait_closed()
 
     def _accept(self) -> RecordingTrunk:
         trunk = RecordingTrunk()

@@ -199,7 +199,9 @@ def test_copy_refused_after_plugin_restart_while_the_holder_is_stopped(tmp_path:
         assert granted("CreateContainer", node.run(node.create(holder_pod, restart)))
 
 
-def test_a_stopped_pod_sandbox_frees_its_devices_for_kubelet_to_give_again(tmp_path: Path) -> None:
+def test_a_stopped_pod_sandbox_frees_its_devices_for_kubelets_next_allocation_only(tmp_path: Path) -> None:
+    """The holder's pod ends: its binding ends, but its allocation is spent. The copy presented
+    meanwhile is still refused; kubelet's next allocation of the device (a fresh marker) is granted."""
     for how in ("StopPodSandbox", "RemovePodSandbox", "StateChange"):
         with Node(tmp_path / how) as node:
             holder_pod, holder, stolen = _holder(node)
@@ -216,6 +218,10 @@ def test_a_stopped_pod_sandbox_frees_its_devices_for_kubelet_to_give_again(tmp_p
             else:
                 request = getattr(api, f"{how}Request")(pod=holder_pod)
             assert node.run(node.call(how, request)).ok
-            # kubelet's allocation to the holder's pod is over: the device id may be given again.
+            # kubelet's allocation to the holder's pod is over: a copy of its marker is still one.
             again = node.container(newcomer, "n2", "x", annotations=stolen)
-            assert granted("CreateContainer", node.run(node.create(newcomer, again))), how
+            assert not granted("CreateContainer", node.run(node.create(newcomer, again))), how
+            # The device id given again by kubelet comes with a new allocation: granted.
+            fresh = {ANNOTATION_KEY: node.key.sign(HOLDER_DEVICE)}
+            given_again = node.container(newcomer, "n3", "x", annotations=fresh)
+            assert granted("CreateContainer", node.run(node.create(newcomer, given_again))), how

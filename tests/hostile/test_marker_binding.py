@@ -2,8 +2,10 @@
 
 A device id is bound to the first slot (pod, container name) that proves a request with it, and
 stays bound through that container's stops, restarts and removal, until the pod's sandbox is
-stopped or removed. The binding is saved in the state file (old files without it load, bound to
-their live slots) and Synchronize keeps the bindings of the pods it lists.
+stopped or removed; its allocation stays spent after that, so a copy is refused still, and only
+kubelet's next allocation of the device is granted. The binding is saved in the state file (old
+files without it load, bound to their live slots) and Synchronize keeps the bindings of the pods it
+lists.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ import json
 from pathlib import Path
 
 import pytest
-from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
+from mixedcpu_support import (
+    FakeCgroups,
+    Naming,
+    make_container,
+    make_plugin,
+    make_pod,
+    marker,
+    new_allocation,
+)
 
 from api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
@@ -88,7 +98,12 @@ async def test_a_copy_is_refused_while_the_holder_is_stopped_or_removed(tmp_path
     await plugin.stop_container(holder_pod, restart)
     await plugin.stop_pod_sandbox(holder_pod)
     assert plugin.store.load().devices == {}
-    assert await plugin.create_container(thief_pod, copy) is not None  # kubelet may give it again
+    # The binding ended with the pod; the allocation is spent: the copy is still one.
+    assert await plugin.create_container(thief_pod, copy) is None
+    assert plugin.store.load().spent["d-7"].slot == Slot(holder_pod.uid, "fwd")
+    # kubelet gives the device again: a new allocation, granted.
+    given = make_container(CGROUPFS, thief_pod, "t2", "x", annotations=new_allocation(key, "d-7"))
+    assert await plugin.create_container(thief_pod, given) is not None
 
 
 @pytest.mark.asyncio
@@ -115,7 +130,10 @@ async def test_synchronize_keeps_bindings_of_listed_pods_only(tmp_path: Path) ->
     assert list(await restarted.synchronize([holder_pod, thief_pod], [holder, copy])) == []
     assert restarted.books.devices == {"d-7": Slot(holder_pod.uid, "fwd")}
     assert restarted.books.find("t1") is None
-    # The holder's pod is gone (its sandbox removed while the plugin was down): the id is free.
+    # The holder's pod is gone (its sandbox removed while the plugin was down): its binding ends,
+    # and its allocation stays spent: the copy is still refused.
     again, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)
     await again.synchronize([thief_pod], [copy])
-    assert again.books.devices == {"d-7": Slot(thief_pod.uid, "x")}
+    assert again.books.devices == {}
+    assert again.books.find("t1") is None
+    assert again.books.spent["d-7"].slot == Slot(holder_pod.uid, "fwd")
