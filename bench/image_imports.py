@@ -1,12 +1,12 @@
 """The plugin's imports as in its image: refuse the development venv's packages the image lacks.
 
-The image (packaging/Dockerfile) installs the plugin with ``pip install .``: its dependencies and
-theirs, nothing else. The development venv adds the test and lint tools, and with them packages a
-runtime dependency imports when it finds them: structlog.dev imports rich (and through it pygments,
-markdown-it) only if it can, ~4 MiB of the plugin's resident memory; grpc imports grpc_tools
-(grpcio-tools, the test extra's code generator) if it can. The benchmark's plugin runs
-with those refused, so what it measures is the plugin as deployed; ``BENCH_DEV_PACKAGES=1`` lets
-them in (to see what they cost).
+The image (packaging/Dockerfile) installs the plugin's wheel with its ``[dra]`` extra: its
+dependencies and theirs (pinned in packaging/image.lock), nothing else. The development venv adds
+the test and lint tools, and with them packages a runtime dependency imports when it finds them:
+structlog.dev imports rich (and through it pygments, markdown-it) only if it can, ~4 MiB of the
+plugin's resident memory; grpc imports grpc_tools (grpcio-tools, the test extra's code generator)
+if it can. The benchmark's plugin runs with those refused, so what it measures is the plugin as
+deployed; ``BENCH_DEV_PACKAGES=1`` lets them in (to see what they cost).
 """
 
 from __future__ import annotations

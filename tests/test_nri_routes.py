@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 import textwrap
+import typing
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,29 @@ def test_each_label_names_the_handler_its_protocol_declares() -> None:
     for route in ROUTES:
         members = [name for name in vars(route.handler) if not name.startswith("_")]
         assert members == [route.label], route.method
+
+
+def test_each_answering_call_takes_and_gives_the_types_its_row_derives_from_the_name() -> None:
+    # A row's types come from its name at run time, its call's from the annotations mypy checks.
+    answering = [route for route in EVENT_ROUTES.values() if not route.state_change]
+    assert len(answering) == 5
+    for route in answering:
+        hints = typing.get_type_hints(route.call)
+        assert hints == {
+            "plugin": route.handler,
+            "request": route.request_type,
+            "return": route.response_type,
+        }, route.method
+
+
+def test_a_row_named_for_the_wrong_kind_of_method_is_refused() -> None:
+    # The protocols as plain classes: mypy accepts only concrete classes for `type[P]` otherwise.
+    create: type[Any] = handlers.CreateContainer
+    configure: type[Any] = handlers.Configure
+    with pytest.raises(ValueError, match="CreateContainer is an event"):
+        routes._connection(create)
+    with pytest.raises(ValueError, match="Configure is not an NRI event"):
+        routes._notification(configure, lambda plugin, pod, container: plugin.configure(pod))
 
 
 def test_connection_methods_have_no_event_and_events_have_a_call() -> None:
@@ -171,6 +195,7 @@ from collections.abc import Sequence
 
 from api.nri import api_pb2 as api
 from nri_plugin.nri import handlers
+from nri_plugin.nri import routes
 from nri_plugin.nri.routes import Route
 
 
@@ -193,6 +218,9 @@ ROW = Route(
     response_type=api.CreateContainerResponse,
     call=create,
 )
+
+# The builders the table uses check the same: a handler paired with another handler's call.
+ANSWERING = routes._answering(handlers.UpdateContainer, create)
 """
 
 SEAM_RIGHT = """
@@ -244,7 +272,8 @@ def test_mypy_checks_a_handler_against_its_protocol_and_a_row_against_its_handle
     wrong = errors["seam_wrong"]
     assert any('Signature of "update_container" incompatible with supertype' in e for e in wrong), wrong
     assert any('Argument "call" to "Route" has incompatible type' in e for e in wrong), wrong
-    assert len(wrong) == 2, wrong
+    assert any('Argument 2 to "_answering" has incompatible type' in e for e in wrong), wrong
+    assert len(wrong) == 3, wrong
 
 
 # -- the connection's states ----------------------------------------------------------------------------

@@ -1369,15 +1369,15 @@ def test_dockerfile_builds_a_venv_and_runs_it_without_a_shell() -> None:
     assert len(stages) == 2
     (build_image, build), (final_image, final) = stages
     assert build_image.split()[-2:] == ["AS", "build"]
-    assert build_image.startswith("debian:bookworm")  # Debian 12, as the final image
-    assert final_image == "gcr.io/distroless/python3-debian12"
-    # The venv is made by Debian 12's /usr/bin/python3.11, the interpreter the distroless image runs.
+    assert build_image.startswith("debian:trixie")  # Debian 13, as the final image
+    assert final_image == "gcr.io/distroless/python3-debian13"
+    # The venv is made by Debian 13's /usr/bin/python3.13, the interpreter the distroless image runs.
     runs = " ".join(rest for instruction, rest in build if instruction == "RUN")
-    assert f"/usr/bin/python3.11 -m venv {HOST_VENV}" in runs
+    assert f"/usr/bin/python3.13 -m venv {HOST_VENV}" in runs
     # The final stage only copies: it has no shell to RUN anything with.
     assert {instruction for instruction, _ in final} <= {"COPY", "ENV", "ENTRYPOINT", "CMD", "LABEL", "USER"}
     copies = [rest for instruction, rest in final if instruction == "COPY"]
-    assert copies == [f"--from=build {HOST_VENV} {HOST_VENV}"]
+    assert copies == ["--from=build /stdlib-pyc/ /", f"--from=build {HOST_VENV} {HOST_VENV}"]
     entrypoint = json.loads(next(rest for instruction, rest in final if instruction == "ENTRYPOINT"))
     assert entrypoint == [f"{HOST_VENV}/bin/python", f"{HOST_VENV}/bin/{CONSOLE_SCRIPT}"]
     cmd = json.loads(next(rest for instruction, rest in final if instruction == "CMD"))
@@ -1388,66 +1388,141 @@ def test_dockerfile_builds_a_venv_and_runs_it_without_a_shell() -> None:
     assert ("USER", "nonroot") not in final
 
 
-def copied_sources() -> list[str]:
+IMAGE_LOCK = PACKAGING / "image.lock"
+
+
+def test_dockerfile_installs_only_locked_wheels_with_no_index() -> None:
+    """The build fetches nothing: the lock and the wheelhouse are all it copies, pip never reaches an
+    index, and every dependency's wheel is checked against its pinned sha256."""
     _, stages = dockerfile_stages()
-    sources = []
-    for instruction, rest in stages[0][1]:
-        if instruction == "COPY" and not rest.startswith("--from"):
-            sources += rest.split()[:-1]
-    return sources
-
-
-def test_dockerfile_copies_what_the_package_needs() -> None:
-    sources = copied_sources()
-    for source in sources:
-        assert (ROOT / source).exists(), source
-    assert {"pyproject.toml", PYPROJECT["project"]["readme"]} <= set(sources)
-    for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
-        assert pattern.rstrip("*") in sources, f"package {pattern} is not copied into the image"
+    build = stages[0][1]
+    copies = [rest.split() for instruction, rest in build if instruction == "COPY"]
+    assert [source for *sources, _ in copies for source in sources] == [
+        "packaging/image.lock",
+        "packaging/wheelhouse",
+    ]
+    pips = [
+        command.strip()
+        for instruction, rest in build
+        if instruction == "RUN"
+        for command in rest.split("&&")
+        if " install " in command and "/bin/pip" in command
+    ]
+    assert len(pips) == 2, pips
+    assert all("--no-index" in pip for pip in pips)
+    locked, project = pips
+    assert "--require-hashes" in locked
+    assert "--no-deps" in locked
+    assert "-r /tmp/image.lock" in locked
+    # The project's wheel with the extra that makes DRA work in the image.
+    assert re.search(r"mixed_cpu_nri_plugin-\*\.whl\)\[dra\]", project), project
     ignore = (PACKAGING / "Dockerfile.dockerignore").read_text().splitlines()
-    assert ignore[ignore.index("*") :].count("*") == 1
-    for source in sources:
-        assert f"!{source}" in ignore or f"!{source}/" in ignore, f"{source} is excluded from the context"
+    assert [line for line in ignore if line and not line.startswith("#")] == [
+        "*",
+        "!packaging/image.lock",
+        "!packaging/wheelhouse/",
+    ]
 
 
-def test_the_copied_sources_build_a_wheel_with_the_console_script(tmp_path: Path) -> None:
-    """What the image's pip install does, from just the files the Dockerfile copies."""
-    pytest.importorskip("setuptools")  # the build backend (grpcio-tools, a test dependency, needs it too)
-    src = tmp_path / "src"
-    src.mkdir()
-    for source in copied_sources():
-        origin = ROOT / source
-        if origin.is_dir():
-            shutil.copytree(origin, src / source, ignore=shutil.ignore_patterns("__pycache__"))
+def image_lock_pins() -> dict[str, tuple[str, list[str]]]:
+    """packaging/image.lock: {name: (version, [sha256, ...])}."""
+    pins: dict[str, tuple[str, list[str]]] = {}
+    name = ""
+    for line in IMAGE_LOCK.read_text().splitlines():
+        entry = line.strip().removesuffix("\\").strip()
+        if not entry or entry.startswith("#"):
+            continue
+        if entry.startswith("--hash=sha256:"):
+            pins[name][1].append(entry.removeprefix("--hash=sha256:"))
         else:
-            shutil.copy(origin, src / source)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path / "dist"),
-            str(src),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+            name, version = entry.split("==")
+            pins[name] = (version, [])
+    return pins
+
+
+def test_image_lock_pins_every_requirement_of_the_project_with_hashes() -> None:
+    """A dependency added to pyproject, or a bound moved past the pin, fails here, not in the image
+    build: `packaging/build-image.sh lock` makes the lock again."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = image_lock_pins()
+    assert pins
+    for name, (version, digests) in pins.items():
+        assert name == canonicalize_name(name), name
+        assert version, name
+        assert digests, name
+        assert all(re.fullmatch(r"[0-9a-f]{64}", d) for d in digests), name
+    # The image's Python, on Linux, with the extras the image installs.
+    image_python = {"python_version": "3.13", "python_full_version": "3.13.5", "sys_platform": "linux"}
+    wanted = list(PYPROJECT["project"]["dependencies"])
+    wanted += PYPROJECT["project"].get("optional-dependencies", {}).get("dra", [])
+    for text in wanted:
+        requirement = Requirement(text)
+        if requirement.marker and not requirement.marker.evaluate({**image_python, "extra": "dra"}):
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not in packaging/image.lock: run packaging/build-image.sh lock"
+        assert requirement.specifier.contains(pins[name][0], prereleases=True), (
+            f"{name}=={pins[name][0]} in packaging/image.lock is not {requirement.specifier}:"
+            " run packaging/build-image.sh lock"
+        )
+
+
+def fake_wheel(folder: Path, name: str, version: str, tag: str) -> Path:
+    """A minimal wheel pip accepts: its metadata and nothing else."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-{version}-{tag}.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        archive.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: {tag}\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def test_image_lock_tool_writes_a_lock_pip_enforces(tmp_path: Path) -> None:
+    """packaging/image_lock.py's lock, read by pip in hash-checking mode as the image build reads it:
+    the locked wheels pass, a wheel whose bytes changed is refused."""
+    x86 = [fake_wheel(tmp_path / "x86_64", "alpha_pkg", "1.0", "py3-none-any")]
+    x86.append(fake_wheel(tmp_path / "x86_64", "beta", "2.1", "py3-none-any"))
+    fake_wheel(tmp_path / "aarch64", "alpha_pkg", "1.0", "py3-none-any")
+    other = fake_wheel(tmp_path / "aarch64", "beta", "2.1", "py3-none-any")
+    with zipfile.ZipFile(other, "a") as archive:  # another build of it: other bytes, other sha256
+        archive.writestr("beta.py", "")
+    tool = [sys.executable, str(PACKAGING / "image_lock.py")]
+    pins = subprocess.run(
+        [*tool, "pins", str(tmp_path / "x86_64")], capture_output=True, text=True, check=True
     )
-    assert result.returncode == 0, result.stderr
-    [wheel] = (tmp_path / "dist").glob("*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        names = archive.namelist()
-        [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-        assert f"{CONSOLE_SCRIPT} = nri_plugin.daemon.cli:main" in archive.read(entry_points).decode()
-    assert "nri_plugin/daemon/cli.py" in names
-    assert "cgroups/__init__.py" in names
-    assert any(n.startswith("api/nri/") and n.endswith("_pb2.py") for n in names)
+    assert pins.stdout.split() == ["alpha-pkg==1.0", "beta==2.1"]
+    lock = tmp_path / "image.lock"
+    subprocess.run(
+        [*tool, "write", str(lock), str(tmp_path / "x86_64"), str(tmp_path / "aarch64")], check=True
+    )
+    text = lock.read_text()
+    assert text.count("--hash=sha256:") == 3  # alpha's wheels are the same bytes on both
+    assert "beta==2.1 \\\n" in text
+
+    def pip_download(find_links: Path) -> subprocess.CompletedProcess[str]:
+        """Offline, with no pip config of this machine's, as the Dockerfile's first pip install."""
+        pip = [sys.executable, "-m", "pip", "--isolated", "download", "-q", "--no-index", "--no-deps"]
+        where = ["--find-links", str(find_links), "-d", str(tmp_path / f"got-{find_links.name}")]
+        return subprocess.run(
+            [*pip, *where, "--require-hashes", "-r", str(lock)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    assert pip_download(tmp_path / "x86_64").returncode == 0
+    tampered = tmp_path / "tampered"
+    shutil.copytree(tmp_path / "x86_64", tampered)
+    with zipfile.ZipFile(tampered / x86[1].name, "a") as archive:
+        archive.writestr("beta.py", "print('not what was locked')")
+    refused = pip_download(tampered)
+    assert refused.returncode != 0
+    assert "THESE PACKAGES DO NOT MATCH THE HASHES" in refused.stderr, refused.stderr
 
 
 # -- runtime drop-ins --------------------------------------------------------------------------------
@@ -1717,5 +1792,10 @@ def test_deploy_doc_names_files_that_exist() -> None:
     text = (ROOT / "docs" / "deploy.md").read_text()
     named = set(re.findall(r"\bpackaging/[\w./-]+\w", text))
     assert named
-    for name in sorted(named):
+    # What packaging/build-image.sh makes (git ignores it): named by the doc, absent from a clean clone.
+    made = {
+        line.strip("/") for line in (ROOT / ".gitignore").read_text().splitlines() if "packaging/" in line
+    }
+    assert made == {"packaging/wheelhouse"}
+    for name in sorted(named - made):
         assert (ROOT / name).exists(), name

@@ -24,6 +24,7 @@ from mixedcpu_support import ROOT, Daemon, daemon_process, run_cli, write_daemon
 
 from api.nri import api_pb2 as api
 from nri_plugin.daemon import status_client
+from nri_plugin.daemon.status import StatusServer
 from nri_plugin.daemon.status_client import render_table, run_status
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
@@ -504,3 +505,76 @@ def test_the_table_shows_the_dra_front_door(changes: dict[str, Any], lines: list
     start = table.index(lines[0])
     assert table[start : start + len(lines)] == lines
     assert table[start - 1].startswith("pod resources")
+
+
+# -- escape sequences in the document ----------------------------------------------------------------
+
+_HOSTILE = "web-\x1b]0;owned\x07\x1b[2J\x9b31m\u202eevil\x7f\nnext"
+_HOSTILE_SHOWN = r"web-\x1b]0;owned\x07\x1b[2J\x9b31m\u202eevil\x7f\nnext"
+
+
+def _hostile_document() -> dict[str, Any]:
+    """A document whose strings (the runtime's name, a container's pod, namespace and name, a heal's
+    message) carry escape sequences: a title change, a screen clear, a C1 CSI, a right-to-left
+    override, DEL and a newline."""
+    base = _minimal_document()
+    container = {
+        "namespace": _HOSTILE,
+        "pod": _HOSTILE,
+        "pod_key": "uid-1",
+        "container": _HOSTILE,
+        "exclusive_cpus": "2",
+        "shared_cpus": "0-1",
+        "proof": "marker",
+        "device": None,
+        "since": "2025-11-27T09:00:00Z",
+    }
+    heal = {
+        "at": "2025-11-27T09:58:30Z",
+        "kind": "pod_gone",
+        "message": _HOSTILE,
+        "why": "",
+        "pod_key": "uid-1",
+        "container_id": None,
+    }
+    return {
+        **base,
+        "runtime": {**base["runtime"], "name": _HOSTILE, "version": "v2", "state": "synchronized"},
+        "containers": [container],
+        "heals": [heal],
+    }
+
+
+def _raw_controls(text: str) -> set[str]:
+    """The characters in `text` a terminal would act on (the line ends apart)."""
+    return {char for char in text if not char.isprintable() and char != "\n"}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("output", ["table", "json"])
+async def test_escape_sequences_in_the_document_reach_the_terminal_escaped(
+    short_dir: Path, output: str
+) -> None:
+    """The daemon's own server and the command: nothing a terminal acts on is printed raw."""
+    path = str(short_dir / "status.sock")
+    server = StatusServer(path, _hostile_document)
+    await server.start()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        code = await asyncio.wait_for(
+            asyncio.to_thread(lambda: run_status(socket=path, output=output, out=out, err=err)), GUARD
+        )
+    finally:
+        await server.close()
+    assert code == 0, err.getvalue()
+    printed = out.getvalue()
+    assert _raw_controls(printed) == set()
+    if output == "json":
+        assert json.loads(printed) == _hostile_document(), "escaped as JSON, read back the same"
+        return
+    shown = _HOSTILE_SHOWN
+    rows = printed.splitlines()
+    assert any(row.startswith(f"runtime        {shown} v2: synchronized") for row in rows), rows
+    container = next(row for row in rows if row.startswith(shown))
+    assert container.split() == [shown, shown, shown, "2", "0-1", "marker", "-", "1h0m"]
+    assert rows[-1].endswith(f"pod_gone  uid uid-1  -             {shown}")

@@ -1,6 +1,7 @@
 """The status socket (`nri_plugin.daemon.status.StatusServer`) over a real unix socket, in this process:
-its mode, its one request, what it answers to anything else, a socket left by a previous daemon, and
-a path it cannot serve."""
+its mode, its one request, what it answers to anything else, a socket left by a previous daemon, a
+path it cannot serve; and that clients holding connections idle, or not reading their answers, do not
+keep `status` (`fetch_status`, in a thread) out, and are dropped at their deadlines."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from typing import Any
 
 import pytest
 import structlog.testing
+from wait_support import wait_until
 
-from nri_plugin.daemon.status import StatusServer, status_socket_path
+from nri_plugin.daemon.status import HARD_MAX_CONNECTIONS, MAX_CONNECTIONS, StatusServer, status_socket_path
+from nri_plugin.daemon.status_client import fetch_status
 from nri_plugin.mixedcpu.status import SCHEMA
 
 GUARD = 10.0  # against hangs only
@@ -181,5 +184,148 @@ async def test_a_document_that_cannot_be_made_is_a_500_and_a_logged_error(state_
         assert [(entry["log_level"], entry["event"]) for entry in logs] == [
             ("error", "cannot make the status document")
         ]
+    finally:
+        await server.close()
+
+
+# -- idle and slow clients ---------------------------------------------------------------------------
+
+# A document larger than what the kernel buffers for a unix socket, so that a client not reading it
+# keeps the daemon's write waiting.
+_BIG = {"schema": SCHEMA, "containers": [], "padding": "x" * (2 << 20)}
+# Deadlines long enough that none of them is what lets `status` in.
+_NEVER = 3600.0
+
+
+async def _status_answers(path: str, times: int) -> list[dict[str, Any]]:
+    """What `status` reads, asked `times` times one after the other (each in a thread, as the command)."""
+    return [await asyncio.wait_for(asyncio.to_thread(fetch_status, path), GUARD) for _ in range(times)]
+
+
+@pytest.mark.asyncio
+async def test_idle_connections_beyond_every_limit_do_not_keep_status_out(state_dir: Path) -> None:
+    """More connections than the hard limit, opened and held without a word (the request deadline set
+    far away, so it is not what frees them): each `status` is taken, an idle one closed for it when
+    there is no more room."""
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, _document, request_timeout=_NEVER)
+    await server.start()
+    idle = []
+    try:
+        for _ in range(HARD_MAX_CONNECTIONS + MAX_CONNECTIONS):
+            idle.append(await asyncio.open_unix_connection(path))
+        await wait_until(lambda: server.connections == HARD_MAX_CONNECTIONS, what="the hard limit reached")
+        evicted = server.evicted
+        assert await _status_answers(path, 5) == [_document()] * 5
+        assert server.evicted > evicted, "at the hard limit, an idle connection made room for the first"
+        assert server.connections <= HARD_MAX_CONNECTIONS
+    finally:
+        for _, writer in idle:
+            writer.close()
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_idle_connections_renewed_at_the_limit_do_not_keep_status_out(state_dir: Path) -> None:
+    """The attack that made `status` fail 6 times in 10 (issue 32): the limit's worth of idle
+    connections, each renewed before its request deadline, all the while `status` asks."""
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, _document)
+    await server.start()
+    idle: list[asyncio.StreamWriter] = []
+    stop = asyncio.Event()
+
+    async def renew() -> None:
+        while not stop.is_set():
+            _, writer = await asyncio.open_unix_connection(path)
+            idle.append(writer)
+            if len(idle) > MAX_CONNECTIONS:
+                idle.pop(0).close()
+            await asyncio.sleep(0.01)
+
+    renewing = asyncio.ensure_future(renew())
+    try:
+        await wait_until(lambda: server.connections >= MAX_CONNECTIONS, what="the limit reached")
+        assert await _status_answers(path, 10) == [_document()] * 10
+    finally:
+        stop.set()
+        await renewing
+        for writer in idle:
+            writer.close()
+        await server.close()
+
+
+async def _not_reading(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client that asks for the status, reads the first line of the answer, and no more."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(b"GET /status HTTP/1.0\r\n\r\n")
+    assert await asyncio.wait_for(reader.readline(), GUARD) == b"HTTP/1.0 200 OK\r\n"
+    return reader, writer
+
+
+@pytest.mark.asyncio
+async def test_clients_that_do_not_read_their_answer_do_not_keep_status_out(state_dir: Path) -> None:
+    """Twice the limit's worth of clients that ask and never read a document larger than the
+    socket's buffers, held (the write deadline set far away): `status` reads the whole of it, each
+    time."""
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, lambda: _BIG, write_timeout=_NEVER)
+    await server.start()
+    stuck = []
+    try:
+        for _ in range(2 * MAX_CONNECTIONS):
+            stuck.append(await _not_reading(path))
+        assert server.connections == 2 * MAX_CONNECTIONS, "all of them still waiting for their readers"
+        assert await _status_answers(path, 5) == [_BIG] * 5
+    finally:
+        for _, writer in stuck:
+            writer.close()
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_burst_of_clients_not_reading_beyond_the_hard_limit_does_not_keep_status_out(
+    state_dir: Path,
+) -> None:
+    """More than the hard limit's worth of clients that ask and do not read, all at once, so that
+    none has had its chance when `status` comes: it waits for the oldest to have had theirs, and one
+    of them goes for it."""
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, lambda: _BIG, write_timeout=_NEVER)
+    await server.start()
+    burst = await asyncio.gather(
+        *(asyncio.open_unix_connection(path) for _ in range(HARD_MAX_CONNECTIONS + MAX_CONNECTIONS))
+    )
+    try:
+        for _, writer in burst:
+            writer.write(b"GET /status HTTP/1.0\r\n\r\n")
+        await wait_until(lambda: server.connections == HARD_MAX_CONNECTIONS, what="the hard limit reached")
+        evicted = server.evicted
+        assert await _status_answers(path, 5) == [_BIG] * 5
+        assert server.evicted >= evicted + 5, "at the hard limit, a client not reading went for each"
+        assert server.connections <= HARD_MAX_CONNECTIONS
+    finally:
+        for _, writer in burst:
+            writer.close()
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_client_is_dropped_at_its_deadlines(state_dir: Path) -> None:
+    """One that sends no request is answered 408 at the request deadline; one that does not take its
+    answer is dropped at the write deadline, its answer cut."""
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, lambda: _BIG, request_timeout=0.2, write_timeout=0.2)
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(path)
+        answer = await asyncio.wait_for(reader.read(), GUARD)
+        writer.close()
+        assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.0 408 Request Timeout"
+        reader, writer = await _not_reading(path)
+        await wait_until(lambda: server.connections == 0, what="the slow reader dropped")
+        rest = await asyncio.wait_for(reader.read(), GUARD)
+        writer.close()
+        assert len(rest) < len(json.dumps(_BIG)), "its answer was cut"
     finally:
         await server.close()

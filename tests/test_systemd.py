@@ -50,7 +50,7 @@ from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri.simulator import RuntimeSimulator, env_of
 from nri_plugin.systemd.bus import bus_address
-from nri_plugin.systemd.podquota import SystemdPodQuotaWriter
+from nri_plugin.systemd.podquota import CALL_TIMEOUT, SystemdPodQuotaWriter
 from nri_plugin.systemd.units import (
     PER_SEC,
     cpu_quota_properties,
@@ -329,6 +329,76 @@ async def test_a_value_the_kernel_refuses_is_the_kernels_refusal(
         await asyncio.sleep(0.05)  # (a call would have gone by now)
         assert systemd.calls == []
         await writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_read_back_is_a_warning_once_a_minute_and_the_unit_stays_pending(
+    tree: FakeCgroups, bus: tuple[str, FakeSystemd]
+) -> None:
+    """After systemd's answer the file is read back; a file that cannot be read (here: garbage in
+    cpu.max) is warned of, at most once a minute per unit with a count, and the unit stays pending
+    until a write settles it (the reconciler's next pass)."""
+    path, systemd = bus
+    clock = ManualClock()
+    writer = SystemdPodQuotaWriter(path, clock=clock)
+    await writer.start()
+    pod = Pod(tree)
+    cpu_max = Path(pod.dir.fs_path) / "cpu.max"
+    systemd.refusal = "org.freedesktop.DBus.Error.AccessDenied"  # systemd leaves the file alone
+    systemd.delay = 0.05  # (the file spoiled before the answer)
+
+    async def spoiled_write(quota: int) -> None:
+        await writer.write_pod_quota(pod.dir, pod.parent, CpuQuota(quota, PERIOD), current=pod.quota())
+        cpu_max.write_text("garbage\n")
+        answered = systemd.answered
+        await until(lambda: systemd.answered > answered and not writer.sender.busy(UNIT), "answered")
+        cpu_max.write_text(f"{quota} {PERIOD}\n")
+
+    with structlog.testing.capture_logs() as logs:
+        await spoiled_write(RAISED)
+        assert writer.pending == {UNIT}, "not settled: the file was not read back"
+        await spoiled_write(BASELINE)
+        await clock.advance(60.0)
+        await spoiled_write(RAISED)
+    failed = [entry for entry in logs if entry["event"].startswith("cannot read back")]
+    assert [entry["log_level"] for entry in failed] == ["warning", "warning"], "once a minute per unit"
+    assert [entry["times_since_last_said"] for entry in failed] == [0, 1]
+    assert "garbage" in failed[0]["error"]
+    assert writer.pending == {UNIT}
+    await writer.write_pod_quota(pod.dir, pod.parent, CpuQuota(RAISED, PERIOD), current=pod.quota())
+    assert not writer.pending, "the next write settles it: systemd's refusal stands, the file holds it"
+    await writer.close()
+
+
+@pytest.mark.asyncio
+async def test_calls_are_timed_and_rested_on_the_one_clock_given(
+    tree: FakeCgroups, bus: tuple[str, FakeSystemd]
+) -> None:
+    """The sender's wait for an answer, its measure of how long the answer took and the rest after it
+    are all on the writer's clock: on a clock that stands still, a stalled systemd rests the bus
+    only once the clock has moved past the call timeout, and the rest ends when the clock says."""
+    path, systemd = bus
+    clock = ManualClock()
+    writer = SystemdPodQuotaWriter(path, clock=clock, rest=Backoff(5.0, 5.0, jitter=(1, 1)))
+    await writer.start()
+    pod = Pod(tree)
+    systemd.record(UNIT, BASELINE)
+    systemd.delay = math.inf
+    with structlog.testing.capture_logs() as logs:
+        await writer.write_pod_quota(pod.dir, pod.parent, CpuQuota(RAISED, PERIOD), current=pod.quota())
+        await until(lambda: len(systemd.calls) == 1, "the call made")
+        await asyncio.sleep(0.05)  # real time passes: nothing happens on a clock that stands still
+        assert not writer.resting
+        await clock.advance(CALL_TIMEOUT)
+        assert writer.resting
+        await clock.advance(4.9)
+        assert writer.resting
+        await clock.advance(0.1)
+        assert not writer.resting
+    [slow] = [entry for entry in logs if entry["event"].startswith("systemd answers slowly")]
+    assert slow["answer"] == f"no answer within {CALL_TIMEOUT:.2f} s", "measured on the clock"
+    assert slow["rest_seconds"] == 5.0
+    await writer.close()
 
 
 # -- end to end: the runtime simulator, the plugin, systemd on a bus ------------------------------------

@@ -12,6 +12,9 @@ daemon takes from its environment before the file (NRI_PLUGIN_NAME, NRI_PLUGIN_I
 does in `nri_plugin.daemon.wiring.resolve_identity`). The text is a config file `run --config`
 takes back, and gives the same configuration. The file is only read: whether it suits this node
 (the CPUs online, the sockets there) is `check`'s job.
+
+The TOML is written here, not by a TOML writer library: tomli-w writes no comments, and the origin
+comments are the point; docs/design.md says how the writer is checked.
 """
 
 from __future__ import annotations

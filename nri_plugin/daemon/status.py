@@ -9,19 +9,29 @@ docs/status.schema.json), so ``curl --unix-socket <state_dir>/status.sock http:/
 reads it too. The document is made on the event loop when asked: nothing is kept up to date for it
 between questions, and asking costs one quota read per pod in the books, and with the DRA front door
 one listing of the CDI spec directory (its prepared claims are counted from the file names there).
+
+Idle or slow clients cannot keep ``status`` out (issue 32). Each connection has `REQUEST_TIMEOUT`
+seconds to send its request (408 after) and `WRITE_TIMEOUT` to take the whole answer (dropped
+after). A newcomer is always taken: at `MAX_CONNECTIONS` open, the oldest connection that has not
+sent its request yet is closed to make room, else the oldest still taking its answer; either only
+once it had its chance (the rules and `ConnectionTable` of `nri_plugin.daemon.probes`: a few turns
+of the loop, and `FAIR_TIME` seconds for one still to send its request, `SLOW_TIME` for one taking
+its answer). While none had it, newcomers are taken beyond `MAX_CONNECTIONS`, up to
+`HARD_MAX_CONNECTIONS`. ``status`` sends its request with its connection and reads its answer at
+once, so it is neither the one to go nor kept waiting. Evictions are said at warning, at most once
+per `EVICTION_WARNING_PERIOD`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
@@ -29,6 +39,7 @@ import structlog
 from cgroups import CgroupError, CgroupNotFound, read_cpu_quota
 from nri_plugin import __version__
 from nri_plugin.common.unixsocket import FileId, bind_socket, remove_if_ours
+from nri_plugin.daemon.probes import FAIR_TURNS, ConnectionTable
 from nri_plugin.deviceplugin.podresources import PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.dra import cdi
@@ -40,10 +51,12 @@ if TYPE_CHECKING:
     from nri_plugin.dra.frontdoor import DraFrontDoor  # lightkube: imported only where DRA is on
 
 __all__ = [
+    "HARD_MAX_CONNECTIONS",
     "MAX_CLAIMS_COUNTED",
     "MAX_CONNECTIONS",
     "REQUEST_TIMEOUT",
     "STATUS_SOCKET_NAME",
+    "WRITE_TIMEOUT",
     "StatusParts",
     "StatusServer",
     "count_prepared_claims",
@@ -56,9 +69,22 @@ __all__ = [
 log = structlog.get_logger("nri_plugin.daemon.status")
 
 STATUS_SOCKET_NAME: Final = "status.sock"
-# Seconds a client has to send its request; how many may be connected at once (more are closed).
+# Seconds a client has to send its request, and to take the whole answer (a big node's document is
+# a few MB; `status` reads it in milliseconds).
 REQUEST_TIMEOUT: Final = 2.0
+WRITE_TIMEOUT: Final = 5.0
+# Connections open at once: beyond MAX_CONNECTIONS an older one is evicted for a newcomer, once it had
+# its chance (FAIR_TIME seconds to send its request, SLOW_TIME to take its answer, and FAIR_TURNS turns
+# of the loop); until then newcomers are taken up to HARD_MAX_CONNECTIONS (file descriptors are finite,
+# and only root connects).
 MAX_CONNECTIONS: Final = 8
+HARD_MAX_CONNECTIONS: Final = 8 * MAX_CONNECTIONS
+FAIR_TIME: Final = 0.1
+SLOW_TIME: Final = 1.0
+BACKLOG: Final = 2 * HARD_MAX_CONNECTIONS
+EVICTION_WARNING_PERIOD: Final = 60.0
+# Every connection is a local one: one peer, as far as the table goes.
+_PEER: Final = "local"
 # A request's head (its line and headers) is at most this long: a status request is one line.
 _MAX_HEAD: Final = 4096
 _MAX_HEADER_LINES: Final = 32
@@ -207,16 +233,63 @@ def count_prepared_claims(cdi_dir: str, limit: int = MAX_CLAIMS_COUNTED) -> dict
     return {"count": count, "capped": False, "read_error": None}
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One open connection: its stream, and the task that answers it."""
+
+    writer: asyncio.StreamWriter
+    task: asyncio.Task[None] | None = field(default_factory=asyncio.current_task)
+    ended: bool = False  # evicted, or the server closing: its handler returns quietly
+
+    def end(self) -> None:
+        self.ended = True
+        self.writer.transport.abort()
+        if self.task is not None:
+            self.task.cancel()
+
+
 class StatusServer:
     """Serves `document()` as JSON on the unix socket at `path`, mode 0600 (a `Service` of the
-    daemon). A socket that cannot be served is said at warning: the daemon runs on without it."""
+    daemon). A socket that cannot be served is said at warning: the daemon runs on without it.
+    `request_timeout` and `write_timeout` are each connection's deadlines (see the module)."""
 
-    def __init__(self, path: str, document: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        path: str,
+        document: Callable[[], dict[str, Any]],
+        *,
+        request_timeout: float = REQUEST_TIMEOUT,
+        write_timeout: float = WRITE_TIMEOUT,
+    ) -> None:
         self.path = path
         self.document = document
-        self.connections = 0
+        self.request_timeout = request_timeout
+        self.write_timeout = write_timeout
         self._server: asyncio.AbstractServer | None = None
         self._identity: FileId | None = None
+        # "quiet": its request not read yet; "heard": its answer being taken. None is ever "answering"
+        # (never evicted): one that does not take its answer is what would keep `status` out.
+        self._open: ConnectionTable[_Connection] = ConnectionTable(
+            total=MAX_CONNECTIONS,
+            per_peer=MAX_CONNECTIONS,
+            hard_total=HARD_MAX_CONNECTIONS,
+            fair_turns=FAIR_TURNS,
+            fair_time=FAIR_TIME,
+            heard_time=SLOW_TIME,
+        )
+        # The loop's turns in which connections were taken, as `nri_plugin.daemon.probes` counts them.
+        self._turn = 0
+        self._tick_pending = False
+        self._waiting: dict[_Connection, None] = {}  # newcomers with no room yet, oldest first
+        self.evicted = 0  # connections closed to make room for newer ones
+        self.refused = 0  # newcomers closed for want of room
+        self._warned_at: float | None = None
+        self._warned_counts = (0, 0)  # evicted, refused at the last warning
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._open)
 
     async def start(self) -> None:
         try:
@@ -231,7 +304,9 @@ class StatusServer:
                 "make sure nothing else is at that path",
             )
             return
-        self._server = await asyncio.start_unix_server(self._answer, sock=sock, limit=_MAX_HEAD)
+        self._server = await asyncio.start_unix_server(
+            self._answer, sock=sock, limit=_MAX_HEAD, backlog=BACKLOG
+        )
         log.info("serving the status", socket=self.path)
 
     def _bind(self) -> socket.socket:
@@ -241,7 +316,7 @@ class StatusServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._identity = bind_socket(self.path, sock.bind)
-            sock.listen(MAX_CONNECTIONS)
+            sock.listen(BACKLOG)
             sock.setblocking(False)
         except OSError:
             sock.close()
@@ -254,26 +329,101 @@ class StatusServer:
             return
         server.close()
         remove_if_ours(self.path, self._identity)  # ours still: not a newer daemon's
+        handlers = []
+        for connection in [*self._open, *self._waiting]:
+            connection.end()
+            self._open.discard(connection)
+            if connection.task is not None:
+                handlers.append(connection.task)
+        await asyncio.gather(*handlers, return_exceptions=True)
         await server.wait_closed()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One request, one answer, then the connection is closed."""
-        self.connections += 1
+        me = _Connection(writer)
         try:
-            if self.connections > MAX_CONNECTIONS:
+            if not await self._admitted(me):
                 return
             try:
-                target = await asyncio.wait_for(_read_request(reader), REQUEST_TIMEOUT)
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-                target = None
-            writer.write(self._response(target))
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
+                target: tuple[str, str] | None = await asyncio.wait_for(
+                    _read_request(reader), self.request_timeout
+                )
+                answer = self._response(target)
+            except asyncio.TimeoutError:
+                answer = _http(408, "Request Timeout", f"no request within {self.request_timeout:g} s\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+                answer = self._response(None)
+            self._open.heard(me)  # taking its answer from now: evicted if it is slow at it
+            await asyncio.wait_for(_send(writer, answer), self.write_timeout)
+        except (OSError, asyncio.TimeoutError):
+            pass  # gone, or too slow to take its answer: dropped
+        except asyncio.CancelledError:
+            if not me.ended:
+                raise
         finally:
-            self.connections -= 1
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            self._open.discard(me)
+            writer.transport.abort()  # nothing if closed already; else no waiting on a slow peer
+
+    async def _admitted(self, me: _Connection) -> bool:
+        """Whether the new connection is taken. One refused (the hard limit reached, and none open
+        had its chance yet: a burst) waits for room, asking again every `FAIR_TIME` until the oldest
+        open had theirs. `MAX_CONNECTIONS` wait at most: a newcomer beyond them closes the one that
+        has waited longest (the newest are the likeliest to be a `status` still there)."""
+        if self._admit(me):
+            return True
+        if len(self._waiting) >= MAX_CONNECTIONS:
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            oldest.end()
+            self.refused += 1
+            self._warn()
+        self._waiting[me] = None
+        try:
+            for _ in range(round(SLOW_TIME / FAIR_TIME) + FAIR_TURNS):
+                await asyncio.sleep(FAIR_TIME)
+                if self._admit(me):
+                    return True
+        finally:
+            self._waiting.pop(me, None)
+        self.refused += 1
+        self._warn()
+        return False
+
+    def _admit(self, me: _Connection) -> bool:
+        """Count the new connection, closing the one that makes room for it if the limits call for one;
+        False when there is no room for it yet (see `ConnectionTable`)."""
+        loop = asyncio.get_running_loop()
+        if not self._tick_pending:
+            self._tick_pending = True
+            loop.call_soon(self._next_turn)
+        eviction = self._open.admit(_PEER, me, now=loop.time(), turn=self._turn)
+        if eviction is None:
+            return True
+        if eviction.item is me:
+            return False
+        eviction.item.end()
+        self.evicted += 1
+        self._warn()
+        return True
+
+    def _warn(self) -> None:
+        """Say at warning, at most once per `EVICTION_WARNING_PERIOD`, that connections were closed to
+        make room (or refused), with how many since the last warning."""
+        now = asyncio.get_running_loop().time()
+        if self._warned_at is not None and now - self._warned_at < EVICTION_WARNING_PERIOD:
+            return
+        log.warning(
+            "status socket connections are closed to make room: something holds them open without "
+            "asking, or without reading the answer; find it (ss -xp | grep status.sock)",
+            evicted=self.evicted - self._warned_counts[0],  # since the last such warning
+            refused=self.refused - self._warned_counts[1],
+            socket=self.path,
+        )
+        self._warned_at, self._warned_counts = now, (self.evicted, self.refused)
+
+    def _next_turn(self) -> None:
+        self._turn += 1
+        self._tick_pending = False
 
     def _response(self, target: tuple[str, str] | None) -> bytes:
         if target is None:
@@ -289,6 +439,14 @@ class StatusServer:
             log.exception("cannot make the status document")
             return _http(500, "Internal Server Error", "the daemon could not make its status; see its log\n")
         return _http(200, "OK", body, "application/json")
+
+
+async def _send(writer: asyncio.StreamWriter, answer: bytes) -> None:
+    """Write `answer` and close, once the peer has taken all of it."""
+    writer.write(answer)
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str]:

@@ -2,14 +2,21 @@
 
 The daemon's status socket (`nri_plugin.daemon.status`) is found from the config, as ``run`` finds
 its state dir, or in the default state dir on a node with no config file (`find_socket`). One
-request, plain blocking socket calls and the standard library only: the command runs wherever the
-daemon does, inside its distroless image too (``kubectl exec ds/<name> -- mixed-cpu-nri-plugin
+request, by the standard library's ``http.client`` over the unix socket: the command runs wherever
+the daemon does, inside its distroless image too (``kubectl exec ds/<name> -- mixed-cpu-nri-plugin
 status``). A failure is one line with its cause and its fix (`StatusError`).
+
+The whole question (connecting, sending, and reading the whole answer) has one deadline, `TIMEOUT`
+seconds: a server that answers a byte at a time fails it as surely as one that says nothing. An
+answer larger than `MAX_ANSWER` is refused as such, never cut and misread. What the document says
+is printed with its control characters escaped (``\\x1b``), in the table as in JSON, so a name or
+message in it cannot move the cursor or retitle the terminal.
 """
 
 from __future__ import annotations
 
 import datetime
+import http.client
 import json
 import socket
 import sys
@@ -30,18 +37,23 @@ from nri_plugin.mixedcpu.status import SCHEMA
 __all__ = [
     "EXIT_CONFIG",
     "EXIT_UNREACHABLE",
+    "MAX_ANSWER",
+    "TIMEOUT",
     "StatusError",
     "fetch_status",
     "find_socket",
+    "printable",
     "render_table",
     "run_status",
 ]
 
 EXIT_UNREACHABLE: Final = 1
 EXIT_CONFIG: Final = 2
-# Seconds the daemon has to answer; the largest answer read (a node's worth of pods is far less).
+# Seconds the daemon has to answer, the whole answer; the largest answer read (a node's worth of pods
+# is far less: some 2 KB a pod).
 TIMEOUT: Final = 5.0
-_MAX_ANSWER: Final = 64 << 20
+MAX_ANSWER: Final = 64 << 20
+_CHUNK: Final = 1 << 16
 _IN_POD: Final = "kubectl exec -n <namespace> ds/<daemonset> -- mixed-cpu-nri-plugin status"
 _CLEAR: Final = "\x1b[H\x1b[2J"
 
@@ -50,14 +62,60 @@ class StatusError(Exception):
     """The status cannot be had; the message is one line: the cause and the fix."""
 
 
-def fetch_status(path: str, timeout: float = TIMEOUT) -> dict[str, Any]:
-    """The status document the daemon serves on the unix socket at `path`. Raises `StatusError`."""
+class _DeadlineSocket(socket.socket):
+    """A socket whose every call (connect, send, receive) waits at most until `deadline` (monotonic
+    time): the timeout a plain socket sets is per call, and a peer sending a byte now and then would
+    keep each call short and the whole answer endless."""
+
+    deadline = 0.0
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline has passed")
+        self.settimeout(left)
+
+    def connect(self, address: Any) -> None:
+        self._arm()
+        super().connect(address)
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """``http.client`` over the unix socket at `path`, every call of it before `deadline`."""
+
+    def __init__(self, path: str, deadline: float) -> None:
+        super().__init__("localhost")
+        self.socket_path = path
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        sock = _DeadlineSocket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.deadline = self.deadline
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def fetch_status(path: str, timeout: float = TIMEOUT, *, limit: int = MAX_ANSWER) -> dict[str, Any]:
+    """The status document the daemon serves on the unix socket at `path`, the whole of it within
+    `timeout` seconds and at most `limit` bytes. Raises `StatusError`."""
+    connection = _UnixHTTPConnection(path, time.monotonic() + timeout)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            sock.sendall(b"GET /status HTTP/1.0\r\n\r\n")
-            answer = _read_all(sock)
+        connection.request("GET", "/status", headers={"Accept": "application/json"})
+        with connection.getresponse() as response:  # an HTTP/1.0 answer owns the socket from here
+            code, reason = response.status, response.reason
+            body = _read_body(path, response, limit)
     except FileNotFoundError:
         raise StatusError(
             f"no status socket at {path}: the daemon is not running, or runs with another state_dir; start "
@@ -75,37 +133,63 @@ def fetch_status(path: str, timeout: float = TIMEOUT) -> dict[str, Any]:
         ) from None
     except TimeoutError:
         raise StatusError(
-            f"the daemon did not answer on {path} within {timeout:g} s: it is stuck or overloaded; "
-            "look at its log, and its /healthz"
+            f"the daemon did not answer on {path} within {timeout:g} s (the whole answer): it is stuck or "
+            "overloaded, or something else serves that socket; look at its log, and its /healthz"
+        ) from None
+    except ConnectionError:  # reset, or closed before the answer (RemoteDisconnected)
+        raise StatusError(
+            f"{path} closed the connection without an answer: the daemon is shutting down or overloaded; "
+            "ask again, and look at its log"
+        ) from None
+    except http.client.HTTPException as exc:
+        raise StatusError(
+            f"{path} answered something that is not HTTP ({printable(str(exc))[:200]}): is it the daemon's "
+            "socket? point --config at the daemon's own config"
         ) from None
     except OSError as exc:
         raise StatusError(f"cannot ask the daemon on {path}: {exc.strerror or exc}") from None
-    return _document(path, answer)
+    finally:
+        connection.close()
+    return _document(path, code, reason, body)
 
 
-def _read_all(sock: socket.socket) -> bytes:
+def _read_body(path: str, response: http.client.HTTPResponse, limit: int) -> bytes:
+    """The whole body of `response`, refused when over `limit` bytes (a length said beforehand is
+    believed: nothing is read of an answer that says it is too large) or shorter than it said."""
+    expected = response.length
+    if expected is not None and expected > limit:
+        raise _oversize(path, limit)
     chunks: list[bytes] = []
     size = 0
-    while size <= _MAX_ANSWER:
-        chunk = sock.recv(1 << 16)
-        if not chunk:
-            break
-        chunks.append(chunk)
+    while chunk := response.read(_CHUNK):
         size += len(chunk)
+        if size > limit:
+            raise _oversize(path, limit)
+        chunks.append(chunk)
+    if expected is not None and size < expected:
+        raise StatusError(
+            f"the answer on {path} ended after {size} of its {expected} bytes: the daemon closed the "
+            "connection early (shutting down?); ask again"
+        )
     return b"".join(chunks)
 
 
-def _document(path: str, answer: bytes) -> dict[str, Any]:
+def _oversize(path: str, limit: int) -> StatusError:
+    return StatusError(
+        f"{path} answered more than {limit >> 20} MiB, far more than a status document: is it the daemon's "
+        "socket? point --config at the daemon's own config; if it is the daemon's, report it"
+    )
+
+
+def _document(path: str, code: int, reason: str, body: bytes) -> dict[str, Any]:
     """The JSON document of an HTTP answer, checked to be the version this command reads."""
-    head, _, body = answer.partition(b"\r\n\r\n")
-    status_line = head.split(b"\r\n", 1)[0].decode("ascii", "replace")
-    if status_line.startswith("HTTP/1.0 500"):
+    if code == 500:
         raise StatusError(
             f"the daemon on {path} could not make its status (a bug): its log says why; report it"
         )
-    if not status_line.startswith("HTTP/1.0 200"):
+    if code != 200:
         raise StatusError(
-            f"{path} answered {status_line or 'nothing'!r}, not a status: is it the daemon's socket? "
+            f"{path} answered {code} {printable(reason)[:200]!r}, not a status: is it the daemon's socket? "
             "point --config at the daemon's own config"
         )
     try:
@@ -161,10 +245,11 @@ def run_status(
     watch: float | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    timeout: float = TIMEOUT,
 ) -> int:
     """The ``status`` command: print the daemon's status once, or every `watch` seconds until
     interrupted; the exit status (0, `EXIT_UNREACHABLE`, or `EXIT_CONFIG`). The daemon is found as
-    `find_socket` says."""
+    `find_socket` says, and has `timeout` seconds for each whole answer."""
     out = out or sys.stdout
     err = err or sys.stderr
     try:
@@ -177,15 +262,16 @@ def run_status(
         return EXIT_CONFIG
     while True:
         try:
-            document = fetch_status(path)
+            document = fetch_status(path, timeout)
         except StatusError as exc:
             print(f"error: {exc}", file=err, flush=True)
             if watch is None:
                 return EXIT_UNREACHABLE
         else:
             if output == "json":
-                # Watching: one document per line (JSON Lines), for jq and the like.
-                print(json.dumps(document, indent=None if watch else 2), file=out)
+                # Watching: one document per line (JSON Lines), for jq and the like. ASCII only: every
+                # control character (and anything not ASCII) is written as a JSON escape.
+                print(json.dumps(document, indent=None if watch else 2, ensure_ascii=True), file=out)
             else:
                 print((_CLEAR if watch and out.isatty() else "") + render_table(document), file=out)
             out.flush()
@@ -199,7 +285,9 @@ def run_status(
 
 def render_table(document: dict[str, Any]) -> str:
     """The status document as an operator reads it: the daemon's connections (the DRA front door's
-    too), the pool, one row per shared container, one per pod quota, the latest heals."""
+    too), the pool, one row per shared container, one per pod quota, the latest heals. Every string
+    of the document is shown `printable`."""
+    document = _printable_strings(document)
     now = _parse_time(document["time"])
     daemon = document["daemon"]
     lines = [f"mixed-cpu-nri-plugin {document['version']}, pid {daemon['pid']}, at {document['time']}"]
@@ -259,6 +347,28 @@ def render_table(document: dict[str, Any]) -> str:
         ],
     )
     return "\n".join(lines)
+
+
+def printable(text: str) -> str:
+    """`text` with what a terminal would act on rather than show (control characters, C1 ones such as
+    CSI included, and Unicode's invisible format characters such as a right-to-left override) written
+    as Python escapes: ``\\x1b``, ``\\n``, ``\\u202e``."""
+    if text.isprintable():
+        return text
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in text
+    )
+
+
+def _printable_strings(value: Any) -> Any:
+    """`value` (a JSON document) with every string in it `printable`."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {key: _printable_strings(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_printable_strings(item) for item in value]
+    return value
 
 
 def _summary(document: dict[str, Any], now: datetime.datetime | None) -> list[str]:

@@ -79,9 +79,11 @@ log = structlog.get_logger("nri_plugin.deviceplugin.podresources")
 LOOKUP_TIMEOUT: Final = 0.5
 # Seconds a pod found with our devices is answered from memory.
 CACHE_TTL: Final = 2.0
-# kubelet answers Get with these (status Unknown) when the feature gate is off or the pod unknown.
-_GET_DISABLED: Final = "Get method disabled"
-_NOT_FOUND: Final = " not found"
+# kubelet's Get answers a plain Go error, which gRPC sends as status Unknown with the error's text,
+# in two cases: the KubeletPodResourcesGet feature gate is off (this text), or it runs no pod of
+# that name (`_pod_not_found`). Only these exact answers are taken as such; any other Unknown is an
+# error of kubelet's like any other.
+_GET_DISABLED: Final = "PodResources API Get method disabled"
 # Remembered pods past this many: the stale ones are forgotten.
 _PRUNE_AT: Final = 256
 # Seconds before Get is asked again once kubelet said it does not serve it (doubled each time).
@@ -243,7 +245,7 @@ class PodResourcesClient:
             if _get_refused(exc.code(), details):
                 self._get_refused(details)
                 return None
-            if exc.code() is grpc.StatusCode.NOT_FOUND or details.endswith(_NOT_FOUND):
+            if _pod_not_found(exc.code(), details, namespace, name):
                 self._get_served()
                 return {}  # kubelet runs no such pod: it allocated nothing to it
             raise _Unavailable(f"Get: {exc.code().name}: {details}") from None
@@ -391,8 +393,21 @@ class PodResourcesClient:
 
 
 def _get_refused(code: grpc.StatusCode, details: str) -> bool:
-    """kubelet's answer when it does not serve Get (feature gate off, or a kubelet before it)."""
-    return code is grpc.StatusCode.UNIMPLEMENTED or _GET_DISABLED in details
+    """kubelet's answer when it does not serve Get: Unimplemented from a kubelet older than Get,
+    Unknown with `_GET_DISABLED` from one whose feature gate is off."""
+    if code is grpc.StatusCode.UNIMPLEMENTED:
+        return True
+    return code is grpc.StatusCode.UNKNOWN and details == _GET_DISABLED
+
+
+def _pod_not_found(code: grpc.StatusCode, details: str, namespace: str, name: str) -> bool:
+    """kubelet's answer to Get for a pod it does not run, the one we asked about: Unknown with
+    "pod <name> in namespace <namespace> not found" (NotFound too, should kubelet ever use the
+    proper code). Anything else is not taken for "kubelet allocated nothing": that answer refuses
+    the request, where kubelet being unavailable falls back to the marker."""
+    if code is grpc.StatusCode.NOT_FOUND:
+        return True
+    return code is grpc.StatusCode.UNKNOWN and details == f"pod {name} in namespace {namespace} not found"
 
 
 def get_served(socket_path: str, timeout: float = 1.0) -> str | None:

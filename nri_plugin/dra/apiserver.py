@@ -437,7 +437,11 @@ class ResourceSlicePublisher:
             )
         names = {obj["metadata"]["name"] for obj in wanted}
         for stale in sorted(set(existing) - names):
-            await self._call(client.delete(ResourceSlice, stale), f"deleting stale ResourceSlice {stale}")
+            await self._call(
+                client.delete(ResourceSlice, stale),
+                f"deleting stale ResourceSlice {stale}",
+                gone_is_done=True,
+            )
         self._finish(generation, count, changed=True)
 
     def _expect(self, wanted: tuple[dict[str, Any], ...]) -> None:
@@ -478,12 +482,13 @@ class ResourceSlicePublisher:
         except ClientConfigError as exc:
             raise PublishError("credentials", str(exc)) from exc
 
-    async def _call(self, call: Any, doing: str) -> Any:
+    async def _call(self, call: Any, doing: str, *, gone_is_done: bool = False) -> Any:
+        """Await one API call; `gone_is_done`: a 404 (a delete of what is already gone) is success."""
         try:
             return await call
         except ApiError as exc:
-            if exc.status.code == 404 and doing.startswith("deleting"):
-                return None  # already gone: what we wanted
+            if gone_is_done and _status_code(exc) == 404:
+                return None
             raise _publish_error(exc, doing) from exc
         except _API_FAILURES as exc:
             raise _publish_error(exc, doing) from exc
@@ -493,7 +498,7 @@ class ResourceSlicePublisher:
         try:
             node = await client.get(Node, self.node_name)
         except ApiError as exc:
-            if exc.status.code == 404:
+            if _status_code(exc) == 404:
                 raise PublishError(
                     "no node",
                     f"Node {self.node_name} does not exist: the node name must be this node's"
@@ -566,7 +571,7 @@ class ApiClaimSource:
                 " kubelet retries"
             ) from exc
         except ApiError as exc:
-            code = exc.status.code or exc.response.status_code
+            code = _status_code(exc)
             if code == 404:
                 raise ClaimError(f"{claim_ref} does not exist (deleted?); nothing to prepare") from exc
             if code in (401, 403):

@@ -8,7 +8,7 @@ Each `Route` is one method of NRI's Plugin service: its name on the wire, the ha
 its request and response types, and for lifecycle events the event number, whether it is about a pod
 alone, and whether older runtimes deliver it in a ``StateChange`` instead. From the table come the
 stub's method map and subscription mask, the simulator's dispatch, and the metrics labels: adding an
-event means adding one row.
+event means adding one row, named once by its handler `Protocol` (the rest follows NRI's naming).
 
 Each event row also carries the typed call from the request to the plugin's handler, so mypy checks
 the arguments passed to and the reply taken from every handler against its `Protocol`.
@@ -17,6 +17,7 @@ the arguments passed to and the reply taken from every handler against its `Prot
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -107,35 +108,65 @@ class _ContainerEventRequest(Protocol):
     def container(self) -> api.Container: ...
 
 
-def _notification(
-    *,
-    event: Event,
-    method: str,
-    label: str,
-    handler: type[P],
-    request_type: type[Req],
-    response_type: type[Resp],
-    notify: Notify[P],
-    pod_only: bool = False,
-) -> Route[P, Req, Resp]:
-    """A row for an event with nothing to answer: its dedicated method calls `notify` too."""
+# -- building a row from its name ------------------------------------------------------------------------
+#
+# A row is named once, by its handler `Protocol` (`h.CreateContainer`), whose class name is the method's
+# name on the wire. The rest follows NRI's naming: the label is the method in snake case (and the one
+# method the Protocol declares), the request and response are `<Method>Request` / `<Method>Response` of
+# the NRI API, and the event is the `Event` member of the label's name. Only Shutdown breaks the rule:
+# it takes and answers `Empty`. The typed call of a row stays written out, so mypy checks it against
+# the Protocol; tests/test_nri_routes.py checks that each call's annotations name the types derived here.
 
-    async def call(plugin: P, request: Req) -> Resp:
+_WORD_START = re.compile(r"(?<!^)(?=[A-Z])")
+_TAKES_EMPTY = frozenset({"Shutdown"})
+
+
+def _fields(handler: type[Any]) -> dict[str, Any]:
+    method = handler.__name__
+    label = _WORD_START.sub("_", method).lower()
+    return {
+        "method": method,
+        "label": label,
+        "handler": handler,
+        "request_type": api.Empty if method in _TAKES_EMPTY else getattr(api, f"{method}Request"),
+        "response_type": api.Empty if method in _TAKES_EMPTY else getattr(api, f"{method}Response"),
+        "event": Event.__members__.get(label.upper()),
+    }
+
+
+def _connection(handler: type[P]) -> Route[P, Any, Any]:
+    """A row for a method of the connection itself: no event, answered by the stub in its own way."""
+    row: Route[P, Any, Any] = Route(**_fields(handler))
+    if row.event is not None:
+        raise ValueError(f"{row.method} is an event, not a method of the connection")
+    return row
+
+
+def _answering(handler: type[P], call: Callable[[P, Req], Awaitable[Resp]]) -> Route[P, Req, Resp]:
+    """A row for an event the plugin answers (with updates, adjustments or a verdict)."""
+    row: Route[P, Req, Resp] = Route(**_fields(handler), call=call)
+    if row.event is None:
+        raise ValueError(f"{row.method} is not an NRI event")
+    return row
+
+
+def _notification(handler: type[P], notify: Notify[P]) -> Route[P, Any, Any]:
+    """A row for an event with nothing to answer: older runtimes send it in a StateChange, NRI v0.12
+    on its own method, whose `call` delivers it to `notify` too. A pod event is one whose request
+    has no `container` field."""
+    fields = _fields(handler)
+    response_type = fields["response_type"]
+    pod_only = "container" not in fields["request_type"].DESCRIPTOR.fields_by_name
+
+    async def call(plugin: P, request: Any) -> Any:
         carried = cast(_ContainerEventRequest, request)
         await notify(plugin, carried.pod, _NO_CONTAINER if pod_only else carried.container)
         return response_type()
 
-    return Route(
-        event=event,
-        method=method,
-        label=label,
-        handler=handler,
-        request_type=request_type,
-        response_type=response_type,
-        pod_only=pod_only,
-        call=call,
-        notify=notify,
-    )
+    row: Route[P, Any, Any] = Route(**fields, pod_only=pod_only, call=call, notify=notify)
+    if row.event is None:
+        raise ValueError(f"{row.method} is not an NRI event")
+    return row
 
 
 # -- the typed calls of the events that answer something ----------------------------------------------
@@ -180,23 +211,9 @@ async def _validate_container_adjustment(
 
 # -- the table ----------------------------------------------------------------------------------------
 
-CONFIGURE = Route(
-    method="Configure",
-    label="configure",
-    handler=h.Configure,
-    request_type=api.ConfigureRequest,
-    response_type=api.ConfigureResponse,
-)
-SYNCHRONIZE = Route(
-    method="Synchronize",
-    label="synchronize",
-    handler=h.Synchronize,
-    request_type=api.SynchronizeRequest,
-    response_type=api.SynchronizeResponse,
-)
-SHUTDOWN = Route(
-    method="Shutdown", label="shutdown", handler=h.Shutdown, request_type=api.Empty, response_type=api.Empty
-)
+CONFIGURE = _connection(h.Configure)
+SYNCHRONIZE = _connection(h.Synchronize)
+SHUTDOWN = _connection(h.Shutdown)
 
 # No annotation here: each row's types are inferred from the row alone (a declared element type would
 # turn every row's plugin into Any), so mypy checks each handler against its Protocol.
@@ -204,136 +221,20 @@ _ROWS = (
     CONFIGURE,
     SYNCHRONIZE,
     SHUTDOWN,
-    _notification(
-        event=Event.RUN_POD_SANDBOX,
-        method="RunPodSandbox",
-        label="run_pod_sandbox",
-        handler=h.RunPodSandbox,
-        request_type=api.RunPodSandboxRequest,
-        response_type=api.RunPodSandboxResponse,
-        notify=lambda plugin, pod, _: plugin.run_pod_sandbox(pod),
-        pod_only=True,
-    ),
-    _notification(
-        event=Event.STOP_POD_SANDBOX,
-        method="StopPodSandbox",
-        label="stop_pod_sandbox",
-        handler=h.StopPodSandbox,
-        request_type=api.StopPodSandboxRequest,
-        response_type=api.StopPodSandboxResponse,
-        notify=lambda plugin, pod, _: plugin.stop_pod_sandbox(pod),
-        pod_only=True,
-    ),
-    _notification(
-        event=Event.REMOVE_POD_SANDBOX,
-        method="RemovePodSandbox",
-        label="remove_pod_sandbox",
-        handler=h.RemovePodSandbox,
-        request_type=api.RemovePodSandboxRequest,
-        response_type=api.RemovePodSandboxResponse,
-        notify=lambda plugin, pod, _: plugin.remove_pod_sandbox(pod),
-        pod_only=True,
-    ),
-    Route(
-        event=Event.CREATE_CONTAINER,
-        method="CreateContainer",
-        label="create_container",
-        handler=h.CreateContainer,
-        request_type=api.CreateContainerRequest,
-        response_type=api.CreateContainerResponse,
-        call=_create_container,
-    ),
-    _notification(
-        event=Event.POST_CREATE_CONTAINER,
-        method="PostCreateContainer",
-        label="post_create_container",
-        handler=h.PostCreateContainer,
-        request_type=api.PostCreateContainerRequest,
-        response_type=api.PostCreateContainerResponse,
-        notify=lambda plugin, pod, container: plugin.post_create_container(pod, container),
-    ),
-    _notification(
-        event=Event.START_CONTAINER,
-        method="StartContainer",
-        label="start_container",
-        handler=h.StartContainer,
-        request_type=api.StartContainerRequest,
-        response_type=api.StartContainerResponse,
-        notify=lambda plugin, pod, container: plugin.start_container(pod, container),
-    ),
-    _notification(
-        event=Event.POST_START_CONTAINER,
-        method="PostStartContainer",
-        label="post_start_container",
-        handler=h.PostStartContainer,
-        request_type=api.PostStartContainerRequest,
-        response_type=api.PostStartContainerResponse,
-        notify=lambda plugin, pod, container: plugin.post_start_container(pod, container),
-    ),
-    Route(
-        event=Event.UPDATE_CONTAINER,
-        method="UpdateContainer",
-        label="update_container",
-        handler=h.UpdateContainer,
-        request_type=api.UpdateContainerRequest,
-        response_type=api.UpdateContainerResponse,
-        call=_update_container,
-    ),
-    _notification(
-        event=Event.POST_UPDATE_CONTAINER,
-        method="PostUpdateContainer",
-        label="post_update_container",
-        handler=h.PostUpdateContainer,
-        request_type=api.PostUpdateContainerRequest,
-        response_type=api.PostUpdateContainerResponse,
-        notify=lambda plugin, pod, container: plugin.post_update_container(pod, container),
-    ),
-    Route(
-        event=Event.STOP_CONTAINER,
-        method="StopContainer",
-        label="stop_container",
-        handler=h.StopContainer,
-        request_type=api.StopContainerRequest,
-        response_type=api.StopContainerResponse,
-        call=_stop_container,
-    ),
-    _notification(
-        event=Event.REMOVE_CONTAINER,
-        method="RemoveContainer",
-        label="remove_container",
-        handler=h.RemoveContainer,
-        request_type=api.RemoveContainerRequest,
-        response_type=api.RemoveContainerResponse,
-        notify=lambda plugin, pod, container: plugin.remove_container(pod, container),
-    ),
-    Route(
-        event=Event.UPDATE_POD_SANDBOX,
-        method="UpdatePodSandbox",
-        label="update_pod_sandbox",
-        handler=h.UpdatePodSandbox,
-        request_type=api.UpdatePodSandboxRequest,
-        response_type=api.UpdatePodSandboxResponse,
-        call=_update_pod_sandbox,
-    ),
-    _notification(
-        event=Event.POST_UPDATE_POD_SANDBOX,
-        method="PostUpdatePodSandbox",
-        label="post_update_pod_sandbox",
-        handler=h.PostUpdatePodSandbox,
-        request_type=api.PostUpdatePodSandboxRequest,
-        response_type=api.PostUpdatePodSandboxResponse,
-        notify=lambda plugin, pod, _: plugin.post_update_pod_sandbox(pod),
-        pod_only=True,
-    ),
-    Route(
-        event=Event.VALIDATE_CONTAINER_ADJUSTMENT,
-        method="ValidateContainerAdjustment",
-        label="validate_container_adjustment",
-        handler=h.ValidateContainerAdjustment,
-        request_type=api.ValidateContainerAdjustmentRequest,
-        response_type=api.ValidateContainerAdjustmentResponse,
-        call=_validate_container_adjustment,
-    ),
+    _notification(h.RunPodSandbox, lambda plugin, pod, _: plugin.run_pod_sandbox(pod)),
+    _notification(h.StopPodSandbox, lambda plugin, pod, _: plugin.stop_pod_sandbox(pod)),
+    _notification(h.RemovePodSandbox, lambda plugin, pod, _: plugin.remove_pod_sandbox(pod)),
+    _answering(h.CreateContainer, _create_container),
+    _notification(h.PostCreateContainer, lambda plugin, pod, ctr: plugin.post_create_container(pod, ctr)),
+    _notification(h.StartContainer, lambda plugin, pod, ctr: plugin.start_container(pod, ctr)),
+    _notification(h.PostStartContainer, lambda plugin, pod, ctr: plugin.post_start_container(pod, ctr)),
+    _answering(h.UpdateContainer, _update_container),
+    _notification(h.PostUpdateContainer, lambda plugin, pod, ctr: plugin.post_update_container(pod, ctr)),
+    _answering(h.StopContainer, _stop_container),
+    _notification(h.RemoveContainer, lambda plugin, pod, ctr: plugin.remove_container(pod, ctr)),
+    _answering(h.UpdatePodSandbox, _update_pod_sandbox),
+    _notification(h.PostUpdatePodSandbox, lambda plugin, pod, _: plugin.post_update_pod_sandbox(pod)),
+    _answering(h.ValidateContainerAdjustment, _validate_container_adjustment),
 )
 
 

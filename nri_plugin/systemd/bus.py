@@ -5,7 +5,7 @@ Since its 5.0 the socket is connected in ``connect()``, never in the constructor
 blocks the event loop: connecting, authenticating and each call are awaited with a timeout, and a
 bus that does not answer in time is a `BusTimeout`, not a stalled loop.
 
-Two users: the daemon (`nri_plugin.systemd.podquota`, a long-lived connection to the system bus),
+Two users: the daemon (`nri_plugin.systemd.sender`, a long-lived connection to the system bus),
 and ``enable-nri`` (`restart_unit`: one blocking call from a short-lived command, no loop of its own).
 """
 
@@ -21,7 +21,7 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.errors import AuthError
 
-from nri_plugin.common.clock import LOOP_CLOCK, within
+from nri_plugin.common.clock import LOOP_CLOCK, Clock, within
 
 __all__ = [
     "CALL_TIMEOUT",
@@ -79,13 +79,15 @@ def bus_address(path: str) -> str:
     return f"unix:path={escaped}"
 
 
-async def connect(path: str = SYSTEM_BUS, *, timeout: float = CONNECT_TIMEOUT) -> MessageBus:
+async def connect(
+    path: str = SYSTEM_BUS, *, timeout: float = CONNECT_TIMEOUT, clock: Clock = LOOP_CLOCK
+) -> MessageBus:
     """A connection to the bus listening at `path`, authenticated (EXTERNAL: the kernel vouches for
-    our uid) and registered (``Hello``). Raises OSError (no socket, refused), `BusTimeout`,
-    `BusError` (authentication refused)."""
+    our uid) and registered (``Hello``), within `timeout` on `clock`. Raises OSError (no socket,
+    refused), `BusTimeout`, `BusError` (authentication refused)."""
     bus = MessageBus(bus_address=bus_address(path))
     try:
-        return await within(LOOP_CLOCK, timeout, bus.connect())
+        return await within(clock, timeout, bus.connect())
     except TimeoutError:  # (`within` raises the builtin, on 3.10 too)
         bus.disconnect()
         raise BusTimeout(f"the bus at {path} did not answer within {timeout:g} s") from None
@@ -104,21 +106,23 @@ async def connected(path: str = SYSTEM_BUS, *, timeout: float = CONNECT_TIMEOUT)
         await disconnect(bus, timeout=timeout)
 
 
-async def disconnect(bus: MessageBus, *, timeout: float = CONNECT_TIMEOUT) -> None:
-    """Close the connection and wait (at most `timeout`) until its socket is closed."""
+async def disconnect(bus: MessageBus, *, timeout: float = CONNECT_TIMEOUT, clock: Clock = LOOP_CLOCK) -> None:
+    """Close the connection and wait (at most `timeout` on `clock`) until its socket is closed."""
     bus.disconnect()
     with contextlib.suppress(Exception):  # how it ended does not matter any more
-        await within(LOOP_CLOCK, timeout, bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
+        await within(clock, timeout, bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
 
 
-async def call_method(bus: MessageBus, message: Message, *, timeout: float) -> list[Any]:
+async def call_method(
+    bus: MessageBus, message: Message, *, timeout: float, clock: Clock = LOOP_CLOCK
+) -> list[Any]:
     """Send the method call `message`; the reply's body. Raises `BusError` with the error's name and
-    text for an error reply, `BusTimeout` when none comes within `timeout` seconds, `BusLost` when
-    the connection fails meanwhile."""
+    text for an error reply, `BusTimeout` when none comes within `timeout` seconds on `clock`,
+    `BusLost` when the connection fails meanwhile."""
     if not bus.connected:
         raise BusLost("not connected to the bus")
     try:
-        reply = await within(LOOP_CLOCK, timeout, bus.call(message))
+        reply = await within(clock, timeout, bus.call(message))
     except TimeoutError:  # (`within` raises the builtin, on 3.10 too)
         raise BusTimeout(f"{message.member}: no reply within {timeout:g} s") from None
     except Exception as exc:  # dbus-fast fails pending calls with whatever ended the connection

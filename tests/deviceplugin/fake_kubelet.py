@@ -208,6 +208,8 @@ class PodResourcesRecord(podresources_grpc.PodResourcesListerServicer):
         # (namespace, pod) -> container -> its DRA claims, as kubelet reports them
         self.claims: dict[tuple[str, str], dict[str, list[podresources.DynamicResource]]] = {}
         self.calls: list[str] = []
+        # Set: every Get is answered with this error instead (status code, details).
+        self.get_error: tuple[grpc.StatusCode, str] | None = None
         self._server: grpc.aio.Server | None = None
 
     def run(self, namespace: str, pod: str, *containers: str) -> None:
@@ -301,6 +303,8 @@ class PodResourcesRecord(podresources_grpc.PodResourcesListerServicer):
         self, request: podresources.GetPodResourcesRequest, context: Any
     ) -> podresources.GetPodResourcesResponse:
         self.calls.append("Get")
+        if self.get_error is not None:
+            await context.abort(*self.get_error)
         if not self.get_enabled:
             await context.abort(grpc.StatusCode.UNKNOWN, "PodResources API Get method disabled")
         key = (request.pod_namespace, request.pod_name)

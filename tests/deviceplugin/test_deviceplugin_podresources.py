@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import pytest_asyncio
 import structlog
@@ -100,6 +101,55 @@ async def test_list_when_get_is_disabled_and_for_the_whole_node(
     assert "KubeletPodResourcesGet feature gate" in warning["event"]
     node = await asked.node_allocations()
     assert node == {("ns", "fwd"): {"main": frozenset({"shared-cpus-3"})}, ("ns", "plain"): {}}
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "answer"),
+    [
+        # kubelet's own answer for a pod it does not run (a plain Go error: Unknown): no devices.
+        (grpc.StatusCode.UNKNOWN, "pod thief in namespace ns not found", {}),
+        (grpc.StatusCode.NOT_FOUND, "no such pod", {}),
+        # Anything else is kubelet failing, not kubelet saying it allocated nothing.
+        (grpc.StatusCode.UNKNOWN, "pod other in namespace ns not found", None),
+        (grpc.StatusCode.UNKNOWN, "checkpoint not found", None),
+        (grpc.StatusCode.INTERNAL, "pod thief in namespace ns not found", None),
+        (grpc.StatusCode.INTERNAL, "PodResources API Get method disabled", None),
+    ],
+)
+@pytest.mark.asyncio
+async def test_only_kubelets_answer_for_an_unknown_pod_means_no_devices(
+    record: PodResourcesRecord,
+    directory: Path,
+    code: grpc.StatusCode,
+    details: str,
+    answer: dict[str, frozenset[str]] | None,
+) -> None:
+    """An error text ending in " not found" was taken for "kubelet runs no such pod", whatever its code
+    and whichever pod it named: an answer that refuses the request, where an unavailable kubelet
+    falls back to the marker. The status code and kubelet's exact text for the pod asked decide."""
+    record.get_error = (code, details)
+    asked, lookups = client(directory / "kubelet.sock", ttl=0.0)
+    assert await asked.pod_allocations("ns", "thief") == answer
+    assert lookups.outcomes == (["ok"] if answer is not None else ["unavailable"])
+    assert asked.get_supported is (True if answer is not None else None)
+
+
+@pytest.mark.parametrize(
+    ("code", "details"),
+    [
+        (grpc.StatusCode.UNKNOWN, "PodResources API Get method disabled"),
+        (grpc.StatusCode.UNIMPLEMENTED, "unknown method Get for service v1.PodResourcesLister"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_a_get_refused_by_code_and_kubelets_text_goes_to_list(
+    record: PodResourcesRecord, directory: Path, code: grpc.StatusCode, details: str
+) -> None:
+    record.get_error = (code, details)
+    asked, lookups = client(directory / "kubelet.sock", ttl=0.0)
+    assert await asked.pod_allocations("ns", "fwd") == {"main": frozenset({"shared-cpus-3"})}
+    assert record.calls == ["Get", "List"]
+    assert (asked.get_supported, lookups.outcomes) == (False, ["list"])
 
 
 @pytest.mark.asyncio

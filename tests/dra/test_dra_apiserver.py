@@ -193,6 +193,25 @@ async def test_a_changed_count_bumps_the_generation_and_deletes_stale_slices(
 
 
 @pytest.mark.asyncio
+async def test_a_404_is_success_for_a_stale_delete_only(server: FakeApiServer, client: AsyncClient) -> None:
+    """A stale slice someone else deleted first is gone, as wanted (a 404 to our DELETE); a 404 to
+    an apply is a failure. The call says which, never the text describing it."""
+    server.add_node(NODE)
+    pub = publisher(client, device_count=256)
+    await pub.publish()
+    pub.republish(device_count=100)
+    server.fail_next(1, status=404, path_contains=f"{SLICES}/{NODE}-{DRIVER}-1")
+    await pub.publish()
+    assert pub.published
+    assert server.writes()[-1].method == "DELETE"
+    pub.republish(device_count=300)
+    server.fail_next(1, status=404, path_contains=f"{SLICES}/{NODE}-{DRIVER}-0")
+    with pytest.raises(PublishError, match=r"rejected applying ResourceSlice .*-0 \(404: injected failure\)"):
+        await pub.publish()
+    assert not pub.published
+
+
+@pytest.mark.asyncio
 async def test_slices_of_other_drivers_and_nodes_are_left_alone(
     server: FakeApiServer, client: AsyncClient
 ) -> None:
