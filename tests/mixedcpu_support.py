@@ -15,8 +15,8 @@ from typing import Any
 
 from host_guard import refuse_host_paths
 
-from api.nri import api_pb2 as api
-from cgroups import (
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupLayout,
     CgroupMode,

@@ -24,8 +24,8 @@ else:  # pragma: no cover - 3.10
 import pytest
 from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
 
-from api.nri import api_pb2 as api
 from nri_plugin import __version__
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.daemon.cli import EXIT_OUTPUT_CLOSED, main
 from nri_plugin.daemon.demo import run_demo
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key

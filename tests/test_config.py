@@ -12,7 +12,7 @@ import pytest
 from host_guard import isolated
 from mixedcpu_support import run_cli
 
-from cgroups import CgroupMode
+from nri_plugin.cgroups import CgroupMode
 from nri_plugin.daemon.config import (
     Config,
     ConfigError,

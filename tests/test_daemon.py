@@ -29,7 +29,7 @@ from host_guard import refuse_host_paths
 from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
 from mixedcpu_support import Daemon as HelperDaemon
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.daemon import app
 from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, NRI_ENDED, Daemon, DaemonError

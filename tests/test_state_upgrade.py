@@ -41,7 +41,7 @@ from mixedcpu_support import (
 from redteam_support import short_directory
 from wait_support import wait_until
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.common.buildinfo import version_line
 from nri_plugin.daemon.stateformat import (
     STATE_FORMAT,

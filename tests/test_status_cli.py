@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 from mixedcpu_support import ROOT, Daemon, daemon_process, run_cli, write_daemon_config
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.daemon import status_client
 from nri_plugin.daemon.status import StatusServer
 from nri_plugin.daemon.status_client import render_table, run_status

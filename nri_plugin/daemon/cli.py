@@ -22,7 +22,7 @@ from typing import Final, NoReturn
 
 import structlog
 
-from cgroups.mode import DEFAULT_MOUNTINFO
+from nri_plugin.cgroups.mode import DEFAULT_MOUNTINFO
 from nri_plugin.common.buildinfo import PROGRAM, version_line
 from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
 from nri_plugin.daemon.logs import LEVELS, configure_logging

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Final
 
 import structlog
 
-from cgroups import CgroupLayout, format_cpuset
+from nri_plugin.cgroups import CgroupLayout, format_cpuset
 from nri_plugin.common.buildinfo import version_line
 from nri_plugin.daemon.app import EXIT_CONFIG, NRI_ENDED, Daemon, DaemonError, Service
 from nri_plugin.daemon.config import (

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 from kernel_support import make_cgroups, scratch_subtree
 from mixedcpu_support import Daemon, fake_layout, make_fake_cgroup, make_plugin, start_daemon
 
-from api.nri import api_pb2 as api
-from cgroups import (
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupError,
     CgroupLayout,

@@ -48,8 +48,8 @@ from kernel_support import require_v1_layout
 from mixedcpu_support import Daemon
 from probe_support import scrape, value
 
-from api.nri import api_pb2 as api
-from cgroups import CgroupPath, parse_cpuset, read_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CgroupPath, parse_cpuset, read_cpuset
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.mixedcpu.store import StateStore

@@ -32,8 +32,8 @@ from typing import Any
 
 from mixedcpu_support import NAMINGS, PERIOD, Daemon, Naming, make_container, make_pod, marker, start_daemon
 
-from api.nri import api_pb2 as api
-from cgroups import (
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
     CgroupError,
     CgroupLayout,
     CgroupPath,
