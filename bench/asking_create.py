@@ -36,8 +36,8 @@ from typing import NamedTuple
 from heal_pass import kernel_pods
 from workload import already_shared, fake_node, lean_container, lean_pod, realistic_container, realistic_pod
 
-from api.nri import api_pb2 as api
-from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.daemon.logs import LEVELS, configure_logging
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore

@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 from workload import percentile
 
-from api.dra.v1 import api_pb2 as dra
-from api.dra.v1 import api_pb2_grpc as dra_grpc
+from nri_plugin.api.dra.v1 import api_pb2 as dra
+from nri_plugin.api.dra.v1 import api_pb2_grpc as dra_grpc
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.dra.claims import AllocatedDevice, ClaimSourceUnreachable

@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 from workload import HERE, cpu_ns, fake_node, percentile, realistic_container, realistic_pod
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 NODE = "bench-node"
@@ -104,8 +104,8 @@ def run_kubelet(endpoint: str, count: int) -> None:
 
     import grpc
 
-    from api.dra.v1 import api_pb2 as dra
-    from api.dra.v1 import api_pb2_grpc as dra_grpc
+    from nri_plugin.api.dra.v1 import api_pb2 as dra
+    from nri_plugin.api.dra.v1 import api_pb2_grpc as dra_grpc
 
     request = dra.NodePrepareResourcesRequest()
     for n in range(count):

@@ -46,8 +46,8 @@ def patch(names: set[str]) -> None:
 
         quota.PodQuotas.pod_dir = lambda self, parent: lookup(self, parent)  # type: ignore[method-assign,assignment,return-value]
     if "plainread" in names:
-        from cgroups import CpuQuota
-        from cgroups.quota import parse_cfs_period_us, parse_cfs_quota_us
+        from nri_plugin.cgroups import CpuQuota
+        from nri_plugin.cgroups.quota import parse_cfs_period_us, parse_cfs_quota_us
         from nri_plugin.mixedcpu import quota as reconciler
 
         def read_text(path: str) -> str:
@@ -68,7 +68,7 @@ def patch(names: set[str]) -> None:
     if "fastcheck" in names:
         import re
 
-        from cgroups import paths
+        from nri_plugin.cgroups import paths
 
         slow = paths._first_bad_char
         whole: dict[str, re.Pattern[str]] = {}

@@ -43,7 +43,7 @@ from workload import (
     realistic_pod,
 )
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 PATCHED = str(HERE / "experiment_child.py")

@@ -26,7 +26,7 @@ from pathlib import Path
 import structlog
 from workload import already_shared, fake_node, lean_container, lean_pod
 
-from cgroups import CgroupLayout, CgroupMode, Hierarchy, read_layout
+from nri_plugin.cgroups import CgroupLayout, CgroupMode, Hierarchy, read_layout
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 

@@ -37,7 +37,7 @@ if os.environ.get("BENCH_DEV_PACKAGES") != "1":
 
 import structlog
 
-from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.daemon.app import freeze_start_up_heap
 from nri_plugin.daemon.metrics import Metrics

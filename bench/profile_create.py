@@ -37,8 +37,8 @@ from typing import Any
 import structlog
 from workload import HERE, PluginProcess, already_shared, fake_node, realistic_container, realistic_pod
 
-from api.nri import api_pb2 as api
-from cgroups import read_cpu_quota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import read_cpu_quota
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 _BUILTIN_LAYERS = (

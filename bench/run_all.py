@@ -88,7 +88,7 @@ from workload import (
     realistic_pod,
 )
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.bookkeeper import FLUSH_DELAY
 from nri_plugin.nri import mux
 from nri_plugin.nri.simulator import RuntimeSimulator

@@ -28,7 +28,7 @@ import structlog
 from opcount import OpcodeCounter, print_tables
 from workload import PluginProcess, fake_node, realistic_container, realistic_pod
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 
 HERE = Path(__file__).resolve().parent
 

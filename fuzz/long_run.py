@@ -66,9 +66,9 @@ from hostile_models import (  # noqa: E402
     ttrpc_reference,
 )
 
-from api.nri import api_pb2 as api  # noqa: E402
-from api.ttrpc import request_pb2  # noqa: E402
-from cgroups import CgroupLayout, CgroupMode, Hierarchy  # noqa: E402
+from nri_plugin.api.nri import api_pb2 as api  # noqa: E402
+from nri_plugin.api.ttrpc import request_pb2  # noqa: E402
+from nri_plugin.cgroups import CgroupLayout, CgroupMode, Hierarchy  # noqa: E402
 from nri_plugin.daemon.config import ConfigError, load_config  # noqa: E402
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key  # noqa: E402
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey  # noqa: E402

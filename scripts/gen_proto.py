@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Regenerate the committed Python modules of every .proto file under api/.
+"""Regenerate the committed Python modules of every .proto file under nri_plugin/api/.
 
 Usage: python scripts/gen_proto.py [--out DIR]
 
-Every proto gets *_pb2.py and *_pb2.pyi. Protos under api/deviceplugin/,
-api/podresources/, api/pluginregistration/, api/dra/ and api/drahealth/
+Every proto gets *_pb2.py and *_pb2.pyi. Protos under nri_plugin/api/:
+deviceplugin/, podresources/, pluginregistration/, dra/ and drahealth/
 (kubelet's device-plugin, pod-resources, plugin-registration and DRA APIs,
 spoken over gRPC) also get *_pb2_grpc.py and *_pb2_grpc.pyi; the others are
 spoken over ttrpc and need messages only.
@@ -25,16 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Protos whose services are served or called over gRPC (grpcio) rather than ttrpc.
 GRPC_DIRS = (
-    "api/deviceplugin/",
-    "api/podresources/",
-    "api/pluginregistration/",
-    "api/dra/",
-    "api/drahealth/",
+    "nri_plugin/api/deviceplugin/",
+    "nri_plugin/api/podresources/",
+    "nri_plugin/api/pluginregistration/",
+    "nri_plugin/api/dra/",
+    "nri_plugin/api/drahealth/",
 )
 
 
 def proto_files() -> list[str]:
-    return sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "api").rglob("*.proto"))
+    return sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "nri_plugin" / "api").rglob("*.proto"))
 
 
 def is_grpc(proto: str) -> bool:

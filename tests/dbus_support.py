@@ -34,7 +34,7 @@ from dbus_fast.annotations import DBusBool, DBusSignature, DBusStr
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_method
 
-from cgroups import CgroupError, CgroupLayout, CpuQuota, expand_slice, restore_cpu_quota
+from nri_plugin.cgroups import CgroupError, CgroupLayout, CpuQuota, expand_slice, restore_cpu_quota
 from nri_plugin.systemd import bus as dbus
 from nri_plugin.systemd.units import PER_SEC, PERIOD, USEC_INFINITY
 

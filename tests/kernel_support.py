@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cgroups import (
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupLayout,
     CgroupModeError,

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.nri import api_pb2 as api
-from cgroups import (
+from host_guard import refuse_host_paths
+
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupLayout,
     CgroupMode,
@@ -288,9 +290,18 @@ def write_daemon_config(
     device-plugin directory ``plugin_dir`` (keep it short: unix socket paths are limited to 107 bytes),
     and metrics and probes on `metrics_address` (by default a free port: daemons run in parallel; the
     daemon logs the one it bound). `extra`: more top-level lines; `device_plugin_extra`: more lines
-    of the ``[device_plugin]`` table. No systemd bus: a test daemon never talks to the host's systemd.
+    of the ``[device_plugin]`` table. No systemd bus: a test daemon never talks to the host's systemd,
+    nor to the host's kubelet (its PodResources socket is ``pr.sock`` in ``directory``, where nobody
+    answers, unless `device_plugin_extra` names one).
     The NRI socket ``nri.sock`` in ``directory`` (--socket wins): the node-wide lock lies beside it,
     never in the host's /var/run/nri, where daemons of tests running at once would refuse each other."""
+    # kubelet's PodResources socket: never the host's. By default one in `directory` that nobody serves
+    # (kubelet cannot be asked, as on a machine without kubelet); a test that wants another names it.
+    pod_resources = (
+        ""
+        if "pod_resources_socket" in device_plugin_extra
+        else f'pod_resources_socket = "{directory}/pr.sock"\n'
+    )
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True, exist_ok=True)  # (again for a restarted daemon)
     (online / "online").write_text("0-3\n")
@@ -303,16 +314,26 @@ def write_daemon_config(
         f'metrics_address = "{metrics_address}"\nsystemd_bus = ""\nnri_socket = "{directory}/nri.sock"\n'
         f"{extra}"
         f'[device_plugin]\nplugin_dir = "{plugin_dir}"\n'
-        f"{device_plugin_extra}"
+        f"{device_plugin_extra}{pod_resources}"
     )
+    refuse_host_paths(("run", "--config", str(config)))
     return config
 
 
 async def start_daemon(
-    *args: str, prefix: Sequence[str] = (), stdout: int = subprocess.PIPE
+    *args: str,
+    prefix: Sequence[str] = (),
+    stdout: int = subprocess.PIPE,
+    kernel_cgroups: bool = False,
+    in_vm: bool = False,
 ) -> asyncio.subprocess.Process:
     """``python -m nri_plugin.daemon.cli *args`` from this source tree, under the command `prefix` if any
-    (e.g. setpriv dropping capabilities); stderr is a pipe, stdout too unless told otherwise."""
+    (e.g. setpriv dropping capabilities); stderr is a pipe, stdout too unless told otherwise. A ``run``
+    must name its own places, none of the host's (`host_guard`; `kernel_cgroups`: the real-kernel
+    tier's daemon may use the host's cgroup tree; `in_vm`: the VM tier's guest, whose machine is the
+    test's own, uses any of its places)."""
+    if not in_vm:
+        refuse_host_paths(args, kernel_cgroups=kernel_cgroups)
     return await asyncio.create_subprocess_exec(
         *prefix,
         sys.executable,
@@ -353,7 +374,9 @@ async def terminate(proc: asyncio.subprocess.Process, timeout: float, signum: in
 
 
 def run_cli(*args: str, timeout: float, check: bool = False) -> subprocess.CompletedProcess[str]:
-    """``python -m nri_plugin.daemon.cli *args`` from this source tree, to its end; output as text."""
+    """``python -m nri_plugin.daemon.cli *args`` from this source tree, to its end; output as text. A
+    ``run`` must name its own places, none of the host's (`host_guard`)."""
+    refuse_host_paths(args)
     return subprocess.run(
         [sys.executable, "-m", "nri_plugin.daemon.cli", *args],
         cwd=ROOT,

@@ -39,8 +39,8 @@ from mixedcpu_support import (
 )
 from probe_support import GUARD, Samples, daemon_with_probes, scrape, value
 
-from api.nri import api_pb2 as api
-from cgroups import write_cpu_quota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import write_cpu_quota
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator

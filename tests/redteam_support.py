@@ -28,7 +28,7 @@ from mixedcpu_support import (
     write_daemon_config,
 )
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.nri.simulator import CreateResult, RuntimeSimulator, env_of

@@ -17,9 +17,9 @@ from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from google.protobuf.message import Message
 from vectors import comment_lines, ttrpc_message, ttrpc_parts, vector_names
 
-from api.google.rpc import status_pb2
-from api.nri import api_pb2
-from api.ttrpc import request_pb2
+from nri_plugin.api.google.rpc import status_pb2
+from nri_plugin.api.nri import api_pb2
+from nri_plugin.api.ttrpc import request_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 NRI = api_pb2.DESCRIPTOR
@@ -31,7 +31,7 @@ PACKAGE = "nri.pkg.api.v1alpha1"
 
 
 def _generated_files(base: Path) -> dict[str, bytes]:
-    api = base / "api"
+    api = base / "nri_plugin" / "api"
     files = [
         *api.rglob("*_pb2.py"),
         *api.rglob("*_pb2.pyi"),

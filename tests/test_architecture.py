@@ -112,13 +112,13 @@ def test_the_domain_uses_the_cgroups_library_not_its_internals(path: Path) -> No
     # `cgroups.cpuset` and `cgroups.quota` are public and pure: the policy takes cpu lists, and the
     # baseline arithmetic CFS limits, from them rather than through the package, whose __init__
     # brings the file modules (import-linter's contracts for the pure modules).
-    pure = {"cgroups.cpuset", "cgroups.quota"}
-    internals = {m for m in _imports(path) if m.startswith("cgroups.") and m not in pure}
+    pure = {"nri_plugin.cgroups.cpuset", "nri_plugin.cgroups.quota"}
+    internals = {m for m in _imports(path) if m.startswith("nri_plugin.cgroups.") and m not in pure}
     assert internals == set()
 
 
 def _package_inits() -> list[Path]:
-    return sorted([*(ROOT / "nri_plugin").rglob("__init__.py"), ROOT / "cgroups" / "__init__.py"])
+    return sorted((ROOT / "nri_plugin").rglob("__init__.py"))
 
 
 @pytest.mark.parametrize("init", _package_inits(), ids=lambda p: str(p.parent.relative_to(ROOT)))
@@ -135,7 +135,9 @@ def test_package_init_has_no_side_effects(init: Path) -> None:
         if init.parent.name == "cgroups" and isinstance(node, ast.ImportFrom | ast.Import):
             names = [a.name for a in node.names]
             modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else names
-            assert all(m == "cgroups" or m.startswith("cgroups.") for m in modules), ast.unparse(node)
+            assert all(m == "nri_plugin.cgroups" or m.startswith("nri_plugin.cgroups.") for m in modules), (
+                ast.unparse(node)
+            )
             continue
         assert isinstance(node, ast.Assign | ast.AnnAssign), f"{init}: {ast.unparse(node)}"
         assert not any(isinstance(n, ast.Call) for n in ast.walk(node)), f"{init}: {ast.unparse(node)}"

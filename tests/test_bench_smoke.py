@@ -94,7 +94,11 @@ def test_opcode_count_names_the_layers_of_an_asking_creation() -> None:
     out = _bench("opcount.py", "--calls", "2", "--warm", "1", "--top", "5")
     assert _count_in(out.splitlines()[0], "bytecodes per asking CreateContainer") > 0, out
     # Each layer of the path shows up by file: the transport, the policy, the books, the cgroup files.
-    for path in ("nri_plugin/ttrpc/protocol.py", "nri_plugin/mixedcpu/policy.py", "cgroups/files.py"):
+    for path in (
+        "nri_plugin/ttrpc/protocol.py",
+        "nri_plugin/mixedcpu/policy.py",
+        "nri_plugin/cgroups/files.py",
+    ):
         assert f"| {path} | " in out, out
 
 
@@ -118,7 +122,7 @@ def test_in_process_synchronize_counts_both_kinds() -> None:
     first = _count_in(lines[3].strip(), "first start")
     restart = _count_in(lines[4].strip(), "restart")
     assert first > restart > 0, out
-    for path in ("nri_plugin/nri/stub.py", "nri_plugin/mixedcpu/quota.py", "cgroups/files.py"):
+    for path in ("nri_plugin/nri/stub.py", "nri_plugin/mixedcpu/quota.py", "nri_plugin/cgroups/files.py"):
         assert f"| {path} | " in out, out
 
 

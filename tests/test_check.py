@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from dbus_support import fake_systemd, private_bus
 
-from cgroups import CgroupLayout, CgroupMode, Hierarchy
+from nri_plugin.cgroups import CgroupLayout, CgroupMode, Hierarchy
 from nri_plugin.daemon.check import (
     Status,
     check_cdi_runtime,

@@ -12,13 +12,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import types
 from collections.abc import Iterator
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10
+    import tomli as tomllib
 
 import pytest
 from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
 
-from api.nri import api_pb2 as api
+from nri_plugin import __version__
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.daemon.cli import EXIT_OUTPUT_CLOSED, main
 from nri_plugin.daemon.demo import run_demo
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
@@ -29,8 +36,27 @@ GUARD = 20.0
 
 
 def test_version() -> None:
+    """From a checkout (no build recorded a commit): the version and "unknown", honestly."""
     result = run_cli("version", timeout=GUARD, check=True)
-    assert result.stdout.startswith("mixed-cpu-nri-plugin 0.")
+    assert result.stdout == f"mixed-cpu-nri-plugin {__version__} (commit unknown)\n"
+
+
+def test_the_version_is_pyprojects() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == __version__
+
+
+def test_version_names_the_commit_a_build_recorded(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What setup.py writes into a wheel: the module nri_plugin._build_info with COMMIT."""
+    recorded = types.ModuleType("nri_plugin._build_info")
+    recorded.COMMIT = "0123456789abcdef0123456789abcdef01234567"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nri_plugin._build_info", recorded)
+    assert main(["version"]) == 0
+    assert capsys.readouterr().out == (
+        f"mixed-cpu-nri-plugin {__version__} (commit 0123456789abcdef0123456789abcdef01234567)\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from host_guard import isolated
 from mixedcpu_support import run_cli
 
-from cgroups import CgroupMode
+from nri_plugin.cgroups import CgroupMode
 from nri_plugin.daemon.config import (
     Config,
     ConfigError,
@@ -360,7 +361,7 @@ def test_layout_forced_or_detected(tmp_path: Path) -> None:
 def test_cli_exits_2_with_one_line(tmp_path: Path, sysfs: Path, text: str | None, expected: str) -> None:
     path = tmp_path / "config.toml"
     if text is not None:
-        write(tmp_path, text, sysfs)
+        write(tmp_path, isolated(text, tmp_path), sysfs)
     result = run_cli("run", "--config", str(path), timeout=20)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -377,7 +378,11 @@ def test_cli_unusable_state_dir_exits_2(tmp_path: Path, sysfs: Path) -> None:
     os.chmod(state / "device-plugin-hmac.key", 0o600)
     path = write(
         tmp_path,
-        f'shared_cpuset = "0"\nstate_dir = "{state}"\ncgroup_version = "v2"\ncgroup_root = "{tmp_path}"\n',
+        isolated(
+            f'shared_cpuset = "0"\nstate_dir = "{state}"\ncgroup_version = "v2"\n'
+            f'cgroup_root = "{tmp_path}"\n',
+            tmp_path,
+        ),
         sysfs,
     )
     result = run_cli("run", "--config", str(path), timeout=20)
@@ -521,7 +526,11 @@ def test_run_refuses_a_state_dir_others_may_write_with_status_2(tmp_path: Path, 
     os.chmod(state, 0o777)
     path = write(
         tmp_path,
-        f'shared_cpuset = "0"\nstate_dir = "{state}"\ncgroup_version = "v2"\ncgroup_root = "{tmp_path}"\n',
+        isolated(
+            f'shared_cpuset = "0"\nstate_dir = "{state}"\ncgroup_version = "v2"\n'
+            f'cgroup_root = "{tmp_path}"\n',
+            tmp_path,
+        ),
         sysfs,
     )
     result = run_cli("run", "--config", str(path), timeout=20)

@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 import structlog
 import structlog.testing
+from host_guard import refuse_host_paths
 from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
 from mixedcpu_support import Daemon as HelperDaemon
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.daemon import app
 from nri_plugin.daemon.app import EXIT_CANNOT_SERVE, EXIT_CONFIG, NRI_ENDED, Daemon, DaemonError
@@ -626,8 +627,10 @@ def test_an_old_runtimes_whole_file_name_is_still_a_name(
 
 def test_run_exits_2_for_a_bad_index_in_the_environment(tmp_path: Path, device_plugins: Path) -> None:
     config = write_daemon_config(tmp_path, device_plugins)
+    argv = ("run", "--config", str(config))
+    refuse_host_paths(argv)
     result = subprocess.run(
-        [sys.executable, "-m", "nri_plugin.daemon.cli", "run", "--config", str(config)],
+        [sys.executable, "-m", "nri_plugin.daemon.cli", *argv],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "NRI_PLUGIN_IDX": "7"},
         capture_output=True,

@@ -18,8 +18,8 @@ import pytest
 import structlog
 from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
 
-from api.nri import api_pb2 as api
-from cgroups import format_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import format_cpuset
 from nri_plugin.daemon.logs import configure_logging, toggle_debug
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.mixedcpu import logfields, trace

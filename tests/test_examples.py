@@ -39,9 +39,9 @@ from mixedcpu_support import (
     plugin_running,
 )
 
-from api.deviceplugin.v1beta1 import api_pb2 as dp
-from api.nri import api_pb2 as api
-from cgroups import format_cpuset, parse_cpuset
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2 as dp
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import format_cpuset, parse_cpuset
 from nri_plugin.daemon import config as config_module
 
 if sys.version_info >= (3, 11):

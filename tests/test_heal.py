@@ -35,9 +35,9 @@ from mixedcpu_support import (
     plugin_running,
 )
 
-import cgroups.files
-from api.nri import api_pb2 as api
-from cgroups import Cgroup, CpuQuota, read_cpu_quota, write_cpu_limit, write_cpu_quota
+from nri_plugin import cgroups
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import Cgroup, CpuQuota, read_cpu_quota, write_cpu_limit, write_cpu_quota
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.daemon import config as config_module
 from nri_plugin.daemon.wiring import build_plugin

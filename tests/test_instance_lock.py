@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from host_guard import refuse_host_paths
 from mixedcpu_support import ROOT, Daemon, run_cli, start_daemon, write_daemon_config
 from structlog.testing import capture_logs
 
@@ -272,8 +273,10 @@ READ_ONLY_THEN_EXEC = (
 
 
 def run_daemon_under(prefix: list[str], config: Path) -> subprocess.CompletedProcess[str]:
+    argv = ("run", "--config", str(config))
+    refuse_host_paths(argv)
     return subprocess.run(
-        [*prefix, sys.executable, "-m", "nri_plugin.daemon.cli", "run", "--config", str(config)],
+        [*prefix, sys.executable, "-m", "nri_plugin.daemon.cli", *argv],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -31,7 +31,7 @@ from mixedcpu_support import (
     write_daemon_config,
 )
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.daemon import logs as logs_module
 from nri_plugin.daemon.logs import configure_logging, debug_toggle_on_sigusr1, resolve_format, toggle_debug
 from nri_plugin.nri.simulator import RuntimeSimulator

@@ -29,8 +29,8 @@ from mixedcpu_support import (
 )
 from probe_support import GUARD, Samples, get, samples, scrape, value
 
-from api.nri import api_pb2 as api
-from cgroups import CgroupLayout, CgroupPath, write_cpu_quota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CgroupLayout, CgroupPath, write_cpu_quota
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.daemon.metrics import DURATION_BUCKETS, Metrics
 from nri_plugin.daemon.probes import ProbeServer, readiness

@@ -13,7 +13,7 @@ import pytest
 import structlog
 from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.mixedcpu import policy
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord

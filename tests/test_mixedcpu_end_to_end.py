@@ -26,7 +26,7 @@ from mixedcpu_support import (
     plugin_running,
 )
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.ttrpc.errors import Code

@@ -24,8 +24,8 @@ from kernel_support import inherit_cpuset, make_cgroups, require_v1_layout, scra
 from mixedcpu_support import GUARD, Naming, make_container, make_plugin, make_pod, marker, plugin_running
 from wait_support import wait_until
 
-from api.nri import api_pb2 as api
-from cgroups import (
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupLayout,
     CgroupPath,
@@ -99,7 +99,7 @@ class Kernel:
 
 
 def parse(text: str) -> frozenset[int]:
-    from cgroups import parse_cpuset
+    from nri_plugin.cgroups import parse_cpuset
 
     return parse_cpuset(text)
 
@@ -141,7 +141,7 @@ def _container(kernel: Kernel, pod: api.PodSandbox, cid: str, key: HostKey) -> a
 
 
 def _fmt(cpus: frozenset[int]) -> str:
-    from cgroups import format_cpuset
+    from nri_plugin.cgroups import format_cpuset
 
     return format_cpuset(cpus)
 

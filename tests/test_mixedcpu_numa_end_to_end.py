@@ -30,8 +30,8 @@ from mixedcpu_support import (
     plugin_running,
 )
 
-from api.nri import api_pb2 as api
-from cgroups import format_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import format_cpuset
 from nri_plugin.daemon.config import Config
 from nri_plugin.daemon.wiring import shared_pool
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key

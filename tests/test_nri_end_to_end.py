@@ -17,7 +17,7 @@ from mixedcpu_support import plugin_running as running_stub
 from structlog.testing import capture_logs
 from wait_support import wait_until
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import ManualClock, Timer
 from nri_plugin.nri import mux
@@ -573,7 +573,7 @@ def test_plugin_without_handlers_is_refused() -> None:
 LAUNCHED_PLUGIN = """
 import asyncio, sys
 sys.path.insert(0, {root!r})
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri.stub import Stub
 
 class Plugin:

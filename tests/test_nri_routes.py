@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from mypy import api as mypy_api
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.daemon import config
 from nri_plugin.nri import handlers, identity, routes, stub
 from nri_plugin.nri.connection import (
@@ -193,7 +193,7 @@ SEAM_WRONG = """
 # mypy: disable-error-code="type-abstract"
 from collections.abc import Sequence
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri import handlers
 from nri_plugin.nri import routes
 from nri_plugin.nri.routes import Route
@@ -226,7 +226,7 @@ ANSWERING = routes._answering(handlers.UpdateContainer, create)
 SEAM_RIGHT = """
 from collections.abc import Sequence
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri import handlers
 from nri_plugin.nri.stub import Stub
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 from structlog.testing import capture_logs
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.nri.connection import ConnectionState

@@ -13,7 +13,7 @@ import pytest
 import structlog
 from mixedcpu_support import run_cli, write_daemon_config
 
-from cgroups import CpusetError, format_cpuset, parse_cpuset
+from nri_plugin.cgroups import CpusetError, format_cpuset, parse_cpuset
 from nri_plugin.daemon.check import Status, check_numa_nodes, run_checks
 from nri_plugin.daemon.config import (
     Config,

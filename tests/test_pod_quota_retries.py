@@ -19,9 +19,9 @@ import pytest
 import structlog
 from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
 
-import cgroups
-from api.nri import api_pb2 as api
-from cgroups import Cgroup, CgroupWriteRejected, CpuQuota, read_cpu_quota
+from nri_plugin import cgroups
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import Cgroup, CgroupWriteRejected, CpuQuota, read_cpu_quota
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.mixedcpu import baselines
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin

@@ -26,8 +26,8 @@ from mixedcpu_support import (
     marker,
 )
 
-from api.nri import api_pb2 as api
-from cgroups import CpuQuota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CpuQuota
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.mixedcpu import store as state_file
 from nri_plugin.mixedcpu.baselines import rebase

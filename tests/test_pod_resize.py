@@ -28,8 +28,8 @@ from mixedcpu_support import (
     plugin_running,
 )
 
-from api.nri import api_pb2 as api
-from cgroups import CpuQuota, write_cpu_quota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CpuQuota, write_cpu_quota
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.mixedcpu.baselines import adopt_resize
 from nri_plugin.mixedcpu.books import PodRecord

@@ -13,7 +13,7 @@ import structlog
 from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
 from redteam_support import daemon_node, is_shared, short_directory
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.policy import (
     MAX_CFS_QUOTA,
     PolicyError,

@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mixedcpu_support import PERIOD, FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
 
-from api.nri import api_pb2 as api
-from cgroups import format_cpuset, parse_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import format_cpuset, parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, MARKER_ENV, HostKey, dra_device_id
 from nri_plugin.mixedcpu.books import Slot, Spent
 from nri_plugin.mixedcpu.policy import (

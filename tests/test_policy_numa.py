@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mixedcpu_support import PERIOD, Naming, make_container, make_pod
 
-from api.nri import api_pb2 as api
-from cgroups import format_cpuset, parse_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import format_cpuset, parse_cpuset
 from nri_plugin.mixedcpu.policy import (
     ISOLATED_ENV,
     SHARED_ENV,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mixedcpu_support import GUARD, plugin_running
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri.simulator import (
     AdjustmentConflict,
     CreateResult,

@@ -30,7 +30,7 @@ from mixedcpu_support import (
 )
 from redteam_support import GUARD, NAMING, daemon_node, is_shared, short_directory
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.bookkeeper import Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
 from nri_plugin.mixedcpu.bounds import out_of_range

@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 from mixedcpu_support import ROOT, Daemon, daemon_process, run_cli, write_daemon_config
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.daemon import status_client
 from nri_plugin.daemon.status import StatusServer
 from nri_plugin.daemon.status_client import render_table, run_status
@@ -55,7 +55,7 @@ def _books(state_file: Path) -> dict[str, Any]:
 async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None:
     plugin_dir = short_dir / "dp"
     plugin_dir.mkdir()
-    config = write_daemon_config(short_dir, plugin_dir)
+    config = write_daemon_config(short_dir, plugin_dir)  # kubelet's PodResources socket: pr.sock, absent
     pod_dir = short_dir / "cgroup" / "cpu" / "kubepods" / "pod1234"
     pod_dir.mkdir(parents=True)
     (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
@@ -115,8 +115,7 @@ async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None
         lines = table.stdout.splitlines()
         assert lines[1].startswith("runtime        containerd v2.3.4 (NRI v0.12.0): ready, connected ")
         assert lines[3] == (
-            "pod resources  NOT reachable: the marker binding alone proves requests "
-            "(/var/lib/kubelet/pod-resources/kubelet.sock)"
+            f"pod resources  NOT reachable: the marker binding alone proves requests ({short_dir}/pr.sock)"
         )
         assert lines[4] == "DRA            off"
         assert "shared pool    0-1: 1 container" in lines

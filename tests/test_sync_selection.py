@@ -11,7 +11,7 @@ import pytest
 import structlog
 from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu import trace
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 

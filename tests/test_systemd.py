@@ -41,9 +41,9 @@ from mixedcpu_support import (
 )
 from wait_support import wait_until
 
-import cgroups.files
-from api.nri import api_pb2 as api
-from cgroups import Cgroup, CgroupWriteRejected, CpuQuota, read_cpu_quota
+from nri_plugin import cgroups
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import Cgroup, CgroupWriteRejected, CpuQuota, read_cpu_quota
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key

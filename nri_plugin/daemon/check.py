@@ -54,9 +54,9 @@ from typing import Any, Final
 
 import yaml
 
-import cgroups
-from cgroups import CgroupLayout, CgroupMode, CpusetError
-from cgroups.mode import DEFAULT_MOUNTINFO
+from nri_plugin import cgroups
+from nri_plugin.cgroups import CgroupLayout, CgroupMode, CpusetError
+from nri_plugin.cgroups.mode import DEFAULT_MOUNTINFO
 from nri_plugin.daemon.config import (
     DEFAULT_CONFIG_PATH,
     Config,

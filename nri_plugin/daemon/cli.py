@@ -22,15 +22,15 @@ from typing import Final, NoReturn
 
 import structlog
 
-from cgroups.mode import DEFAULT_MOUNTINFO
-from nri_plugin import __version__
+from nri_plugin.cgroups.mode import DEFAULT_MOUNTINFO
+from nri_plugin.common.buildinfo import PROGRAM, version_line
 from nri_plugin.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_STATE_DIR
 from nri_plugin.daemon.logs import LEVELS, configure_logging
 
 __all__ = ["EXIT_OUTPUT_CLOSED", "main"]
 
 
-_PROG: Final = "mixed-cpu-nri-plugin"
+_PROG: Final = PROGRAM
 # The status of a command whose reader went away (a shell shows a SIGPIPE death as 128 + 13).
 EXIT_OUTPUT_CLOSED: Final = 128 + signal.SIGPIPE
 # demo --runtime: the simulated runtime's name, and its version; "crio" is CRI-O's command name.
@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"'{_PROG} COMMAND --help' describes each command.",
     )
     _log_level_option(parser, None)
-    parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
+    parser.add_argument("--version", action="version", version=version_line())
     # The same option after the command name; SUPPRESS keeps a value given before it.
     level = _Parser(add_help=False)
     _log_level_option(level, argparse.SUPPRESS)
@@ -319,7 +319,10 @@ def _parser() -> argparse.ArgumentParser:
         "(default: /host)",
     )
     commands.add_parser(
-        "version", parents=[level], help="print the version", description="Print the version and exit."
+        "version",
+        parents=[level],
+        help="print the version",
+        description="Print the version and the commit it was built from, and exit.",
     )
     return parser
 
@@ -361,7 +364,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _version(_args: argparse.Namespace) -> int:
-    print(f"{_PROG} {__version__}")
+    print(version_line())
     return 0
 
 

@@ -56,9 +56,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Final, TypeVar
 
-import cgroups
-from cgroups import CgroupLayout, CgroupMode, CgroupModeError, CpusetError, Hierarchy
-from cgroups.mode import DEFAULT_CGROUP_ROOT, DEFAULT_MOUNTINFO
+from nri_plugin import cgroups
+from nri_plugin.cgroups import CgroupLayout, CgroupMode, CgroupModeError, CpusetError, Hierarchy
+from nri_plugin.cgroups.mode import DEFAULT_CGROUP_ROOT, DEFAULT_MOUNTINFO
 from nri_plugin.common.smallfile import NotRegularFile, TooLarge, read_capped
 from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
 from nri_plugin.dra.config import DraConfig, DraConfigError

@@ -28,8 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from api.nri import api_pb2 as api
-from cgroups import CgroupDir, CgroupLayout, format_cpuset, parse_cpuset, pod_cgroup_path, read_cpu_quota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
+    CgroupDir,
+    CgroupLayout,
+    format_cpuset,
+    parse_cpuset,
+    pod_cgroup_path,
+    read_cpu_quota,
+)
 from nri_plugin.daemon.config import build_layout, load_config
 from nri_plugin.daemon.wiring import build_plugin, load_marker_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY

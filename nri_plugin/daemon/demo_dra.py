@@ -29,12 +29,12 @@ from typing import TextIO
 
 import grpc
 
-from api.dra.v1 import api_pb2 as dra
-from api.dra.v1 import api_pb2_grpc as dra_grpc
-from api.nri import api_pb2 as api
-from api.pluginregistration.v1 import api_pb2 as reg
-from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from cgroups import read_cpu_quota
+from nri_plugin.api.dra.v1 import api_pb2 as dra
+from nri_plugin.api.dra.v1 import api_pb2_grpc as dra_grpc
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.api.pluginregistration.v1 import api_pb2 as reg
+from nri_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from nri_plugin.cgroups import read_cpu_quota
 from nri_plugin.daemon.demo import (
     NAMING,
     NODE_CPUS,

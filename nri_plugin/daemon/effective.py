@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from pathlib import PurePosixPath
 from typing import Any, Final
 
-import cgroups
+from nri_plugin import cgroups
 from nri_plugin.daemon.config import (
     TRUSTED_SOURCE_KEYS,
     TRUSTED_SOURCES_TABLE,

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
-from cgroups import CgroupError, CgroupNotFound, read_cpu_quota
 from nri_plugin import __version__
+from nri_plugin.cgroups import CgroupError, CgroupNotFound, read_cpu_quota
 from nri_plugin.common.unixsocket import FileId, bind_socket, remove_if_ours
 from nri_plugin.daemon.probes import FAIR_TURNS, ConnectionTable
 from nri_plugin.deviceplugin.podresources import PodResourcesClient

@@ -3,6 +3,7 @@
 
 1. the config, read and checked, then logging as it says, then the cgroup layout; then the node's
    one-daemon lock in state_dir (`nri_plugin.daemon.instance`), before any file there is read;
+   then the state dir's format (`nri_plugin.daemon.stateformat`: one a newer daemon wrote is refused);
 2. the metrics, first of the parts: each part that reports to them is built with them as its
    observer (none is given one afterwards);
 3. the node's marker key, kubelet's PodResources client (the record that proves a marker's
@@ -24,14 +25,15 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import structlog
 
-from cgroups import CgroupLayout, format_cpuset
+from nri_plugin.cgroups import CgroupLayout, format_cpuset
+from nri_plugin.common.buildinfo import version_line
 from nri_plugin.daemon.app import EXIT_CONFIG, NRI_ENDED, Daemon, DaemonError, Service
 from nri_plugin.daemon.config import (
     DEFAULT_CONFIG_PATH,
@@ -56,6 +58,7 @@ from nri_plugin.daemon.instance import (
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.daemon.probes import NotReadyWarnings, ProbeError, ProbeServer, liveness, readiness
+from nri_plugin.daemon.stateformat import STATE_FORMAT, StateFormatError, settle_state_format
 from nri_plugin.daemon.status import StatusParts, StatusServer, status_document, status_socket_path
 from nri_plugin.deviceplugin.keyfile import HostKeyError, load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
@@ -151,6 +154,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     try:
         config, layout = load_settings(options, node=env.get("NODE_NAME"))
         lock_watch = take_instance_locks(config, options)
+        say_state_format = settle_state_dir_format(config)
         identity = resolve_identity(options, config, env)
         metrics = build_metrics(config)
         key = load_marker_key(config)
@@ -172,6 +176,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
     if metrics is not None:
         bind_gauges(metrics, stub, plugin, device_plugin, dra)
     _log_start(config, layout, stub, identity)
+    say_state_format()  # once the daemon is built: a start that fails stays one line
     _log_numa(plugin.pool)
     if record is not None:
         record.log_start()
@@ -244,6 +249,30 @@ def take_instance_locks(config: Config, options: RunOptions) -> LockWatch:
     except InstanceLockError as exc:
         raise DaemonError(str(exc), EXIT_CONFIG) from None
     return LockWatch(locks, pending=pending)
+
+
+def settle_state_dir_format(config: Config) -> Callable[[], None]:
+    """The state dir's format checked before anything in it is read, and recorded as this version
+    writes it (`nri_plugin.daemon.stateformat`): a state dir a newer daemon laid out is refused.
+    Returns what to log once the daemon is built (so that a start that fails stays one line): the
+    record written, or why it could not be (a state dir that cannot be written fails later, where
+    the books or the key say why). Raises `ConfigError` (exit status 2, one line saying what to do)."""
+    problem = state_dir_problem(config.state_dir)
+    if problem is not None:
+        raise _state_dir_error(config, problem)
+    try:
+        written = settle_state_format(config.state_dir, version_line())
+    except StateFormatError as exc:
+        raise ConfigError(f"{config.source}: state_dir: {exc}") from None
+    except OSError as exc:
+        return functools.partial(
+            log.warning, "state dir format not recorded", state_dir=config.state_dir, problem=str(exc)
+        )
+    if not written:
+        return lambda: None
+    return functools.partial(
+        log.info, "state dir format recorded", state_dir=config.state_dir, state_format=STATE_FORMAT
+    )
 
 
 def build_metrics(config: Config) -> Metrics | None:
@@ -391,6 +420,10 @@ def build_device_plugin(
     return DevicePluginServer(config.device_plugin, key, observer=observer)
 
 
+# What the [dra] extra installs (lightkube, and httpx2 under it): a daemon without them runs, DRA off.
+DRA_CLIENT_MODULES: Final = frozenset({"lightkube", "httpx2"})
+
+
 def dra_node_name(config: Config, environ: Mapping[str, str]) -> str:
     """The DRA pool's name: [dra] node_name, else NODE_NAME. Raises `ConfigError` when neither is set."""
     node_name = config.dra.node_name or environ.get("NODE_NAME", "")
@@ -408,8 +441,16 @@ def build_dra(config: Config, key: HostKey | None, environ: Mapping[str, str]) -
     if not config.dra.enabled or key is None:
         return None
     node_name = dra_node_name(config, environ)
-    from nri_plugin.dra.frontdoor import DraFrontDoor  # lightkube and httpx2: only when DRA is on
-
+    try:
+        from nri_plugin.dra.frontdoor import DraFrontDoor  # lightkube and httpx2: only when DRA is on
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in DRA_CLIENT_MODULES:
+            raise
+        raise ConfigError(
+            f"{config.source}: [dra] enabled = true needs the DRA client libraries, which this "
+            f"installation lacks (no module {exc.name}): pip install 'mixed-cpu-nri-plugin[dra]' "
+            "(the image has them), or set [dra] enabled = false"
+        ) from None
     try:
         return DraFrontDoor(
             config.dra, key, node_name=node_name, device_count=config.device_plugin.device_count

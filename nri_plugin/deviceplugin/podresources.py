@@ -53,8 +53,8 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
-from api.podresources.v1 import api_pb2 as api
-from api.podresources.v1 import api_pb2_grpc as api_grpc
+from nri_plugin.api.podresources.v1 import api_pb2 as api
+from nri_plugin.api.podresources.v1 import api_pb2_grpc as api_grpc
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.marker import dra_device_id

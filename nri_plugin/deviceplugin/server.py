@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 import structlog
 
-from api.deviceplugin.v1beta1 import api_pb2 as api
-from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2 as api
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless, within
 from nri_plugin.common.unixsocket import FileId, bind_socket, file_id, remove_if_ours

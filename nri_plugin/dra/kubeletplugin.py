@@ -59,14 +59,14 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import grpc
 import structlog
 
-from api.dra.v1 import api_pb2 as dra
-from api.dra.v1 import api_pb2_grpc as dra_grpc
-from api.drahealth.v1 import api_pb2 as health
-from api.drahealth.v1 import api_pb2_grpc as health_grpc
-from api.drahealth.v1alpha1 import api_pb2 as health_alpha
-from api.drahealth.v1alpha1 import api_pb2_grpc as health_alpha_grpc
-from api.pluginregistration.v1 import api_pb2 as reg
-from api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from nri_plugin.api.dra.v1 import api_pb2 as dra
+from nri_plugin.api.dra.v1 import api_pb2_grpc as dra_grpc
+from nri_plugin.api.drahealth.v1 import api_pb2 as health
+from nri_plugin.api.drahealth.v1 import api_pb2_grpc as health_grpc
+from nri_plugin.api.drahealth.v1alpha1 import api_pb2 as health_alpha
+from nri_plugin.api.drahealth.v1alpha1 import api_pb2_grpc as health_alpha_grpc
+from nri_plugin.api.pluginregistration.v1 import api_pb2 as reg
+from nri_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless, within
 from nri_plugin.common.k8snames import is_dns_subdomain
 from nri_plugin.common.text import clip

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-from api.nri import api_pb2 as api
-from cgroups.quota import MIN_CFS_QUOTA_US, CpuQuota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups.quota import MIN_CFS_QUOTA_US, CpuQuota
 from nri_plugin.mixedcpu.books import PodRecord
 from nri_plugin.mixedcpu.policy import baseline_from_pod_resources
 

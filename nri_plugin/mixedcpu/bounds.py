@@ -25,9 +25,9 @@ from typing import Final
 
 import structlog
 
-from api.nri import api_pb2 as api
-from cgroups.cpuset import MAX_CPUS, CpusetError
-from cgroups.cpuset import parse as parse_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups.cpuset import MAX_CPUS, CpusetError
+from nri_plugin.cgroups.cpuset import parse as parse_cpuset
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields
 from nri_plugin.mixedcpu.policy import (

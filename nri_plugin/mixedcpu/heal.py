@@ -75,8 +75,8 @@ from typing import Final, NamedTuple, Protocol, TypeVar
 
 import structlog
 
-from api.nri import api_pb2 as api
-from cgroups import CgroupDir, CgroupError, cgroup_exists, container_cgroup_path
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CgroupDir, CgroupError, cgroup_exists, container_cgroup_path
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota

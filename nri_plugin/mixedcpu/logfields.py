@@ -13,8 +13,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Final
 
-from api.nri import api_pb2 as api
-from cgroups import CpuQuota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CpuQuota
 
 __all__ = ["EVENT_NAME", "LOGGER_NAME", "LaterLines", "pod_fields", "show_quota"]
 

@@ -55,8 +55,8 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import structlog
 
-from api.nri import api_pb2 as api
-from cgroups import CgroupLayout, CpuQuota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CgroupLayout, CpuQuota
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.mixedcpu import trace
 from nri_plugin.mixedcpu.allocations import AllocationRecord, ContainerDevices, PodRef, devices_of

@@ -44,10 +44,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, NamedTuple, Protocol
 
-from api.nri import api_pb2 as api
-from cgroups.cpuset import CpusetError
-from cgroups.cpuset import format as _format_cpus
-from cgroups.cpuset import parse as parse_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups.cpuset import CpusetError
+from nri_plugin.cgroups.cpuset import format as _format_cpus
+from nri_plugin.cgroups.cpuset import parse as parse_cpuset
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY as MARKER_ANNOTATION
 from nri_plugin.deviceplugin.marker import DRA_ID_PREFIX, MARKER_ENV
 from nri_plugin.mixedcpu.books import Slot, Spent

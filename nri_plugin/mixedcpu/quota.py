@@ -60,8 +60,8 @@ from typing import Protocol
 
 import structlog
 
-from api.nri import api_pb2 as api
-from cgroups import (
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
     Cgroup,
     CgroupDir,
     CgroupError,

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from api.nri import api_pb2 as api
-from cgroups import format_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import format_cpuset
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields
 from nri_plugin.mixedcpu.policy import (

@@ -29,8 +29,8 @@ from typing import Final
 
 import structlog
 
-from api.nri import api_pb2 as api
-from cgroups import CpuQuota, format_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CpuQuota, format_cpuset
 from nri_plugin.mixedcpu.books import ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME, pod_fields, show_quota
 from nri_plugin.mixedcpu.policy import CreatePlan, RequestCheck, UpdatePlan

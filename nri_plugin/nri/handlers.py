@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 
 # -- the connection ----------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 
 from google.protobuf.message import Message
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri import handlers as h
 from nri_plugin.nri.events import Event
 

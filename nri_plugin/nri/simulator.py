@@ -41,7 +41,7 @@ import structlog
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.nri import mux
 from nri_plugin.nri.cdispecs import CdiError, CdiSpecs, apply_env

@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 import structlog
 from google.protobuf.message import DecodeError
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.common import heap
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, sleep_unless

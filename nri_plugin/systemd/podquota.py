@@ -36,7 +36,7 @@ from typing import Final
 
 import structlog
 
-from cgroups import (
+from nri_plugin.cgroups import (
     Cgroup,
     CgroupDir,
     CgroupError,

@@ -36,7 +36,7 @@ import structlog
 from dbus_fast import Message, Variant
 from dbus_fast.aio import MessageBus
 
-from cgroups import CpuQuota
+from nri_plugin.cgroups import CpuQuota
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
 from nri_plugin.systemd import bus as dbus

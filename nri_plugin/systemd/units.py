@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from cgroups import CgroupPathError, CpuQuota, pod_cgroup_path
+from nri_plugin.cgroups import CgroupPathError, CpuQuota, pod_cgroup_path
 
 __all__ = [
     "DEFAULT_PERIOD_USEC",

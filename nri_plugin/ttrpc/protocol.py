@@ -21,8 +21,8 @@ from typing import Final, NamedTuple, cast
 
 from google.protobuf.message import DecodeError
 
-from api.google.rpc import status_pb2
-from api.ttrpc import request_pb2
+from nri_plugin.api.google.rpc import status_pb2
+from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.ttrpc import wire
 from nri_plugin.ttrpc.buffer import NEED_DATA, FrameCutter, Header, NeedData
 from nri_plugin.ttrpc.errors import (

@@ -1,4 +1,4 @@
-"""cgroups.cpuset: Linux cpu-list parse and format."""
+"""nri_plugin.cgroups.cpuset: Linux cpu-list parse and format."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgroups import cpuset
-from cgroups.cpuset import MAX_CPU, MAX_CPUS, CpusetError
+from nri_plugin.cgroups import cpuset
+from nri_plugin.cgroups.cpuset import MAX_CPU, MAX_CPUS, CpusetError
 
 PARSED = [
     ("", set()),

@@ -1,4 +1,4 @@
-"""cgroups.files and cgroups.quota on fake cgroup trees in tmp_path (v1 and v2)."""
+"""nri_plugin.cgroups.files and cgroups.quota on fake cgroup trees in tmp_path (v1 and v2)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fs_support import count_opens, outcome_within
 
-from cgroups import (
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupError,
     CgroupNotFound,
@@ -43,7 +43,7 @@ from cgroups import (
     write_parent_child_quota,
     write_value,
 )
-from cgroups.quota import format_cfs_quota_us, parse_cfs_period_us, parse_cfs_quota_us
+from nri_plugin.cgroups.quota import format_cfs_quota_us, parse_cfs_period_us, parse_cfs_quota_us
 
 POD = CgroupPath(("kubepods", "pod1"))
 CTR = POD.child("ctr")

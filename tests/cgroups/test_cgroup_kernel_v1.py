@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 from kernel_support import require_v1_layout
 
-from cgroups import (
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupPath,
     CgroupWriteRejected,

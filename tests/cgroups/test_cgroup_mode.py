@@ -1,4 +1,4 @@
-"""cgroups.mode: cgroup mode and cpu/cpuset hierarchies from mountinfo."""
+"""nri_plugin.cgroups.mode: cgroup mode and cpu/cpuset hierarchies from mountinfo."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cgroups import (
+from nri_plugin.cgroups import (
     CgroupLayout,
     CgroupMode,
     CgroupModeError,

@@ -1,4 +1,4 @@
-"""cgroups.CgroupOpener (pod cgroups opened below held parents) and the CFS limit file an opened
+"""nri_plugin.cgroups.CgroupOpener (pod cgroups opened below held parents) and the CFS limit file an opened
 cgroup holds from its read to its write, on fake trees."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fs_support import count_opens
 
-from cgroups import (
+from nri_plugin.cgroups import (
     CgroupNotFound,
     CgroupOpener,
     CgroupPath,

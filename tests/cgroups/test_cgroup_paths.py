@@ -1,4 +1,4 @@
-"""cgroups.paths: pod and container cgroup paths for every runtime x driver x cgroup version, and
+"""nri_plugin.cgroups.paths: pod and container cgroup paths for every runtime x driver x cgroup version, and
 every input we refuse."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgroups import (
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupNotFound,
     CgroupPath,
@@ -29,7 +29,7 @@ from cgroups import (
     write_cpu_quota,
     write_value,
 )
-from cgroups import paths as cgroup_paths
+from nri_plugin.cgroups import paths as cgroup_paths
 
 UID = "6b9c1a52-3d1e-4f5a-9b7c-0123456789ab"
 UID_ = UID.replace("-", "_")  # kubelet's systemd driver turns the UID's dashes into underscores

@@ -31,10 +31,10 @@ from typing import Any
 
 import grpc
 
-from api.deviceplugin.v1beta1 import api_pb2 as api
-from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
-from api.podresources.v1 import api_pb2 as podresources
-from api.podresources.v1 import api_pb2_grpc as podresources_grpc
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2 as api
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
+from nri_plugin.api.podresources.v1 import api_pb2 as podresources
+from nri_plugin.api.podresources.v1 import api_pb2_grpc as podresources_grpc
 
 KUBELET_SOCKET = "kubelet.sock"
 # The test side's Allocate calls: against hangs only (a loaded 2-core CI machine took over 5 s).

@@ -10,8 +10,8 @@ import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.descriptor_pb2 import FileDescriptorProto
 
-from api.deviceplugin.v1beta1 import api_pb2 as api
-from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2 as api
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 
 FILE = api.DESCRIPTOR
 
@@ -85,7 +85,7 @@ def test_file_header() -> None:
     proto = FileDescriptorProto()
     FILE.CopyToProto(proto)
     assert (proto.package, proto.syntax) == ("v1beta1", "proto3")
-    assert proto.name == "api/deviceplugin/v1beta1/api.proto"
+    assert proto.name == "nri_plugin/api/deviceplugin/v1beta1/api.proto"
     assert not proto.dependency, "plain proto3: no gogoproto or other imports"
 
 

@@ -37,7 +37,7 @@ from mixedcpu_support import (
 )
 from wait_support import wait_until
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import MARKER_ENV, HostKey, dra_device_id
 from nri_plugin.deviceplugin.podresources import DraDevices, PodResourcesClient
 from nri_plugin.nri.cdispecs import CdiSpecs

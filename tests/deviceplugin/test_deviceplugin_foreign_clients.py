@@ -18,8 +18,8 @@ from fake_kubelet import FakeKubelet, remove_sockets
 from redteam_support import daemon_node, short_directory
 from wait_support import wait_until
 
-from api.deviceplugin.v1beta1 import api_pb2 as api
-from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2 as api
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey

@@ -19,7 +19,7 @@ import structlog
 from fake_kubelet import PodResourcesRecord
 from mixedcpu_support import write_daemon_config
 
-from api.podresources.v1 import api_pb2 as podresources
+from nri_plugin.api.podresources.v1 import api_pb2 as podresources
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.daemon.check import Status, check_pod_resources
 from nri_plugin.daemon.config import load_config

@@ -21,8 +21,8 @@ import pytest
 from deviceplugin_time import EPSILON, advance, exact_backoff
 from fake_kubelet import FakeKubelet, remove_sockets
 
-from api.deviceplugin.v1beta1 import api_pb2 as api
-from api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2 as api
+from nri_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as api_grpc
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey

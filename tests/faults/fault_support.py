@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -28,8 +29,8 @@ from typing import Any, TypeVar
 from kernel_support import make_cgroups, scratch_subtree
 from mixedcpu_support import Daemon, fake_layout, make_fake_cgroup, make_plugin, start_daemon
 
-from api.nri import api_pb2 as api
-from cgroups import (
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupError,
     CgroupLayout,
@@ -598,13 +599,21 @@ def write_config(
     metrics: bool = False,
     extra: str = "",
     device_plugin: str = "",
+    pod_resources: str | None = None,
 ) -> Path:
     """The daemon's config: shared CPUs `shared` of online 0-15 (a fake sysfs), the tree `tree` (a
     fake one, or the real kernel's mounts, detected), the state dir ``state``; metrics and probes on
     a free port of 127.0.0.1 with `metrics` (the daemon logs which), else none; kubelet's
     device-plugin directory `plugin_dir` (default ``kubelet`` in `directory`: no kubelet there, the
     device plugin waits for one); `extra`: more top-level lines; `device_plugin`: more lines of the
-    ``[device_plugin]`` table."""
+    ``[device_plugin]`` table. Never the host's system bus, nor kubelet's PodResources socket:
+    `pod_resources` (default ``pr.sock`` in `directory`, where nobody answers: kubelet cannot be
+    asked; "": no record at all), unless `device_plugin` names one."""
+    if pod_resources is None:
+        pod_resources = f"{directory}/pr.sock"
+    pod_resources_line = f"pod_resources_socket = {json.dumps(pod_resources)}\n"
+    if "pod_resources_socket" in device_plugin:  # the test names its own
+        pod_resources_line = ""
     online = directory / "sys" / "devices" / "system" / "cpu"
     online.mkdir(parents=True)
     (online / "online").write_text("0-15\n")
@@ -618,8 +627,8 @@ def write_config(
     config.write_text(
         f'shared_cpuset = "{format_cpuset(shared)}"\nsysfs_root = "{directory}/sys"\n'
         f'state_dir = "{directory}/state"\n{cgroups}log_format = "console"\n'
-        f'metrics_address = "{"127.0.0.1:0" if metrics else ""}"\n{extra}\n'
-        f"[device_plugin]\n{plugin_dir_line}\n{device_plugin}\n"
+        f'metrics_address = "{"127.0.0.1:0" if metrics else ""}"\nsystemd_bus = ""\n{extra}\n'
+        f"[device_plugin]\n{plugin_dir_line}\n{pod_resources_line}{device_plugin}\n"
     )
     return config
 
@@ -637,6 +646,7 @@ async def launch_daemon(config: Path, socket: Path, *, prefix: Sequence[str] = (
         str(socket),
         prefix=prefix,
         stdout=subprocess.DEVNULL,
+        kernel_cgroups=True,  # the real-kernel tier's daemons use the host's tree, and say so
     )
     return Daemon(proc, GUARD)
 

@@ -34,8 +34,8 @@ from fault_support import (
 from kernel_support import require_v1_layout
 from mixedcpu_support import plugin_running
 
-from api.nri import api_pb2 as api
-from cgroups import CgroupPath, read_cpuset, write_cpu_quota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CgroupPath, read_cpuset, write_cpu_quota
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri.simulator import PluginFailed
 from nri_plugin.ttrpc.errors import Code

@@ -9,8 +9,8 @@ import pytest
 from fault_support import PERIOD, inconsistencies, make_node, within
 from mixedcpu_support import plugin_running
 
-from api.nri import api_pb2 as api
-from cgroups import write_cpu_quota
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import write_cpu_quota
 
 
 def flagged(lines: list[str]) -> dict[str, str]:

@@ -48,8 +48,8 @@ from kernel_support import require_v1_layout
 from mixedcpu_support import Daemon
 from probe_support import scrape, value
 
-from api.nri import api_pb2 as api
-from cgroups import CgroupPath, parse_cpuset, read_cpuset
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import CgroupPath, parse_cpuset, read_cpuset
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.mixedcpu.store import StateStore
@@ -281,8 +281,8 @@ async def test_a_pod_cgroup_missing_a_moment_keeps_its_binding_from_a_replay(sho
     restart is granted once its cgroup is back."""
     node = make_node(short_dir, 1)
     population, runtime, tree = node.population, node.runtime, node.tree
-    config = write_config(short_dir, tree)  # the default interval: no two looks within the test
-    config.write_text(config.read_text() + 'pod_resources_socket = ""\n')  # [device_plugin]: no record
+    # The default interval: no two looks within the test; no kubelet record at all.
+    config = write_config(short_dir, tree, pod_resources="")
     device = {ANNOTATION_KEY: population.key.sign("shared-cpus-3")}
     async with runtime, daemon_running(config, node.socket) as daemon:
         await within(runtime.wait_for_plugins(1))

@@ -10,7 +10,7 @@ import pytest
 from fault_support import PERIOD, Runtime, books_vs_files, inconsistencies, make_node, until, within
 from mixedcpu_support import plugin_running
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.common.backoff import Backoff
 
 

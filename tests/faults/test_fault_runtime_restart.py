@@ -12,7 +12,7 @@ import structlog
 from fault_support import PERIOD, inconsistencies, make_node, within
 from mixedcpu_support import plugin_running
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 
 
 @pytest.mark.asyncio

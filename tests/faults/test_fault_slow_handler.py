@@ -14,7 +14,7 @@ import pytest
 from fault_support import PERIOD, books_vs_files, inconsistencies, make_node, within
 from mixedcpu_support import plugin_running
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 

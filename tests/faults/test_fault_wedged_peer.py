@@ -32,7 +32,7 @@ from hostile_support import Connection, HostileRuntime
 from mixedcpu_support import Daemon
 from probe_support import Reply, get
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.stub import DEFAULT_MAX_SYNC_BYTES, SYNC_CHUNKS_PER_MIB
 

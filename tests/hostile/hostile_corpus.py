@@ -15,7 +15,7 @@ from hostile_models import MUX_HEADER, REQUEST_TYPES, SMALL_LIMIT, TTRPC_HEADER
 from hypothesis import strategies as st
 from vectors import load_frames, vector_names
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri.mux import MAX_PAYLOAD
 from nri_plugin.ttrpc.errors import Code
 from nri_plugin.ttrpc.protocol import ClientSession, MessageType, ServerSession, encode_frame

@@ -14,7 +14,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri.mux import MAX_PAYLOAD, MuxDecoder, MuxFrame, MuxProtocolError
 from nri_plugin.nri.mux import NEED_DATA as MUX_NEED_DATA
 from nri_plugin.nri.routes import DEDICATED_METHODS

@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 from hostile_models import CPU_LISTS, INT64_EDGES, REQUEST_TYPES, TRICKS
 from hypothesis import strategies as st
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.nri.routes import DEDICATED_METHODS
 

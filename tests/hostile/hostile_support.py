@@ -34,8 +34,8 @@ from mixedcpu_support import (
     marker,
 )
 
-from api.nri import api_pb2 as api
-from api.ttrpc import request_pb2
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.common.backoff import Backoff
 from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.mixedcpu.allocations import AllocationRecord

@@ -29,8 +29,8 @@ from hostile_support import Connection, HostileRuntime, Reply
 from mixedcpu_support import Daemon, start_daemon, write_daemon_config
 from redteam_support import GUARD, rss_kib, short_directory, within
 
-from api.nri import api_pb2 as api
-from api.ttrpc import request_pb2
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.daemon import config as config_module
 from nri_plugin.nri import mux
 from nri_plugin.nri.stub import DEFAULT_MAX_SYNC_BYTES, SYNC_CHUNKS_PER_MIB, SYNC_OBJECT_COST

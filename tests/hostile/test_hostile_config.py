@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from host_guard import refuse_host_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mixedcpu_support import ROOT
@@ -256,6 +257,7 @@ def test_run_exits_2_with_one_clear_line_for_each_kind_of_bad_file(tmp_path: Pat
     async def run(name: str, data: bytes) -> tuple[str, int, bytes]:
         path = tmp_path / f"{name}.toml"
         path.write_bytes(data)
+        refuse_host_paths(("run", "--config", str(path)))
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

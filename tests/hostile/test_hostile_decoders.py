@@ -30,7 +30,7 @@ from hostile_models import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.ttrpc import request_pb2
+from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.ttrpc.errors import Code, ProtocolError
 from nri_plugin.ttrpc.protocol import (
     ClientSession,

@@ -36,7 +36,7 @@ from hostile_support import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.ttrpc.errors import Code
 
 EXAMPLES = 60

@@ -23,7 +23,7 @@ from hostile_support import PERIOD, Node, Reply, granted, other_node_key
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.nri.events import Event
 

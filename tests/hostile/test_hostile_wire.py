@@ -18,8 +18,8 @@ from hostile_support import PERIOD, Node, granted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.nri import api_pb2 as api
-from api.ttrpc import request_pb2
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.nri.mux import MAX_PAYLOAD, PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE
 from nri_plugin.ttrpc.errors import Code

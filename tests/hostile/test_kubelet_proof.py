@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mixedcpu_support import FakeKubeletRecord
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.store import STATE_FILE_NAME
 
 DEVICE = "shared-cpus-7"

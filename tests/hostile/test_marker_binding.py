@@ -24,7 +24,7 @@ from mixedcpu_support import (
     new_allocation,
 )
 
-from api.nri import api_pb2 as api
+from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.errors import PluginRefusal

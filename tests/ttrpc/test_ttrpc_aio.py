@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from google.protobuf.wrappers_pb2 import StringValue
 
-from api.ttrpc import request_pb2
+from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.ttrpc.aio import (
     CallContext,
     Client,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from api.google.rpc import status_pb2
-from api.ttrpc import request_pb2
+from nri_plugin.api.google.rpc import status_pb2
+from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.ttrpc import protocol
 from nri_plugin.ttrpc.errors import Code, LocalProtocolError, OversizedMessage, ProtocolError, TtrpcError
 from nri_plugin.ttrpc.protocol import (

@@ -12,7 +12,7 @@ import pytest
 from google.protobuf import empty_pb2
 from vectors import comment_lines, ttrpc_message, vector_names
 
-from api.ttrpc import request_pb2
+from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.ttrpc.aio import CallContext, Server, UnaryMethod
 from nri_plugin.ttrpc.protocol import (
     ClientSession,

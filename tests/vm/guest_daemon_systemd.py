@@ -39,8 +39,8 @@ from typing import Any
 from mixedcpu_support import NAMINGS, PERIOD
 from vm.guest_daemon_v2 import GUARD, WORK, Kernel, Node, Reading, Runtime, prepare_workdir, read_text
 
-from api.nri import api_pb2 as api
-from cgroups import container_cgroup_path, pod_cgroup_path, read_layout
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import container_cgroup_path, pod_cgroup_path, read_layout
 
 NAMING = NAMINGS[1]  # containerd, systemd driver: /kubepods.slice/kubepods-pod<uid>.slice
 CONTROL = "kubepods-podcontrol.slice"

@@ -32,8 +32,8 @@ from typing import Any
 
 from mixedcpu_support import NAMINGS, PERIOD, Daemon, Naming, make_container, make_pod, marker, start_daemon
 
-from api.nri import api_pb2 as api
-from cgroups import (
+from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.cgroups import (
     CgroupError,
     CgroupLayout,
     CgroupPath,
@@ -210,7 +210,7 @@ class Node:
     async def start_daemon(self, config: Path = WORK / "config.toml") -> None:
         proc = await start_daemon(
             "--log-level", "info", "run", "--config", str(config), "--socket", str(self.runtime.socket_path),
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, in_vm=True,
         )  # fmt: skip
         self.daemon = Daemon(proc, GUARD)
         await self.runtime.wait_for_plugins(1, GUARD)
@@ -421,7 +421,7 @@ async def bad_config(node: Node) -> Reading:
     before = pod_quotas(node)
     state = (WORK / "state" / "pod-quotas.json").read_text()
     config = write_config(WORK / "bad.toml", "0-1,7")
-    proc = await start_daemon("run", "--config", str(config), "--socket", str(WORK / "none.sock"))
+    proc = await start_daemon("run", "--config", str(config), "--socket", str(WORK / "none.sock"), in_vm=True)
     _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
     return {
         "exit status": proc.returncode,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from cgroups import (
+from nri_plugin.cgroups import (
     CgroupDir,
     CgroupError,
     CgroupPath,
