@@ -31,6 +31,9 @@ from nri_plugin.ttrpc.aio import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code, TtrpcError
 from nri_plugin.ttrpc.protocol import ClientSession, ResponseReceived
 
+# The name and index the stubs here register with.
+TEST_IDENTITY = Identity(name="test", index="10")
+
 ROOT = Path(__file__).resolve().parent.parent
 # Guards against a hung test only; nothing here measures time.
 GUARD = 10.0
@@ -538,12 +541,7 @@ async def test_invalid_event_mask_is_refused(socket_path: Path) -> None:
     async with RuntimeSimulator(
         socket_path, runtime_name="containerd", runtime_version="v2.0.0", nri_version=""
     ) as sim:
-        stub = Stub(
-            Greedy(),
-            identity=Identity(name="test", index="10"),
-            socket_path=str(socket_path),
-            reconnect=False,
-        )
+        stub = Stub(Greedy(), identity=TEST_IDENTITY, socket_path=str(socket_path), reconnect=False)
         # Pretend the stub did not limit its mask: subscribe to everything the plugin handles.
         stub_configure = stub._configure
 
@@ -702,7 +700,7 @@ async def test_the_connection_goes_through_its_states(socket_path: Path) -> None
 
     plugin = Watching()
     clock = ManualClock()  # the reconnect waits until the test moves time on
-    stub = Stub(plugin, identity=Identity(name="test", index="10"), socket_path=str(socket_path), clock=clock)
+    stub = Stub(plugin, identity=TEST_IDENTITY, socket_path=str(socket_path), clock=clock)
     plugin.stub = stub
     before = stub.state
     running = asyncio.ensure_future(stub.run())
@@ -727,9 +725,7 @@ async def test_the_connection_goes_through_its_states(socket_path: Path) -> None
 @pytest.mark.asyncio
 async def test_stop_ends_the_backoff_wait_at_once(socket_path: Path) -> None:
     clock = ManualClock()  # never advanced: only stop() can end the wait
-    stub = Stub(
-        Recorder(), identity=Identity(name="test", index="10"), socket_path=str(socket_path), clock=clock
-    )
+    stub = Stub(Recorder(), identity=TEST_IDENTITY, socket_path=str(socket_path), clock=clock)
     running = asyncio.ensure_future(stub.run())
     await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF))
     stub.stop()
@@ -779,11 +775,7 @@ async def test_the_stub_says_how_long_it_is_stuck_and_why_it_lost_its_connection
     clock = ManualClock()
     backoff = Backoff(initial=1.0, maximum=1.0, jitter=(1.0, 1.0))
     stub = Stub(
-        Recorder(),
-        identity=Identity(name="test", index="10"),
-        socket_path=str(socket_path),
-        backoff=backoff,
-        clock=clock,
+        Recorder(), identity=TEST_IDENTITY, socket_path=str(socket_path), backoff=backoff, clock=clock
     )
     assert (stub.stalled_for, stub.lost) == (0.0, None)
     running = asyncio.ensure_future(stub.run())
@@ -826,11 +818,7 @@ async def test_every_registration_resets_the_reconnect_backoff(socket_path: Path
     clock = ManualClock()
     backoff = Backoff(initial=1.0, maximum=8.0, jitter=(1.0, 1.0))
     stub = Stub(
-        Recorder(),
-        identity=Identity(name="test", index="10"),
-        socket_path=str(socket_path),
-        backoff=backoff,
-        clock=clock,
+        Recorder(), identity=TEST_IDENTITY, socket_path=str(socket_path), backoff=backoff, clock=clock
     )
     running = asyncio.ensure_future(stub.run())
     try:

@@ -4,8 +4,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
 
     shared_cpuset = "0-1"                  # the node's shared CPU pool (Linux cpu list)
 
-    plugin_name = "mixed-cpu"              # NRI plugin name; NRI_PLUGIN_NAME and --nri-plugin-name win
-    plugin_index = "10"                    # two digits; NRI_PLUGIN_IDX and --nri-plugin-index win
+    plugin_name = "mixed-cpu"              # NRI name; --nri-plugin-name, NRI_PLUGIN_NAME, NN-name file win
+    plugin_index = "10"                    # two digits; --nri-plugin-index, NRI_PLUGIN_IDX, NN-name file win
     nri_socket = "/var/run/nri/nri.sock"   # --socket wins
     cgroup_root = "/sys/fs/cgroup"         # where the host's cgroup tree is mounted
     cgroup_version = "auto"                # auto (from mountinfo) | v1 (<root>/cpu, <root>/cpuset) | v2
