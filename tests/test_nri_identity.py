@@ -32,6 +32,8 @@ def test_each_source_alone() -> None:
     )
     from_file = "executable name (30-file-name)"
     assert resolved(executable=LAUNCHED) == ("file-name", "30", from_file, from_file)
+    # Split at the first dash only, once: the rest is the name.
+    assert resolved(executable="/x/10-20-y")[:2] == ("20-y", "10")
     assert resolved(default_name="cfg", default_index="50", defaults_from="the config") == (
         "cfg",
         "50",

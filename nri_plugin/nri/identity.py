@@ -121,7 +121,6 @@ def resolve_identity(
     variables, `executable` (a path; its file name when of the ``NN-name`` form), and the defaults
     (origin `defaults_from`). Raises `IdentityError` when a part is missing or NRI would refuse it."""
     base = executable.rsplit("/", 1)[-1]
-    file_name = _FILE_NAME.fullmatch(base)
     sources = (
         (given_from, name, given_from, index),
         (
@@ -130,19 +129,15 @@ def resolve_identity(
             f"environment ({INDEX_VARIABLE})",
             environ.get(INDEX_VARIABLE),
         ),
-        (
-            f"executable name ({base})",
-            file_name and file_name[2],
-            f"executable name ({base})",
-            file_name and file_name[1],
-        ),
+        # Only a file named NN-name: cut below, as a name of that form from any source is.
+        (f"executable name ({base})", base if _FILE_NAME.fullmatch(base) else None, "", None),
         (defaults_from, default_name, defaults_from, default_index),
     )
     chosen_name = chosen_index = None
     name_from = index_from = ""
     for name_origin, source_name, index_origin, source_index in sources:
         if source_name and (whole := _FILE_NAME.fullmatch(source_name)):
-            source_name = whole[2]  # an old runtime's whole file name: cut, its index kept
+            source_name = whole[2]  # a file's name (an old runtime's too): cut, its index kept
             if not source_index:
                 source_index, index_origin = whole[1], name_origin
         if chosen_name is None and source_name:
