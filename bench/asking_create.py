@@ -42,6 +42,7 @@ from nri_plugin.daemon.logs import LEVELS, configure_logging
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri import mux
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub
 from nri_plugin.ttrpc.aio import Server
 from nri_plugin.ttrpc.protocol import ClientSession
@@ -70,7 +71,7 @@ class _CountingTransport(asyncio.Transport):
 def plugin_behind_trunk(plugin: MixedCpuPlugin) -> tuple[mux.Trunk, _CountingTransport]:
     """The plugin behind its stub, a ttrpc server and the multiplexer, as the daemon wires it, with
     no socket: feed the trunk a request's bytes, and the transport counts the replies."""
-    stub = Stub(plugin, name="bench", index="10", socket_path="/nonexistent")
+    stub = Stub(plugin, identity=Identity(name="bench", index="10"), socket_path="/nonexistent")
     trunk = mux.Trunk()
     transport = _CountingTransport()
     trunk.connection_made(transport)

@@ -35,6 +35,7 @@ import structlog
 from workload import HERE, cpu_ns, fake_node, percentile, realistic_container, realistic_pod
 
 from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 NODE = "bench-node"
@@ -74,7 +75,12 @@ async def daemon(socket_path: str, cgroup_root: str, state_dir: str, dra_root: s
         fsync=options["fsync"],
     )
     plugin = bench_plugin(cgroup_root, state_dir)
-    stub = Stub(plugin, name="bench", index="10", socket_path=socket_path, backoff=Backoff(0.01, 0.05))
+    stub = Stub(
+        plugin,
+        identity=Identity(name="bench", index="10"),
+        socket_path=socket_path,
+        backoff=Backoff(0.01, 0.05),
+    )
     async with DraKubeletPlugin(settings, HostKey(os.urandom(32)), Claims()):
         await stub.run()
 

@@ -43,6 +43,7 @@ from nri_plugin.daemon.app import freeze_start_up_heap
 from nri_plugin.daemon.metrics import Metrics
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import Stub
 
 SHARED_CPUS = frozenset({0, 1})
@@ -108,8 +109,7 @@ async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
     plugin = bench_plugin(cgroup_root, state_dir, metrics)
     stub = Stub(
         plugin,
-        name="bench",
-        index="10",
+        identity=Identity(name="bench", index="10"),
         socket_path=socket_path,
         backoff=Backoff(initial=0.01, maximum=0.05),
         observer=metrics,

@@ -74,6 +74,7 @@ from nri_plugin.deviceplugin.keyfile import load_or_create_host_key  # noqa: E40
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey  # noqa: E402
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources  # noqa: E402
 from nri_plugin.mixedcpu.store import StateStore  # noqa: E402
+from nri_plugin.nri.identity import Identity  # noqa: E402
 from nri_plugin.nri.mux import MAX_PAYLOAD  # noqa: E402
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub  # noqa: E402
 from nri_plugin.ttrpc.aio import Server  # noqa: E402
@@ -392,7 +393,12 @@ class Fuzzer:
             store=StateStore(self.state_dir, fsync=False),
             trusted=TrustedSources(self.key, pod_annotation=self.rng.random() < 0.3),
         )
-        self.stub = Stub(self.plugin, name="fuzz", index="10", socket_path="/nonexistent", reconnect=False)
+        self.stub = Stub(
+            self.plugin,
+            identity=Identity(name="fuzz", index="10"),
+            socket_path="/nonexistent",
+            reconnect=False,
+        )
         self._new_server()
 
     def _new_server(self) -> None:

@@ -34,6 +34,7 @@ from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, PluginObserver, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool
 from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import Stub
 
 PERIOD = 100_000
@@ -243,8 +244,7 @@ class FakeKubeletRecord:
 async def plugin_running(plugin: object, socket: Path, **options: Any) -> AsyncIterator[Stub]:
     """A stub serving `plugin` on `socket` for the body of the `with`; `options` go to `Stub`."""
     defaults = {
-        "name": "mixed-cpu",
-        "index": "10",
+        "identity": Identity(name="mixed-cpu", index="10"),
         "reconnect": False,
         "backoff": Backoff(initial=0.01, maximum=0.05),
     }

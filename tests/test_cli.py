@@ -274,8 +274,7 @@ def test_run_with_a_bad_index_is_one_clear_line(tmp_path: Path, device_plugins: 
     )
     assert result.returncode == 2  # a config error (issue 15, item 2)
     assert result.stderr.strip().splitlines() == [
-        "error: plugin index '7' is invalid: use exactly two digits, "
-        "e.g. --nri-plugin-index 10 or NRI_PLUGIN_IDX=10"
+        "error: plugin index '7' is invalid: use exactly two digits, e.g. 10 (it came from the command line)"
     ]
 
 

@@ -529,26 +529,32 @@ def test_with_metrics_off_nothing_observes_and_no_port_is_served(
     assert isinstance(warnings, NotReadyWarnings), "not-ready warnings do not need the metrics"
 
 
+# A plugin file the runtime would launch (or someone started by that name): NN-name names the plugin.
+LAUNCHED_FILE = "/opt/nri/plugins/05-file-name"
+
+
 @pytest.mark.parametrize(
     ("options", "environ", "full_name", "socket"),
     [
         (RunOptions(), {}, "10-mixed-cpu", "CONFIG"),  # the config's nri_socket
+        (RunOptions(executable="/usr/bin/mixed-cpu-nri-plugin"), {}, "10-mixed-cpu", "CONFIG"),
+        (RunOptions(executable=LAUNCHED_FILE), {}, "05-file-name", "CONFIG"),
         (
-            RunOptions(),
+            RunOptions(executable=LAUNCHED_FILE),
             {"NRI_PLUGIN_NAME": "env-name", "NRI_PLUGIN_IDX": "20"},
             "20-env-name",
             "CONFIG",
         ),
         (
-            RunOptions(plugin_name="opt", plugin_index="30", socket="/run/x.sock"),
+            RunOptions(plugin_name="opt", plugin_index="30", socket="/run/x.sock", executable=LAUNCHED_FILE),
             {"NRI_PLUGIN_NAME": "env-name", "NRI_PLUGIN_IDX": "20"},
             "30-opt",
             "/run/x.sock",
         ),
     ],
-    ids=["config", "environment-wins", "options-win"],
+    ids=["config", "plain-executable", "executable-wins", "environment-wins", "options-win"],
 )
-def test_the_stub_takes_options_then_environment_then_config(
+def test_the_stub_takes_options_then_environment_then_executable_then_config(
     tmp_path: Path,
     device_plugins: Path,
     quiet_wiring: None,
@@ -618,7 +624,7 @@ def test_identity_mistakes_are_config_errors_wherever_they_come_from(
 def test_an_old_runtimes_whole_file_name_is_still_a_name(
     tmp_path: Path, device_plugins: Path, quiet_wiring: None
 ) -> None:
-    """Runtimes on NRI v0.3 and older pass NRI_PLUGIN_NAME=10-mixed-cpu; the stub strips the index."""
+    """Runtimes on NRI v0.3 and older pass NRI_PLUGIN_NAME=10-mixed-cpu; the index is cut off."""
     config = write_daemon_config(tmp_path, device_plugins)
     daemon = build_daemon(RunOptions(config_path=str(config)), environ={"NRI_PLUGIN_NAME": "10-mixed-cpu"})
     assert isinstance(daemon.nri, Stub)
@@ -640,8 +646,8 @@ def test_run_exits_2_for_a_bad_index_in_the_environment(tmp_path: Path, device_p
     )
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        "error: plugin index '7' is invalid: use exactly two digits, e.g. --nri-plugin-index 10 or "
-        "NRI_PLUGIN_IDX=10"
+        "error: plugin index '7' is invalid: use exactly two digits, e.g. 10 (it came from environment "
+        "(NRI_PLUGIN_IDX))"
     ]
 
 
@@ -656,9 +662,26 @@ def test_a_runtime_launched_daemon_names_its_connection_and_its_end(
     daemon = build_daemon(RunOptions(config_path=str(config)), environ=environ)
     assert isinstance(daemon.nri, Stub)
     assert daemon.nri.socket_path == "fd 3 from the runtime (NRI_PLUGIN_SOCKET)"
+    # The connection named in the environment given is the one the stub takes, and it never redials.
+    assert (daemon.nri.inherited_fd, daemon.nri.reconnect) == (3, False)
     assert daemon.nri_ended == LAUNCHED_ENDED
     plain = build_daemon(RunOptions(config_path=str(config)), environ={})
     assert plain.nri_ended == NRI_ENDED
+
+
+def test_only_the_environment_given_is_read(
+    tmp_path: Path, device_plugins: Path, quiet_wiring: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The identity is worked out once, from the environment `build_daemon` is given: the stub does
+    not read the process's own afterwards (it used to, for NRI_PLUGIN_SOCKET)."""
+    monkeypatch.setenv("NRI_PLUGIN_SOCKET", "3")
+    monkeypatch.setenv("NRI_PLUGIN_NAME", "process-name")
+    config = write_daemon_config(tmp_path, device_plugins)
+    daemon = build_daemon(RunOptions(config_path=str(config)), environ={})
+    assert isinstance(daemon.nri, Stub)
+    assert daemon.nri.identity.full_name == "10-mixed-cpu"
+    assert (daemon.nri.inherited_fd, daemon.nri.reconnect) == (None, True)
+    assert daemon.nri_ended == NRI_ENDED
 
 
 @pytest.mark.asyncio

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from nri_plugin.daemon import effective
 from nri_plugin.daemon.cli import main
-from nri_plugin.daemon.config import TRUSTED_SOURCE_KEYS, Config, load_config
+from nri_plugin.daemon.config import TRUSTED_SOURCE_KEYS, Config, ConfigError, load_config
 from nri_plugin.daemon.effective import config_command, effective_settings
 from nri_plugin.deviceplugin.config import DevicePluginConfig
 from nri_plugin.dra.config import DraConfig
@@ -137,6 +137,27 @@ def test_the_environment_wins_over_the_file_as_for_run(tmp_path: Path) -> None:
     again = load_config(write(tmp_path, output, "printed.toml"), check=False)
     assert same(again, config)
     assert [s.origin for s in settings if s.key == "plugin_name"] == ["default"]
+
+
+def test_the_name_and_index_are_those_run_would_register(tmp_path: Path) -> None:
+    """`config` and `run` share one identity: an old runtime's whole file name in NRI_PLUGIN_NAME is
+    shown cut, as `run` registers it, and an NN-name executable counts before the file."""
+    path = write(tmp_path, 'shared_cpuset = "0-1"\nplugin_index = "20"\nplugin_name = "cfg"\n')
+    config, _ = effective_settings(path, {"NRI_PLUGIN_NAME": "05-mixed-cpu"})
+    assert (config.plugin_index, config.plugin_name) == ("05", "mixed-cpu")
+    output = config_command(path, environ={"NRI_PLUGIN_NAME": "05-mixed-cpu"})
+    assert 'plugin_name = "mixed-cpu"' in output
+    assert 'plugin_index = "05"' in output
+    assert output.count("# environment (NRI_PLUGIN_NAME)") == 2
+    launched = config_command(path, environ={}, executable="/opt/nri/plugins/30-file-name")
+    assert 'plugin_name = "file-name"' in launched
+    assert output.count("# environment (NRI_PLUGIN_NAME)") == 2
+    assert launched.count("# executable name (30-file-name)") == 2
+    plain = config_command(path, environ={}, executable="/usr/bin/mixed-cpu-nri-plugin")
+    assert 'plugin_name = "cfg"' in plain
+    assert 'plugin_index = "20"' in plain
+    with pytest.raises(ConfigError, match=r"plugin index '7' is invalid.*NRI_PLUGIN_IDX"):
+        config_command(path, environ={"NRI_PLUGIN_IDX": "7"})
 
 
 def test_strings_are_escaped_as_toml_wants(tmp_path: Path) -> None:

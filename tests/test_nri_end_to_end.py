@@ -24,11 +24,15 @@ from nri_plugin.nri import mux
 from nri_plugin.nri.connection import ConnectionState
 from nri_plugin.nri.errors import InvalidRequest, PluginFailure, PreconditionFailed
 from nri_plugin.nri.events import VALID_EVENTS_V0_9, Event, mask_of
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.simulator import PluginConnection, PluginFailed, RuntimeSimulator, env_of
-from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub, StubError, resolve_identity
+from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub, StubError
 from nri_plugin.ttrpc.aio import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code, TtrpcError
 from nri_plugin.ttrpc.protocol import ClientSession, ResponseReceived
+
+# The name and index the stubs here register with.
+TEST_IDENTITY = Identity(name="test", index="10")
 
 ROOT = Path(__file__).resolve().parent.parent
 # Guards against a hung test only; nothing here measures time.
@@ -126,7 +130,7 @@ class SkippingClock(ManualClock):
 def plugin_running(plugin: object, socket: Path, **options: Any) -> AbstractAsyncContextManager[Stub]:
     """The stub as a daemon runs it here: name "test", reconnecting after a runtime restart, its
     reconnect waits on virtual time."""
-    defaults = {"name": "test", "reconnect": True, "clock": SkippingClock()}
+    defaults = {"identity": Identity(name="test", index="10"), "reconnect": True, "clock": SkippingClock()}
     return running_stub(plugin, socket, **{**defaults, **options})
 
 
@@ -537,7 +541,7 @@ async def test_invalid_event_mask_is_refused(socket_path: Path) -> None:
     async with RuntimeSimulator(
         socket_path, runtime_name="containerd", runtime_version="v2.0.0", nri_version=""
     ) as sim:
-        stub = Stub(Greedy(), name="test", index="10", socket_path=str(socket_path), reconnect=False)
+        stub = Stub(Greedy(), identity=TEST_IDENTITY, socket_path=str(socket_path), reconnect=False)
         # Pretend the stub did not limit its mask: subscribe to everything the plugin handles.
         stub_configure = stub._configure
 
@@ -552,28 +556,16 @@ async def test_invalid_event_mask_is_refused(socket_path: Path) -> None:
     assert sim.plugins == []
 
 
-def test_identity_from_environment_and_argv() -> None:
-    assert resolve_identity(environ={"NRI_PLUGIN_NAME": "mixed-cpu", "NRI_PLUGIN_IDX": "20"}).full_name == (
-        "20-mixed-cpu"
-    )
-    # Old runtimes pass the whole file name as the name.
-    assert resolve_identity(environ={"NRI_PLUGIN_NAME": "05-mixed-cpu"}).full_name == "05-mixed-cpu"
-    assert resolve_identity("x", "99", environ={}).full_name == "99-x"
-    with pytest.raises(StubError, match="two digits"):
-        resolve_identity("mixed-cpu", "7", environ={})
-    with pytest.raises(StubError, match="letters, digits"):
-        resolve_identity("bad name", "10", environ={})
-
-
 def test_plugin_without_handlers_is_refused() -> None:
     with pytest.raises(StubError, match="no NRI handler"):
-        Stub(object(), name="x", index="10")
+        Stub(object(), identity=Identity(name="x", index="10"))
 
 
 LAUNCHED_PLUGIN = """
-import asyncio, sys
+import asyncio, os, sys
 sys.path.insert(0, {root!r})
 from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.nri.identity import resolve_identity
 from nri_plugin.nri.stub import Stub
 
 class Plugin:
@@ -582,7 +574,8 @@ class Plugin:
         response.adjust.env.add(key="LAUNCHED", value="yes")
         return response
 
-asyncio.run(Stub(Plugin()).run())
+# The plugin reads its environment once, and hands the stub what it says.
+asyncio.run(Stub(Plugin(), identity=resolve_identity(environ=os.environ, executable=sys.argv[0])).run())
 """
 
 
@@ -707,7 +700,7 @@ async def test_the_connection_goes_through_its_states(socket_path: Path) -> None
 
     plugin = Watching()
     clock = ManualClock()  # the reconnect waits until the test moves time on
-    stub = Stub(plugin, name="test", index="10", socket_path=str(socket_path), clock=clock)
+    stub = Stub(plugin, identity=TEST_IDENTITY, socket_path=str(socket_path), clock=clock)
     plugin.stub = stub
     before = stub.state
     running = asyncio.ensure_future(stub.run())
@@ -732,7 +725,7 @@ async def test_the_connection_goes_through_its_states(socket_path: Path) -> None
 @pytest.mark.asyncio
 async def test_stop_ends_the_backoff_wait_at_once(socket_path: Path) -> None:
     clock = ManualClock()  # never advanced: only stop() can end the wait
-    stub = Stub(Recorder(), name="test", index="10", socket_path=str(socket_path), clock=clock)
+    stub = Stub(Recorder(), identity=TEST_IDENTITY, socket_path=str(socket_path), clock=clock)
     running = asyncio.ensure_future(stub.run())
     await guarded(stub.wait_for_state(ConnectionState.BACKING_OFF))
     stub.stop()
@@ -782,7 +775,7 @@ async def test_the_stub_says_how_long_it_is_stuck_and_why_it_lost_its_connection
     clock = ManualClock()
     backoff = Backoff(initial=1.0, maximum=1.0, jitter=(1.0, 1.0))
     stub = Stub(
-        Recorder(), name="test", index="10", socket_path=str(socket_path), backoff=backoff, clock=clock
+        Recorder(), identity=TEST_IDENTITY, socket_path=str(socket_path), backoff=backoff, clock=clock
     )
     assert (stub.stalled_for, stub.lost) == (0.0, None)
     running = asyncio.ensure_future(stub.run())
@@ -825,7 +818,7 @@ async def test_every_registration_resets_the_reconnect_backoff(socket_path: Path
     clock = ManualClock()
     backoff = Backoff(initial=1.0, maximum=8.0, jitter=(1.0, 1.0))
     stub = Stub(
-        Recorder(), name="test", index="10", socket_path=str(socket_path), backoff=backoff, clock=clock
+        Recorder(), identity=TEST_IDENTITY, socket_path=str(socket_path), backoff=backoff, clock=clock
     )
     running = asyncio.ensure_future(stub.run())
     try:

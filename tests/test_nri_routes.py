@@ -137,7 +137,9 @@ for _name in routes.METHOD_LABELS.values():
 
 
 def test_the_stub_serves_and_subscribes_to_what_the_table_says() -> None:
-    served = stub.Stub(EveryHandler(), name="x", index="10", socket_path="/nonexistent")
+    served = stub.Stub(
+        EveryHandler(), identity=identity.Identity(name="x", index="10"), socket_path="/nonexistent"
+    )
     methods = served._methods()
     assert set(methods) == {route.method for route in ROUTES} | {routes.STATE_CHANGE}
     assert served.subscribed == mask_of(Event)
@@ -152,7 +154,9 @@ def test_a_plugin_missing_a_handler_is_not_subscribed_nor_served() -> None:
         ) -> api.CreateContainerResponse | None:
             return None
 
-    served = stub.Stub(Creates(), name="x", index="10", socket_path="/nonexistent")
+    served = stub.Stub(
+        Creates(), identity=identity.Identity(name="x", index="10"), socket_path="/nonexistent"
+    )
     assert served.subscribed == Event.CREATE_CONTAINER.bit
     assert set(served._methods()) == {
         "Configure",
@@ -228,6 +232,7 @@ from collections.abc import Sequence
 
 from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.nri import handlers
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import Stub
 
 
@@ -238,7 +243,7 @@ class Plugin(handlers.UpdateContainer):
         return ()
 
 
-STUB = Stub(Plugin(), name="typed", index="10")
+STUB = Stub(Plugin(), identity=Identity(name="typed", index="10"))
 """
 
 
@@ -354,8 +359,8 @@ def test_the_daemon_config_and_the_stub_share_the_nri_defaults_and_rules() -> No
 @pytest.mark.parametrize("index", ["7", "100", "1a", "10\n", ""])
 def test_a_bad_index_is_refused_by_both(index: str) -> None:
     assert not identity.valid_index(index)
-    with pytest.raises(stub.StubError, match="two digits"):
-        stub.resolve_identity("x", index or "?", environ={})
+    with pytest.raises(identity.IdentityError, match="two digits"):
+        identity.Identity(name="x", index=index)
 
 
 def test_a_route_is_generic_in_its_handler() -> None:
@@ -379,7 +384,7 @@ async def test_each_method_map_gathers_its_own_synchronize_chunks() -> None:
             synced.append([pod.id for pod in pods])
             return ()
 
-    served = stub.Stub(Syncs(), name="x", index="10", socket_path="/nonexistent")
+    served = stub.Stub(Syncs(), identity=identity.Identity(name="x", index="10"), socket_path="/nonexistent")
     ctx = CallContext(
         service=stub.PLUGIN_SERVICE,
         method="Synchronize",

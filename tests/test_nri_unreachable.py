@@ -18,8 +18,12 @@ from nri_plugin.common.backoff import Backoff
 from nri_plugin.common.clock import ManualClock
 from nri_plugin.nri.connection import ConnectionState
 from nri_plugin.nri.handlers import CreateContainer
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import Stub
 from nri_plugin.nri.unreachable import WARN_EVERY, why_unreachable
+
+# The name and index the stubs here register with.
+TEST_IDENTITY = Identity(name="test", index="10")
 
 T = TypeVar("T")
 GUARD = 10.0
@@ -104,7 +108,7 @@ async def test_reconnect_warnings_come_once_a_minute_with_the_count_and_the_caus
     path = tmp_path / "nri.sock"
     clock = ManualClock()
     backoff = Backoff(initial=1.0, maximum=5.0)  # jittered: delays with many decimals
-    stub = Stub(Creating(), name="test", index="10", socket_path=str(path), backoff=backoff, clock=clock)
+    stub = Stub(Creating(), identity=TEST_IDENTITY, socket_path=str(path), backoff=backoff, clock=clock)
     with capture_logs() as logs:
         running = asyncio.ensure_future(stub.run())
         try:

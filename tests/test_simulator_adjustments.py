@@ -12,6 +12,7 @@ import pytest
 from mixedcpu_support import GUARD, plugin_running
 
 from nri_plugin.api.nri import api_pb2 as api
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.simulator import (
     AdjustmentConflict,
     CreateResult,
@@ -93,8 +94,8 @@ async def create_with(
     or the exception the creation raised."""
     async with (
         RuntimeSimulator(socket_path) as sim,
-        plugin_running(first, socket_path, name="a", index="10"),
-        plugin_running(second, socket_path, name="b", index="20"),
+        plugin_running(first, socket_path, identity=Identity(name="a", index="10")),
+        plugin_running(second, socket_path, identity=Identity(name="b", index="20")),
     ):
         await sim.wait_for_plugins(2, GUARD)
         await sim.run_pod_sandbox(make_pod())
@@ -209,7 +210,7 @@ async def test_updates_in_a_creation_reply(socket_path: Path) -> None:
     update.linux.resources.cpu.quota.value = 300000
     async with (
         RuntimeSimulator(socket_path) as sim,
-        plugin_running(Scripted(other), socket_path, name="a", index="10"),
+        plugin_running(Scripted(other), socket_path, identity=Identity(name="a", index="10")),
     ):
         await sim.wait_for_plugins(1, GUARD)
         await sim.run_pod_sandbox(make_pod())

@@ -15,6 +15,7 @@ from mixedcpu_support import GUARD, plugin_running
 from test_simulator_adjustments import Scripted, make_container, make_pod, reply
 
 from nri_plugin.nri.cdispecs import CdiError, CdiSpecs, apply_env
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.simulator import CdiInjectionFailed, RuntimeSimulator, env_of
 
 KIND = "example.com/widget"
@@ -55,7 +56,7 @@ async def test_a_cdi_device_s_env_edits_are_in_the_container_plugins_see(
     plugin = Scripted(reply(env=[("FROM_PLUGIN", "1")]))
     async with (
         RuntimeSimulator(socket_path) as sim,
-        plugin_running(plugin, socket_path, name="a", index="10"),
+        plugin_running(plugin, socket_path, identity=Identity(name="a", index="10")),
     ):
         sim.cdi = CdiSpecs([cdi_dir])
         await sim.wait_for_plugins(1, GUARD)
@@ -96,7 +97,7 @@ async def test_an_unknown_cdi_device_fails_the_creation_before_any_plugin(
     plugin = Scripted()
     async with (
         RuntimeSimulator(socket_path) as sim,
-        plugin_running(plugin, socket_path, name="a", index="10"),
+        plugin_running(plugin, socket_path, identity=Identity(name="a", index="10")),
     ):
         sim.cdi = CdiSpecs([cdi_dir])
         await sim.wait_for_plugins(1, GUARD)

@@ -37,6 +37,7 @@ from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.policy import choose_shared, cpus_or_empty, format_cpuset
 from nri_plugin.mixedcpu.status import SCHEMA
 from nri_plugin.nri.connection import ConnectionState
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import Stub
 
@@ -122,10 +123,12 @@ async def test_a_scripted_run_reads_back_as_the_books_say(short_dir: Path) -> No
         tree.add_pod(pod, 2 * PERIOD)
     kubelet.allocate(web, "main", "shared-cpus-0")
 
-    async with sim, plugin_running(plugin, socket) as stub:
-        await sim.wait_for_plugins(1, GUARD)
+    async with sim, plugin_running(plugin, socket, identity=Identity(name="status-test", index="42")) as stub:
+        [registered] = await sim.wait_for_plugins(1, GUARD)
         await sim.wait_for_synchronizations(1, GUARD)
         empty = _document(plugin, stub, state)
+        # The identity the stub was handed: the one the runtime knows it by.
+        assert empty["runtime"]["plugin"] == registered.full_name == "42-status-test"
         assert empty["containers"] == []
         assert empty["pods"] == []
         assert empty["runtime"]["name"] == "containerd"

@@ -154,13 +154,13 @@ def _parser() -> argparse.ArgumentParser:
         "--nri-plugin-name",
         default=None,
         metavar="NAME",
-        help="plugin name (default: NRI_PLUGIN_NAME, else the config's plugin_name)",
+        help="plugin name (default: NRI_PLUGIN_NAME, else an NN-name executable's, else config)",
     )
     run.add_argument(
         "--nri-plugin-index",
         default=None,
         metavar="NN",
-        help="two-digit plugin index (default: NRI_PLUGIN_IDX, else the config's plugin_index)",
+        help="two-digit plugin index (default: NRI_PLUGIN_IDX, else an NN-name executable's, else config)",
     )
     run.add_argument(
         "--no-reconnect", action="store_true", help="exit when the runtime closes the connection"
@@ -252,7 +252,8 @@ def _parser() -> argparse.ArgumentParser:
         help="print the effective config: every key, its value and where it comes from, as TOML",
         description="Print every key of the config as the daemon would use it, as TOML that\n"
         "'run --config' takes back, each value's origin in a comment beside it: file, default, or\n"
-        "environment (NRI_PLUGIN_NAME, NRI_PLUGIN_IDX win over the file, as for run).",
+        "environment (NRI_PLUGIN_NAME, NRI_PLUGIN_IDX) or executable name (an NN-name file),\n"
+        "which win over the file, as for run.",
         epilog=_CONFIG_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -414,7 +415,7 @@ def _config(args: argparse.Namespace) -> int:
     from nri_plugin.daemon.effective import config_command
 
     try:
-        text = config_command(None if args.defaults else args.config)
+        text = config_command(None if args.defaults else args.config, executable=sys.argv[0])
     except ConfigMissing as exc:
         print(f"error: {exc}; '{_PROG} config --defaults' prints every key's default", file=sys.stderr)
         return 2
@@ -471,6 +472,7 @@ def _run(args: argparse.Namespace) -> int:
         reconnect=not args.no_reconnect,
         log_level=args.log_level,
         node_lock=True,
+        executable=sys.argv[0],
     )
     if os.geteuid() != 0:
         structlog.get_logger("nri_plugin.daemon.cli").warning(

@@ -4,8 +4,8 @@ Default path ``/etc/mixed-cpu-nri/config.toml``. Only ``shared_cpuset`` is requi
 
     shared_cpuset = "0-1"                  # the node's shared CPU pool (Linux cpu list)
 
-    plugin_name = "mixed-cpu"              # NRI plugin name; NRI_PLUGIN_NAME and --nri-plugin-name win
-    plugin_index = "10"                    # two digits; NRI_PLUGIN_IDX and --nri-plugin-index win
+    plugin_name = "mixed-cpu"              # NRI name; --nri-plugin-name, NRI_PLUGIN_NAME, NN-name file win
+    plugin_index = "10"                    # two digits; --nri-plugin-index, NRI_PLUGIN_IDX, NN-name file win
     nri_socket = "/var/run/nri/nri.sock"   # --socket wins
     cgroup_root = "/sys/fs/cgroup"         # where the host's cgroup tree is mounted
     cgroup_version = "auto"                # auto (from mountinfo) | v1 (<root>/cpu, <root>/cpuset) | v2
@@ -62,7 +62,7 @@ from nri_plugin.cgroups.mode import DEFAULT_CGROUP_ROOT, DEFAULT_MOUNTINFO
 from nri_plugin.common.smallfile import NotRegularFile, TooLarge, read_capped
 from nri_plugin.deviceplugin.config import DevicePluginConfig, DevicePluginConfigError
 from nri_plugin.dra.config import DraConfig, DraConfigError
-from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH
+from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH, Identity, IdentityError, resolve_identity
 from nri_plugin.nri.identity import PLUGIN_INDEX as _INDEX
 from nri_plugin.nri.identity import PLUGIN_NAME as _NAME
 from nri_plugin.systemd.bus import SYSTEM_BUS as DEFAULT_SYSTEMD_BUS
@@ -85,8 +85,7 @@ __all__ = [
     "numa_nodes_from_cpulists",
     "online_cpus",
     "parse_config",
-    "plugin_index_problem",
-    "plugin_name_problem",
+    "plugin_identity",
     "read_document",
     "read_numa_nodes",
     "state_dir_problem",
@@ -300,26 +299,36 @@ def _plugin_name(check: _Checker, value: object) -> str:
     return text
 
 
-def plugin_index_problem(index: str) -> str | None:
-    """What is wrong with an index given on the command line or in NRI_PLUGIN_IDX (the config
-    file's own is checked by `parse_config`), or None. The rules are NRI's."""
-    if _INDEX.fullmatch(index):
-        return None
-    return (
-        f"plugin index {index!r} is invalid: use exactly two digits, e.g. --nri-plugin-index 10 "
-        "or NRI_PLUGIN_IDX=10"
-    )
+# Where `plugin_identity` says a name or index left to the config comes from.
+FROM_CONFIG: Final = "the config"
 
 
-def plugin_name_problem(name: str) -> str | None:
-    """What is wrong with a name given on the command line or in NRI_PLUGIN_NAME, or None. Runtimes
-    before NRI v0.4 pass the whole file name ("10-mixed-cpu"), which these rules also accept."""
-    if _NAME.fullmatch(name):
-        return None
-    return (
-        f"plugin name {name!r} is invalid: use letters, digits and _ . + - only, "
-        "e.g. --nri-plugin-name mixed-cpu"
-    )
+def plugin_identity(
+    config: Config,
+    environ: Mapping[str, str],
+    *,
+    executable: str = "",
+    name: str | None = None,
+    index: str | None = None,
+) -> Identity:
+    """The plugin's name and index, worked out once for `run` and `config` alike by
+    `nri_plugin.nri.identity.resolve_identity`: `name` and `index` (``--nri-plugin-name``,
+    ``--nri-plugin-index``), then NRI's environment, then `executable` when named ``NN-name``, then
+    the config (whose values `parse_config` has checked); and the connection the runtime handed
+    over, if any. Raises `ConfigError` for what NRI's rules refuse, naming where it came from."""
+    try:
+        return resolve_identity(
+            name=name,
+            index=index,
+            environ=environ,
+            executable=executable,
+            default_name=config.plugin_name,
+            default_index=config.plugin_index,
+            defaults_from=FROM_CONFIG,
+            given_from="the command line",
+        )
+    except IdentityError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 MAX_PORT: Final = 65535

@@ -42,6 +42,7 @@ from nri_plugin.daemon.wiring import build_plugin, load_marker_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.mixedcpu.policy import choose_shared, shared_by_node
 from nri_plugin.nri.events import events_in
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.nri.stub import Stub
 
@@ -229,7 +230,10 @@ class _Scenario(DemoScenario):
     async def run(self) -> int:
         self.set_up_node()
         stub = Stub(
-            self.plugin, name="mixed-cpu", index="10", socket_path=self.sim.socket_path, reconnect=False
+            self.plugin,
+            identity=Identity(name="mixed-cpu", index="10"),
+            socket_path=self.sim.socket_path,
+            reconnect=False,
         )
         task = asyncio.ensure_future(stub.run())
         try:

@@ -49,6 +49,7 @@ from nri_plugin.dra import cdi
 from nri_plugin.dra.claims import AllocatedDevice, ClaimError
 from nri_plugin.dra.kubeletplugin import DraKubeletPlugin, DraPluginSettings
 from nri_plugin.nri.cdispecs import CdiSpecs
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.nri.stub import Stub
 
@@ -136,7 +137,10 @@ class _DraScenario(DemoScenario):
 
     async def run(self) -> int:
         stub = Stub(
-            self.plugin, name="mixed-cpu", index="10", socket_path=self.sim.socket_path, reconnect=False
+            self.plugin,
+            identity=Identity(name="mixed-cpu", index="10"),
+            socket_path=self.sim.socket_path,
+            reconnect=False,
         )
         task = asyncio.ensure_future(stub.run())
         try:

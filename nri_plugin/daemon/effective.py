@@ -7,11 +7,11 @@ where that value comes from::
     plugin_index = "10"                  # default
     plugin_name = "mine"                 # environment (NRI_PLUGIN_NAME)
 
-``file`` is a key the file sets, ``default`` one it leaves out; ``environment`` is a key the
-daemon takes from its environment before the file (NRI_PLUGIN_NAME, NRI_PLUGIN_IDX, as `run`
-does in `nri_plugin.daemon.wiring.resolve_identity`). The text is a config file `run --config`
-takes back, and gives the same configuration. The file is only read: whether it suits this node
-(the CPUs online, the sockets there) is `check`'s job.
+``file`` is a key the file sets, ``default`` one it leaves out; ``environment`` (NRI_PLUGIN_NAME,
+NRI_PLUGIN_IDX) and ``executable name`` (an ``NN-name`` file) are where the daemon takes its name
+and index before the file, worked out as for `run` by `nri_plugin.daemon.config.plugin_identity`.
+The text is a config file `run --config` takes back, and gives the same configuration. The file is
+only read: whether it suits this node (the CPUs online, the sockets there) is `check`'s job.
 
 The TOML is written here, not by a TOML writer library: tomli-w writes no comments, and the origin
 comments are the point; docs/design.md says how the writer is checked.
@@ -28,17 +28,17 @@ from typing import Any, Final
 
 from nri_plugin import cgroups
 from nri_plugin.daemon.config import (
+    FROM_CONFIG,
     TRUSTED_SOURCE_KEYS,
     TRUSTED_SOURCES_TABLE,
     Config,
-    ConfigError,
     parse_config,
-    plugin_index_problem,
-    plugin_name_problem,
+    plugin_identity,
     read_document,
 )
 from nri_plugin.deviceplugin.config import TABLE as DEVICE_PLUGIN_TABLE
 from nri_plugin.dra.config import TABLE as DRA_TABLE
+from nri_plugin.nri.identity import SOCKET_VARIABLE, Identity
 
 __all__ = ["Setting", "config_command", "default_settings", "effective_settings", "render"]
 
@@ -47,9 +47,6 @@ DEFAULT: Final = "default"
 # The origin of a key that has no default (shared_cpuset): `config --defaults` prints it commented out.
 REQUIRED: Final = "required, no default"
 _REQUIRED_KEY: Final = "shared_cpuset"
-# The keys the daemon takes from its environment before the config file, and from which variable.
-ENVIRONMENT_KEYS: Final = {"plugin_name": "NRI_PLUGIN_NAME", "plugin_index": "NRI_PLUGIN_IDX"}
-_INHERITED_SOCKET: Final = "NRI_PLUGIN_SOCKET"
 # What the `Config` holds that no key sets.
 _NOT_KEYS: Final = frozenset({"source", "device_plugin", "dra", *TRUSTED_SOURCE_KEYS.values()})
 # TOML's escapes for the control characters that have a short one; the rest are written \\uXXXX.
@@ -67,18 +64,20 @@ class Setting:
     origin: str
 
 
-def effective_settings(path: str, environ: Mapping[str, str]) -> tuple[Config, list[Setting]]:
-    """The configuration `run --config path` would use with `environ`, and every key of it in the
-    order the file's tables take. Raises `ConfigError` (`ConfigMissing` without a file) as `run`
-    would, an environment variable it would refuse included."""
-    return _settings(read_document(path), path, environ)
+def effective_settings(
+    path: str, environ: Mapping[str, str], *, executable: str = ""
+) -> tuple[Config, list[Setting]]:
+    """The configuration `run --config path` would use with `environ`, started as `executable`, and
+    every key of it in the order the file's tables take. Raises `ConfigError` (`ConfigMissing`
+    without a file) as `run` would, an environment variable it would refuse included."""
+    return _settings(read_document(path), path, environ, executable)
 
 
-def default_settings(environ: Mapping[str, str]) -> list[Setting]:
-    """Every key at its default (the environment's, for the keys `run` takes from it), as `config
-    --defaults` prints them: ``shared_cpuset``, which has none, is `REQUIRED`."""
+def default_settings(environ: Mapping[str, str], *, executable: str = "") -> list[Setting]:
+    """Every key at its default (the environment's or the executable name's, for the name and
+    index), as `config --defaults` prints them: ``shared_cpuset``, which has none, is `REQUIRED`."""
     # A stand-in for the one required key lets the rest be built; its line then says it has none.
-    settings = _settings({_REQUIRED_KEY: "0"}, "(the defaults)", environ)[1]
+    settings = _settings({_REQUIRED_KEY: "0"}, "(the defaults)", environ, executable)[1]
     return [
         dataclasses.replace(s, value="", origin=REQUIRED) if (s.table, s.key) == ("", _REQUIRED_KEY) else s
         for s in settings
@@ -86,12 +85,13 @@ def default_settings(environ: Mapping[str, str]) -> list[Setting]:
 
 
 def _settings(
-    document: Mapping[str, Any], path: str, environ: Mapping[str, str]
+    document: Mapping[str, Any], path: str, environ: Mapping[str, str], executable: str
 ) -> tuple[Config, list[Setting]]:
     config = parse_config(document, source=path)
+    identity = plugin_identity(config, environ, executable=executable)
     settings: list[Setting] = []
     for name in (f.name for f in fields(Config) if f.name not in _NOT_KEYS):
-        settings.append(_top_level(name, getattr(config, name), document, environ))
+        settings.append(_top_level(name, getattr(config, name), document, identity))
     sources = document.get(TRUSTED_SOURCES_TABLE, {})
     for key, name in TRUSTED_SOURCE_KEYS.items():
         settings.append(Setting(TRUSTED_SOURCES_TABLE, key, getattr(config, name), _origin(key, sources)))
@@ -100,23 +100,19 @@ def _settings(
         for field in fields(table_config):
             value = _toml_value(getattr(table_config, field.name))
             settings.append(Setting(table_name, field.name, value, _origin(field.name, table)))
-    overridden = {s.key: s.value for s in settings if s.origin.startswith("environment")}
-    return parse_config({**document, **overridden}, source=path), settings
+    identity_keys = {"plugin_name": identity.name, "plugin_index": identity.index}
+    return parse_config({**document, **identity_keys}, source=path), settings
 
 
-def _top_level(name: str, value: object, document: Mapping[str, Any], environ: Mapping[str, str]) -> Setting:
-    variable = ENVIRONMENT_KEYS.get(name)
-    given = environ.get(variable) if variable is not None else None
-    if given:  # as `run`: an empty variable is no value
-        problem = plugin_index_problem(given) if name == "plugin_index" else plugin_name_problem(given)
-        if problem is not None:
-            raise ConfigError(f"{variable}: {problem}")
-        return Setting("", name, given, f"environment ({variable})")
+def _top_level(name: str, value: object, document: Mapping[str, Any], identity: Identity) -> Setting:
+    # The name and index as `run` takes them: from the config only when nothing before it has them.
+    taken = {"plugin_name": identity.name_from, "plugin_index": identity.index_from}.get(name, FROM_CONFIG)
+    if taken != FROM_CONFIG:
+        return Setting("", name, identity.name if name == "plugin_name" else identity.index, taken)
     origin = _origin(name, document)
-    if name == "nri_socket" and environ.get(_INHERITED_SOCKET):
+    if name == "nri_socket" and identity.inherited_fd is not None:
         origin += (
-            f"; not used while {_INHERITED_SOCKET}={environ[_INHERITED_SOCKET]} hands over the "
-            "runtime's connection"
+            f"; not used while {SOCKET_VARIABLE}={identity.inherited_fd} hands over the runtime's connection"
         )
     return Setting("", name, _toml_value(value), origin)
 
@@ -195,9 +191,12 @@ def _comment(text: str) -> str:
     return "".join(char if char.isprintable() else "?" for char in text)
 
 
-def config_command(path: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """What ``config --config path`` prints; `path` None: ``config --defaults``. Raises `ConfigError`."""
+def config_command(
+    path: str | None, environ: Mapping[str, str] | None = None, *, executable: str = ""
+) -> str:
+    """What ``config --config path`` prints, started as `executable`; `path` None: ``config
+    --defaults``. Raises `ConfigError`."""
     environ = os.environ if environ is None else environ
     if path is None:
-        return render(None, default_settings(environ))
-    return render(path, effective_settings(path, environ)[1])
+        return render(None, default_settings(environ, executable=executable))
+    return render(path, effective_settings(path, environ, executable=executable)[1])

@@ -152,6 +152,7 @@ def status_document(parts: StatusParts, now: float | None = None) -> dict[str, A
         "daemon": {"pid": os.getpid(), "config": parts.config_path, "state_dir": parts.state_dir},
         "runtime": {
             "state": stub.state.value,
+            "plugin": stub.identity.full_name,  # as this daemon registers with the runtime
             "name": runtime.name or None,
             "version": runtime.version or None,
             "nri_version": runtime.nri_version or None,

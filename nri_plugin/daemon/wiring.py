@@ -42,8 +42,7 @@ from nri_plugin.daemon.config import (
     build_layout,
     load_config,
     online_cpus,
-    plugin_index_problem,
-    plugin_name_problem,
+    plugin_identity,
     read_numa_nodes,
     state_dir_problem,
 )
@@ -71,6 +70,7 @@ from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool, shared_by_node
 from nri_plugin.mixedcpu.quota import PodQuotaWriter
 from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.nri.identity import SOCKET_VARIABLE, Identity
 from nri_plugin.nri.stub import Stub, StubError
 from nri_plugin.systemd.podquota import SystemdPodQuotaWriter
 
@@ -79,7 +79,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LAUNCHED_ENDED",
-    "PluginIdentity",
     "RunOptions",
     "bind_gauges",
     "build_allocation_record",
@@ -94,7 +93,6 @@ __all__ = [
     "build_stub",
     "load_marker_key",
     "load_settings",
-    "resolve_identity",
     "shared_pool",
     "take_instance_locks",
 ]
@@ -122,40 +120,24 @@ class RunOptions:
     # The node-wide lock, and a watch on the locks while it runs: the command line's daemon takes
     # them; a daemon built in a test's own process (several, one after another) does not.
     node_lock: bool = False
-
-
-@dataclass(frozen=True)
-class PluginIdentity:
-    """Who the plugin is to the runtime and how it reaches it, as the options, the environment and
-    the config file decide together (each one given wins over the next)."""
-
-    name: str
-    index: str
-    # The runtime's socket, or None when the runtime started us and handed over a connection.
-    socket: str | None
-    # The inherited connection's file descriptor (NRI_PLUGIN_SOCKET), when the runtime started us.
-    inherited_fd: int | None
-
-    @property
-    def connection(self) -> str:
-        """Where the connection comes from, for the log."""
-        if self.inherited_fd is not None:
-            return f"fd {self.inherited_fd} from the runtime (NRI_PLUGIN_SOCKET)"
-        return str(self.socket)
+    # The path the program was started by (argv[0]): a plugin file's ``NN-name`` names the plugin.
+    executable: str = ""
 
 
 def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = None) -> Daemon:
     """The daemon as `options` and its config file describe it, ready to `run()`.
 
     `environ` (default: the process's) supplies NRI_PLUGIN_NAME, NRI_PLUGIN_IDX, NRI_PLUGIN_SOCKET
-    and NODE_NAME. Raises `DaemonError`.
+    and NODE_NAME; it is read here only, and what it says is handed to the parts. Raises `DaemonError`.
     """
     env = os.environ if environ is None else environ
     try:
         config, layout = load_settings(options, node=env.get("NODE_NAME"))
         lock_watch = take_instance_locks(config, options)
         say_state_format = settle_state_dir_format(config)
-        identity = resolve_identity(options, config, env)
+        identity = plugin_identity(
+            config, env, executable=options.executable, name=options.plugin_name, index=options.plugin_index
+        )
         metrics = build_metrics(config)
         key = load_marker_key(config)
         record = build_allocation_record(config, key, observer=metrics, environ=env)
@@ -165,7 +147,12 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
             # New allocations numbered above every one the books hold, whatever the clock did.
             key.raise_floor(plugin.books.newest_allocation())
         stub = build_stub(
-            plugin, identity, options, max_sync_bytes=config.max_synchronize_mib << 20, observer=metrics
+            plugin,
+            identity,
+            options,
+            socket_path=_connection(identity, options, config),
+            max_sync_bytes=config.max_synchronize_mib << 20,
+            observer=metrics,
         )
         plugin.send_updates = stub.update_containers  # grants that wait for a binding's end
         device_plugin = build_device_plugin(config, key, observer=metrics)
@@ -175,7 +162,7 @@ def build_daemon(options: RunOptions, *, environ: Mapping[str, str] | None = Non
         raise DaemonError(str(exc), EXIT_CONFIG) from None
     if metrics is not None:
         bind_gauges(metrics, stub, plugin, device_plugin, dra)
-    _log_start(config, layout, stub, identity)
+    _log_start(config, layout, stub)
     say_state_format()  # once the daemon is built: a start that fails stays one line
     _log_numa(plugin.pool)
     if record is not None:
@@ -203,24 +190,11 @@ def load_settings(options: RunOptions, *, node: str | None = None) -> tuple[Conf
     return config, build_layout(config)
 
 
-def resolve_identity(options: RunOptions, config: Config, environ: Mapping[str, str]) -> PluginIdentity:
-    """The plugin's name and index (options, else NRI_PLUGIN_NAME / NRI_PLUGIN_IDX, else the config)
-    and its connection (NRI_PLUGIN_SOCKET, else --socket, else the config), checked by NRI's rules
-    before the stub is built: a wrong one is a config error. Raises `ConfigError`."""
-    name = options.plugin_name or environ.get("NRI_PLUGIN_NAME") or config.plugin_name
-    index = options.plugin_index or environ.get("NRI_PLUGIN_IDX") or config.plugin_index
-    problem = plugin_index_problem(index) or plugin_name_problem(name)
-    if problem is not None:
-        raise ConfigError(problem)
-    fd = environ.get("NRI_PLUGIN_SOCKET")
-    if fd is not None and not fd.isdigit():
-        raise ConfigError(
-            f"NRI_PLUGIN_SOCKET={fd!r} is not a file descriptor number; the runtime sets it (to 3) when "
-            "it starts the plugin itself, so unset it when starting the daemon any other way"
-        )
-    if fd is not None:
-        return PluginIdentity(name, index, None, int(fd))
-    return PluginIdentity(name, index, options.socket or config.nri_socket, None)
+def _connection(identity: Identity, options: RunOptions, config: Config) -> str:
+    """Where the stub's connection comes from: the runtime's socket, or the one it handed over."""
+    if identity.inherited_fd is not None:
+        return f"fd {identity.inherited_fd} from the runtime ({SOCKET_VARIABLE})"
+    return options.socket or config.nri_socket
 
 
 def take_instance_locks(config: Config, options: RunOptions) -> LockWatch:
@@ -388,21 +362,21 @@ def _state_dir_error(config: Config, problem: object) -> ConfigError:
 
 def build_stub(
     plugin: MixedCpuPlugin,
-    identity: PluginIdentity,
+    identity: Identity,
     options: RunOptions,
     *,
+    socket_path: str,
     max_sync_bytes: int,
     observer: Metrics | None = None,
 ) -> Stub:
-    """The NRI stub serving `plugin` as `identity` says, refusing a Synchronize larger than
-    `max_sync_bytes`. Raises `StubError`."""
+    """The NRI stub serving `plugin` as `identity`, on `socket_path`, refusing a Synchronize larger
+    than `max_sync_bytes`. Raises `StubError`."""
     stub = Stub(
         plugin,
-        name=identity.name,
-        index=identity.index,
+        identity=identity,
         # With a connection handed over, the stub never dials and uses the path only in its log
-        # lines: there it names the connection it really has.
-        socket_path=identity.connection,
+        # lines: there it names the connection it really has (`_connection`).
+        socket_path=socket_path,
         reconnect=options.reconnect,
         observer=observer,
     )
@@ -520,7 +494,7 @@ def bind_gauges(
         )
 
 
-def _log_start(config: Config, layout: CgroupLayout, stub: Stub, identity: PluginIdentity) -> None:
+def _log_start(config: Config, layout: CgroupLayout, stub: Stub) -> None:
     trusted = (
         ("device-plugin-marker", config.trust_device_plugin_marker),
         ("pod-annotation", config.trust_pod_annotation),
@@ -529,7 +503,7 @@ def _log_start(config: Config, layout: CgroupLayout, stub: Stub, identity: Plugi
         "starting",
         config=config.source,
         plugin=stub.identity.full_name,
-        socket=identity.connection,
+        socket=stub.socket_path,
         shared_cpuset=config.shared_cpuset_text,
         cgroup_mode=layout.mode.value,
         cpu_hierarchy=layout.cpu.mount_point,

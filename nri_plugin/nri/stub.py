@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
-import re
 import socket
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +43,7 @@ from nri_plugin.nri import handlers, mux
 from nri_plugin.nri.connection import ConnectionMachine, ConnectionState
 from nri_plugin.nri.errors import PluginRefusal
 from nri_plugin.nri.events import Event, events_in, mask_of, valid_events
-from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH, valid_index, valid_name
+from nri_plugin.nri.identity import DEFAULT_SOCKET_PATH, Identity
 from nri_plugin.nri.routes import (
     CONFIGURE,
     EVENT_LABELS,
@@ -72,7 +69,6 @@ __all__ = [
     "SYNC_CHUNK_COST",
     "SYNC_OBJECT_COST",
     "ConnectionState",
-    "Identity",
     "LostConnection",
     "RuntimeInfo",
     "Stub",
@@ -80,7 +76,6 @@ __all__ = [
     "StubObserver",
     "SyncFilter",
     "SyncSelector",
-    "resolve_identity",
 ]
 
 log = structlog.get_logger("nri_plugin.nri.stub")
@@ -121,7 +116,7 @@ Handler = Callable[[Any, CallContext], Awaitable[Any]]
 
 
 class StubError(Exception):
-    """The stub cannot run as configured (bad identity, no plugin handlers, ...)."""
+    """The stub cannot run as configured (a plugin without handlers, ...)."""
 
 
 class StubObserver(Protocol):
@@ -154,46 +149,6 @@ class SyncSelector(Protocol):
     def sync_filter(self) -> Callable[[api.PodSandbox | None, api.Container], bool]:
         """For one chunk: whether `synchronize` must see a container (given its pod, None when no
         chunk has brought it yet). Asked once per chunk, so the plugin reads its settings once."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Identity:
-    name: str
-    index: str
-
-    @property
-    def full_name(self) -> str:
-        return f"{self.index}-{self.name}"
-
-
-def resolve_identity(
-    name: str | None = None, index: str | None = None, *, environ: Mapping[str, str] | None = None
-) -> Identity:
-    """The plugin's name and index: options first, then NRI_PLUGIN_NAME/IDX, then ``argv[0]`` as NN-name."""
-    env = os.environ if environ is None else environ
-    name = name or env.get("NRI_PLUGIN_NAME") or None
-    index = index or env.get("NRI_PLUGIN_IDX") or None
-    if name and re.match(r"[0-9]{2}-", name):
-        # Runtimes on NRI <= v0.3 pass the whole file name ("10-name") as the name.
-        index = index or name[:2]
-        name = name[3:]
-    if not name or not index:
-        base = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-        head, sep, tail = base.partition("-")
-        if sep and valid_index(head):
-            index = index or head
-            name = name or tail
-    if not index or not valid_index(index):
-        raise StubError(
-            f"plugin index {index!r} is invalid: use exactly two digits, e.g. --nri-plugin-index 10 "
-            "or NRI_PLUGIN_IDX=10"
-        )
-    if not name or not valid_name(name):
-        raise StubError(
-            f"plugin name {name!r} is invalid: use letters, digits and _ . + - only, "
-            "e.g. --nri-plugin-name mixed-cpu"
-        )
-    return Identity(name=name, index=index)
 
 
 @dataclass
@@ -412,8 +367,7 @@ class Stub:
         self,
         plugin: object,
         *,
-        name: str | None = None,
-        index: str | None = None,
+        identity: Identity,
         socket_path: str = DEFAULT_SOCKET_PATH,
         reconnect: bool = True,
         backoff: Backoff | None = None,
@@ -425,9 +379,10 @@ class Stub:
         self.max_sync_bytes = DEFAULT_MAX_SYNC_BYTES
         # Read when a connection starts: set it before `run()`.
         self.observer = observer
-        self.identity = resolve_identity(name, index)
+        self.identity = identity
         self.socket_path = socket_path
-        self.inherited_fd = _inherited_fd(os.environ)
+        # The connection a launching runtime handed over (`Identity.inherited_fd`), until it is used.
+        self.inherited_fd = identity.inherited_fd
         self.reconnect = reconnect and self.inherited_fd is None
         self.registration_timeout = DEFAULT_REGISTRATION_TIMEOUT
         self.backoff = backoff or Backoff(DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX)
@@ -1006,12 +961,3 @@ def _observed(observer: StubObserver, label: str | Callable[[Any], str], handler
             observer.request_done(event, outcome, time.perf_counter() - started)
 
     return handle
-
-
-def _inherited_fd(env: Mapping[str, str]) -> int | None:
-    value = env.get("NRI_PLUGIN_SOCKET")
-    if not value:
-        return None
-    if not value.isdigit():
-        raise StubError(f"NRI_PLUGIN_SOCKET={value!r} is not a file descriptor number")
-    return int(value)

@@ -41,6 +41,7 @@ from nri_plugin.deviceplugin.marker import HostKey
 from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.nri import mux
+from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, Stub
 from nri_plugin.ttrpc.aio import Server, UnaryMethod
 from nri_plugin.ttrpc.errors import Code
@@ -309,8 +310,7 @@ class Node:
         await self.runtime.start()
         self.stub = Stub(
             self.plugin,
-            name="mixed-cpu",
-            index="10",
+            identity=Identity(name="mixed-cpu", index="10"),
             socket_path=str(self.socket),
             reconnect=self._reconnect,
             backoff=Backoff(initial=0.01, maximum=0.05),
