@@ -141,13 +141,13 @@ async def test_create_restart_update_resync_remove(short_dir: Path, naming: Nami
         updates_before = len(sim.applied_updates)
         # The plugin restarts and is re-synchronized: nothing grows, nothing needs an update.
         async with plugin_running(node.plugin(), node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(2, GUARD)  # the new instance, not the old one
             assert tree.pod_quota(pod) == RAISED
             assert len(sim.applied_updates) == updates_before
         # ... even with its state dir wiped: the baseline is rebuilt from what the containers hold.
         os.unlink(node.state / "pod-quotas.json")
         async with plugin_running(node.plugin(), node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(3, GUARD)  # the new instance, not the old one
             assert tree.pod_quota(pod) == RAISED
             assert len(sim.applied_updates) == updates_before
             await sim.stop_container("fwd5")
@@ -515,7 +515,7 @@ async def test_pod_annotation_source_on_cri_o(short_dir: Path) -> None:
             await node.remove("c1")
         # Off by default: the same pod gets nothing.
         async with plugin_running(node.plugin(), node.socket):
-            await sim.wait_for_plugins(1, GUARD)
+            await sim.wait_for_synchronizations(2, GUARD)  # the new instance, not the old one
             assert _cpu(await node.create(make_container(naming, pod, "c2"))) == ("4-5", 2 * PERIOD)
             assert tree.pod_quota(pod) == BASELINE
 
