@@ -14,7 +14,7 @@ Idle or slow clients cannot keep ``status`` out (issue 32). Each connection has 
 seconds to send its request (408 after) and `WRITE_TIMEOUT` to take the whole answer (dropped
 after). A newcomer is always taken: at `MAX_CONNECTIONS` open, the oldest connection that has not
 sent its request yet is closed to make room, else the oldest still taking its answer; either only
-once it had its chance (the rules and `ConnectionTable` of `nri_plugin.daemon.probes`: a few turns
+once it had its chance (the rules and `ConnectionTable` of `nri_plugin.common.connections`: a few turns
 of the loop, and `FAIR_TIME` seconds for one still to send its request, `SLOW_TIME` for one taking
 its answer). While none had it, newcomers are taken beyond `MAX_CONNECTIONS`, up to
 `HARD_MAX_CONNECTIONS`. ``status`` sends its request with its connection and reads its answer at
@@ -38,8 +38,8 @@ import structlog
 
 from nri_plugin import __version__
 from nri_plugin.cgroups import CgroupError, CgroupNotFound, read_cpu_quota
+from nri_plugin.common.connections import FAIR_TURNS, ConnectionTable
 from nri_plugin.common.unixsocket import FileId, bind_socket, remove_if_ours
-from nri_plugin.daemon.probes import FAIR_TURNS, ConnectionTable
 from nri_plugin.deviceplugin.podresources import PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.dra import cdi
