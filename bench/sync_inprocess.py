@@ -82,8 +82,10 @@ async def synchronize(
     for data in reads.data:
         trunk.data_received(data)
     # A few turns: the handler waits on nothing outside this loop; the counting transport has no event.
-    for _ in range(100_000):
-        if transport.written >= reads.messages:
+    # (A large node's reply goes out in parts: the replies written count more than the requests
+    # before the handler is done, so the books are waited for too.)
+    for _ in range(1_000_000):
+        if transport.written >= reads.messages and plugin.books.shared_containers == pods:
             break
         await asyncio.sleep(0)
     else:
