@@ -194,7 +194,7 @@ class MixedCpuPlugin(
         self.trust_pod_annotation = trusted.pod_annotation
         self.allocations = trusted.allocations
         self.runtime = ""
-        self.keeper = Bookkeeper(store, clock=clock)
+        self.keeper = Bookkeeper(store)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
         self.healer = Healer(self.quotas, interval=reconcile_interval, observer=observer, clock=clock)
         self.later = LaterLines()  # the info line of each creation, written after its reply
@@ -243,9 +243,9 @@ class MixedCpuPlugin(
         """How many containers hold the shared CPUs now (from the books)."""
         return self.books.shared_containers
 
-    def flush(self, *, force: bool = False) -> None:
-        """Write the books now if a change waits (or `force`). Raises OSError."""
-        self.keeper.flush(force=force)
+    def flush(self) -> None:
+        """Write the books now if a change waits, and fold the database's WAL in. Raises OSError."""
+        self.keeper.flush()
 
     # -- NRI handlers ------------------------------------------------------------------------------
 
