@@ -206,7 +206,7 @@ def make_plugin(
     plugin = MixedCpuPlugin(
         shared=shared,
         layout=layout,
-        store=StateStore(state_dir, fsync=False),
+        store=StateStore(state_dir),
         trusted=TrustedSources(key if trust_marker else None, trust_pod_annotation, allocations),
         observer=observer,
         clock=clock,

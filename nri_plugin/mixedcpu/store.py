@@ -160,8 +160,14 @@ class StateStore:
                 if not stat.S_ISREG(mode):
                     kind = "symbolic link" if stat.S_ISLNK(mode) else _kind(mode)
                     raise _Unusable(f"{os.path.basename(path)} is a {kind}, not a file the plugin writes")
-        with contextlib.suppress(FileExistsError):  # made here, so that its mode is ours (and its -wal's)
+        try:  # made here, so that its mode is ours (and its -wal's)
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        except FileExistsError:
+            pass
+        else:  # a -wal left by a database deleted by hand belongs to no database now
+            for stale in (f"{self.path}-wal", f"{self.path}-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
         db = sqlite3.connect(self.path, isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode = WAL")
@@ -190,6 +196,7 @@ class StateStore:
         except LegacyRefused as exc:
             _rename_aside(exc.path, str(exc))
             books = Books()
+        set_aside_out_of_range(books, self.online, paths[-1])  # (a number too large for SQLite too)
         self.save(books)
         for path in legacy_paths(self.directory):  # the journals first: the snapshot names them
             with contextlib.suppress(FileNotFoundError):
@@ -215,7 +222,7 @@ class StateStore:
     def _transaction(self, work: Callable[[sqlite3.Connection], object]) -> None:
         try:
             _in_transaction(self._connection(), work)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OverflowError) as exc:  # (OverflowError: an integer of more than 64 bits)
             raise StateWriteError(f"{self.path}: {exc}") from None
 
     def save(self, books: Books) -> None:

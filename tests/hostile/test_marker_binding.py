@@ -58,7 +58,7 @@ def test_books_bind_until_the_pod_is_unbound() -> None:
 
 
 def test_state_file_keeps_the_bindings_and_old_files_still_load(tmp_path: Path) -> None:
-    store = StateStore(tmp_path, fsync=False)
+    store = StateStore(tmp_path)
     books = Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)})
     books.hold(Slot("p", "a"), ContainerRecord("c1", 2, "4", "dev-1"))
     books.release("c1")
