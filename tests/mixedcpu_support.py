@@ -33,7 +33,7 @@ from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, PluginObserver, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool
-from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore
 from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import Stub
 
@@ -176,6 +176,12 @@ def make_container(
     if shares is not None:
         cpu.shares.value = shares
     return container
+
+
+def forget_books(state_dir: Path) -> None:
+    """The books lost, as a wiped state dir loses them: the database with its -wal and -shm."""
+    for suffix in ("", "-wal", "-shm"):
+        (state_dir / f"{STATE_FILE_NAME}{suffix}").unlink(missing_ok=True)
 
 
 def marker(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:

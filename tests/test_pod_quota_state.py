@@ -161,7 +161,7 @@ def test_a_failed_transaction_writes_nothing_and_its_changes_wait(tmp_path: Path
 def test_a_state_dir_that_is_a_file_fails_the_save(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     keeper = Bookkeeper(StateStore(tmp_path / "file"), _books())
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="file"):
         keeper.commit()
     with structlog.testing.capture_logs() as logs:
         keeper.save_quietly()

@@ -130,7 +130,9 @@ def test_a_hostile_state_file_is_set_aside_at_once(tmp_path: Path, kind: str) ->
     assert aside.parent == state
     assert aside.name.startswith(f"{STATE_FILE_NAME}.refused-")
     assert os.path.lexists(aside)
-    assert not os.path.lexists(path) or (path.is_file() and not path.is_symlink()), "a new database, or none yet"
+    assert not os.path.lexists(path) or (path.is_file() and not path.is_symlink()), (
+        "a new database, or none yet"
+    )
     if kind.startswith("link"):
         assert aside.is_symlink(), "the link itself is moved, its target left alone"
     if kind == "wal-is-a-link":
