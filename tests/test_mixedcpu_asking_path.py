@@ -142,7 +142,9 @@ def test_any_strings_go_through_the_database_as_they_are(tmp_path: Path) -> None
         if rnd.random() < 0.2:
             return None
         slots = {
-            text(): ContainerRecord(text(), rnd.randrange(4), rnd.choice(["", "2-3"]), rnd.choice([None, text()]))
+            text(): ContainerRecord(
+                text(), rnd.randrange(4), rnd.choice(["", "2-3"]), rnd.choice([None, text()])
+            )
             for _ in range(rnd.randrange(3))
         }
         baseline = rnd.choice([None, rnd.randrange(1000, 10**6)])  # (in the kernel's ranges)

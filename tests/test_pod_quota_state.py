@@ -31,7 +31,7 @@ from nri_plugin.mixedcpu.baselines import rebase
 from nri_plugin.mixedcpu.bookkeeper import Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
 from nri_plugin.mixedcpu.bounds import out_of_range
-from nri_plugin.mixedcpu.store import SCHEMA_VERSION, STATE_FILE_NAME, StateStore
+from nri_plugin.mixedcpu.store import CHECKPOINT_EVERY, SCHEMA_VERSION, STATE_FILE_NAME, WAL_LIMIT, StateStore
 
 CGROUPFS = Naming("containerd", "cgroupfs")
 
@@ -550,3 +550,20 @@ async def test_unreadable_pod_cgroup_at_synchronize_is_guessed_later(tmp_path: P
     tree.add_pod(pod, 500_000)
     await plugin.stop_container(pod, running)
     assert tree.pod_quota(pod) == 300_000
+
+
+def test_the_wal_is_checkpointed_by_the_worker_and_stays_short(tmp_path: Path) -> None:
+    """SQLite's own checkpoints (in a COMMIT, on the event loop) are off; the worker thread's, and
+    one in place when creations come back to back, keep the WAL short; none is left at shutdown."""
+    keeper = Bookkeeper(StateStore(tmp_path))
+    wal = tmp_path / f"{STATE_FILE_NAME}-wal"
+    frame = 4096 + 24  # a page and its frame header
+    for n in range(2 * WAL_LIMIT // (4 * frame)):  # (a creation writes 4 pages: one per table)
+        slot = Slot(f"pod-{n}", "app")
+        new = PodRecord(cgroup_parent=f"/kubepods/pod{n}", baseline=PERIOD, period=PERIOD)
+        keeper.books.hold(slot, ContainerRecord(f"c-{n}", 2, "4-5", f"dev-{n}"), new_pod=new, allocation=1)
+        keeper.commit()
+        assert wal.stat().st_size < WAL_LIMIT + CHECKPOINT_EVERY * 6 * frame
+    keeper.flush()
+    assert wal.stat().st_size == 0
+    assert StateStore(tmp_path).load() == keeper.books

@@ -17,9 +17,17 @@ pages whatever becomes of the process, so a kill -9 right after the COMMIT loses
 before it loses the transaction whole (SQLite ignores a WAL frame not followed by its commit
 record). ``FULL`` would add an fsync to every event for a power loss we do not need to survive;
 ``NORMAL`` still syncs at each checkpoint, so even a power loss leaves a database that opens
-(missing its last transactions), and one it damages anyway is set aside below. SQLite runs a
-checkpoint (the WAL copied back into the database, with its fsyncs) inside the COMMIT that takes the
-WAL past 1,000 pages; ``docs/performance.md`` measures what that costs the creation path.
+(missing its last transactions), and one it damages anyway is set aside below.
+
+**Checkpoints** (the WAL copied back into the database, with their fsyncs) are kept off the event
+loop: SQLite's own, run inside the COMMIT that takes the WAL past 1,000 pages, took milliseconds of
+a creation's reply once in 250 creations (``docs/performance.md``). They are turned off
+(``wal_autocheckpoint = 0``); after every `CHECKPOINT_EVERY` transactions a ``PASSIVE`` checkpoint
+is handed to a worker thread, on a connection of its own, which SQLite lets run beside the writer;
+the next transaction rewinds the WAL once it is all copied. Under creations back to back the WAL
+grows while the worker copies it (never all copied, never rewound): past `WAL_LIMIT` bytes one
+``TRUNCATE`` checkpoint is run in place, between two transactions. `checkpoint` folds the WAL in at
+shutdown.
 
 **Hostile files.** The state dir is the plugin's, but whoever can write it can put anything there. A
 database path (or its ``-wal``, ``-shm``) that is a symbolic link, a FIFO, a device or a directory,
@@ -48,8 +56,10 @@ import contextlib
 import os
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
 import structlog
@@ -66,12 +76,25 @@ from nri_plugin.mixedcpu.legacy import (
     read_legacy,
 )
 
-__all__ = ["SCHEMA_VERSION", "STATE_FILE_NAME", "StateFileError", "StateStore", "StateWriteError"]
+__all__ = [
+    "CHECKPOINT_EVERY",
+    "SCHEMA_VERSION",
+    "STATE_FILE_NAME",
+    "WAL_LIMIT",
+    "StateFileError",
+    "StateStore",
+    "StateWriteError",
+]
 
 log = structlog.get_logger("nri_plugin.mixedcpu.store")
 
 STATE_FILE_NAME: Final = "books.sqlite"
 SCHEMA_VERSION: Final = 1
+# Transactions between two checkpoints in the worker thread: a creation writes 4 or 5 pages, so the
+# WAL stays under SQLite's own threshold of 1,000.
+CHECKPOINT_EVERY: Final = 200
+# A WAL this large was not rewound (creations back to back): checkpointed in place.
+WAL_LIMIT: Final = 16 << 20
 
 _SCHEMA: Final = (
     "CREATE TABLE pods (key TEXT PRIMARY KEY, cgroup_parent TEXT NOT NULL, baseline INTEGER,"
@@ -120,6 +143,11 @@ class StateStore:
         self.path = os.path.join(self.directory, name)
         self.online = online
         self._db: sqlite3.Connection | None = None
+        self._since_checkpoint = 0
+        self._checkpointer: ThreadPoolExecutor | None = None
+        self._checkpointing: Future[None] | None = None
+        self._worker_db: sqlite3.Connection | None = None  # the worker thread's own
+        self._worker_lock = threading.Lock()
 
     # -- opening -----------------------------------------------------------------------------------------
 
@@ -147,7 +175,9 @@ class StateStore:
                 try:
                     self._db = self._open()
                 except (_Unusable, sqlite3.Error, OSError) as again:
-                    raise StateFileError(f"{self.path}: cannot be opened ({again}); check the state dir") from None
+                    raise StateFileError(
+                        f"{self.path}: cannot be opened ({again}); check the state dir"
+                    ) from None
             self._migrate()
         return self._db
 
@@ -155,13 +185,11 @@ class StateStore:
         """The database, opened and checked (created with its schema when there is none)."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         for path in (self.path, f"{self.path}-wal", f"{self.path}-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                mode = os.lstat(path).st_mode
-                if not stat.S_ISREG(mode):
-                    kind = "symbolic link" if stat.S_ISLNK(mode) else _kind(mode)
-                    raise _Unusable(f"{os.path.basename(path)} is a {kind}, not a file the plugin writes")
+            _refuse_unless_regular(path)
         try:  # made here, so that its mode is ours (and its -wal's)
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            os.close(
+                os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            )
         except FileExistsError:
             pass
         else:  # a -wal left by a database deleted by hand belongs to no database now
@@ -172,11 +200,12 @@ class StateStore:
         try:
             db.execute("PRAGMA journal_mode = WAL")
             db.execute("PRAGMA synchronous = NORMAL")
-            if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            db.execute("PRAGMA wal_autocheckpoint = 0")
+            if db.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
                 raise _Unusable("damaged (PRAGMA quick_check)")
-            version = db.execute("PRAGMA user_version").fetchone()[0]
+            [(version,)] = db.execute("PRAGMA user_version").fetchall()
             if version == 0:
-                if db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                if db.execute("SELECT count(*) FROM sqlite_master").fetchall() != [(0,)]:
                     raise _Unusable("a database of something else (schema version 0, with tables)")
                 _in_transaction(db, lambda db: [db.execute(statement) for statement in _SCHEMA])
             elif version != SCHEMA_VERSION:
@@ -201,7 +230,9 @@ class StateStore:
         for path in legacy_paths(self.directory):  # the journals first: the snapshot names them
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        log.info("the books of the previous version moved into the database", path=self.path, pods=len(books.pods))
+        log.info(
+            "the books of the previous version moved into the database", path=self.path, pods=len(books.pods)
+        )
 
     def _set_aside(self, reason: str) -> None:
         """Rename the unusable database (and its -wal, -shm) out of the way, for a person to look at."""
@@ -212,7 +243,14 @@ class StateStore:
                 os.rename(f"{self.path}{suffix}", f"{aside}{suffix}")
 
     def close(self) -> None:
-        """Close the connection (the next use opens it again)."""
+        """Close the connections, after the checkpoint under way (the next use opens them again)."""
+        if self._checkpointer is not None:
+            self._checkpointer.shutdown(wait=True)
+            self._checkpointer = self._checkpointing = None
+        with self._worker_lock:
+            if self._worker_db is not None:
+                self._worker_db.close()
+                self._worker_db = None
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -224,13 +262,48 @@ class StateStore:
             _in_transaction(self._connection(), work)
         except (sqlite3.Error, OverflowError) as exc:  # (OverflowError: an integer of more than 64 bits)
             raise StateWriteError(f"{self.path}: {exc}") from None
+        self._since_checkpoint += 1
+        if self._since_checkpoint >= CHECKPOINT_EVERY:
+            self._next_checkpoint()
+
+    def _next_checkpoint(self) -> None:
+        """Hand a checkpoint to the worker (see the module docstring), unless one is under way."""
+        if self._checkpointing is not None and not self._checkpointing.done():
+            return
+        self._since_checkpoint = 0
+        try:
+            size = os.stat(f"{self.path}-wal").st_size
+        except OSError:
+            size = 0
+        if size > WAL_LIMIT and self._db is not None:
+            with contextlib.suppress(sqlite3.Error):  # (busy: the next one tries again)
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            return
+        if self._checkpointer is None:
+            self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="books-checkpoint")
+        self._checkpointing = self._checkpointer.submit(self._checkpoint_in_worker)
+
+    def _checkpoint_in_worker(self) -> None:
+        """One PASSIVE checkpoint, in the worker thread on its own connection. A failure is logged
+        (the WAL then waits for the next one, or the one at shutdown)."""
+        try:
+            with self._worker_lock:
+                if self._worker_db is None:
+                    self._worker_db = sqlite3.connect(
+                        self.path, isolation_level=None, check_same_thread=False
+                    )
+                self._worker_db.execute(
+                    "PRAGMA wal_checkpoint(PASSIVE)"
+                ).fetchall()  # (all: no statement left open)
+        except sqlite3.Error as exc:
+            log.warning("cannot checkpoint the books' database", path=self.path, error=str(exc))
 
     def save(self, books: Books) -> None:
         """Replace the whole books (one transaction). Raises `StateWriteError`."""
 
         def replace_all(db: sqlite3.Connection) -> None:
             for table in ("pods", "slots", "bindings", "spent"):
-                db.execute(f"DELETE FROM {table}")  # noqa: S608 (the names above)
+                db.execute(f"DELETE FROM {table}")  # (the names above)
             _put_pods(db, books, {key: None for key in books.pods})
             db.executemany(_PUT_BINDING, [(device, *slot) for device, slot in books.devices.items()])
             db.executemany(_PUT_SPENT, [(device, *spent) for device, spent in books.spent.items()])
@@ -271,10 +344,13 @@ class StateStore:
         self._transaction(lambda db: db.execute(_PUT_POD, (key, *_header(record))))
 
     def checkpoint(self) -> None:
-        """Copy the WAL back into the database and empty it (at shutdown). Raises `StateWriteError`."""
+        """Copy the WAL back into the database and empty it (at shutdown), after the worker's
+        checkpoint under way. Raises `StateWriteError`."""
+        if self._checkpointing is not None:
+            self._checkpointing.result()
         if self._db is not None:
             try:
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             except sqlite3.Error as exc:
                 raise StateWriteError(f"{self.path}: {exc}") from None
 
@@ -322,9 +398,7 @@ def _delete_pods(db: sqlite3.Connection, keys: list[str]) -> None:
 
 def _read(db: sqlite3.Connection) -> Books:
     """The books the tables hold; ValueError for a row of the wrong type or a slot of no pod."""
-    headers = {
-        checked_text(key, "pod key"): row for key, *row in db.execute("SELECT * FROM pods")
-    }
+    headers = {checked_text(key, "pod key"): row for key, *row in db.execute("SELECT * FROM pods")}
     slots: dict[str, dict[str, object]] = {key: {} for key in headers}
     for pod, name, *record in db.execute("SELECT * FROM slots"):
         if pod not in slots:
@@ -332,23 +406,29 @@ def _read(db: sqlite3.Connection) -> Books:
         slots[pod][checked_text(name, "container name")] = container_record(*record)
     pods = {key: pod_record(*row, Containers(slots[key])) for key, row in headers.items()}  # type: ignore[arg-type]
     devices = {
-        checked_text(device, "device id"): Slot(checked_text(pod, "device pod"), checked_text(name, "device container"))
+        checked_text(device, "device id"): Slot(
+            checked_text(pod, "device pod"), checked_text(name, "device container")
+        )
         for device, pod, name in db.execute("SELECT * FROM bindings")
     }
     spent = {
-        checked_text(device, "device id"): checked_spent(*row) for device, *row in db.execute("SELECT * FROM spent")
+        checked_text(device, "device id"): checked_spent(*row)
+        for device, *row in db.execute("SELECT * FROM spent")
     }
     return Books(pods, devices, spent=spent)
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "directory"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "device"
+def _refuse_unless_regular(path: str) -> None:
+    """`_Unusable` when `path` exists and is not a regular file (not followed, if a link)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kinds = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"))
+    kind = next((name for test, name in kinds if test(mode)), "device or socket")
+    raise _Unusable(f"{os.path.basename(path)} is a {kind}, not a file the plugin writes")
 
 
 def _rename_aside(path: str, reason: str) -> str:
