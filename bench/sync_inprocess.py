@@ -29,7 +29,7 @@ from workload import already_shared, fake_node, realistic_container, realistic_p
 from nri_plugin.daemon.logs import configure_logging
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, TrustedSources
 from nri_plugin.mixedcpu.store import StateStore
-from nri_plugin.nri import mux
+from nri_plugin.nri import mux, stub
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import PLUGIN_SERVICE
 from nri_plugin.ttrpc.protocol import ClientSession
@@ -134,6 +134,8 @@ def run(pods: int, runs: int, count: bool) -> tuple[list[float], list[float], di
 
 
 def main(argv: list[str] | None = None) -> None:
+    # A node this large raises max_synchronize_mib (its Synchronize is over the default 32 MiB).
+    stub.DEFAULT_MAX_SYNC_BYTES = 1024 << 20
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--pods", type=int, default=1000, help="pods, 5 containers each (1000)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs; min and median shown (5)")
