@@ -375,7 +375,11 @@ def test_the_database_always_holds_the_books_committed(seed: int, steps: int) ->
                 books = keeper.books
                 in_range = {key: pod for key, pod in books.pods.items() if out_of_range(pod) is None}
                 loaded = StateStore(tmp).load()
-                assert (loaded.pods, loaded.devices, loaded.spent) == (in_range, books.devices, books.spent)
+                assert (dict(loaded.pods), loaded.devices, loaded.spent) == (
+                    in_range,
+                    books.devices,
+                    books.spent,
+                )
         keeper.store.close()
 
 

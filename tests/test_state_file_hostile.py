@@ -88,13 +88,17 @@ def _damaged(path: Path) -> None:
         file.write(b"\xa5" * 4096)
 
 
+def _not_a_database(path: Path) -> None:
+    path.write_bytes(b"{not sqlite at all}\n" * 300)
+
+
 def _wal_is_a_link(path: Path) -> None:
     _ours_with()(path)
     Path(f"{path}-wal").symlink_to("/dev/zero")
 
 
 HOSTILE: dict[str, Callable[[Path], None]] = {
-    "not-a-database": lambda path: path.write_bytes(b"{not sqlite at all}\n" * 300),
+    "not-a-database": _not_a_database,
     "damaged": _damaged,
     "another-schema-version": _ours_with("PRAGMA user_version = 7"),
     "someone-elses-tables": lambda path: _database(path, "CREATE TABLE x (y)"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any, Final
 
 import structlog
@@ -177,9 +178,9 @@ def checked_spent(allocation: object, pod: object, name: object) -> Spent:
     return Spent(allocation, checked_text(pod, "spent pod"), checked_text(name, "spent container"))
 
 
-def pod_record(
-    parent: object, baseline: object, period: object, source: object, containers: Containers
-) -> PodRecord:
+def pod_record(fields: Sequence[object], containers: Containers) -> PodRecord:
+    """A pod's record from (cgroup_parent, baseline, period, baseline_source), checked."""
+    parent, baseline, period, source = fields
     return PodRecord(
         cgroup_parent=checked_text(parent, "cgroup_parent"),
         baseline=None if baseline is None else checked_int(baseline, "baseline"),
@@ -189,9 +190,9 @@ def pod_record(
     )
 
 
-def container_record(
-    container_id: object, shared: object, exclusive: object, device: object
-) -> ContainerRecord:
+def container_record(fields: Sequence[object]) -> ContainerRecord:
+    """A slot's record from (id, shared_cpus, exclusive, device), checked."""
+    container_id, shared, exclusive, device = fields
     return ContainerRecord(
         id=checked_text(container_id, "container id"),
         shared_cpus=checked_int(shared, "shared_cpus"),
@@ -247,19 +248,14 @@ def _pod_from_json(raw: object) -> PodRecord:
     containers = Containers(
         (checked_text(name, "container name"), _container_from_json(entry)) for name, entry in slots.items()
     )
-    return pod_record(
-        raw.get("cgroup_parent"),
-        raw.get("baseline"),
-        raw.get("period"),
-        raw.get("baseline_source", "first-seen"),
-        containers,
-    )
+    fields = [raw.get("cgroup_parent"), raw.get("baseline"), raw.get("period")]
+    return pod_record([*fields, raw.get("baseline_source", "first-seen")], containers)
 
 
 def _container_from_json(entry: object) -> ContainerRecord:
     entry = _object(entry, "a container entry")
     return container_record(
-        entry.get("id"), entry.get("shared_cpus"), entry.get("exclusive", ""), entry.get("device")
+        [entry.get("id"), entry.get("shared_cpus"), entry.get("exclusive", ""), entry.get("device")]
     )
 
 
@@ -283,7 +279,7 @@ def _apply(books: Books, op: object) -> None:
         key = checked_text(args[0], "pod key")
         pod = books.pods.get(key)
         if kind == "P":
-            books.pods[key] = pod_record(*args[1:], pod.containers if pod is not None else Containers())
+            books.pods[key] = pod_record(args[1:], pod.containers if pod is not None else Containers())
         elif kind == "X":
             books.pods.pop(key, None)
         elif pod is None:
@@ -291,6 +287,4 @@ def _apply(books: Books, op: object) -> None:
         elif kind == "F":
             books.pods[key] = pod.without(checked_text(args[1], "container name"))
         else:
-            books.pods[key] = pod.holding(
-                checked_text(args[1], "container name"), container_record(*args[2:])
-            )
+            books.pods[key] = pod.holding(checked_text(args[1], "container name"), container_record(args[2:]))

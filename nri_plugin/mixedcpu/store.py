@@ -64,7 +64,7 @@ from typing import Final
 
 import structlog
 
-from nri_plugin.mixedcpu.books import Books, Containers, PodRecord, Slot, Spent
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot, Spent
 from nri_plugin.mixedcpu.bounds import set_aside_out_of_range
 from nri_plugin.mixedcpu.legacy import (
     LegacyRefused,
@@ -399,12 +399,12 @@ def _delete_pods(db: sqlite3.Connection, keys: list[str]) -> None:
 def _read(db: sqlite3.Connection) -> Books:
     """The books the tables hold; ValueError for a row of the wrong type or a slot of no pod."""
     headers = {checked_text(key, "pod key"): row for key, *row in db.execute("SELECT * FROM pods")}
-    slots: dict[str, dict[str, object]] = {key: {} for key in headers}
+    slots: dict[str, dict[str, ContainerRecord]] = {key: {} for key in headers}
     for pod, name, *record in db.execute("SELECT * FROM slots"):
         if pod not in slots:
             raise ValueError(f"a slot of pod {pod!r}, which the books do not hold")
-        slots[pod][checked_text(name, "container name")] = container_record(*record)
-    pods = {key: pod_record(*row, Containers(slots[key])) for key, row in headers.items()}  # type: ignore[arg-type]
+        slots[pod][checked_text(name, "container name")] = container_record(record)
+    pods = {key: pod_record(row, Containers(slots[key])) for key, row in headers.items()}
     devices = {
         checked_text(device, "device id"): Slot(
             checked_text(pod, "device pod"), checked_text(name, "device container")
