@@ -7,13 +7,19 @@ it. What the database holds for each key still to be written is kept here (`_pod
 rolls it back) leaves them waiting, and the next commit writes them with its own. A pod's own
 quota is written ahead of the cgroup write that raises it (`write_ahead`): killed in between, the
 next start still knows it.
+
+The healer's CRI-O creations in progress (`books.Watch`) are written with the books: `watch_source`
+(settable) gives them as they are now, and each commit writes those that differ from what the
+database holds, in the same transaction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import structlog
 
-from nri_plugin.mixedcpu.books import Books, Containers, PodRecord, Slot, Spent
+from nri_plugin.mixedcpu.books import Books, Containers, PodRecord, Slot, Spent, Watch
 from nri_plugin.mixedcpu.logfields import LOGGER_NAME
 from nri_plugin.mixedcpu.store import StateStore
 
@@ -40,6 +46,9 @@ class Bookkeeper:
         self._pods: dict[str, PodRecord | None] = {}
         self._devices: dict[str, Slot | None] = {}
         self._spent: dict[str, Spent | None] = {}
+        # The watches the database holds (loaded: the healer takes them up), and where they come from.
+        self.watches: dict[Slot, Watch] = dict(store.watches) if books is None else {}
+        self.watch_source: Callable[[], Mapping[Slot, Watch]] | None = None
 
     @property
     def books(self) -> Books:
@@ -67,11 +76,17 @@ class Bookkeeper:
         """Write what changed since the last commit, in one transaction. Raises OSError (the
         changes then wait for the next commit)."""
         self._absorb()
+        now = self.watches if self.watch_source is None else self.watch_source()
+        watches: dict[Slot, Watch | None] = {
+            slot: w for slot, w in now.items() if self.watches.get(slot) != w
+        }
+        watches.update((slot, None) for slot in self.watches.keys() - now.keys())
         if self._whole:
-            self.store.save(self._books)
+            self.store.save(self._books, watches)
             self._whole = False
-        elif self._pods or self._devices or self._spent:
-            self.store.write(self._books, self._pods, self._devices, self._spent)
+        elif self._pods or self._devices or self._spent or watches:
+            self.store.write(self._books, self._pods, self._devices, self._spent, watches)
+        self.watches = dict(now)
         self._pods.clear()
         self._devices.clear()
         self._spent.clear()

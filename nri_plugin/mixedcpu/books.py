@@ -55,7 +55,7 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import Final, NamedTuple, TypeVar
 
-__all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "Spent", "WatchedMap"]
+__all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "Spent", "Watch", "WatchedMap"]
 
 
 class Slot(NamedTuple):
@@ -80,6 +80,16 @@ class Spent(NamedTuple):
     @property
     def slot(self) -> Slot:
         return Slot(self.pod, self.name)
+
+
+class Watch(NamedTuple):
+    """A CRI-O creation in progress, as the books keep it across a restart (`nri_plugin.mixedcpu.heal`):
+    the container holding the slot, its cgroup path as the runtime sent it, and when its creation is
+    over on the clock (`time.monotonic`: the system's, so the same across a restart of the daemon)."""
+
+    container_id: str
+    cgroups_path: str
+    due: float
 
 
 @dataclass(frozen=True, slots=True)

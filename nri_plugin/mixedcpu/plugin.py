@@ -208,6 +208,9 @@ class MixedCpuPlugin(
         self.creations: CreationObserver | None = None  # settable, as `observer` is
         self.roster = Roster()  # who the shared containers are, for the status
         self.healer.roster = self.roster  # a heal names its pod by namespace and name
+        # CRI-O creations in progress are kept with the books: a restart during one still knows it.
+        self.healer.restore_watches(self.keeper.watches)
+        self.keeper.watch_source = self.healer.saved_watches
 
     @property
     def books(self) -> Books:
@@ -314,17 +317,19 @@ class MixedCpuPlugin(
             exclusive=format_cpuset(plan.exclusive),
             device=check.proof.device,
         )
+        self.healer.watch_creation(slot, container)  # (saved with the books, by the raise's commit)
         try:
             quotas = await self.quotas.raise_for(
                 pod, container, slot, record, saved, allocation=check.proof.allocation
             )
         except PluginRefusal as exc:
+            self.healer.forget_creation(slot, container.id)
+            self.keeper.save_quietly()
             self._creation_decided("state_file" if isinstance(exc, PluginFailure) else "cgroup")
             raise
         self._creation_decided("granted")
         if tracing:
             trace.pod_quota_raised(pod, container, quotas, books.pods.get(slot.pod), "CreateContainer")
-        self.healer.watch_creation(slot, container)
         holder = Holder(pod.namespace, pod.name, check.proof.source, time.time())
         self.roster.given(container.id, holder, books)
         self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))

@@ -7,7 +7,10 @@ The tables (schema version `SCHEMA_VERSION`, kept in ``PRAGMA user_version`` and
 * ``slots(pod, name, id, shared_cpus, exclusive, device)``: the live shared container holding each
   slot of a pod (`nri_plugin.mixedcpu.books`);
 * ``bindings(device, pod, name)``: which slot each device id is bound to;
-* ``spent(device, allocation, pod, name)``: the newest allocation of each device id presented.
+* ``spent(device, allocation, pod, name)``: the newest allocation of each device id presented;
+* ``watches(pod, name, container_id, cgroups_path, due)``: the CRI-O creations in progress
+  (`nri_plugin.mixedcpu.heal`), so that a daemon restarted during a slow ``runc create`` still knows
+  it (`books.Watch`).
 
 **What must survive** is a kill of the process at any instant, not a power loss: after a reboot the
 pod cgroups are made afresh by kubelet and the books are rebuilt from the runtime, so nothing on disk
@@ -64,7 +67,7 @@ from typing import Final
 
 import structlog
 
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot, Spent
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot, Spent, Watch
 from nri_plugin.mixedcpu.bounds import set_aside_out_of_range
 from nri_plugin.mixedcpu.legacy import (
     LegacyRefused,
@@ -84,6 +87,7 @@ __all__ = [
     "StateFileError",
     "StateStore",
     "StateWriteError",
+    "read_only",
 ]
 
 log = structlog.get_logger("nri_plugin.mixedcpu.store")
@@ -105,12 +109,15 @@ _SCHEMA: Final = (
     "CREATE TABLE bindings (device TEXT PRIMARY KEY, pod TEXT NOT NULL, name TEXT NOT NULL) WITHOUT ROWID",
     "CREATE TABLE spent (device TEXT PRIMARY KEY, allocation INTEGER NOT NULL, pod TEXT NOT NULL,"
     " name TEXT NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE watches (pod TEXT NOT NULL, name TEXT NOT NULL, container_id TEXT NOT NULL,"
+    " cgroups_path TEXT NOT NULL, due REAL NOT NULL, PRIMARY KEY (pod, name)) WITHOUT ROWID",
     f"PRAGMA user_version = {SCHEMA_VERSION}",
 )
 _PUT_POD: Final = "INSERT OR REPLACE INTO pods VALUES (?, ?, ?, ?, ?)"
 _PUT_SLOT: Final = "INSERT OR REPLACE INTO slots VALUES (?, ?, ?, ?, ?, ?)"
 _PUT_BINDING: Final = "INSERT OR REPLACE INTO bindings VALUES (?, ?, ?)"
 _PUT_SPENT: Final = "INSERT OR REPLACE INTO spent VALUES (?, ?, ?, ?)"
+_PUT_WATCH: Final = "INSERT OR REPLACE INTO watches VALUES (?, ?, ?, ?, ?)"
 _NO_SLOTS: Final = Containers()
 
 
@@ -142,6 +149,7 @@ class StateStore:
         self.directory = os.fspath(directory)
         self.path = os.path.join(self.directory, name)
         self.online = online
+        self.watches: dict[Slot, Watch] = {}  # what the last `load` found
         self._db: sqlite3.Connection | None = None
         self._since_checkpoint = 0
         self._checkpointer: ThreadPoolExecutor | None = None
@@ -157,6 +165,7 @@ class StateStore:
         db = self._connection()
         try:
             books = _read(db)
+            self.watches = _read_watches(db)
         except (sqlite3.Error, ValueError) as exc:
             self._set_aside(f"unreadable ({exc})")
             return Books()
@@ -298,10 +307,12 @@ class StateStore:
         except sqlite3.Error as exc:
             log.warning("cannot checkpoint the books' database", path=self.path, error=str(exc))
 
-    def save(self, books: Books) -> None:
-        """Replace the whole books (one transaction). Raises `StateWriteError`."""
+    def save(self, books: Books, watches: Mapping[Slot, Watch | None] | None = None) -> None:
+        """Replace the whole books (one transaction), with `watches` changed as in `write`. Raises
+        `StateWriteError`."""
 
         def replace_all(db: sqlite3.Connection) -> None:
+            _put_watches(db, watches or {})
             for table in ("pods", "slots", "bindings", "spent"):
                 db.execute(f"DELETE FROM {table}")  # (the names above)
             _put_pods(db, books, {key: None for key in books.pods})
@@ -316,13 +327,15 @@ class StateStore:
         pods: Mapping[str, PodRecord | None],
         devices: Mapping[str, Slot | None],
         spent: Mapping[str, Spent | None],
+        watches: Mapping[Slot, Watch | None] | None = None,
     ) -> None:
         """One transaction turning what the database holds (`pods`, `devices`, `spent`: each key
-        changed, with its value in the database; None: absent) into `books`. Raises `StateWriteError`
-        (then nothing of it is written)."""
+        changed, with its value in the database; None: absent) into `books`, and the `watches`
+        given (None: deleted) written. Raises `StateWriteError` (then nothing of it is written)."""
 
         def changes(db: sqlite3.Connection) -> None:
             _put_pods(db, books, pods)
+            _put_watches(db, watches or {})
             for device, old in devices.items():
                 slot = books.devices.get(device)
                 if slot is None:
@@ -389,6 +402,34 @@ def _put_pods(db: sqlite3.Connection, books: Books, pods: Mapping[str, PodRecord
         )
     if gone:
         _delete_pods(db, gone)
+
+
+def read_only(path: str | os.PathLike[str]) -> tuple[Books, dict[Slot, Watch]]:
+    """The books and watches the database at `path` holds, read as they are (no bounds checked,
+    nothing set aside or written: for tests, and for a person looking). Raises `sqlite3.Error`,
+    ValueError."""
+    with contextlib.closing(sqlite3.connect(f"file:{os.fspath(path)}?mode=ro", uri=True)) as db:
+        return _read(db), _read_watches(db)
+
+
+def _put_watches(db: sqlite3.Connection, watches: Mapping[Slot, Watch | None]) -> None:
+    for slot, watch in watches.items():
+        if watch is None:
+            db.execute("DELETE FROM watches WHERE pod = ? AND name = ?", slot)
+        else:
+            db.execute(_PUT_WATCH, (*slot, *watch))
+
+
+def _read_watches(db: sqlite3.Connection) -> dict[Slot, Watch]:
+    watches = {}
+    for pod, name, container_id, path, due in db.execute("SELECT * FROM watches"):
+        if isinstance(due, bool) or not isinstance(due, (int, float)):
+            raise ValueError(f"a watch's due {due!r} is not a number")
+        slot = Slot(checked_text(pod, "watch pod"), checked_text(name, "watch container"))
+        watches[slot] = Watch(
+            checked_text(container_id, "watch id"), checked_text(path, "watch path"), float(due)
+        )
+    return watches
 
 
 def _delete_pods(db: sqlite3.Connection, keys: list[str]) -> None:
