@@ -430,7 +430,7 @@ async def test_a_daemon_restarted_in_a_slow_runc_create_still_carries_its_share(
     old.healer.stop()  # killed: nothing more of it runs
     await node.clock.advance(10.0)
     new, _ = make_plugin(
-        old.store.directory,
+        Path(old.store.directory),
         node.tree.layout,
         SHARED,
         observer=node.seen,
@@ -442,7 +442,7 @@ async def test_a_daemon_restarted_in_a_slow_runc_create_still_carries_its_share(
     with structlog.testing.capture_logs() as logs:
         await new.synchronize([pod], [])  # c1 still in its runc create: not listed
     assert heals(logs, "container_gone") == []
-    assert (new.healer.carried, new.healer.watched) == ({"c1"}, {"c1"})
+    assert new.healer.carried == new.healer.watched == {"c1"}
     assert node.tree.pod_quota(pod) == RAISED
     await node.start(pod, slow)
     assert new.healer.watched == frozenset()
@@ -467,7 +467,7 @@ async def test_a_saved_watch_not_of_this_boot_is_left_out(node: Node) -> None:
     [watch] = old.keeper.watches.values()
     with contextlib.closing(sqlite3.connect(old.store.path)) as db, db:
         db.execute("UPDATE watches SET due = ?", (watch.due + 2 * CREATION_TIMEOUT,))
-    new, _ = make_plugin(old.store.directory, node.tree.layout, SHARED, clock=node.clock)
+    new, _ = make_plugin(Path(old.store.directory), node.tree.layout, SHARED, clock=node.clock)
     await new.configure(api.ConfigureRequest(runtime_name="cri-o"))
     with structlog.testing.capture_logs() as logs:
         await new.synchronize([pod], [])
