@@ -209,6 +209,9 @@ class Healer:
         # `creation_timeout`; otherwise (containerd, or a runtime not named) from StartContainer, for
         # `grace`.
         self.cgroup_at_creation = False
+        # Slot -> its CRI-O creation as watched from CreateContainer (saved with the books; entries
+        # no longer in `_creations` are dropped by `saved_watches`).
+        self._crio: dict[Slot, _Creation] = {}
         # The watches a previous daemon saved, until the first Synchronize takes them up.
         self._restored: dict[Slot, Watch] = {}
         # Ids of the watched CRI-O creations the last Synchronize did not list but carried over.
@@ -236,16 +239,15 @@ class Healer:
     def saved_watches(self) -> dict[Slot, Watch]:
         """The CRI-O creations watched from their CreateContainer, as the books keep them
         (`Bookkeeper.watch_source`): a daemon restarted during their ``runc create`` takes them up
-        (`restore_watches`) and its Synchronize carries their shares."""
-        return {
-            **self._restored,
-            **{
-                c.slot: Watch(c.container_id, c.cgroups_path, c.due)
-                for slots in self._creations.values()
-                for c in slots.values()
-                if c.due is not None and c.since == "CreateContainer"
-            },
-        }
+        (`restore_watches`) and its Synchronize carries their shares. Costs the CRI-O creations in
+        progress, not the watches (those ended are dropped from the index here)."""
+        watches = dict(self._restored)
+        for slot, creation in list(self._crio.items()):
+            if self._creations.get(slot.pod, {}).get(slot.name) is not creation:
+                del self._crio[slot]  # started, ended, due, its pod gone, or Synchronize
+            elif creation.due is not None:
+                watches[slot] = Watch(creation.container_id, creation.cgroups_path, creation.due)
+        return watches
 
     def restore_watches(self, watches: Mapping[Slot, Watch]) -> None:
         """Take up the watches a previous daemon saved, at the first Synchronize (`carry_creations`;
@@ -349,7 +351,7 @@ class Healer:
         _drop(self._given_back, slot)  # a new instance: the one given back is dead
         if self.cgroup_at_creation:
             due: float | None = self._clock.monotonic() + self.creation_timeout
-            creation = _Creation(slot, container.id, path, due, "CreateContainer")
+            creation = self._crio[slot] = _Creation(slot, container.id, path, due, "CreateContainer")
         else:
             due, creation = None, _Creation(slot, container.id, path, None, "StartContainer")
         self._creations.setdefault(slot.pod, {})[slot.name] = creation
@@ -451,14 +453,7 @@ class Healer:
         is carried into the rebuilt `books` (if its pod is listed and its slot free there) and its
         watch kept, so its pod quota is not lowered under it."""
         carried: set[str] = set()
-        now = self._clock.monotonic()
-        for slot, watch in self._restored.items():
-            if watch.due - now <= self.creation_timeout:
-                creation = _Creation(
-                    slot, watch.container_id, watch.cgroups_path, watch.due, "CreateContainer"
-                )
-                self._creations.setdefault(slot.pod, {}).setdefault(slot.name, creation)
-        self._restored = {}
+        self._take_up_restored()
         if self.cgroup_at_creation:
             seen = set(listed)
             now = self._clock.monotonic()
@@ -479,6 +474,18 @@ class Healer:
                     books.hold(slot, record, new_pod=new_pod)
                     carried.add(creation.container_id)
         self.carried = frozenset(carried)
+
+    def _take_up_restored(self) -> None:
+        """The watches a previous daemon saved (`restore_watches`), watched from now on."""
+        now = self._clock.monotonic()
+        for slot, watch in self._restored.items():
+            if watch.due - now <= self.creation_timeout:
+                creation = _Creation(
+                    slot, watch.container_id, watch.cgroups_path, watch.due, "CreateContainer"
+                )
+                if self._creations.setdefault(slot.pod, {}).setdefault(slot.name, creation) is creation:
+                    self._crio[slot] = creation
+        self._restored = {}
 
     def after_sync(
         self, previous: Books, pods: Iterable[api.PodSandbox], containers: Iterable[api.Container]
