@@ -436,8 +436,9 @@ async def test_run_saves_the_books_on_the_way_out(tmp_path: Path, device_plugins
         assert holders() == ["c2"], "the new holder is written before the reply"
         stderr = await terminate(proc, GUARD)
     assert proc.returncode == 0, stderr.decode()
+    wal = state_dir / "books.sqlite-wal"
+    assert not wal.exists() or wal.stat().st_size == 0, "the WAL folded in at exit"
     assert holders() == ["c2"]
-    assert (state_dir / "books.sqlite-wal").stat().st_size == 0, "the WAL folded in at exit"
 
 
 @pytest.mark.asyncio

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import sqlite3
@@ -124,7 +125,7 @@ def test_state_db_round_trip(tmp_path: Path) -> None:
     loaded = StateStore(tmp_path).load()
     assert (loaded, loaded.spent) == (books, books.spent)
     assert (tmp_path / STATE_FILE_NAME).stat().st_mode & 0o777 == 0o600
-    with sqlite3.connect(tmp_path / STATE_FILE_NAME) as db:
+    with contextlib.closing(sqlite3.connect(tmp_path / STATE_FILE_NAME)) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         rows = db.execute("SELECT * FROM slots WHERE pod = 'pod-a' ORDER BY name").fetchall()

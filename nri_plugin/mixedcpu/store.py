@@ -61,6 +61,7 @@ import sqlite3
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
@@ -187,6 +188,7 @@ class StateStore:
                     raise StateFileError(
                         f"{self.path}: cannot be opened ({again}); check the state dir"
                     ) from None
+            weakref.finalize(self, self._db.close)  # a store dropped unclosed (tests) closes it
             self._migrate()
         return self._db
 
@@ -301,6 +303,7 @@ class StateStore:
                     self._worker_db = sqlite3.connect(
                         self.path, isolation_level=None, check_same_thread=False
                     )
+                    weakref.finalize(self, self._worker_db.close)
                 self._worker_db.execute(
                     "PRAGMA wal_checkpoint(PASSIVE)"
                 ).fetchall()  # (all: no statement left open)
