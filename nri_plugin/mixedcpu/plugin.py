@@ -1,7 +1,7 @@
 """The mixed-CPU NRI plugin's handlers: the policy (`nri_plugin.mixedcpu.policy`) applied at each event.
 
 The stub drives one `MixedCpuPlugin`. Each handler decides with the policy, then delegates: the pod
-cgroup's quota to `quota.PodQuotas`, the books and their state file to `bookkeeper.Bookkeeper`,
+cgroup's quota to `quota.PodQuotas`, the books and their database to `bookkeeper.Bookkeeper`,
 Synchronize's rebuilding of the books to `resync`. What it does per event:
 
 * **CreateContainer** of a container that proves a request (with an allocation marker: kubelet's
