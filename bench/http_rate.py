@@ -114,8 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds of wrk per path (5)")
     parser.add_argument("--connections", type=int, default=4, help="wrk's connections (4)")
-    parser.add_argument("--status", type=int, default=1000, help="requests one after the other per row (1000)")
-    parser.add_argument("--pods", type=int, default=200, help="shared containers in the status document (200)")
+    parser.add_argument("--status", type=int, default=1000, help="requests one by one per row (1000)")
+    parser.add_argument("--pods", type=int, default=200, help="containers in the status document (200)")
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -148,8 +148,10 @@ def main() -> None:
                     before = cpu_seconds(child.pid)
                     count, rate, p50, p99 = with_wrk(port, name, args.seconds, args.connections)
                     cpu = (cpu_seconds(child.pid) - before) / count
-                    print(f"| {name} (wrk, {args.connections} conn.) | {count:,} | {rate:,.0f} | {p50} | {p99} "
-                          f"| {cpu * 1e6:,.0f} µs |")
+                    print(
+                        f"| {name} (wrk, {args.connections} conn.) | {count:,} | {rate:,.0f} | {p50} | {p99} "
+                        f"| {cpu * 1e6:,.0f} µs |"
+                    )
                 before = cpu_seconds(child.pid)
                 took = one_by_one(ask, args.status)
                 cpu = (cpu_seconds(child.pid) - before) / args.status
