@@ -84,8 +84,8 @@ def with_wrk(port: int, path: str, seconds: float, connections: int) -> tuple[in
     ).stdout
     requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    p50 = re.search(r"50%\s+(\S+)", out).group(1)  # type: ignore[union-attr]
-    p99 = re.search(r"99%\s+(\S+)", out).group(1)  # type: ignore[union-attr]
+    p50 = re.search(r"^\s+50%\s+(\S+)", out, re.MULTILINE).group(1)  # type: ignore[union-attr]
+    p99 = re.search(r"^\s+99%\s+(\S+)", out, re.MULTILINE).group(1)  # type: ignore[union-attr]
     return requests, rate, p50, p99
 
 
