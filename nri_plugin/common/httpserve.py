@@ -12,11 +12,13 @@ does the I/O and the defences, the same for both servers, each choosing its numb
   read and dropped (`LINGER_BYTES`, for `LINGER_TIME` at most) so that closing does not reset the
   connection before the client has read the answer.
 * Two deadlines per connection: `Limits.request_timeout` for the whole request head, however it
-  trickles in (408 then), `Limits.write_timeout` for the whole answer (the connection dropped then).
+  trickles in (408 then, checked a few times per deadline: up to a quarter late), and
+  `Limits.write_timeout` for the whole answer (the connection dropped then).
 * No task per connection: each connection is a socket the loop watches, its request parsed and
-  answered in the loop's callbacks. One that has said nothing costs its socket, its entry in the
-  table and a timer, so a churn of idle connections is cheap to take and to drop. A request that is
-  there whole is answered in the very callback that reads it: it is never the one evicted.
+  answered in the loop's callbacks. One that has said nothing costs its socket and its entry in the
+  table (no timer, no parser), so a churn of idle connections is cheap to take and to drop. A
+  request that is there whole is answered in the very callback that reads it: it is never the one
+  evicted.
 * Connections beyond the limits are not refused: each newcomer is taken and an older one closed,
   as `nri_plugin.common.connections.ConnectionTable` chooses (a peer's own oldest at its limit; in
   all, the oldest that has said nothing, then the oldest still sending its request; each only once
@@ -53,6 +55,9 @@ NO_ROOM: Final = "no_room"
 LINGER_BYTES: Final = 64 * 1024
 LINGER_TIME: Final = 1.0
 _CHUNK: Final = 64 * 1024
+# The request deadline is checked this many times per its length: a request is cut off between
+# `request_timeout` and a quarter more.
+_SWEEPS: Final = 4
 _VERSIONS: Final = (b"1.0", b"1.1")
 
 
@@ -126,6 +131,7 @@ class HttpServer:
         self._listeners: list[socket.socket] = []
         self._waiting: dict[_Connection, float] = {}  # newcomers with no room yet -> since, oldest first
         self._retry: asyncio.TimerHandle | None = None
+        self._sweep: asyncio.TimerHandle | None = None
         # The loop's turns, as far as connections are concerned: one more each turn after one in
         # which a connection was taken (a tick per turn for ever would keep the loop from sleeping).
         self._turn = 0
@@ -156,8 +162,9 @@ class HttpServer:
         for listener in listeners:
             self.loop.remove_reader(listener.fileno())
             listener.close()
-        if self._retry is not None:
-            self._retry.cancel()
+        for timer in (self._retry, self._sweep):
+            if timer is not None:
+                timer.cancel()
         for connection in [*self.open, *self._waiting]:
             connection.close()
         self._waiting.clear()
@@ -172,7 +179,7 @@ class HttpServer:
                 return
             sock.setblocking(False)
             try:
-                first: bytes | None = sock.recv(_CHUNK)
+                first: bytes | None = sock.recv(self.limits.max_head + 1)
             except (BlockingIOError, InterruptedError):
                 first = None
             except OSError:
@@ -197,6 +204,8 @@ class HttpServer:
             self._tick_pending = True
             loop.call_soon(self._next_turn)
         eviction = self.open.admit(connection.peer, connection, now=loop.time(), turn=self._turn)
+        if self._sweep is None:
+            self._sweep = loop.call_later(self.limits.request_timeout / _SWEEPS, self._late)
         if eviction is None:
             return True
         if eviction.item is connection:
@@ -206,6 +215,20 @@ class HttpServer:
         eviction.item.close()
         self._drop(eviction.peer, eviction.reason)
         return True
+
+    def _late(self) -> None:
+        """Answer 408 to the connections whose request is not whole by its deadline; again while any
+        are open. (One sweep for all rather than a timer each: a churn of idle connections, taken and
+        evicted by the thousand, then costs no timer.)"""
+        self._sweep = None
+        limits = self.limits
+        for connection in self.open.taken_before(self.loop.time() - limits.request_timeout):
+            if connection.phase is _READING:
+                connection.send(
+                    Answer(408, f"request head not received within {limits.request_timeout:g} s\n".encode())
+                )
+        if len(self.open):
+            self._sweep = self.loop.call_later(limits.request_timeout / _SWEEPS, self._late)
 
     def _next_turn(self) -> None:
         self._turn += 1
@@ -326,10 +349,8 @@ class _Connection:
         self.phase = _READING
         if first:
             self._received(first)  # answered at once when it came whole (a prober's does)
-        if self.phase is _READING:
-            loop = self.server.loop
-            self.timer = loop.call_later(self.server.limits.request_timeout, self._late)
-            loop.add_reader(self.fd, self._readable)
+        if self.phase is _READING:  # the rest when it comes, within the request deadline (`_late`)
+            self.server.loop.add_reader(self.fd, self._readable)
             self.reading = True
 
     def close(self) -> None:
@@ -349,7 +370,7 @@ class _Connection:
 
     def _readable(self) -> None:
         try:
-            data = self.sock.recv(_CHUNK)
+            data = self.sock.recv(_CHUNK if self.phase is _LINGERING else self.server.limits.max_head + 1)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:  # reset
@@ -377,7 +398,7 @@ class _Connection:
         try:
             event = self.parser.next_event()
         except h11.RemoteProtocolError as exc:
-            self._send(self._refusal(exc, closed=not data))
+            self.send(self._refusal(exc, closed=not data))
             return
         if isinstance(event, h11.Request):
             self._request(event)
@@ -399,21 +420,16 @@ class _Connection:
         server = self.server
         self.head_only = request.method == b"HEAD"
         if self.received - len(self.parser.trailing_data[0]) > server.limits.max_head:
-            self._send(self._too_large())  # it came whole in one read
+            self.send(self._too_large())  # it came whole in one read
         elif request.http_version not in _VERSIONS:
             version = request.http_version.decode("ascii", "replace")
-            self._send(server.malformed(f"HTTP/{version} is not served, only HTTP/1.1 and 1.0"))
+            self.send(server.malformed(f"HTTP/{version} is not served, only HTTP/1.1 and 1.0"))
         elif not request.target.startswith(b"/"):
-            self._send(server.malformed("the target is not a path"))
+            self.send(server.malformed("the target is not a path"))
         else:  # h11 took the method and the target as printable ASCII
-            self._send(server.answer(request.method.decode("ascii"), request.target.decode("ascii")))
+            self.send(server.answer(request.method.decode("ascii"), request.target.decode("ascii")))
 
-    def _late(self) -> None:
-        self.timer = None
-        took = self.server.limits.request_timeout
-        self._send(Answer(408, f"request head not received within {took:g} s\n".encode()))
-
-    def _send(self, answer: Answer) -> None:
+    def send(self, answer: Answer) -> None:
         """Begin sending `answer`, within the write deadline; read no more of the request."""
         server = self.server
         loop = server.loop
