@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from probe_churn import cpu_seconds  # noqa: E402
 from workload import percentile  # noqa: E402
 
 
@@ -66,12 +67,6 @@ def serve(socket_path: str, pods: int) -> None:
         await status.close()
 
     asyncio.run(main())
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def with_wrk(port: int, path: str, seconds: float, connections: int) -> tuple[int, float, str, str]:

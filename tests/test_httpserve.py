@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -112,17 +113,8 @@ async def test_a_client_not_reading_its_answer(evict_slow_readers: bool) -> None
     """One connection allowed: a client that does not read a large answer is being answered, so a
     newcomer does not evict it (the probes: a scrape is never cut for a newcomer), and then has no
     room; with `evict_slow_readers` (the status socket) it goes for the newcomer."""
-    limits = Limits(
-        request_timeout=3600.0,
-        write_timeout=3600.0,
-        max_head=8192,
-        total=1,
-        per_peer=1,
-        hard_total=1,
-        fair_time=0.0,
-        heard_time=0.0,
-        fair_turns=0,
-        evict_slow_readers=evict_slow_readers,
+    limits = dataclasses.replace(
+        ROOMY, total=1, per_peer=1, hard_total=1, evict_slow_readers=evict_slow_readers
     )
     async with serving({"/large": large, "/ok": ok}, limits) as (server, port):
         reader, writer = await not_reading(port)
@@ -143,16 +135,7 @@ async def test_a_client_not_reading_its_answer(evict_slow_readers: bool) -> None
 
 @pytest.mark.asyncio
 async def test_a_client_not_reading_its_answer_is_dropped_at_the_write_deadline() -> None:
-    limits = Limits(
-        request_timeout=3600.0,
-        write_timeout=0.2,
-        max_head=8192,
-        total=4,
-        per_peer=4,
-        hard_total=4,
-        fair_time=0.0,
-        heard_time=0.0,
-    )
+    limits = dataclasses.replace(ROOMY, write_timeout=0.2)
     async with serving({"/large": large}, limits) as (server, port):
         reader, writer = await not_reading(port)
         await wait_until(lambda: server.connections == 0, what="the slow reader dropped")
@@ -168,17 +151,8 @@ async def test_newcomers_wait_for_room_and_those_that_get_none_are_counted() -> 
     `heard_time`); with room for one waiting newcomer, the first waits, a second takes its place in
     the line (the first closed, `NO_ROOM`), and once the slow ones have had their chance the waiting
     one evicts one and is answered. The counts reach `warn` once."""
-    limits = Limits(
-        request_timeout=3600.0,
-        write_timeout=3600.0,
-        max_head=8192,
-        total=2,
-        per_peer=2,
-        hard_total=2,
-        fair_time=1.0,
-        heard_time=1.0,
-        fair_turns=0,
-        waiting=1,
+    limits = dataclasses.replace(
+        ROOMY, total=2, per_peer=2, hard_total=2, fair_time=1.0, heard_time=1.0, waiting=1
     )
     warned: list[tuple[dict[str, int], str]] = []
     async with serving({"/ok": ok}, limits, warn=lambda counts, peer: warned.append((counts, peer))) as (
