@@ -1,7 +1,8 @@
 """The one HTTP layer (`nri_plugin.common.httpserve`) over real loopback sockets, for what its two
 servers' own tests (tests/test_probes.py, tests/test_status_server.py) do not reach: a route that
 fails, HEAD where only GET is served, a client that does not read its answer (kept, or evicted with
-`evict_slow_readers`), newcomers waiting for room at the hard limit and those that get none."""
+`evict_slow_readers`), newcomers waiting for room at the hard limit and those that get none,
+generated requests good and bad."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from probe_support import GUARD, exchange, get
 from wait_support import wait_until
 
@@ -189,3 +192,73 @@ async def test_an_error_answer_reaches_a_client_still_sending_its_body() -> None
         raw = b"POST /ok HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         reply = await exchange(HOST, port, raw)
         assert (reply.status, reply.text) == (405, "POST not allowed: use GET (or HEAD)\n")
+
+
+# Pieces of requests, well and badly formed, for the generated ones below.
+FRAGMENTS = [
+    *(
+        b"GET ",
+        b"HEAD ",
+        b"POST ",
+        b"CONNECT ",
+        b"PRI * HTTP/2.0",
+        b"/ok",
+        b"/ok?x=1",
+        b"/other",
+        b"*",
+        b"x:443",
+    ),
+    *(
+        b" HTTP/1.1",
+        b" HTTP/1.0",
+        b" HTTP/9.9",
+        b"\r\n",
+        b"\n",
+        b"\r",
+        b" ",
+        b":",
+        b"\t",
+        b"\x00",
+        b"\xff\xfe",
+    ),
+    *(b"Host: x", b"Content-Length: 5", b"Content-Length: -1", b"Transfer-Encoding: chunked", b"0\r\n\r\n"),
+    *(b"Upgrade: h2c", b"Connection: Upgrade", b"Connection: keep-alive", b"Expect: 100-continue", b"hello"),
+]
+ANSWERS = {200, 400, 404, 405, 408, 431}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from(FRAGMENTS), max_size=24).map(b"".join) | st.binary(max_size=200),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_whatever_a_client_sends_it_gets_one_answer_or_none_and_the_server_goes_on(
+    requests: list[bytes],
+) -> None:
+    """Each request on a connection of its own, the client's side closed after it: the answer is one
+    HTTP/1.1 status line with a known status (or nothing, for a client that said nothing), nothing
+    reaches the loop's exception handler, and a plain request is still answered after them all."""
+
+    async def scenario() -> None:
+        limits = dataclasses.replace(ROOMY, request_timeout=0.2)
+        with loop_errors() as seen:
+            async with serving({"/ok": ok}, limits) as (server, port):
+                for raw in requests:
+                    reader, writer = await asyncio.open_connection(HOST, port)
+                    writer.write(raw)
+                    writer.write_eof()
+                    with contextlib.suppress(ConnectionResetError):
+                        answer = await asyncio.wait_for(reader.read(), GUARD)
+                        if raw.strip(b"\r\n \t"):  # something was said: something is answered
+                            status_line = answer.partition(b"\r\n")[0]
+                            assert status_line[:9] == b"HTTP/1.1 ", (raw, answer)
+                            assert int(status_line[9:12]) in ANSWERS, (raw, answer)
+                    writer.close()
+                assert (await get(HOST, port, "/ok")).status == 200
+                await wait_until(lambda: server.connections == 0, what="every connection closed")
+        assert seen == []
+
+    asyncio.run(scenario())
