@@ -21,7 +21,7 @@ import structlog.testing
 from wait_support import wait_until
 
 from nri_plugin.daemon.status import HARD_MAX_CONNECTIONS, MAX_CONNECTIONS, StatusServer, status_socket_path
-from nri_plugin.daemon.status_client import fetch_status
+from nri_plugin.daemon.status_client import StatusError, fetch_status
 from nri_plugin.mixedcpu.status import SCHEMA
 
 GUARD = 10.0  # against hangs only
@@ -308,6 +308,25 @@ async def test_a_burst_of_clients_not_reading_beyond_the_hard_limit_does_not_kee
     finally:
         for _, writer in burst:
             writer.close()
+        await server.close()
+
+
+@pytest.mark.asyncio
+async def test_status_refuses_a_document_over_its_limit_by_the_length_the_server_says(
+    state_dir: Path,
+) -> None:
+    """The server says the document's length; `status` refuses one over its limit before reading it,
+    in so many words (it cut such an answer and called it "not JSON" before issue 32), and the
+    server, its answer not taken, drops the connection at its write deadline."""
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, lambda: _BIG, write_timeout=0.2)
+    await server.start()
+    try:
+        with pytest.raises(StatusError, match=r"answered more than 1 MiB, far more than a status document"):
+            await asyncio.wait_for(asyncio.to_thread(fetch_status, path, limit=1 << 20), GUARD)
+        await wait_until(lambda: server.connections == 0, what="the connection closed")
+        assert await _status_answers(path, 1) == [_BIG]
+    finally:
         await server.close()
 
 
