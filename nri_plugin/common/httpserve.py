@@ -100,8 +100,9 @@ class Limits:
 
 class HttpServer:
     """Serves `routes` on the listening sockets given to `start`, within `limits`. `methods`: those
-    answered (the first is the one a 400 names). `dropped(peer, reason)` is told of each connection
-    closed to make room; `warn(counts by reason, last peer)` at most once per warning period."""
+    answered (the first is the one a 405 names; a 400 names the first route). `dropped(peer,
+    reason)` is told of each connection closed to make room; `warn(counts by reason, last peer)` at
+    most once per warning period."""
 
     def __init__(
         self,
@@ -309,7 +310,8 @@ _NEW, _READING, _WRITING, _LINGERING, _CLOSED = "new", "reading", "writing", "li
 
 class _Connection:
     """One connection, driven by the loop's callbacks: its socket, h11's state of it (made with its
-    first bytes), the deadline of what it does now, and what is left of its answer to send."""
+    first bytes), what is left of its answer to send, and the deadline of that or of its lingering
+    (the request's deadline is the server's sweep, `HttpServer._late`)."""
 
     __slots__ = (
         "fd",
