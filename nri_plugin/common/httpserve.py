@@ -313,23 +313,6 @@ class _Connection:
     first bytes), what is left of its answer to send, and the deadline of that or of its lingering
     (the request's deadline is the server's sweep, `HttpServer._late`)."""
 
-    __slots__ = (
-        "fd",
-        "first",
-        "head_only",
-        "linger",
-        "parser",
-        "peer",
-        "phase",
-        "reading",
-        "received",
-        "rest",
-        "server",
-        "sock",
-        "timer",
-        "writing",
-    )
-
     def __init__(self, server: HttpServer, sock: socket.socket, peer: str) -> None:
         self.server = server
         self.sock = sock
