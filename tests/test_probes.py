@@ -634,6 +634,7 @@ async def test_port_in_use_is_one_clear_error() -> None:
         second = ProbeServer(f"{HOST}:{port}", metrics=Metrics().render, readiness=lambda: None)
         with pytest.raises(ProbeError) as info:
             await second.start()
+        await second.close()  # what never started closes quietly
         assert str(info.value) == (
             f"cannot serve metrics and probes on {HOST}:{port}: Address already in use; set "
             'metrics_address to a free host:port, or "" to turn them off'

@@ -158,7 +158,9 @@ class HttpServer:
             self._loop.add_reader(listener.fileno(), self._accept, listener)
 
     def close(self) -> None:
-        """Stop listening and close every connection."""
+        """Stop listening and close every connection (nothing if it never started)."""
+        if self._loop is None:
+            return
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
             self.loop.remove_reader(listener.fileno())
