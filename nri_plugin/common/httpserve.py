@@ -426,6 +426,7 @@ class _Connection:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        said = self.parser is not None
         if self.parser is None:  # 408 to one that said nothing
             self.parser = h11.Connection(h11.SERVER)
         headers = [
@@ -442,7 +443,7 @@ class _Connection:
         body = send(h11.Data(data=answer.body)) if answer.body and not self.head_only else None
         end = send(h11.EndOfMessage())
         self.rest = memoryview(b"".join(part for part in (head, body, end) if part))
-        self.linger = answer.status >= 400
+        self.linger = answer.status >= 400 and said  # the client may still be sending its request
         self.phase = _WRITING
         self._write()
         if self.phase is _WRITING:  # the rest when the client takes it, within the write deadline
