@@ -98,7 +98,6 @@ HARD_MAX_CONNECTIONS = 4 * MAX_CONNECTIONS
 BACKLOG = 1024
 # Evictions are said at warning at most this often (seconds), with how many there were since.
 EVICTION_WARNING_PERIOD = 60.0
-PATHS = ("/metrics", "/healthz", "/readyz")
 
 
 class ProbeError(Exception):
@@ -338,7 +337,7 @@ class ProbeServer:
                 'free host:port, or "" to turn them off'
             ) from None
         self.http.start(self._listeners)
-        log.info("serving metrics and probes", address=" ".join(self.bound), paths=" ".join(PATHS))
+        log.info("serving metrics and probes", address=" ".join(self.bound), paths=" ".join(self.http.routes))
 
     async def close(self) -> None:
         self.http.close()
