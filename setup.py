@@ -2,7 +2,8 @@
 
 The module ``nri_plugin._build_info`` (read by `nri_plugin.common.buildinfo`) is written into what is built,
 never into the source tree: into the sdist's tree, and into the wheel's build directory (not for
-an editable install: the checkout it runs moves on, and says "unknown"). The commit
+an editable install: the checkout it runs moves on, so `nri_plugin.common.buildinfo` reads the
+checkout's commit from its git files when asked). The commit
 is ``MIXED_CPU_NRI_BUILD_COMMIT`` when set, else ``git rev-parse HEAD`` of the checkout (``+dirty``
 when tracked files differ from it); a build from an sdist (no git) keeps the module the sdist
 carries; with neither, "unknown".

@@ -11,9 +11,9 @@ every `--every` seconds, each on a connection of its own, not waiting for the on
 still out when the churn ends gets `--guard` seconds more. Printed, per rate: connections opened,
 evictions (``mixed_cpu_probe_connections_evicted_total``, all reasons), probes sent, closed by the
 daemon unanswered (the bug the issue found), the fraction answered 200 within kubelet's 2 s
-(target: at least 99 %), and the probes' p50 and p99 from connect to the whole answer (a probe not
-answered counts as slower than any). The machine's load average is printed first: the figures are
-as much the machine's as the daemon's.
+(target: at least 99 %), the probes' p50 and p99 from connect to the whole answer (a probe not
+answered counts as slower than any), and the daemon's CPU seconds while the churn ran. The
+machine's load average is printed first: the figures are as much the machine's as the daemon's.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class Round:
     evicted: float
     warnings: int
     probes: list[Probe]
+    cpu: float  # the daemon's CPU seconds (user + system) from the churn's start to its end
 
 
 # -- the churn (a process of its own) ---------------------------------------------------------------
@@ -180,6 +181,12 @@ async def evictions(port: int) -> float:
     )
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def one_round(args: argparse.Namespace, rate: int) -> Round:
     with tempfile.TemporaryDirectory(prefix="probe-churn-") as tmp:  # short: the device plugin's socket
         directory = Path(tmp)
@@ -200,6 +207,7 @@ async def one_round(args: argparse.Namespace, rate: int) -> Round:
             bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             reading = asyncio.ensure_future(daemon_lines(daemon.stderr, lines, bound))
             port = await asyncio.wait_for(bound, 30)
+            cpu = cpu_seconds(daemon.pid)
             attack = await asyncio.create_subprocess_exec(
                 *(sys.executable, __file__, "--churn", "127.0.0.1", str(port)),
                 *(str(args.sources), str(rate), str(args.duration), str(args.hold)),
@@ -207,6 +215,7 @@ async def one_round(args: argparse.Namespace, rate: int) -> Round:
             )
             probes = await probes_during("127.0.0.1", port, attack, args.every, args.guard)
             out, _ = await attack.communicate()
+            cpu = cpu_seconds(daemon.pid) - cpu
             if attack.returncode != 0:
                 raise RuntimeError(f"the churn process failed (exit {attack.returncode})")
             evicted = await evictions(port)
@@ -218,7 +227,7 @@ async def one_round(args: argparse.Namespace, rate: int) -> Round:
                 daemon.kill()
                 await daemon.wait()
     warnings = sum(WARNING in line for line in lines)
-    return Round(rate, int(out), evicted, warnings, probes)
+    return Round(rate, int(out), evicted, warnings, probes, cpu)
 
 
 def row(result: Round) -> str:
@@ -234,7 +243,8 @@ def row(result: Round) -> str:
     met = "yes" if within >= TARGET else "**no**"
     return (
         f"| {result.rate:,} | {result.opened:,} | {result.evicted:,.0f} | {result.warnings} | {len(probes)} "
-        f"| {sum(p.closed for p in probes)} | {within:.1%} | {p50} | {p99} | ≥ {TARGET:.0%} | {met} |"
+        f"| {sum(p.closed for p in probes)} | {within:.1%} | {p50} | {p99} | {result.cpu:.2f} s "
+        f"| ≥ {TARGET:.0%} | {met} |"
     )
 
 
@@ -263,9 +273,9 @@ def main() -> None:
     )
     print(
         "| new connections/s | opened | evicted | eviction warnings | probes | closed unanswered "
-        "| answered 200 within 2 s | probe p50 | probe p99 | target | met? |"
+        "| answered 200 within 2 s | probe p50 | probe p99 | daemon CPU | target | met? |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rate in rates:
         for _ in range(args.rounds):
             print(row(asyncio.run(one_round(args, rate))), flush=True)

@@ -4,7 +4,7 @@
 # part of the suite where interpreters differ: the ttrpc server and its handler tasks, the NRI
 # multiplexer, the simulator and its runtime restarts, systemd over D-Bus, the healer, the daemon as
 # a process (and the fault suite, which drives it through the simulator's runtime quirks), the config and log formats, the DRA front door (gRPC aio, the API client over httpx2,
-# the simulator's CDI injection).
+# the simulator's CDI injection), the one HTTP layer on the loop's callbacks (the status socket's too).
 #
 # Each minor version is taken from pyenv (the newest patch release installed), else from pythonX.Y
 # on PATH. Under CI=true a missing interpreter fails the run; elsewhere it is skipped, said once.
@@ -32,6 +32,8 @@ tests=(
   tests/test_enable_nri.py
   tests/dra
   tests/test_simulator_cdi.py
+  tests/test_httpserve.py
+  tests/test_status_server.py
 )
 
 find_python() {

@@ -77,7 +77,7 @@ def record_every_kind(metrics: Metrics) -> None:
     metrics.probe_connection_evicted("peer_limit")
     metrics.creation_decided("granted")
     metrics.synchronized(1, 2, 300, 0.01)
-    metrics.features(device_plugin=True, pod_resources=True, dra=False)
+    metrics.features(device_plugin=True, pod_resources=True, dra=False, dra_publishing=False)
 
 
 def exported() -> dict[str, set[str]]:

@@ -17,7 +17,6 @@ from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from google.protobuf.message import Message
 from vectors import comment_lines, ttrpc_message, ttrpc_parts, vector_names
 
-from nri_plugin.api.google.rpc import status_pb2
 from nri_plugin.api.nri import api_pb2
 from nri_plugin.api.ttrpc import request_pb2
 
@@ -264,17 +263,17 @@ def test_nri_message_fields(message: str, spec: str) -> None:
         pytest.param(
             request_pb2.Request.DESCRIPTOR,
             "1 string service; 2 string method; 3 bytes payload;"
-            " 4 int64 timeout_nano; 5 repeated ttrpc.KeyValue metadata",
+            " 4 int64 timeout_nano; 5 repeated nri_plugin.api.ttrpc.KeyValue metadata",
             id="ttrpc.Request",
         ),
         pytest.param(
             request_pb2.Response.DESCRIPTOR,
-            "1 google.rpc.Status status; 2 bytes payload",
+            "1 nri_plugin.api.ttrpc.Status status; 2 bytes payload",
             id="ttrpc.Response",
         ),
         pytest.param(request_pb2.KeyValue.DESCRIPTOR, "1 string key; 2 string value", id="ttrpc.KeyValue"),
         pytest.param(
-            status_pb2.Status.DESCRIPTOR,
+            request_pb2.Status.DESCRIPTOR,
             "1 int32 code; 2 string message; 3 repeated google.protobuf.Any details",
             id="google.rpc.Status",
         ),
@@ -282,6 +281,62 @@ def test_nri_message_fields(message: str, spec: str) -> None:
 )
 def test_envelope_message_fields(message: Descriptor, spec: str) -> None:
     assert _fields(message) == _table(spec)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Living beside other protobuf users in one process
+# ---------------------------------------------------------------------------------------------------
+# Every generated module registers its messages by full name in protobuf's process-wide descriptor pool,
+# which refuses a second file defining a name already there. So a name of ours that a third party also
+# defines breaks whichever of the two is imported second.
+
+
+def _generated_modules() -> list[str]:
+    api = ROOT / "nri_plugin" / "api"
+    return sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in api.rglob("*_pb2.py"))
+
+
+@pytest.mark.parametrize("module", _generated_modules())
+def test_upstream_package_names_only_where_the_wire_carries_them(module: str) -> None:
+    """A file keeps its upstream package only when it defines a service: gRPC and ttrpc put
+    `package.Service` on the wire (method paths, Request.service). Messages alone cross the wire as
+    field numbers, so a file without services takes a package of our own, under our import name."""
+    file = importlib.import_module(module).DESCRIPTOR
+    assert file.name.startswith("nri_plugin/api/")
+    assert not file.package.startswith("google."), f"{file.name} defines {file.package} names"
+    if not file.services_by_name:
+        assert file.package == module.rsplit(".", 1)[0], f"{file.name}: package {file.package}"
+
+
+_OURS = "from nri_plugin.api.ttrpc import request_pb2"
+# googleapis-common-protos (a dependency of grpcio-status, so often installed beside us) defines
+# google.rpc.Status in google/rpc/status.proto: the message our ttrpc Status mirrors.
+_THEIRS = "from google.rpc import status_pb2"
+_SAME_WIRE = """
+from google.protobuf import any_pb2
+detail = any_pb2.Any(type_url="type.googleapis.com/google.rpc.ErrorInfo", value=b"\\x0a\\x01x")
+ours = request_pb2.Status(code=12, message="method X", details=[detail])
+theirs = status_pb2.Status(code=12, message="method X", details=[detail])
+assert ours.SerializeToString() == theirs.SerializeToString()
+assert status_pb2.Status.FromString(ours.SerializeToString()) == theirs
+assert request_pb2.Status.FromString(theirs.SerializeToString()) == ours
+response = request_pb2.Response.FromString(request_pb2.Response(status=ours).SerializeToString())
+assert response.status == ours
+print("both imported; same bytes")
+"""
+
+
+@pytest.mark.parametrize(
+    "imports", [(_OURS, _THEIRS), (_THEIRS, _OURS)], ids=["ours-first", "googleapis-first"]
+)
+def test_imports_beside_googleapis_status_and_speaks_its_wire(imports: tuple[str, str]) -> None:
+    """In a fresh interpreter (the descriptor pool is per process), in both orders."""
+    script = "\n".join(["import warnings", "warnings.simplefilter('error')", *imports, _SAME_WIRE])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    if "No module named 'google.rpc'" in result.stderr:
+        pytest.fail("googleapis-common-protos is not installed (install the 'test' extra)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "both imported; same bytes\n"
 
 
 def test_every_nri_message_is_in_the_table() -> None:

@@ -36,9 +36,17 @@ GUARD = 20.0
 
 
 def test_version() -> None:
-    """From a checkout (no build recorded a commit): the version and "unknown", honestly."""
+    """From this checkout run in place (no build recorded a commit): the commit checked out, read
+    from its git files (tests/test_buildinfo.py); "unknown" from a tree without git."""
+    if (ROOT / ".git").exists():
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        commit = f"{head}, checkout"
+    else:
+        commit = "unknown"
     result = run_cli("version", timeout=GUARD, check=True)
-    assert result.stdout == f"mixed-cpu-nri-plugin {__version__} (commit unknown)\n"
+    assert result.stdout == f"mixed-cpu-nri-plugin {__version__} (commit {commit})\n"
 
 
 def test_the_version_is_pyprojects() -> None:

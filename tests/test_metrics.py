@@ -346,6 +346,7 @@ def test_every_metric_is_exposed_before_anything_happens() -> None:
         "mixed_cpu_device_plugin_enabled",
         "mixed_cpu_pod_resources_enabled",
         "mixed_cpu_dra_enabled",
+        "mixed_cpu_dra_publishing_enabled",
         "process_resident_memory_bytes",
     ):
         assert f"# TYPE {name}" in text, name

@@ -206,7 +206,7 @@ async def test_head_has_the_headers_of_get_and_no_body() -> None:
 async def test_other_methods_are_not_allowed(method: str) -> None:
     async with serving() as (_, port):
         reply = await exchange(
-            HOST, port, f"{method} /healthz HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello".encode()
+            HOST, port, f"{method} /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello".encode()
         )
         assert reply.status == 405
         assert reply.headers["allow"] == "GET, HEAD"
@@ -214,29 +214,48 @@ async def test_other_methods_are_not_allowed(method: str) -> None:
         await healthy(port)
 
 
+# Each malformed request, and what the one-line answer says of it (h11's reason, or ours).
 GARBAGE = {
-    "not-http": b"hello there\r\n\r\n",
-    "binary": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",  # a TLS ClientHello's start
-    "http-2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-    "no-version": b"GET /healthz\r\n\r\n",
-    "bad-version": b"GET /healthz HTTP/9.9\r\n\r\n",
-    "absolute-target": b"GET http://x/healthz HTTP/1.1\r\n\r\n",
-    "two-spaces": b"GET  /healthz HTTP/1.1\r\n\r\n",
-    "header-without-colon": b"GET /healthz HTTP/1.1\r\nHost localhost\r\n\r\n",
-    "folded-header": b"GET /healthz HTTP/1.1\r\nX-A: 1\r\n continued\r\n\r\n",
-    "non-ascii-target": "GET /h\u00e9althz HTTP/1.1\r\n\r\n".encode(),
+    "not-http": (b"hello there\r\n\r\n", "illegal request line"),
+    "binary": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", "illegal request line"),  # TLS
+    "http-2-preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "HTTP/2.0 is not served"),
+    "no-version": (b"GET /healthz\r\n\r\n", "illegal request line"),
+    "bad-version": (b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", "HTTP/9.9 is not served"),
+    "absolute-target": (b"GET http://x/healthz HTTP/1.1\r\nHost: x\r\n\r\n", "the target is not a path"),
+    "two-spaces": (b"GET  /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "illegal request line"),
+    "header-without-colon": (b"GET /healthz HTTP/1.1\r\nHost localhost\r\n\r\n", "illegal header line"),
+    "non-ascii-target": ("GET /h\u00e9althz HTTP/1.1\r\nHost: x\r\n\r\n".encode(), "illegal request line"),
+    # RFC 9112 3.2: an HTTP/1.1 request without Host is answered 400 (every HTTP client sends one).
+    "no-host": (b"GET /healthz HTTP/1.1\r\n\r\n", "Missing mandatory Host"),
+    "two-lengths": (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+        "conflicting Content-Length",
+    ),
 }
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("case", list(GARBAGE))
 async def test_malformed_requests_get_400_and_the_server_keeps_serving(case: str) -> None:
+    raw, why = GARBAGE[case]
     async with serving() as (_, port):
-        reply = await exchange(HOST, port, GARBAGE[case])
+        reply = await exchange(HOST, port, raw)
         assert reply.status == 400, reply
         assert reply.text.count("\n") == 1, "one line"
-        assert reply.text.endswith("\n")
+        assert reply.text.startswith(f"malformed request: {why}"), reply.text
+        assert reply.text.endswith("; expected e.g. GET /metrics HTTP/1.1\n")
         await healthy(port)
+
+
+@pytest.mark.asyncio
+async def test_a_folded_header_and_an_http_1_0_request_are_served() -> None:
+    """RFC 9112 5.2 lets a server unfold an obsolete folded header line instead of refusing it (h11
+    does); a request in HTTP/1.0 needs no Host, and is answered HTTP/1.1 (RFC 9110 6.2)."""
+    async with serving() as (_, port):
+        folded = await exchange(HOST, port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n more\r\n\r\n")
+        assert (folded.status, folded.text) == (200, "ok\n")
+        old = await exchange(HOST, port, b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert (old.status, old.text, old.headers["connection"]) == (200, "ok\n", "close")
 
 
 @pytest.mark.asyncio
@@ -272,7 +291,7 @@ async def test_oversize_request_head_gets_431(raw: bytes) -> None:
 @pytest.mark.asyncio
 async def test_head_just_under_the_limit_is_served() -> None:
     async with serving() as (_, port):
-        start = b"GET /healthz HTTP/1.1\r\nX-Pad: "
+        start = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: "
         raw = start + b"p" * (MAX_HEAD - len(start) - 4) + b"\r\n\r\n"
         assert len(raw) == MAX_HEAD
         assert (await exchange(HOST, port, raw)).status == 200
@@ -330,7 +349,7 @@ async def test_evictions_are_said_at_warning_at_most_once_a_period(monkeypatch: 
         try:
             with structlog.testing.capture_logs() as logs:
                 await newcomers(4)  # the first takes the only place; each later one evicts
-                monkeypatch.setattr(probes, "EVICTION_WARNING_PERIOD", 0.0)
+                server.http.limits = dataclasses.replace(server.http.limits, warning_period=0.0)
                 await newcomers(1)
         finally:
             for writer in held:
@@ -402,7 +421,8 @@ async def test_a_probe_whose_request_is_whole_is_never_evicted_on_a_slow_loop(
     but the loop, short of CPU, had not read it after `HEARD_TIME`, and it was evicted as if it were
     a slow client; kubelet saw its connection closed with no answer. Here a request head begun is
     fair game at once (`HEARD_TIME` 0) and the idle newcomers are not yet (a long `FAIR_TIME`), and
-    all of them come in one turn of the loop: the partial head goes, the whole one is answered."""
+    all of them come in one turn of the loop: the whole request is answered as it is read, and the
+    partial head is the one that goes for the last newcomer."""
     monkeypatch.setattr(probes, "FAIR_TURNS", 0)
     monkeypatch.setattr(probes, "FAIR_TIME", 60.0)
     monkeypatch.setattr(probes, "HEARD_TIME", 0.0)
@@ -411,7 +431,7 @@ async def test_a_probe_whose_request_is_whole_is_never_evicted_on_a_slow_loop(
         # No await until all are queued: the server takes them in one turn, in this order.
         probe = _connected(port, HOST, f"GET /healthz HTTP/1.1\r\nHost: {HOST}:{port}\r\n\r\n".encode())
         partial = _connected(port, "127.0.0.2", b"GET /healthz HTTP/1.1\r\n")
-        idle = [_connected(port, f"127.0.0.{n}") for n in (3, 4, 5)]  # the last one finds 4 open
+        idle = [_connected(port, f"127.0.0.{n}") for n in (3, 4, 5, 6)]  # the last one finds 4 open
         try:
             probe.setblocking(False)
             reader, writer = await asyncio.open_connection(sock=probe)
@@ -614,6 +634,7 @@ async def test_port_in_use_is_one_clear_error() -> None:
         second = ProbeServer(f"{HOST}:{port}", metrics=Metrics().render, readiness=lambda: None)
         with pytest.raises(ProbeError) as info:
             await second.start()
+        await second.close()  # what never started closes quietly
         assert str(info.value) == (
             f"cannot serve metrics and probes on {HOST}:{port}: Address already in use; set "
             'metrics_address to a free host:port, or "" to turn them off'

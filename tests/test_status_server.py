@@ -21,7 +21,7 @@ import structlog.testing
 from wait_support import wait_until
 
 from nri_plugin.daemon.status import HARD_MAX_CONNECTIONS, MAX_CONNECTIONS, StatusServer, status_socket_path
-from nri_plugin.daemon.status_client import fetch_status
+from nri_plugin.daemon.status_client import StatusError, fetch_status
 from nri_plugin.mixedcpu.status import SCHEMA
 
 GUARD = 10.0  # against hangs only
@@ -42,7 +42,7 @@ def _document() -> dict[str, Any]:
 async def _fetch(path: str) -> Any:
     """The JSON body of the answer to ``GET /status``."""
     head, _, body = (await _ask(path, b"GET /status HTTP/1.0\r\n\r\n")).partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.0 200 OK\r\n"), head
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
     return json.loads(body)
 
 
@@ -69,7 +69,7 @@ async def test_the_socket_is_roots_alone_and_answers_the_document(state_dir: Pat
         assert await _fetch(path) == _document()
         answer = await _ask(path, b"GET /status HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n")
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.0 200 OK\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
         assert b"Content-Type: application/json" in head
         assert f"Content-Length: {len(body)}".encode() in head
     finally:
@@ -81,14 +81,15 @@ async def test_the_socket_is_roots_alone_and_answers_the_document(state_dir: Pat
 @pytest.mark.parametrize(
     ("request_bytes", "status_line"),
     [
-        (b"GET /metrics HTTP/1.0\r\n\r\n", b"HTTP/1.0 404 Not Found"),
-        (b"POST /status HTTP/1.0\r\n\r\n", b"HTTP/1.0 405 Method Not Allowed"),
-        (b"hello\n", b"HTTP/1.0 400 Bad Request"),
-        (b"GET /status SMTP\r\n\r\n", b"HTTP/1.0 400 Bad Request"),
-        (b"GET /" + b"x" * 5000 + b" HTTP/1.0\r\n\r\n", b"HTTP/1.0 400 Bad Request"),
-        (b"GET /status", b"HTTP/1.0 400 Bad Request"),  # cut short: the client closed its side
+        (b"GET /metrics HTTP/1.0\r\n\r\n", b"HTTP/1.1 404 Not Found"),
+        (b"POST /status HTTP/1.0\r\n\r\n", b"HTTP/1.1 405 Method Not Allowed"),
+        (b"hello\r\n\r\n", b"HTTP/1.1 400 Bad Request"),
+        (b"GET /status SMTP\r\n\r\n", b"HTTP/1.1 400 Bad Request"),
+        (b"GET /" + b"x" * 5000 + b" HTTP/1.0\r\n\r\n", b"HTTP/1.1 431 Request Header Fields Too Large"),
+        (b"GET /status HTTP/1.1\r\n\r\n", b"HTTP/1.1 400 Bad Request"),  # HTTP/1.1 without a Host
+        (b"GET /status", b"HTTP/1.1 400 Bad Request"),  # cut short: the client closed its side
     ],
-    ids=["other-path", "other-method", "no-request", "not-http", "too-long", "cut-short"],
+    ids=["other-path", "other-method", "no-request", "not-http", "too-long", "no-host", "cut-short"],
 )
 async def test_anything_but_get_status_is_refused_in_one_line(
     state_dir: Path, request_bytes: bytes, status_line: bytes
@@ -180,7 +181,7 @@ async def test_a_document_that_cannot_be_made_is_a_500_and_a_logged_error(state_
     try:
         with structlog.testing.capture_logs() as logs:
             answer = await _ask(path, b"GET /status HTTP/1.0\r\n\r\n")
-        assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.0 500 Internal Server Error"
+        assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.1 500 Internal Server Error"
         assert [(entry["log_level"], entry["event"]) for entry in logs] == [
             ("error", "cannot make the status document")
         ]
@@ -259,7 +260,7 @@ async def _not_reading(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamW
     """A client that asks for the status, reads the first line of the answer, and no more."""
     reader, writer = await asyncio.open_unix_connection(path)
     writer.write(b"GET /status HTTP/1.0\r\n\r\n")
-    assert await asyncio.wait_for(reader.readline(), GUARD) == b"HTTP/1.0 200 OK\r\n"
+    assert await asyncio.wait_for(reader.readline(), GUARD) == b"HTTP/1.1 200 OK\r\n"
     return reader, writer
 
 
@@ -311,6 +312,25 @@ async def test_a_burst_of_clients_not_reading_beyond_the_hard_limit_does_not_kee
 
 
 @pytest.mark.asyncio
+async def test_status_refuses_a_document_over_its_limit_by_the_length_the_server_says(
+    state_dir: Path,
+) -> None:
+    """The server says the document's length; `status` refuses one over its limit before reading it,
+    in so many words (it cut such an answer and called it "not JSON" before issue 32), and the
+    server, its answer not taken, drops the connection at its write deadline."""
+    path = status_socket_path(str(state_dir))
+    server = StatusServer(path, lambda: _BIG, write_timeout=0.2)
+    await server.start()
+    try:
+        with pytest.raises(StatusError, match=r"answered more than 1 MiB, far more than a status document"):
+            await asyncio.wait_for(asyncio.to_thread(fetch_status, path, limit=1 << 20), GUARD)
+        await wait_until(lambda: server.connections == 0, what="the connection closed")
+        assert await _status_answers(path, 1) == [_BIG]
+    finally:
+        await server.close()
+
+
+@pytest.mark.asyncio
 async def test_a_client_is_dropped_at_its_deadlines(state_dir: Path) -> None:
     """One that sends no request is answered 408 at the request deadline; one that does not take its
     answer is dropped at the write deadline, its answer cut."""
@@ -321,7 +341,7 @@ async def test_a_client_is_dropped_at_its_deadlines(state_dir: Path) -> None:
         reader, writer = await asyncio.open_unix_connection(path)
         answer = await asyncio.wait_for(reader.read(), GUARD)
         writer.close()
-        assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.0 408 Request Timeout"
+        assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.1 408 Request Timeout"
         reader, writer = await _not_reading(path)
         await wait_until(lambda: server.connections == 0, what="the slow reader dropped")
         rest = await asyncio.wait_for(reader.read(), GUARD)

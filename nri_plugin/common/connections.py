@@ -117,11 +117,11 @@ class ConnectionTable(Generic[_Item]):
             self.heard(item)
         return eviction
 
-    def silent_since(self, before: float) -> list[_Item]:
-        """The connections taken before `before` that have said nothing yet, oldest first."""
+    def taken_before(self, before: float) -> list[_Item]:
+        """The connections taken before loop time `before`, oldest first."""
         found = []
-        for item in self._pools["quiet"]:
-            if self._entries[item].since >= before:
+        for item, entry in self._entries.items():
+            if entry.since >= before:
                 break
             found.append(item)
         return found

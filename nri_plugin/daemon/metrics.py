@@ -12,8 +12,8 @@ server ``probe_connection_evicted`` (`nri_plugin.daemon.probes.ProbeObserver`); 
 Gauges are read from their owners when scraped, through callables bound once the owners exist
 (``track``; `nri_plugin.daemon.wiring` does it): the shared-container count from the plugin's books,
 readiness from the stub and the device plugin, so they cannot drift from what they describe and
-cost nothing per request. Which optional parts run (device plugin, PodResources, DRA) is set once
-(``features``), for alerts to be silent where a part is off.
+cost nothing per request. Which optional parts run (device plugin, PodResources, DRA and its
+ResourceSlice publisher) is set once (``features``), for alerts to be silent where a part is off.
 
 | metric | type | labels | meaning |
 |---|---|---|---|
@@ -31,6 +31,7 @@ cost nothing per request. Which optional parts run (device plugin, PodResources,
 | `mixed_cpu_device_plugin_enabled` | gauge | | 1 when the config turns the device plugin on |
 | `mixed_cpu_pod_resources_enabled` | gauge | | 1 when kubelet's PodResources API is asked |
 | `mixed_cpu_dra_enabled` | gauge | | 1 when the config turns the DRA front door on |
+| `mixed_cpu_dra_publishing_enabled` | gauge | | 1 when the daemon publishes the node's ResourceSlices |
 | `mixed_cpu_pod_resources_lookups_total` | counter | `outcome` | questions to kubelet's PodResources API |
 | `mixed_cpu_pod_resources_reachable` | gauge | | 1 while kubelet's record proves requests (0: marker alone) |
 | `mixed_cpu_pod_resources_degraded` | gauge | | 1 while List (no Get) or the marker alone proves |
@@ -209,6 +210,11 @@ class Metrics:
             "1 when the config turns the DRA front door on ([dra] enabled).",
             registry=r,
         )
+        self.dra_publishing_enabled = Gauge(
+            "mixed_cpu_dra_publishing_enabled",
+            "1 when the daemon publishes the node's ResourceSlices ([dra] enabled, publish_resource_slices).",
+            registry=r,
+        )
         self.pod_resources_lookups = Counter(
             "mixed_cpu_pod_resources_lookups",
             "Questions to kubelet's PodResources API about a container's devices, by outcome.",
@@ -328,12 +334,13 @@ class Metrics:
         self.sync_duration.set(seconds)
         self.sync_timestamp.set(time.time())
 
-    def features(self, *, device_plugin: bool, pod_resources: bool, dra: bool) -> None:
+    def features(self, *, device_plugin: bool, pod_resources: bool, dra: bool, dra_publishing: bool) -> None:
         """Which optional parts the daemon runs: an alert on one of their gauges (registered,
-        reachable) is silent on a node where the part is off (its gauge then reads 0 too)."""
+        reachable, published) is silent on a node where the part is off (its gauge then reads 0 too)."""
         self.device_plugin_enabled.set(device_plugin)
         self.pod_resources_enabled.set(pod_resources)
         self.dra_enabled.set(dra)
+        self.dra_publishing_enabled.set(dra_publishing)
 
     # -- gauges read at scrape time --------------------------------------------------------------------
 

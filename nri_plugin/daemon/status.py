@@ -3,42 +3,44 @@
 
 The socket is ``status.sock`` in the state dir (`status_socket_path`): a unix socket of mode 0600
 in a directory only root may write, so only root on the node (or in the daemon's own container) can
-ask; never the metrics port, which listens on the pod network. It answers one HTTP/1.0 request per
+ask; never the metrics port, which listens on the pod network. It answers one request per
 connection, ``GET /status``, with the JSON document (docs/status.md; its JSON Schema is
-docs/status.schema.json), so ``curl --unix-socket <state_dir>/status.sock http://localhost/status``
-reads it too. The document is made on the event loop when asked: nothing is kept up to date for it
-between questions, and asking costs one quota read per pod in the books, and with the DRA front door
-one listing of the CDI spec directory (its prepared claims are counted from the file names there).
+docs/status.schema.json), over the daemon's one HTTP layer (`nri_plugin.common.httpserve`, HTTP/1.1
+on h11, HTTP/1.0 requests too), so ``curl --unix-socket <state_dir>/status.sock
+http://localhost/status`` reads it too. The document is made on the event loop when asked: nothing
+is kept up to date for it between questions, and asking costs one quota read per pod in the books,
+and with the DRA front door one listing of the CDI spec directory (its prepared claims are counted
+from the file names there).
 
 Idle or slow clients cannot keep ``status`` out (issue 32). Each connection has `REQUEST_TIMEOUT`
 seconds to send its request (408 after) and `WRITE_TIMEOUT` to take the whole answer (dropped
 after). A newcomer is always taken: at `MAX_CONNECTIONS` open, the oldest connection that has not
-sent its request yet is closed to make room, else the oldest still taking its answer; either only
-once it had its chance (the rules and `ConnectionTable` of `nri_plugin.common.connections`: a few turns
-of the loop, and `FAIR_TIME` seconds for one still to send its request, `SLOW_TIME` for one taking
-its answer). While none had it, newcomers are taken beyond `MAX_CONNECTIONS`, up to
-`HARD_MAX_CONNECTIONS`. ``status`` sends its request with its connection and reads its answer at
-once, so it is neither the one to go nor kept waiting. Evictions are said at warning, at most once
-per `EVICTION_WARNING_PERIOD`.
+sent a byte yet is closed to make room, else the oldest still sending its request or taking its
+answer; either only once it had its chance (the rules and `ConnectionTable` of
+`nri_plugin.common.connections`: a few turns of the loop, and `FAIR_TIME` seconds for one that said
+nothing, `SLOW_TIME` for one sending or taking). While none had it, newcomers are taken beyond
+`MAX_CONNECTIONS`, up to `HARD_MAX_CONNECTIONS`; past that, up to `MAX_CONNECTIONS` of them wait for
+room (asking every `FAIR_TIME`). ``status`` sends its request with its connection and reads its
+answer at once, so it is neither the one to go nor kept waiting long. Evictions are said at
+warning, at most once per `EVICTION_WARNING_PERIOD`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
 from nri_plugin import __version__
 from nri_plugin.cgroups import CgroupError, CgroupNotFound, read_cpu_quota
-from nri_plugin.common.connections import FAIR_TURNS, ConnectionTable
+from nri_plugin.common.httpserve import NO_ROOM, Answer, HttpServer, Limits
 from nri_plugin.common.unixsocket import FileId, bind_socket, remove_if_ours
 from nri_plugin.deviceplugin.podresources import PodResourcesClient
 from nri_plugin.deviceplugin.server import DevicePluginServer
@@ -83,13 +85,8 @@ FAIR_TIME: Final = 0.1
 SLOW_TIME: Final = 1.0
 BACKLOG: Final = 2 * HARD_MAX_CONNECTIONS
 EVICTION_WARNING_PERIOD: Final = 60.0
-# Every connection is a local one: one peer, as far as the table goes.
-_PEER: Final = "local"
-# A request's head (its line and headers) is at most this long: a status request is one line.
-_MAX_HEAD: Final = 4096
-_MAX_HEADER_LINES: Final = 32
-# The longest unix socket path the kernel takes (sun_path is 108 bytes with its terminating NUL).
-_MAX_SOCKET_PATH: Final = 107
+# A request's head (its line and headers) is at most this long: a status request is a few lines.
+MAX_HEAD: Final = 4096
 # The prepared claims are counted up to this many: past it the count says "at least".
 MAX_CLAIMS_COUNTED: Final = 10000
 # The name of a prepared claim's CDI spec (`nri_plugin.dra.cdi.spec_path`): our vendor and class, the
@@ -242,21 +239,6 @@ def count_prepared_claims(cdi_dir: str, limit: int = MAX_CLAIMS_COUNTED) -> dict
     return {"count": count, "capped": False, "read_error": None}
 
 
-@dataclass(eq=False)
-class _Connection:
-    """One open connection: its stream, and the task that answers it."""
-
-    writer: asyncio.StreamWriter
-    task: asyncio.Task[None] | None = field(default_factory=asyncio.current_task)
-    ended: bool = False  # evicted, or the server closing: its handler returns quietly
-
-    def end(self) -> None:
-        self.ended = True
-        self.writer.transport.abort()
-        if self.task is not None:
-            self.task.cancel()
-
-
 class StatusServer:
     """Serves `document()` as JSON on the unix socket at `path`, mode 0600 (a `Service` of the
     daemon). A socket that cannot be served is said at warning: the daemon runs on without it.
@@ -272,33 +254,40 @@ class StatusServer:
     ) -> None:
         self.path = path
         self.document = document
-        self.request_timeout = request_timeout
-        self.write_timeout = write_timeout
-        self._server: asyncio.AbstractServer | None = None
         self._identity: FileId | None = None
-        # "quiet": its request not read yet; "heard": its answer being taken. None is ever "answering"
-        # (never evicted): one that does not take its answer is what would keep `status` out.
-        self._open: ConnectionTable[_Connection] = ConnectionTable(
+        self._serving = False
+        # Every connection is a local one: one peer, as far as the limits go. One taking its answer
+        # may be evicted (`evict_slow_readers`): one that does not read is what would keep `status` out.
+        limits = Limits(
+            request_timeout=request_timeout,
+            write_timeout=write_timeout,
+            max_head=MAX_HEAD,
             total=MAX_CONNECTIONS,
             per_peer=MAX_CONNECTIONS,
             hard_total=HARD_MAX_CONNECTIONS,
-            fair_turns=FAIR_TURNS,
             fair_time=FAIR_TIME,
             heard_time=SLOW_TIME,
+            waiting=MAX_CONNECTIONS,
+            evict_slow_readers=True,
+            warning_period=EVICTION_WARNING_PERIOD,
         )
-        # The loop's turns in which connections were taken, as `nri_plugin.daemon.probes` counts them.
-        self._turn = 0
-        self._tick_pending = False
-        self._waiting: dict[_Connection, None] = {}  # newcomers with no room yet, oldest first
-        self.evicted = 0  # connections closed to make room for newer ones
-        self.refused = 0  # newcomers closed for want of room
-        self._warned_at: float | None = None
-        self._warned_counts = (0, 0)  # evicted, refused at the last warning
+        routes = {"/status": self._answer, "/": self._answer}
+        self.http = HttpServer(routes, limits, methods=("GET",), warn=self._warn)
 
     @property
     def connections(self) -> int:
         """Connections open now."""
-        return len(self._open)
+        return self.http.connections
+
+    @property
+    def evicted(self) -> int:
+        """Connections closed to make room for newer ones."""
+        return self.http.evicted
+
+    @property
+    def refused(self) -> int:
+        """Newcomers closed for want of room."""
+        return self.http.refused
 
     async def start(self) -> None:
         try:
@@ -313,9 +302,8 @@ class StatusServer:
                 "make sure nothing else is at that path",
             )
             return
-        self._server = await asyncio.start_unix_server(
-            self._answer, sock=sock, limit=_MAX_HEAD, backlog=BACKLOG
-        )
+        self.http.start([sock])
+        self._serving = True
         log.info("serving the status", socket=self.path)
 
     def _bind(self) -> socket.socket:
@@ -333,149 +321,26 @@ class StatusServer:
         return sock
 
     async def close(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
+        if not self._serving:
             return
-        server.close()
+        self._serving = False
         remove_if_ours(self.path, self._identity)  # ours still: not a newer daemon's
-        handlers = []
-        for connection in [*self._open, *self._waiting]:
-            connection.end()
-            self._open.discard(connection)
-            if connection.task is not None:
-                handlers.append(connection.task)
-        await asyncio.gather(*handlers, return_exceptions=True)
-        await server.wait_closed()
+        self.http.close()
 
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One request, one answer, then the connection is closed."""
-        me = _Connection(writer)
-        try:
-            if not await self._admitted(me):
-                return
-            try:
-                target: tuple[str, str] | None = await asyncio.wait_for(
-                    _read_request(reader), self.request_timeout
-                )
-                answer = self._response(target)
-            except asyncio.TimeoutError:
-                answer = _http(408, "Request Timeout", f"no request within {self.request_timeout:g} s\n")
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-                answer = self._response(None)
-            self._open.heard(me)  # taking its answer from now: evicted if it is slow at it
-            await asyncio.wait_for(_send(writer, answer), self.write_timeout)
-        except (OSError, asyncio.TimeoutError):
-            pass  # gone, or too slow to take its answer: dropped
-        except asyncio.CancelledError:
-            if not me.ended:
-                raise
-        finally:
-            self._open.discard(me)
-            writer.transport.abort()  # nothing if closed already; else no waiting on a slow peer
-
-    async def _admitted(self, me: _Connection) -> bool:
-        """Whether the new connection is taken. One refused (the hard limit reached, and none open
-        had its chance yet: a burst) waits for room, asking again every `FAIR_TIME` until the oldest
-        open had theirs. `MAX_CONNECTIONS` wait at most: a newcomer beyond them closes the one that
-        has waited longest (the newest are the likeliest to be a `status` still there)."""
-        if self._admit(me):
-            return True
-        if len(self._waiting) >= MAX_CONNECTIONS:
-            oldest = next(iter(self._waiting))
-            del self._waiting[oldest]
-            oldest.end()
-            self.refused += 1
-            self._warn()
-        self._waiting[me] = None
-        try:
-            for _ in range(round(SLOW_TIME / FAIR_TIME) + FAIR_TURNS):
-                await asyncio.sleep(FAIR_TIME)
-                if self._admit(me):
-                    return True
-        finally:
-            self._waiting.pop(me, None)
-        self.refused += 1
-        self._warn()
-        return False
-
-    def _admit(self, me: _Connection) -> bool:
-        """Count the new connection, closing the one that makes room for it if the limits call for one;
-        False when there is no room for it yet (see `ConnectionTable`)."""
-        loop = asyncio.get_running_loop()
-        if not self._tick_pending:
-            self._tick_pending = True
-            loop.call_soon(self._next_turn)
-        eviction = self._open.admit(_PEER, me, now=loop.time(), turn=self._turn)
-        if eviction is None:
-            return True
-        if eviction.item is me:
-            return False
-        eviction.item.end()
-        self.evicted += 1
-        self._warn()
-        return True
-
-    def _warn(self) -> None:
-        """Say at warning, at most once per `EVICTION_WARNING_PERIOD`, that connections were closed to
-        make room (or refused), with how many since the last warning."""
-        now = asyncio.get_running_loop().time()
-        if self._warned_at is not None and now - self._warned_at < EVICTION_WARNING_PERIOD:
-            return
+    def _warn(self, counts: dict[str, int], _peer: str) -> None:
+        """Said at most once per `EVICTION_WARNING_PERIOD`, with the counts since the last time."""
         log.warning(
             "status socket connections are closed to make room: something holds them open without "
             "asking, or without reading the answer; find it (ss -xp | grep status.sock)",
-            evicted=self.evicted - self._warned_counts[0],  # since the last such warning
-            refused=self.refused - self._warned_counts[1],
+            evicted=sum(count for reason, count in counts.items() if reason != NO_ROOM),
+            refused=counts.get(NO_ROOM, 0),
             socket=self.path,
         )
-        self._warned_at, self._warned_counts = now, (self.evicted, self.refused)
 
-    def _next_turn(self) -> None:
-        self._turn += 1
-        self._tick_pending = False
-
-    def _response(self, target: tuple[str, str] | None) -> bytes:
-        if target is None:
-            return _http(400, "Bad Request", "a request is one line: GET /status HTTP/1.0\n")
-        method, path = target
-        if method != "GET":
-            return _http(405, "Method Not Allowed", "only GET /status\n")
-        if path.split("?", 1)[0] not in ("/", "/status"):
-            return _http(404, "Not Found", "only GET /status\n")
+    def _answer(self) -> Answer:
         try:
             body = json.dumps(self.document(), separators=(",", ":")) + "\n"
         except Exception:  # a bug: said, and answered, and the daemon goes on
             log.exception("cannot make the status document")
-            return _http(500, "Internal Server Error", "the daemon could not make its status; see its log\n")
-        return _http(200, "OK", body, "application/json")
-
-
-async def _send(writer: asyncio.StreamWriter, answer: bytes) -> None:
-    """Write `answer` and close, once the peer has taken all of it."""
-    writer.write(answer)
-    await writer.drain()
-    writer.close()
-    await writer.wait_closed()
-
-
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str]:
-    """The method and path of an HTTP request's head (its headers read and ignored). Raises
-    ValueError for what is no HTTP request line."""
-    line = (await reader.readuntil(b"\n")).decode("ascii", "replace").strip()
-    parts = line.split()
-    if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].startswith("HTTP/")):
-        raise ValueError(line)
-    if len(parts) == 3:  # HTTP/1.x: headers follow, up to an empty line
-        for _ in range(_MAX_HEADER_LINES):
-            if not (await reader.readuntil(b"\n")).strip():
-                break
-    return parts[0], parts[1]
-
-
-def _http(code: int, reason: str, body: str, content_type: str = "text/plain; charset=utf-8") -> bytes:
-    data = body.encode()
-    head = (
-        f"HTTP/1.0 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode("ascii") + data
+            return Answer(500, b"the daemon could not make its status; see its log\n")
+        return Answer(200, body.encode(), "application/json")

@@ -486,6 +486,7 @@ def bind_gauges(
         device_plugin=device_plugin is not None,
         pod_resources=isinstance(record, PodResourcesClient),
         dra=dra is not None,
+        dra_publishing=dra is not None and dra.publisher is not None,
     )
     if isinstance(record, PodResourcesClient):
         metrics.track(

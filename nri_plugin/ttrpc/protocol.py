@@ -21,7 +21,6 @@ from typing import Final, NamedTuple, cast
 
 from google.protobuf.message import DecodeError
 
-from nri_plugin.api.google.rpc import status_pb2
 from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.ttrpc import wire
 from nri_plugin.ttrpc.buffer import NEED_DATA, FrameCutter, Header, NeedData
@@ -264,7 +263,7 @@ def _response_message(stream_id: int, payload: bytes, code: int, message: str) -
     if code == Code.OK:
         data = request_pb2.Response(payload=payload).SerializeToString()
     else:
-        status = status_pb2.Status(code=code, message=message)
+        status = request_pb2.Status(code=code, message=message)
         data = request_pb2.Response(status=status, payload=payload).SerializeToString()
     return _frame(stream_id, MessageType.RESPONSE, 0, data)
 

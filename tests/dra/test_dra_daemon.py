@@ -23,6 +23,7 @@ import pytest
 from fake_apiserver import SLICES, TOKEN, FakeApiServer
 from fake_kubelet_dra import Claim, FakeKubeletDra, cdi_devices_for
 from mixedcpu_support import make_container
+from probe_support import Samples, scrape, value
 from redteam_support import NAMING, DaemonNode, daemon_node, is_shared, short_directory, within
 from wait_support import wait_until
 
@@ -48,16 +49,20 @@ class DraNode:
 
 
 @asynccontextmanager
-async def dra_node(*, device_plugin: str = "") -> AsyncIterator[DraNode]:
+async def dra_node(
+    *, device_plugin: str = "", publish: bool = True, node_known: bool = True
+) -> AsyncIterator[DraNode]:
     with short_directory("dra-") as root:
         async with FakeApiServer() as api:
-            api.add_node(NODE)
+            if node_known:
+                api.add_node(NODE)
             kubeconfig = api.write_kubeconfig(root / "kubeconfig")
             for name in ("reg", "plugins"):
                 (root / name).mkdir()
             extra = (
                 f'[dra]\nenabled = true\nregistry_dir = "{root}/reg"\nplugins_dir = "{root}/plugins"\n'
                 f'cdi_dir = "{root}/cdi"\nnode_name = "{NODE}"\nkubeconfig = "{kubeconfig}"\n'
+                f"publish_resource_slices = {str(publish).lower()}\n"
             )
             async with daemon_node(root, extra=extra, device_plugin_extra=device_plugin) as node:
                 node.sim.cdi = CdiSpecs([root / "cdi"])
@@ -422,3 +427,44 @@ async def test_the_api_server_down_for_a_while_and_back() -> None:
             lambda: fetch_status(path)["dra"]["resource_slices"]["failures"] == 0, what="status: recovered"
         )
         assert dra.node.daemon.proc.returncode is None
+
+
+async def _scrape(node: DaemonNode) -> Samples:
+    line = await node.daemon.wait_log("serving metrics and probes")
+    match = re.search(r"(127\.0\.0\.1):(\d+)", line)
+    assert match, line
+    return await scrape(match.group(1), int(match.group(2)))
+
+
+def _slice_gauges(found: Samples) -> tuple[float, float, float]:
+    """What the MixedCpuDraResourceSlicesNotPublished alert reads (and the DRA gauge beside them)."""
+    return (
+        value(found, "mixed_cpu_dra_enabled"),
+        value(found, "mixed_cpu_dra_publishing_enabled"),
+        value(found, "mixed_cpu_dra_resource_slices_published"),
+    )
+
+
+async def test_the_slice_gauges_read_unpublished_until_the_api_server_holds_the_pool() -> None:
+    """Publishing on and the pool not on the API server (which knows no such Node yet: every round
+    fails) is what the alert fires on; once the Node is there, the next round publishes."""
+    async with dra_node(node_known=False) as dra:
+        path = status_socket_path(str(dra.node.state_dir))
+        await wait_until(
+            lambda: fetch_status(path)["dra"]["resource_slices"]["failures"] >= 1, what="a failed round"
+        )
+        assert _slice_gauges(await _scrape(dra.node)) == (1.0, 1.0, 0.0)
+        dra.api.add_node(NODE)
+        await wait_until(lambda: fetch_status(path)["dra"]["resource_slices"]["published"], what="published")
+        assert _slice_gauges(await _scrape(dra.node)) == (1.0, 1.0, 1.0)
+        assert _pool(dra) == FULL_POOL
+
+
+async def test_with_publishing_off_the_publishing_gauge_reads_0() -> None:
+    """Another component publishes the slices: the alert's gate is 0, so it stays silent."""
+    async with dra_node(publish=False) as dra:
+        path = status_socket_path(str(dra.node.state_dir))
+        document = await asyncio.to_thread(fetch_status, path)
+        assert document["dra"]["resource_slices"]["published_here"] is False
+        assert _slice_gauges(await _scrape(dra.node)) == (1.0, 0.0, 0.0)
+        assert dra.api.slices() == []

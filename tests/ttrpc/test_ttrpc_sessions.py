@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nri_plugin.api.google.rpc import status_pb2
 from nri_plugin.api.ttrpc import request_pb2
 from nri_plugin.ttrpc import protocol
 from nri_plugin.ttrpc.errors import Code, LocalProtocolError, OversizedMessage, ProtocolError, TtrpcError
@@ -37,7 +36,7 @@ def request_message(
 
 
 def response_message(
-    stream_id: int, *, payload: bytes = b"", status: status_pb2.Status | None = None
+    stream_id: int, *, payload: bytes = b"", status: request_pb2.Status | None = None
 ) -> bytes:
     data = request_pb2.Response(payload=payload, status=status).SerializeToString()
     return encode_frame(stream_id, MessageType.RESPONSE, 0, data)
@@ -277,7 +276,7 @@ def test_ok_response() -> None:
     [
         pytest.param(bytes.fromhex("00000000 00000001 02 00"), id="zero-length-data"),
         pytest.param(
-            response_message(1, status=status_pb2.Status(code=0, message="fine")), id="status-code-0"
+            response_message(1, status=request_pb2.Status(code=0, message="fine")), id="status-code-0"
         ),
     ],
 )
@@ -289,7 +288,7 @@ def test_ok_responses_without_status_or_with_code_0(wire: bytes) -> None:
 
 def test_error_response() -> None:
     client = client_with_pending(3)
-    [event] = client.receive_data(response_message(3, status=status_pb2.Status(code=12, message="method X")))
+    [event] = client.receive_data(response_message(3, status=request_pb2.Status(code=12, message="method X")))
     assert event == ResponseReceived(stream_id=3, code=12, message="method X", payload=b"")
 
 

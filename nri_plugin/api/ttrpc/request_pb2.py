@@ -22,22 +22,24 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from nri_plugin.api.google.rpc import status_pb2 as nri__plugin_dot_api_dot_google_dot_rpc_dot_status__pb2
+from google.protobuf import any_pb2 as google_dot_protobuf_dot_any__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"nri_plugin/api/ttrpc/request.proto\x12\x05ttrpc\x1a&nri_plugin/api/google/rpc/status.proto\"t\n\x07Request\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x14\n\x0ctimeout_nano\x18\x04 \x01(\x03\x12!\n\x08metadata\x18\x05 \x03(\x0b\x32\x0f.ttrpc.KeyValue\"?\n\x08Response\x12\"\n\x06status\x18\x01 \x01(\x0b\x32\x12.google.rpc.Status\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x1a\n\nStringList\x12\x0c\n\x04list\x18\x01 \x03(\t\"&\n\x08KeyValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"nri_plugin/api/ttrpc/request.proto\x12\x14nri_plugin.api.ttrpc\x1a\x19google/protobuf/any.proto\"\x83\x01\n\x07Request\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x14\n\x0ctimeout_nano\x18\x04 \x01(\x03\x12\x30\n\x08metadata\x18\x05 \x03(\x0b\x32\x1e.nri_plugin.api.ttrpc.KeyValue\"I\n\x08Response\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.nri_plugin.api.ttrpc.Status\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"N\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12%\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32\x14.google.protobuf.Any\"\x1a\n\nStringList\x12\x0c\n\x04list\x18\x01 \x03(\t\"&\n\x08KeyValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nri_plugin.api.ttrpc.request_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUEST']._serialized_start=85
-  _globals['_REQUEST']._serialized_end=201
-  _globals['_RESPONSE']._serialized_start=203
-  _globals['_RESPONSE']._serialized_end=266
-  _globals['_STRINGLIST']._serialized_start=268
-  _globals['_STRINGLIST']._serialized_end=294
-  _globals['_KEYVALUE']._serialized_start=296
-  _globals['_KEYVALUE']._serialized_end=334
+  _globals['_REQUEST']._serialized_start=88
+  _globals['_REQUEST']._serialized_end=219
+  _globals['_RESPONSE']._serialized_start=221
+  _globals['_RESPONSE']._serialized_end=294
+  _globals['_STATUS']._serialized_start=296
+  _globals['_STATUS']._serialized_end=374
+  _globals['_STRINGLIST']._serialized_start=376
+  _globals['_STRINGLIST']._serialized_end=402
+  _globals['_KEYVALUE']._serialized_start=404
+  _globals['_KEYVALUE']._serialized_end=442
 # @@protoc_insertion_point(module_scope)

@@ -3,13 +3,20 @@
 isort:skip_file
 Envelope messages of the ttrpc protocol (the data of Request and Response
 frames). Field numbers match containerd/ttrpc so that Go peers interoperate.
+
+The package is ours, not ttrpc's or google.rpc's: a protobuf message crosses
+the wire as field numbers and values, never as its name (ttrpc puts none of
+these messages in a google.protobuf.Any), so the name is free. Taking the
+upstream names would register them in the process-wide descriptor pool,
+where a second definition of the same name, such as googleapis-common-protos'
+google/rpc/status.proto (which grpcio-status pulls in), is refused at import.
 """
 
 from collections import abc as _abc
+from google.protobuf import any_pb2 as _any_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
-from nri_plugin.api.google.rpc import status_pb2 as _status_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -72,13 +79,13 @@ class Response(_message.Message):
     payload: _builtins.bytes
     """The serialized reply message of the method on success."""
     @_builtins.property
-    def status(self) -> _status_pb2.Status:
+    def status(self) -> Global___Status:
         """Absent, or code 0, on success."""
 
     def __init__(
         self,
         *,
-        status: _status_pb2.Status | None = ...,
+        status: Global___Status | None = ...,
         payload: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
@@ -88,6 +95,42 @@ class Response(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Response: _TypeAlias = Response  # noqa: Y015
+
+@_typing.final
+class Status(_message.Message):
+    """The error status carried in a Response: google.rpc.Status's field numbers
+    and types, so that Go peers decode it as one.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A gRPC status code: 0 OK, 2 Unknown, 4 DeadlineExceeded, 8 ResourceExhausted,
+    12 Unimplemented, 13 Internal, ...
+    """
+    message: _builtins.str
+    """Text for the operator reading the runtime's log."""
+    @_builtins.property
+    def details(self) -> _containers.RepeatedCompositeFieldContainer[_any_pb2.Any]:
+        """Structured detail; never sent by NRI, decoded only to be tolerant."""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        details: _abc.Iterable[_any_pb2.Any] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Status: _TypeAlias = Status  # noqa: Y015
 
 @_typing.final
 class StringList(_message.Message):
