@@ -30,7 +30,7 @@ from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.cgroups import CpuQuota
 from nri_plugin.mixedcpu.baselines import rebase
 from nri_plugin.mixedcpu.bookkeeper import Bookkeeper
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot, Watch
 from nri_plugin.mixedcpu.bounds import out_of_range
 from nri_plugin.mixedcpu.store import (
     CHECKPOINT_EVERY,
@@ -578,3 +578,19 @@ def test_the_wal_is_checkpointed_by_the_worker_and_stays_short(tmp_path: Path) -
     keeper.flush()
     assert wal.stat().st_size == 0
     assert StateStore(tmp_path).load() == keeper.books
+
+
+def test_books_given_replace_the_books_and_the_watches_on_disk(tmp_path: Path) -> None:
+    """A keeper given books (not loading them) writes them whole at its first commit: whatever the
+    database held is gone, the healer's watches with it."""
+    keeper = Bookkeeper(StateStore(tmp_path))
+    watch = {Slot("pod-a", "fwd"): Watch("fwd-1", "/kubepods/poda/fwd-1", 5.0)}
+    keeper.watch_source = lambda: watch
+    keeper.books = _books()
+    keeper.commit()
+    keeper.store.close()
+    assert read_only(keeper.store.path) == (_books(), watch)
+    other = Bookkeeper(StateStore(tmp_path), Books())
+    other.commit()
+    other.store.close()
+    assert read_only(other.store.path) == (Books(), {})

@@ -311,16 +311,16 @@ class StateStore:
             log.warning("cannot checkpoint the books' database", path=self.path, error=str(exc))
 
     def save(self, books: Books, watches: Mapping[Slot, Watch | None] | None = None) -> None:
-        """Replace the whole books (one transaction), with `watches` changed as in `write`. Raises
-        `StateWriteError`."""
+        """Replace the whole books and watches (one transaction): `watches` as in `write`, the
+        others deleted. Raises `StateWriteError`."""
 
         def replace_all(db: sqlite3.Connection) -> None:
-            _put_watches(db, watches or {})
-            for table in ("pods", "slots", "bindings", "spent"):
+            for table in ("pods", "slots", "bindings", "spent", "watches"):
                 db.execute(f"DELETE FROM {table}")  # (the names above)
             _put_pods(db, books, {key: None for key in books.pods})
             db.executemany(_PUT_BINDING, [(device, *slot) for device, slot in books.devices.items()])
             db.executemany(_PUT_SPENT, [(device, *spent) for device, spent in books.spent.items()])
+            _put_watches(db, watches or {})
 
         self._transaction(replace_all)
 
