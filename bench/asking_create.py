@@ -5,7 +5,7 @@ Usage: python bench/asking_create.py [--calls N] [--kernel] [--profile] [--books
 
 Each request is the first container of a new pod that asks (the pod annotation, trusted here): the
 whole asking path, in this process, with no socket: the mux and ttrpc framing, the stub, the
-policy, the pod cgroup walk, its quota read and raised, the books' journal written,
+policy, the pod cgroup walk, its quota read and raised, the books' transaction committed,
 the reply encoded. Requests are encoded beforehand; the pods' cgroups exist (a fake v1 tree of
 regular files, or with --kernel a scratch subtree ``<mount>/heal-bench-<pid>`` of the real v1
 ``cpu`` hierarchy, removed afterwards; root only). --books N first fills the books with N shared

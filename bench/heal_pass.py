@@ -40,7 +40,7 @@ async def pass_seconds(layout: CgroupLayout, parents: list[str], state_dir: str,
     plugin = MixedCpuPlugin(
         shared=SHARED_CPUS,
         layout=layout,
-        store=StateStore(state_dir, fsync=False),
+        store=StateStore(state_dir),
         trusted=TrustedSources(pod_annotation=True),
     )
     pods, containers = [], []

@@ -8,7 +8,9 @@ containers prove their request with the pod annotation (trusted here), so no dev
 Experiment knobs (environment): BENCH_UVLOOP=1 runs the stub on uvloop's event loop (when
 installed); BENCH_LOG=info (or debug, warning) configures logging as ``run`` does (JSON on stderr, which
 the benchmark sends to /dev/null) instead of dropping everything below error level. BENCH_STATS=PATH:
-on SIGUSR1 the child writes ``{"state_bytes": N}`` there, the bytes its state store has written.
+on SIGUSR1 the child writes ``{"state_bytes": N}`` there: the bytes it has passed to write(2) and
+pwrite(2) so far (``wchar`` of /proc/self/io; the database's WAL pages, since nothing is logged at
+the error level and the replies go out with send(2), which that count leaves out).
 BENCH_GC=off: no garbage collection at all (to see what collections cost the round trips).
 BENCH_METRICS=off: no metrics observer (the daemon has one unless metrics_address is empty, and so does
 this child by default: each request counted and timed into its Prometheus histogram).
@@ -83,24 +85,17 @@ class ToggledProfile:
         self.profile = None
 
 
-def write_stats(plugin: MixedCpuPlugin, path: str) -> None:
+def written_bytes() -> int:
+    """``wchar`` of /proc/self/io: the bytes this process has passed to write(2) and its kin."""
+    with open("/proc/self/io") as file:
+        return next(int(line.split()[1]) for line in file if line.startswith("wchar:"))
+
+
+def write_stats(path: str) -> None:
+    written = written_bytes()
     with open(path + ".tmp", "w") as file:
-        json.dump({"state_bytes": plugin.store.written}, file)
+        json.dump({"state_bytes": written}, file)
     os.replace(path + ".tmp", path)
-
-
-def count_saves(store: StateStore) -> None:
-    """For a version whose store counts nothing (to compare with it): every whole-file save counted."""
-    from nri_plugin.mixedcpu import store as module
-
-    write = module.write_atomically  # type: ignore[attr-defined]
-    store.written = 0  # type: ignore[misc]
-
-    def counting(path: str, data: bytes, **options: bool) -> bool:
-        store.written += len(data)  # type: ignore[misc]
-        return write(path, data, **options)
-
-    module.write_atomically = counting  # type: ignore[attr-defined,assignment]
 
 
 async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
@@ -117,10 +112,8 @@ async def main(socket_path: str, cgroup_root: str, state_dir: str) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stub.stop)
     stats = os.environ.get("BENCH_STATS")
-    if stats and not hasattr(plugin.store, "written"):
-        count_saves(plugin.store)
     if stats:
-        loop.add_signal_handler(signal.SIGUSR1, write_stats, plugin, stats)
+        loop.add_signal_handler(signal.SIGUSR1, write_stats, stats)
     profile = os.environ.get("BENCH_PROFILE")
     if profile:
         loop.add_signal_handler(signal.SIGUSR2, ToggledProfile(profile).toggle)

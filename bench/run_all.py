@@ -89,7 +89,6 @@ from workload import (
 )
 
 from nri_plugin.api.nri import api_pb2 as api
-from nri_plugin.mixedcpu.bookkeeper import FLUSH_DELAY
 from nri_plugin.nri import mux
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import PLUGIN_SERVICE
@@ -537,7 +536,6 @@ async def fill_round(table: Table, settings: Settings, node: Path) -> None:
                 await sim.create_container(container)
                 latencies.append(time.perf_counter() - started)
             plugin_cpu, own_cpu = plugin.cpu_ns() - plugin_cpu, time.process_time_ns() - own_cpu
-            await asyncio.sleep(FLUSH_DELAY + 0.5)  # the last deferred write, a compaction under way
             written = await plugin.state_bytes(stats) - written
         finally:
             plugin.stop()

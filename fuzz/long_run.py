@@ -390,7 +390,7 @@ class Fuzzer:
         self.plugin = MixedCpuPlugin(
             shared=frozenset({0, 1}),
             layout=layout,
-            store=StateStore(self.state_dir, fsync=False),
+            store=StateStore(self.state_dir),
             trusted=TrustedSources(self.key, pod_annotation=self.rng.random() < 0.3),
         )
         self.stub = Stub(

@@ -33,7 +33,7 @@ from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.allocations import AllocationRecord
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, PluginObserver, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool
-from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore
 from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import Stub
 
@@ -178,6 +178,12 @@ def make_container(
     return container
 
 
+def forget_books(state_dir: Path) -> None:
+    """The books lost, as a wiped state dir loses them: the database with its -wal and -shm."""
+    for suffix in ("", "-wal", "-shm"):
+        (state_dir / f"{STATE_FILE_NAME}{suffix}").unlink(missing_ok=True)
+
+
 def marker(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:
     """The annotation of kubelet's first allocation of `device` (allocation 1: the same value at every
     call, so two containers given it present one allocation, one of them a copy); a later
@@ -206,7 +212,7 @@ def make_plugin(
     plugin = MixedCpuPlugin(
         shared=shared,
         layout=layout,
-        store=StateStore(state_dir, fsync=False),
+        store=StateStore(state_dir),
         trusted=TrustedSources(key if trust_marker else None, trust_pod_annotation, allocations),
         observer=observer,
         clock=clock,

@@ -317,7 +317,7 @@ async def test_run_serves_the_policy_from_its_config(tmp_path: Path, device_plug
         stderr = await terminate(proc, GUARD)
     assert proc.returncode == 0, stderr.decode()
     assert b"shared CPUs given" in stderr
-    assert (tmp_path / "state" / "pod-quotas.json").exists()
+    assert (tmp_path / "state" / "books.sqlite").exists()
 
 
 @pytest.mark.asyncio
@@ -365,7 +365,7 @@ def test_demo_keep_leaves_its_directory_and_says_where(capsys: pytest.CaptureFix
     kept = Path(last.split()[1].rstrip(":"))
     try:
         assert (kept / "config.toml").is_file()
-        assert (kept / "state" / "pod-quotas.json").is_file()
+        assert (kept / "state" / "books.sqlite").is_file()
         assert (kept / "cgroup" / "cpu").is_dir()
     finally:
         shutil.rmtree(kept)

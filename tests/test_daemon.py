@@ -42,6 +42,7 @@ from nri_plugin.deviceplugin.keyfile import KEY_FILE_NAME, load_or_create_host_k
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
+from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import Stub, StubError
 
@@ -399,19 +400,18 @@ def device_plugins() -> Iterator[Path]:
 
 @pytest.mark.asyncio
 async def test_run_saves_the_books_on_the_way_out(tmp_path: Path, device_plugins: Path) -> None:
-    """A restarted container's new instance is written to the state file a second later (Synchronize
-    could rebuild it); a SIGTERM within that second still finds it written when the daemon has exited."""
+    """Every change is in the database before the reply (a restarted container's new instance too),
+    and the daemon that exits on SIGTERM leaves the WAL folded into the database."""
     config = write_daemon_config(tmp_path, device_plugins)
     pod_dir = tmp_path / "cgroup" / "cpu" / "kubepods" / "pod1234"
     pod_dir.mkdir(parents=True)
     (pod_dir / "cpu.cfs_quota_us").write_text("200000\n")
     (pod_dir / "cpu.cfs_period_us").write_text("100000\n")
     socket_path = tmp_path / "nri.sock"
-    state_file = tmp_path / "state" / "pod-quotas.json"
+    state_dir = tmp_path / "state"
 
     def holders() -> list[str]:
-        pods = json.loads(state_file.read_text())["pods"]
-        return [entry["id"] for pod in pods.values() for entry in pod["containers"].values()]
+        return [record.id for _, record in StateStore(state_dir).load().slots()]
 
     argv = ("--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path))
     async with RuntimeSimulator(socket_path) as sim, daemon_process(*argv) as proc:
@@ -433,9 +433,11 @@ async def test_run_saves_the_books_on_the_way_out(tmp_path: Path, device_plugins
         await sim.create_container(main_container("c1"))
         assert holders() == ["c1"]  # a new pod baseline: written before the reply
         await sim.create_container(main_container("c2"))  # c1 restarted: c2 takes its slot
-        assert holders() == ["c1"], "the new holder is not written yet"
+        assert holders() == ["c2"], "the new holder is written before the reply"
         stderr = await terminate(proc, GUARD)
     assert proc.returncode == 0, stderr.decode()
+    wal = state_dir / "books.sqlite-wal"
+    assert not wal.exists() or wal.stat().st_size == 0, "the WAL folded in at exit"
     assert holders() == ["c2"]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sqlite3
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from mixedcpu_support import (
     PERIOD,
     FakeCgroups,
     Naming,
+    forget_books,
     make_container,
     make_plugin,
     make_pod,
@@ -28,6 +30,7 @@ from mixedcpu_support import (
 
 from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
+from nri_plugin.mixedcpu import store
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.ttrpc.errors import Code
 
@@ -145,7 +148,7 @@ async def test_create_restart_update_resync_remove(short_dir: Path, naming: Nami
             assert tree.pod_quota(pod) == RAISED
             assert len(sim.applied_updates) == updates_before
         # ... even with its state dir wiped: the baseline is rebuilt from what the containers hold.
-        os.unlink(node.state / "pod-quotas.json")
+        forget_books(node.state)
         async with plugin_running(node.plugin(), node.socket):
             await sim.wait_for_synchronizations(3, GUARD)  # the new instance, not the old one
             assert tree.pod_quota(pod) == RAISED
@@ -279,10 +282,17 @@ def _fail_opens(monkeypatch: pytest.MonkeyPatch, error: int) -> None:
 
 
 def _fail_state_save(monkeypatch: pytest.MonkeyPatch, _error: int) -> None:
-    def replace(*_args: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    """Every transaction ends as SQLite ends one on a full disk (rolled back, by the real code)."""
+    real = store._in_transaction
 
-    monkeypatch.setattr(os, "replace", replace)
+    def full(db: sqlite3.Connection, work: Callable[[sqlite3.Connection], object]) -> None:
+        def then_full(db: sqlite3.Connection) -> None:
+            work(db)
+            raise sqlite3.OperationalError("database or disk is full")
+
+        real(db, then_full)
+
+    monkeypatch.setattr(store, "_in_transaction", full)
 
 
 BAD_CASES = [
@@ -415,8 +425,8 @@ async def test_bad_input_is_a_clear_error_and_nothing_half_applied(
         assert "bad" not in sim.containers
         if before is not None:
             assert tree.pod_quota(pod) == before  # nothing half-applied: rolled back or never written
-            if fault is _fail_state_save:
-                assert info.value.message.endswith("the pod quota was put back")
+            if fault is _fail_state_save:  # the books are committed ahead of the raise: none made
+                assert not info.value.message.endswith("the pod quota was put back")
         # The plugin is still connected and serves the next request.
         assert len(sim.plugins) == 1
         good = await node.create(

@@ -8,8 +8,6 @@ its quota, its OPENSHIFT_SHARED_CPUS and its pod's quota share, at every event a
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from mixedcpu_support import (
     PERIOD,
     FakeCgroups,
     Naming,
+    forget_books,
     make_container,
     make_plugin,
     make_pod,
@@ -37,6 +36,7 @@ from nri_plugin.daemon.wiring import shared_pool
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.policy import NumaNodes, SharedPool
+from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.ttrpc.errors import Code
 
@@ -95,13 +95,8 @@ class Node:
 
     def saved_shares(self, plugin: MixedCpuPlugin) -> dict[str, int]:
         """Container name -> its share (n(shared CPUs)) in the state file, once `plugin` wrote it."""
-        plugin.flush()
-        books = json.loads((self.state / "pod-quotas.json").read_text())
-        return {
-            name: record["shared_cpus"]
-            for pod in books["pods"].values()
-            for name, record in pod["containers"].items()
-        }
+        books = StateStore(self.state).load()
+        return {slot.name: record.shared_cpus for slot, record in books.slots()}
 
 
 def _kubelet(cpus: str) -> api.LinuxResources:
@@ -237,7 +232,7 @@ async def test_synchronize_brings_containers_to_their_subset_as_the_key_changes(
         assert tree.pod_quota(pod) == BASELINE + PERIOD
 
         # With the state file lost, the baseline is rebuilt from what the container holds.
-        os.unlink(node.state / "pod-quotas.json")
+        forget_books(node.state)
         updates = len(sim.applied_updates)
         async with plugin_running(node.plugin(SharedPool(frozenset({0, 1, 8}), TWO_NODES)), node.socket):
             await sim.wait_for_synchronizations(5, GUARD)

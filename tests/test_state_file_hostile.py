@@ -2,9 +2,10 @@
 a link to /dev/zero or a 1 GiB file exhausted its memory, a directory gave a daemon that reported ready
 and refused every shared creation.
 
-Now the file is opened like the marker key (no link followed, non-blocking, regular files only, at most
-`MAX_STATE_SIZE` bytes), and one that fails that is set aside (renamed ``pod-quotas.json.refused-*``,
-logged) and the books rebuilt from Synchronize: the daemon starts at once, and its next save works.
+Now the books are an SQLite database, and a path that is not a regular file (a link, a FIFO, a device,
+a directory; its ``-wal`` too), or a file that is not a database, is damaged, or holds another schema or
+a row of the wrong type, is set aside (renamed ``books.sqlite.refused-*``, one warning) and the books
+rebuilt from Synchronize: the daemon starts at once, and its next save works.
 Only a file that cannot even be set aside stops the start, with exit status 2 and one line. A FIFO
 in place of a pod's quota file is refused at once instead of blocking the event loop.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +27,7 @@ from redteam_support import GUARD, daemon_node, is_shared, rss_kib, short_direct
 from nri_plugin.daemon.instance import LOCK_FILE_NAME
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.mixedcpu.books import Books, PodRecord
-from nri_plugin.mixedcpu.store import MAX_STATE_SIZE, STATE_FILE_NAME, StateFileError, StateStore
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateFileError, StateStore
 from nri_plugin.nri.simulator import PluginFailed
 
 
@@ -55,11 +57,54 @@ def _directory(path: Path) -> None:
 
 def _link_to_valid_books(path: Path) -> None:
     target = path.parent.parent / "elsewhere.json"
-    StateStore(path.parent.parent, name="elsewhere.json", fsync=False).save(Books())
+    StateStore(path.parent.parent, name="elsewhere.json").save(Books())
     path.symlink_to(target)
 
 
+def _database(path: Path, *statements: str) -> None:
+    with sqlite3.connect(path) as db:
+        for statement in statements:
+            db.execute(statement)
+    db.close()
+
+
+def _ours_with(*statements: str) -> Callable[[Path], None]:
+    """Our own database, with `statements` run in it."""
+
+    def make(path: Path) -> None:
+        store = StateStore(path.parent)
+        store.save(Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)}))
+        store.checkpoint()
+        store.close()
+        _database(path, *statements)
+
+    return make
+
+
+def _damaged(path: Path) -> None:
+    _ours_with()(path)
+    with open(path, "r+b") as file:  # the second page (a table's root) overwritten
+        file.seek(4096)
+        file.write(b"\xa5" * 4096)
+
+
+def _not_a_database(path: Path) -> None:
+    path.write_bytes(b"{not sqlite at all}\n" * 300)
+
+
+def _wal_is_a_link(path: Path) -> None:
+    _ours_with()(path)
+    Path(f"{path}-wal").symlink_to("/dev/zero")
+
+
 HOSTILE: dict[str, Callable[[Path], None]] = {
+    "not-a-database": _not_a_database,
+    "damaged": _damaged,
+    "another-schema-version": _ours_with("PRAGMA user_version = 7"),
+    "someone-elses-tables": lambda path: _database(path, "CREATE TABLE x (y)"),
+    "a-row-of-the-wrong-type": _ours_with("UPDATE pods SET baseline = 'lots'"),
+    "a-slot-of-no-pod": _ours_with("INSERT INTO slots VALUES ('q', 'c', 'id', 1, '', NULL)"),
+    "wal-is-a-link": _wal_is_a_link,
     "fifo": _fifo,
     "fifo-with-writer": _fifo_with_a_silent_writer,
     "link-to-dev-zero": _link_to_dev_zero,
@@ -75,7 +120,7 @@ def test_a_hostile_state_file_is_set_aside_at_once(tmp_path: Path, kind: str) ->
     state.mkdir()
     path = state / STATE_FILE_NAME
     HOSTILE[kind](path)
-    store = StateStore(state, fsync=False)
+    store = StateStore(state)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.monotonic()
     with structlog.testing.capture_logs() as logs:
@@ -89,34 +134,21 @@ def test_a_hostile_state_file_is_set_aside_at_once(tmp_path: Path, kind: str) ->
     assert aside.parent == state
     assert aside.name.startswith(f"{STATE_FILE_NAME}.refused-")
     assert os.path.lexists(aside)
-    assert not os.path.lexists(path)
+    assert not os.path.lexists(path) or (path.is_file() and not path.is_symlink()), (
+        "a new database, or none yet"
+    )
     if kind.startswith("link"):
         assert aside.is_symlink(), "the link itself is moved, its target left alone"
+    if kind == "wal-is-a-link":
+        assert Path(f"{aside}-wal").is_symlink()
     # The next save works: not a daemon that is ready and cannot keep its books.
     saved = Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)})
     store.save(saved)
     assert store.load() == saved
 
 
-def test_the_size_limit_and_a_plain_file_under_it(tmp_path: Path) -> None:
-    store = StateStore(tmp_path, fsync=False)
-    books = Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)})
-    store.save(books)
-    assert store.load() == books
-    assert MAX_STATE_SIZE == 8 << 20
-    with open(store.path, "ab") as file:
-        file.truncate(MAX_STATE_SIZE + 1)
-    with structlog.testing.capture_logs() as logs:
-        assert store.load() == Books()
-    [warning] = [e for e in logs if e["event"].startswith("state file refused")]
-    assert (
-        warning["reason"]
-        == f"{MAX_STATE_SIZE + 1} bytes, over the {MAX_STATE_SIZE}-byte limit of a state file"
-    )
-
-
 def test_a_file_that_cannot_be_set_aside_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = StateStore(tmp_path, fsync=False)
+    store = StateStore(tmp_path)
     os.mkfifo(store.path)
 
     def refuse(*_args: object) -> None:
@@ -126,7 +158,8 @@ def test_a_file_that_cannot_be_set_aside_is_an_error(tmp_path: Path, monkeypatch
     with pytest.raises(StateFileError) as info:
         store.load()
     assert str(info.value) == (
-        f"{store.path} is a FIFO, not a regular file, and it cannot be set aside (Read-only file system); "
+        f"{store.path} is {STATE_FILE_NAME} is a FIFO, not a file the plugin writes, and it cannot be set "
+        "aside (Read-only file system); "
         "remove it, the plugin rebuilds its books at the next synchronization"
     )
 
@@ -135,7 +168,7 @@ def test_a_file_that_cannot_be_set_aside_is_an_error(tmp_path: Path, monkeypatch
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["fifo-with-writer", "link-to-dev-zero", "one-gib", "directory"])
+@pytest.mark.parametrize("kind", ["fifo-with-writer", "link-to-dev-zero", "one-gib", "directory", "damaged"])
 async def test_the_daemon_starts_serves_and_saves_despite_a_hostile_state_file(kind: str) -> None:
     with short_directory("st-") as root:
         (root / "state").mkdir()
@@ -173,7 +206,9 @@ def test_run_exits_2_with_one_line_when_the_file_cannot_be_set_aside() -> None:
             os.system(f"chattr -i {state}")
         assert result.returncode == 2, result.stderr
         [line] = result.stderr.splitlines()
-        assert line.startswith(f"error: {config}: state_dir: {state / STATE_FILE_NAME} is a FIFO")
+        assert line.startswith(
+            f"error: {config}: state_dir: {state / STATE_FILE_NAME} is {STATE_FILE_NAME} is a FIFO"
+        )
         assert "cannot be set aside" in line
 
 

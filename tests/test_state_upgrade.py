@@ -1,12 +1,14 @@
 """Upgrades keep the books: state dirs that 0.1.0 wrote, and hand-corrupted copies of them, loaded by
 this version under the pods that 0.1.0 left running.
 
-tests/data/state-0.1.0/ was written once by mixed-cpu-nri-plugin 0.1.0 (commit dbec8d5) and is never
-regenerated (its README says how it was made): a node (containerd, cgroupfs, cgroup v2) where pod
+tests/data/state-0.1.0/ was written once by mixed-cpu-nri-plugin 0.1.0 (commit dbec8d5), and
+tests/data/state-0.2.0/ by the last JSON books of 0.2.0 from those; neither is ever regenerated (their
+READMEs say how they were made): a node (containerd, cgroupfs, cgroup v2) where pod
 ``fwd`` holds one shared container (restarted once), pod ``web`` two, and pod ``batch`` had one that
 was removed. ``killed`` is the state dir as a SIGKILL left it (the last slot change not yet written),
 ``stopped`` as a stop left it (a snapshot and its journal), ``compacted`` one snapshot.
-``runtime.json`` is what the runtime and the cgroup tree held then.
+``runtime.json`` is what the runtime and the cgroup tree held then. This version moves those files
+into its database at its first start (`nri_plugin.mixedcpu.store`) and deletes them.
 
 Each test puts the runtime and the cgroup tree back as they were, starts this version's plugin on a
 copy of the state dir, and lets the runtime synchronize it: no pod quota may be raised again, no
@@ -52,10 +54,12 @@ from nri_plugin.daemon.stateformat import (
 )
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.mixedcpu.books import Slot
+from nri_plugin.mixedcpu.legacy import LEGACY_FILE_NAME
 from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "state-0.1.0"
+FIXTURES_0_2_0 = Path(__file__).resolve().parent / "data" / "state-0.2.0"
 RUNTIME: dict[str, Any] = json.loads((FIXTURES / "runtime.json").read_text())
 POD_A, POD_B, POD_C = sorted(RUNTIME["baselines"])
 # What 0.1.0 had raised each pod quota to, and each pod's own quota (kubelet's).
@@ -89,10 +93,10 @@ def short_dir() -> Iterator[Path]:
         yield path
 
 
-def copy_state(name: str, state: Path) -> Path:
+def copy_state(name: str, state: Path, fixtures: Path = FIXTURES) -> Path:
     """The fixture `name` as a state dir at `state`, with the modes the daemon gives it (git keeps
     none but the executable bit)."""
-    shutil.copytree(FIXTURES / name, state)
+    shutil.copytree(fixtures / name, state)
     os.chmod(state, 0o700)
     for path in state.iterdir():
         os.chmod(path, 0o600)
@@ -150,25 +154,71 @@ async def upgrade(root: Path, state: Path, *, bindings: dict[str, Slot]) -> None
 @pytest.mark.parametrize("name", ["killed", "stopped", "compacted"])
 async def test_a_state_dir_of_0_1_0_keeps_every_quota_and_binding(short_dir: Path, name: str) -> None:
     state = copy_state(name, short_dir / "state")
-    assert StateStore(str(state)).load_state().books.devices == BINDINGS, "this version reads 0.1.0's"
+    await upgrade(short_dir, state, bindings=BINDINGS)
+
+
+def _legacy_files(state: Path) -> list[str]:
+    return sorted(path.name for path in state.iterdir() if path.name.startswith(LEGACY_FILE_NAME))
+
+
+@pytest.mark.parametrize(
+    ("fixtures", "name"),
+    [(FIXTURES, "killed"), (FIXTURES, "stopped"), (FIXTURES, "compacted"), (FIXTURES_0_2_0, "journaled")],
+)
+def test_the_old_files_are_moved_into_the_database_once(tmp_path: Path, fixtures: Path, name: str) -> None:
+    """Read once, written in one transaction, then deleted; killed before they were deleted, the
+    next start moves them again to the same books."""
+    state = copy_state(name, tmp_path / "state", fixtures)
+    assert _legacy_files(state)
+    store = StateStore(str(state))
+    books = store.load()
+    store.close()
+    assert books.devices == BINDINGS, "this version reads the old books"
+    assert _legacy_files(state) == []
+    assert (state / STATE_FILE_NAME).is_file()
+    again = StateStore(str(state)).load()
+    assert (again.pods, again.devices, again.spent) == (books.pods, books.devices, books.spent)
+    for path in (fixtures / name).iterdir():  # killed between the transaction and the deletes
+        if path.name.startswith(LEGACY_FILE_NAME):
+            shutil.copy(path, state / path.name)
+    after = StateStore(str(state)).load()
+    assert (after.pods, after.devices, after.spent) == (books.pods, books.devices, books.spent)
+    assert _legacy_files(state) == []
+
+
+def test_the_journal_of_0_2_0_is_replayed(tmp_path: Path) -> None:
+    """The journal's last line (pod fwd's own quota written ahead, from another source) is in the
+    books moved; the snapshot alone has the one before it."""
+    journaled = StateStore(str(copy_state("journaled", tmp_path / "j", FIXTURES_0_2_0))).load()
+    snapshot = StateStore(str(copy_state("snapshot", tmp_path / "s", FIXTURES_0_2_0))).load()
+    assert journaled.pods[POD_A].baseline_source == "pod-resources"
+    assert snapshot.pods[POD_A].baseline_source == "first-seen"
+    assert journaled.pods[POD_A].with_baseline(300_000, "first-seen") == snapshot.pods[POD_A]
+    assert (journaled.pods[POD_B], journaled.devices) == (snapshot.pods[POD_B], snapshot.devices)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["journaled", "snapshot"])
+async def test_a_state_dir_of_0_2_0_keeps_every_quota_and_binding(short_dir: Path, name: str) -> None:
+    state = copy_state(name, short_dir / "state", FIXTURES_0_2_0)
     await upgrade(short_dir, state, bindings=BINDINGS)
 
 
 def _cut_journal(state: Path) -> None:
-    journal = state / f"{STATE_FILE_NAME}.journal.1"
+    journal = state / f"{LEGACY_FILE_NAME}.journal.1"
     data = journal.read_bytes()
     journal.write_bytes(data[: len(data) - 20])  # the last line cut short, as a full disk leaves it
 
 
 def _garbage_journal_line(state: Path) -> None:
-    journal = state / f"{STATE_FILE_NAME}.journal.1"
+    journal = state / f"{LEGACY_FILE_NAME}.journal.1"
     lines = journal.read_bytes().splitlines(keepends=True)
     journal.write_bytes(lines[0] + b'["Q", "not an operation"]\n' + b"".join(lines[1:]))
 
 
 def _snapshot(edit: Callable[[dict[str, Any]], object]) -> Callable[[Path], None]:
     def corrupt(state: Path) -> None:
-        path = state / STATE_FILE_NAME
+        path = state / LEGACY_FILE_NAME
         data = json.loads(path.read_bytes())
         edit(data)
         path.write_text(json.dumps(data))
@@ -186,15 +236,15 @@ def _write(name: str, data: bytes) -> Callable[[Path], None]:
 CORRUPTIONS: dict[str, Callable[[Path], None]] = {
     "journal-cut-short": _cut_journal,
     "journal-bad-line": _garbage_journal_line,
-    "snapshot-not-json": _write(STATE_FILE_NAME, b'{"devices": {"shared-cpus-0": '),
-    "snapshot-empty": _write(STATE_FILE_NAME, b""),
+    "snapshot-not-json": _write(LEGACY_FILE_NAME, b'{"devices": {"shared-cpus-0": '),
+    "snapshot-empty": _write(LEGACY_FILE_NAME, b""),
     "snapshot-other-version": _snapshot(lambda d: d.update(version=0)),
     "snapshot-pods-not-an-object": _snapshot(lambda d: d.update(pods=[1, 2])),
     "snapshot-baseline-out-of-range": _snapshot(
         lambda d: d["pods"][POD_A].update(baseline=-5)  # set aside: that pod rebuilt from the runtime
     ),
-    "snapshot-gone": lambda state: (state / STATE_FILE_NAME).unlink(),
-    "journal-gone": lambda state: (state / f"{STATE_FILE_NAME}.journal.1").unlink(),
+    "snapshot-gone": lambda state: (state / LEGACY_FILE_NAME).unlink(),
+    "journal-gone": lambda state: (state / f"{LEGACY_FILE_NAME}.journal.1").unlink(),
 }
 
 
@@ -213,7 +263,7 @@ async def test_a_hand_corrupted_0_1_0_state_dir_raises_no_quota_twice(
 
 def test_a_0_1_0_state_dir_gets_its_format_recorded_and_loads_the_same(tmp_path: Path) -> None:
     state = copy_state("stopped", tmp_path / "state")
-    before = StateStore(str(state)).load_state().books
+    before = StateStore(str(state)).load()
     assert read_state_format(str(state)) is None
     assert settle_state_format(str(state), version_line()) is True
     assert read_state_format(str(state)) == (STATE_FORMAT, version_line())
@@ -221,7 +271,7 @@ def test_a_0_1_0_state_dir_gets_its_format_recorded_and_loads_the_same(tmp_path:
     assert settle_state_format(str(state), version_line()) is False  # nothing to write again
     # Another version of the same format: recorded as the one that wrote it last.
     assert settle_state_format(str(state), "mixed-cpu-nri-plugin 0.2.1 (commit x)") is True
-    after = StateStore(str(state)).load_state().books
+    after = StateStore(str(state)).load()
     assert (after.pods, after.devices) == (before.pods, before.devices)
 
 

@@ -12,7 +12,9 @@ cgroup tree.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.bookkeeper import Bookkeeper
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot
 from nri_plugin.mixedcpu.bounds import out_of_range
+from nri_plugin.mixedcpu.legacy import LEGACY_FILE_NAME
 from nri_plugin.mixedcpu.policy import MAX_CFS_QUOTA
 from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore
 
@@ -193,10 +196,15 @@ def test_exclusive_cpus_up_to_the_online_ones_are_kept_one_more_is_set_aside(onl
     assert problem.allowed == f"0 to {online} CPUs (the online CPUs)"
 
 
-@pytest.mark.parametrize("baseline", [10**30, 6_400_000])
-def test_a_hostile_baseline_in_the_state_file_is_set_aside(tmp_path: Path, baseline: int) -> None:
-    StateStore(tmp_path, fsync=False).save(_books(baseline))
-    store = StateStore(tmp_path, fsync=False, online=4)
+def _pod_keys(store: StateStore) -> list[str]:
+    with contextlib.closing(sqlite3.connect(store.path)) as db:
+        return [key for (key,) in db.execute("SELECT key FROM pods ORDER BY key")]
+
+
+@pytest.mark.parametrize("baseline", [2**62, 6_400_000])
+def test_a_hostile_baseline_in_the_database_is_set_aside(tmp_path: Path, baseline: int) -> None:
+    StateStore(tmp_path).save(_books(baseline))
+    store = StateStore(tmp_path, online=4)
     with structlog.testing.capture_logs() as logs:
         keeper = Bookkeeper(store)
     assert set(keeper.books.pods) == {"sane"}, "the other pods are kept"
@@ -206,23 +214,30 @@ def test_a_hostile_baseline_in_the_state_file_is_set_aside(tmp_path: Path, basel
     assert (warning["pod_key"], warning["field"], warning["value"]) == ("bad", "baseline", str(baseline))
     assert warning["cgroup_parent"] == "/kubepods/podbad"
     assert warning["path"] == store.path
-    # The next write is a whole snapshot: the files no longer hold the value.
-    keeper.books.pods["new"] = PodRecord(cgroup_parent="/kubepods/podnew", baseline=PERIOD, period=PERIOD)
-    keeper.commit()
-    assert "bad" not in json.loads(Path(store.path).read_text())["pods"]
+    assert _pod_keys(store) == ["sane"], "its rows are deleted at once"
 
 
-def test_a_hostile_baseline_in_the_journal_is_set_aside(tmp_path: Path) -> None:
-    keeper = Bookkeeper(StateStore(tmp_path, fsync=False), _books(2 * PERIOD))
-    keeper.flush(force=True)
-    journal = json.loads(Path(keeper.store.path).read_text())["journal"]
-    line = json.dumps([["P", "bad", "/kubepods/podbad", 10**30, PERIOD, "pod-resources"]])
-    Path(keeper.store.journal_path(journal)).write_text(line + "\n")
+def _legacy_books(directory: Path, baseline: int, *, journal: bool) -> None:
+    """0.2.0's files for pod ``bad`` with `baseline`: in the snapshot, or in its journal."""
+    pod = {"cgroup_parent": "/kubepods/podbad", "baseline": baseline, "period": PERIOD, "containers": {}}
+    sane = {**pod, "cgroup_parent": "/kubepods/podsane", "baseline": 2 * PERIOD}
+    snapshot = {"version": 1, "journal": 1, "pods": {"sane": sane, **({} if journal else {"bad": pod})}}
+    (directory / LEGACY_FILE_NAME).write_text(json.dumps(snapshot))
+    if journal:
+        line = json.dumps([["P", "bad", "/kubepods/podbad", baseline, PERIOD, "pod-resources"]])
+        (directory / f"{LEGACY_FILE_NAME}.journal.1").write_text(line + "\n")
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_a_hostile_baseline_in_the_old_files_is_set_aside(tmp_path: Path, journal: bool) -> None:
+    """Checked before the move (one too large for the database's integers too)."""
+    _legacy_books(tmp_path, 10**30, journal=journal)
     with structlog.testing.capture_logs() as logs:
-        books = StateStore(tmp_path, fsync=False, online=4).load()
+        books = StateStore(tmp_path, online=4).load()
     assert set(books.pods) == {"sane"}
     [warning] = [e for e in logs if e["event"] == SET_ASIDE]
     assert (warning["pod_key"], warning["value"]) == ("bad", str(10**30))
+    assert _pod_keys(StateStore(tmp_path)) == ["sane"]
 
 
 @pytest.mark.asyncio
@@ -243,7 +258,7 @@ async def test_synchronize_sets_aside_a_baseline_above_the_runtimes_limit(tmp_pa
             )
         }
     )
-    StateStore(tmp_path / "state", fsync=False).save(saved)
+    StateStore(tmp_path / "state").save(saved)
     plugin, key = make_plugin(tmp_path / "state", tree.layout)
     container = make_container(
         NAMING,
@@ -273,7 +288,7 @@ async def test_synchronize_sets_aside_a_baseline_above_the_runtimes_limit(tmp_pa
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("where", "baseline"),
-    [("state-file", 10**30), ("state-file", 6_400_000), ("journal", 10**30)],
+    [("database", 2**62), ("database", 6_400_000), ("old-files", 10**30)],
 )
 async def test_the_daemon_writes_the_sane_quota_despite_a_hostile_baseline(where: str, baseline: int) -> None:
     with short_directory("sv-") as root:
@@ -290,16 +305,16 @@ async def test_the_daemon_writes_the_sane_quota_despite_a_hostile_baseline(where
 
             # The attack: the pod's own quota in the state dir replaced.
             state = node.state_dir / STATE_FILE_NAME
-            snapshot = json.loads(state.read_text())
-            if where == "state-file":
-                snapshot["pods"]["1111-aaaa"]["baseline"] = baseline
-                state.write_text(json.dumps(snapshot))
-            else:
-                record = snapshot["pods"]["1111-aaaa"]
-                op = ["P", "1111-aaaa", record["cgroup_parent"], baseline, PERIOD, "first-seen"]
-                journal = node.state_dir / f"{STATE_FILE_NAME}.journal.{snapshot['journal']}"
-                before = journal.read_text() if journal.exists() else ""
-                journal.write_text(before + json.dumps([op]) + "\n")
+            if where == "database":
+                with contextlib.closing(sqlite3.connect(state)) as db, db:
+                    db.execute("UPDATE pods SET baseline = ? WHERE key = '1111-aaaa'", (baseline,))
+            else:  # the old files of 0.2.0, met at an upgrade: moved into a new database
+                record = StateStore(node.state_dir).load().pods["1111-aaaa"]
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{state}{suffix}").unlink(missing_ok=True)  # noqa: ASYNC240
+                raw = {"cgroup_parent": record.cgroup_parent, "baseline": baseline, "period": PERIOD}
+                snapshot = {"version": 1, "pods": {"1111-aaaa": {**raw, "containers": {}}}}
+                (node.state_dir / LEGACY_FILE_NAME).write_text(json.dumps(snapshot))
 
             # The daemon started again: Synchronize brings the pod to its target, the sane one.
             config = root / "config.toml"

@@ -28,6 +28,7 @@ from nri_plugin.daemon.status import StatusServer
 from nri_plugin.daemon.status_client import render_table, run_status
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
+from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 GUARD = 20.0  # against hangs only
@@ -46,9 +47,13 @@ def _status(*args: str) -> subprocess.CompletedProcess[str]:
     return run_cli("status", *args, timeout=GUARD)
 
 
-def _books(state_file: Path) -> dict[str, Any]:
-    """The daemon's books as its state file (snapshot) holds them."""
-    return dict(json.loads(state_file.read_text())["pods"])
+def _books(state_dir: Path) -> dict[str, Any]:
+    """The daemon's books as its database holds them: pod key -> its baseline and slots."""
+    books = StateStore(state_dir).load()
+    return {
+        key: {"baseline": pod.baseline, "containers": {n: {"id": r.id} for n, r in pod.containers.items()}}
+        for key, pod in books.pods.items()
+    }
 
 
 @pytest.mark.asyncio
@@ -85,7 +90,7 @@ async def test_status_reads_back_the_real_daemons_books(short_dir: Path) -> None
         assert answer.returncode == 0, answer.stderr
         document = json.loads(answer.stdout)
         jsonschema.Draft202012Validator(SCHEMA).validate(document)
-        books = _books(short_dir / "state" / "pod-quotas.json")  # a new baseline: saved before the reply
+        books = _books(short_dir / "state")  # a new baseline: saved before the reply
         assert [row["container_id"] for row in document["containers"]] == [
             entry["id"] for pod_entry in books.values() for entry in pod_entry["containers"].values()
         ]

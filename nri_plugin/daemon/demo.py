@@ -172,7 +172,7 @@ async def run_demo(
     if keep:
         print(
             f"kept {tmp}: config.toml, cgroup/ (the pod quotas as the plugin left them), "
-            "state/pod-quotas.json (its books), state/device-plugin-hmac.key",
+            "state/books.sqlite (its books), state/device-plugin-hmac.key",
             file=out,
         )
     return status

@@ -1,26 +1,32 @@
 """The state dir's format version: ``<state_dir>/state-format``, checked before the books are read.
 
-The state dir holds the pod quota books (``pod-quotas.json`` and its journals), the marker key and
-the lock. Their layout has a format number, `STATE_FORMAT`, written in ``state-format`` as JSON:
-``{"format": 1, "written_by": "mixed-cpu-nri-plugin 0.2.0 (commit ...)"}``. It says nothing of what
-the records hold (the books carry their own ``version``); it is raised only when a newer daemon
-lays the state dir out in a way an older one would misread, so that the older one refuses to start
-instead of reading it wrong: a daemon rolled back keeps its hands off books it cannot read, and
-says what to do.
+The state dir holds the pod quota books (``books.sqlite``, with its ``-wal`` and ``-shm``), the
+marker key and the lock. Their layout has a format number, `STATE_FORMAT`, written in
+``state-format`` as JSON: ``{"format": 2, "written_by": "mixed-cpu-nri-plugin 0.3.0 (commit ...)"}``.
+It says nothing of what the records hold (the database carries its own schema version); it is
+raised only when a newer daemon lays the state dir out in a way an older one would misread, so that
+the older one refuses to start instead of reading it wrong: a daemon rolled back keeps its hands off
+books it cannot read, and says what to do.
 
-* No file: a state dir from 0.1.0 (which wrote none) or a new one. Both are format 1; the file is
-  written, and the books load as before.
-* Format 1: read as it is; the file is rewritten when another version wrote it.
+* Format 1: the JSON books of 0.1.0 and 0.2.0 (``pod-quotas.json`` and its journals). No file: a
+  state dir from 0.1.0 (which wrote none) or a new one. Both are read: the store moves the old
+  books into the database (`nri_plugin.mixedcpu.store`), and the file is rewritten as format 2.
+* Format 2 (this version): the books in ``books.sqlite``; the file is rewritten when another
+  version wrote it.
 * A higher format (a newer daemon's): `StateFormatError`, one line naming the version that wrote
   it and what to do. Nothing in the state dir is touched.
 * A file that is not one we write (not JSON, no positive integer format, a link, too large):
   `StateFormatError` too; a person must look, since what wrote it is not known.
 
+A daemon of format 1 (0.2.0) rolled back onto a format-2 state dir refuses it, as above, and tells
+to remove ``state-format``: it then starts from empty books, which Synchronize rebuilds, and leaves
+``books.sqlite`` alone; a later upgrade moves its newer ``pod-quotas.json`` into the database again.
+
 A state dir that cannot be written (mounted read-only) is still checked; the daemon goes on without
 the record, with a warning (the books, which must be written, say what is wrong with it).
 
-The file is read as the books are (`nri_plugin.common.smallfile`: no link followed, regular file,
-size bounded) and written atomically.
+The file is read as the marker key is (`nri_plugin.common.smallfile`: no link followed, regular
+file, size bounded) and written atomically.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ __all__ = [
 ]
 
 STATE_FORMAT_FILE: Final = "state-format"
-# 1: 0.1.0's and 0.2.0's layout (pod-quotas.json, its journals, device-plugin-hmac.key, daemon.lock).
-STATE_FORMAT: Final = 1
+# 1: 0.1.0's and 0.2.0's layout (pod-quotas.json, its journals, device-plugin-hmac.key, daemon.lock);
+# 2: the books in books.sqlite (read from format 1 too: they are moved into the database).
+STATE_FORMAT: Final = 2
 _MAX_SIZE: Final = 4096
 
 
@@ -87,7 +94,7 @@ def settle_state_format(state_dir: str, running: str) -> bool:
         raise StateFormatError(
             f"{state_dir} is in state format {number}, written by {written_by}; this {running} reads "
             f"format {STATE_FORMAT} only: run that version (or a later one) again; or, to go back to "
-            f"this one, remove {os.path.join(state_dir, 'pod-quotas.json')}* and {STATE_FORMAT_FILE} "
+            f"this one, remove {os.path.join(state_dir, 'books.sqlite')}* and {STATE_FORMAT_FILE} "
             "there: the books are then rebuilt from the running containers, as after a lost state dir"
         )
     if found == (STATE_FORMAT, running):

@@ -3,7 +3,8 @@
 * ``policy``: pure functions from (shared CPUs, pod, container) to a verdict and an adjustment; no I/O.
 * ``books``: the books (which container holds a share of which pod, device bindings); immutable
   records, pure operations, no I/O.
-* ``store``: the books' state file, and when it is written (at once, or deferred on the clock).
+* ``store``: the books' SQLite database (``legacy``: the JSON books of earlier versions, read once);
+  ``bookkeeper``: what changed, written in one transaction per event.
 * ``quota``: the pod-quota reconciler: pod cgroups brought to the books' targets, undone on failure,
   refused lowerings retried on the clock.
 * ``resync``: Synchronize's rebuilding of the books from what the runtime runs.

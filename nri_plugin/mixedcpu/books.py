@@ -1,6 +1,6 @@
 """The books: what the plugin added to each pod's CFS quota, for whom, and which device ids are bound.
 
-Plain data with pure operations; no I/O (the state file is `nri_plugin.mixedcpu.store`).
+Plain data with pure operations; no I/O (the database is `nri_plugin.mixedcpu.store`).
 
 Per pod (keyed by pod UID, or the sandbox id when the runtime sends no UID), a `PodRecord`:
 
@@ -35,7 +35,7 @@ remembers where each bound pod's cgroup is, even once its record is dropped.
 
 Records are immutable: `PodRecord`, its `Containers` and `ContainerRecord` cannot be changed in place
 (assigning a field raises), so every change makes a new record and puts it in ``Books.pods`` in place
-of the old one. Whatever is derived from a record, such as its text in the state file, therefore
+of the old one. Whatever is derived from a record, such as the rows last written of it, therefore
 stays right for as long as that same record object is in the books: there is no "changed" flag for a
 new field or method to forget.
 """
@@ -55,7 +55,7 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import Final, NamedTuple, TypeVar
 
-__all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "Spent", "WatchedMap"]
+__all__ = ["Books", "ContainerRecord", "Containers", "PodRecord", "Slot", "Spent", "Watch", "WatchedMap"]
 
 
 class Slot(NamedTuple):
@@ -80,6 +80,16 @@ class Spent(NamedTuple):
     @property
     def slot(self) -> Slot:
         return Slot(self.pod, self.name)
+
+
+class Watch(NamedTuple):
+    """A CRI-O creation in progress, as the books keep it across a restart (`nri_plugin.mixedcpu.heal`):
+    the container holding the slot, its cgroup path as the runtime sent it, and when its creation is
+    over on the clock (`time.monotonic`: the system's, so the same across a restart of the daemon)."""
+
+    container_id: str
+    cgroups_path: str
+    due: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The numbers the state dir gives back, checked before any of them reaches a cgroup file.
 
-The state file and its journal (`nri_plugin.mixedcpu.store`) are the plugin's own, but whoever can
+The books' database (`nri_plugin.mixedcpu.store`) is the plugin's own, but whoever can
 write the state dir (or a disk error) can put any integer there, and a pod's record goes straight
 into the quota written to its cgroup: a baseline of 10^30 was written to ``cpu.cfs_quota_us`` as
 100000000000200000, one of 6,400,000 for a 2-CPU pod gave it 66 CPUs of quota. So every loaded

@@ -78,7 +78,7 @@ import structlog
 from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.cgroups import CgroupDir, CgroupError, cgroup_exists, container_cgroup_path
 from nri_plugin.common.clock import LOOP_CLOCK, Clock, Timer
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot, Watch
 from nri_plugin.mixedcpu.logfields import EVENT_NAME, LOGGER_NAME, show_quota
 from nri_plugin.mixedcpu.policy import pod_key
 from nri_plugin.mixedcpu.quota import PodQuotas, PodState
@@ -209,6 +209,11 @@ class Healer:
         # `creation_timeout`; otherwise (containerd, or a runtime not named) from StartContainer, for
         # `grace`.
         self.cgroup_at_creation = False
+        # Slot -> its CRI-O creation as watched from CreateContainer (saved with the books; entries
+        # no longer in `_creations` are dropped by `saved_watches`).
+        self._crio: dict[Slot, _Creation] = {}
+        # The watches a previous daemon saved, until the first Synchronize takes them up.
+        self._restored: dict[Slot, Watch] = {}
         # Ids of the watched CRI-O creations the last Synchronize did not list but carried over.
         self.carried: frozenset[str] = frozenset()
         # Pod key -> when a pass first found its cgroup missing (it is gone at a second look).
@@ -230,6 +235,31 @@ class Healer:
     def running(self) -> bool:
         """True while the periodic pass is scheduled."""
         return self._tick is not None
+
+    def saved_watches(self) -> dict[Slot, Watch]:
+        """The CRI-O creations watched from their CreateContainer, as the books keep them
+        (`Bookkeeper.watch_source`): a daemon restarted during their ``runc create`` takes them up
+        (`restore_watches`) and its Synchronize carries their shares. Costs the CRI-O creations in
+        progress, not the watches (those ended are dropped from the index here)."""
+        watches = dict(self._restored)
+        for slot, creation in list(self._crio.items()):
+            if self._creations.get(slot.pod, {}).get(slot.name) is not creation:
+                del self._crio[slot]  # started, ended, due, its pod gone, or Synchronize
+            elif creation.due is not None:
+                watches[slot] = Watch(creation.container_id, creation.cgroups_path, creation.due)
+        return watches
+
+    def restore_watches(self, watches: Mapping[Slot, Watch]) -> None:
+        """Take up the watches a previous daemon saved, at the first Synchronize (`carry_creations`;
+        saved again meanwhile). One due more than `creation_timeout` from then was not set on this
+        boot's clock (a reboot): left out."""
+        self._restored = dict(watches)
+
+    def forget_creation(self, slot: Slot, container_id: str) -> None:
+        """The creation was refused after all: nothing to watch."""
+        creation = self._creations.get(slot.pod, {}).get(slot.name)
+        if creation is not None and creation.container_id == container_id:
+            _drop(self._creations, slot)
 
     @property
     def watched(self) -> frozenset[str]:
@@ -321,7 +351,7 @@ class Healer:
         _drop(self._given_back, slot)  # a new instance: the one given back is dead
         if self.cgroup_at_creation:
             due: float | None = self._clock.monotonic() + self.creation_timeout
-            creation = _Creation(slot, container.id, path, due, "CreateContainer")
+            creation = self._crio[slot] = _Creation(slot, container.id, path, due, "CreateContainer")
         else:
             due, creation = None, _Creation(slot, container.id, path, None, "StartContainer")
         self._creations.setdefault(slot.pod, {})[slot.name] = creation
@@ -423,6 +453,7 @@ class Healer:
         is carried into the rebuilt `books` (if its pod is listed and its slot free there) and its
         watch kept, so its pod quota is not lowered under it."""
         carried: set[str] = set()
+        self._take_up_restored()
         if self.cgroup_at_creation:
             seen = set(listed)
             now = self._clock.monotonic()
@@ -443,6 +474,18 @@ class Healer:
                     books.hold(slot, record, new_pod=new_pod)
                     carried.add(creation.container_id)
         self.carried = frozenset(carried)
+
+    def _take_up_restored(self) -> None:
+        """The watches a previous daemon saved (`restore_watches`), watched from now on."""
+        now = self._clock.monotonic()
+        for slot, watch in self._restored.items():
+            if watch.due - now <= self.creation_timeout:
+                creation = _Creation(
+                    slot, watch.container_id, watch.cgroups_path, watch.due, "CreateContainer"
+                )
+                if self._creations.setdefault(slot.pod, {}).setdefault(slot.name, creation) is creation:
+                    self._crio[slot] = creation
+        self._restored = {}
 
     def after_sync(
         self, previous: Books, pods: Iterable[api.PodSandbox], containers: Iterable[api.Container]

@@ -1,7 +1,7 @@
 """The mixed-CPU NRI plugin's handlers: the policy (`nri_plugin.mixedcpu.policy`) applied at each event.
 
 The stub drives one `MixedCpuPlugin`. Each handler decides with the policy, then delegates: the pod
-cgroup's quota to `quota.PodQuotas`, the books and their state file to `bookkeeper.Bookkeeper`,
+cgroup's quota to `quota.PodQuotas`, the books and their database to `bookkeeper.Bookkeeper`,
 Synchronize's rebuilding of the books to `resync`. What it does per event:
 
 * **CreateContainer** of a container that proves a request (with an allocation marker: kubelet's
@@ -194,7 +194,7 @@ class MixedCpuPlugin(
         self.trust_pod_annotation = trusted.pod_annotation
         self.allocations = trusted.allocations
         self.runtime = ""
-        self.keeper = Bookkeeper(store, clock=clock)
+        self.keeper = Bookkeeper(store)
         self.quotas = PodQuotas(layout, self.keeper, observer=observer, clock=clock)
         self.healer = Healer(self.quotas, interval=reconcile_interval, observer=observer, clock=clock)
         self.later = LaterLines()  # the info line of each creation, written after its reply
@@ -208,6 +208,9 @@ class MixedCpuPlugin(
         self.creations: CreationObserver | None = None  # settable, as `observer` is
         self.roster = Roster()  # who the shared containers are, for the status
         self.healer.roster = self.roster  # a heal names its pod by namespace and name
+        # CRI-O creations in progress are kept with the books: a restart during one still knows it.
+        self.healer.restore_watches(self.keeper.watches)
+        self.keeper.watch_source = self.healer.saved_watches
 
     @property
     def books(self) -> Books:
@@ -243,9 +246,9 @@ class MixedCpuPlugin(
         """How many containers hold the shared CPUs now (from the books)."""
         return self.books.shared_containers
 
-    def flush(self, *, force: bool = False) -> None:
-        """Write the books now if a change waits (or `force`). Raises OSError."""
-        self.keeper.flush(force=force)
+    def flush(self) -> None:
+        """Write the books now if a change waits, and fold the database's WAL in. Raises OSError."""
+        self.keeper.flush()
 
     # -- NRI handlers ------------------------------------------------------------------------------
 
@@ -314,17 +317,19 @@ class MixedCpuPlugin(
             exclusive=format_cpuset(plan.exclusive),
             device=check.proof.device,
         )
+        self.healer.watch_creation(slot, container)  # (saved with the books, by the raise's commit)
         try:
             quotas = await self.quotas.raise_for(
                 pod, container, slot, record, saved, allocation=check.proof.allocation
             )
         except PluginRefusal as exc:
+            self.healer.forget_creation(slot, container.id)
+            self.keeper.save_quietly()
             self._creation_decided("state_file" if isinstance(exc, PluginFailure) else "cgroup")
             raise
         self._creation_decided("granted")
         if tracing:
             trace.pod_quota_raised(pod, container, quotas, books.pods.get(slot.pod), "CreateContainer")
-        self.healer.watch_creation(slot, container)
         holder = Holder(pod.namespace, pod.name, check.proof.source, time.time())
         self.roster.given(container.id, holder, books)
         self.later.add(functools.partial(_log_given, pod, container, check.proof, plan, quotas))

@@ -265,18 +265,14 @@ class PodQuotas:
                 new_pod=None if slot.pod in books.pods else baselines.new_pod_record(pod, before),
                 allocation=allocation,
             )
-            # Journaled ahead of the raise: killed right after it, the next start knows the pod's own
-            # quota (and there is one append per creation, not two).
-            after = await self._reconcile(
-                pod_dir, books.pods, slot.pod, before, ahead=self.keeper.commit_ahead
-            )
-            if self.keeper.waiting:  # left by the commit ahead (no journal yet)
-                self.keeper.commit()
+            # Committed ahead of the raise: killed right after it, the next start knows the pod's own
+            # quota (and there is one transaction per creation, not two).
+            after = await self._reconcile(pod_dir, books.pods, slot.pod, before, ahead=self.keeper.commit)
         except (CgroupError, OSError) as exc:
             baselines.restore(books.pods, slot.pod, saved)
             books.restore_bindings(bindings)  # a failed creation binds no device
             undone = await self._undo(pod_dir, pod.linux.cgroup_parent, slot.pod, before)
-            self.keeper.save_quietly()  # the books as they were, where the journal has the new ones
+            self.keeper.save_quietly()  # the books as they were, where the database has the new ones
             raise self._creation_refused(exc, pod, container, undone, event) from None
         except asyncio.CancelledError:
             # The runtime gave up waiting (a write through systemd never answered): the books forget
@@ -640,7 +636,7 @@ class PodQuotas:
         return resized
 
     def _write_ahead(self, pods: Mapping[str, PodRecord], key: str) -> None:
-        """A new pod's own quota to the journal before Synchronize raises its cgroup
+        """A new pod's own quota to the database before Synchronize raises its cgroup
         (`Bookkeeper.write_ahead`). A failure is logged and the write goes on: the books are saved
         again at the end of Synchronize."""
         try:

@@ -1,733 +1,502 @@
-"""The books on disk: a snapshot, ``<state_dir>/pod-quotas.json``, and a
-journal of the changes made since, ``pod-quotas.json.journal.<n>``.
+"""The books on disk: an SQLite database, ``<state_dir>/books.sqlite`` (the standard library's
+`sqlite3`), one row per record, one transaction per event.
 
-Why a journal: the runtime waits for the plugin on the creation path of every container. Writing the
-whole books at each new pod (and fsyncing them) costs what the node holds, not what changed: 2,000
-creations into a filling node wrote 444 MiB and made the last creations three times slower than the
-first. Now an event costs one append of what it changed (a line or two, no fsync), and the whole
-books are written again only when the journal has grown past twice the snapshot, by a worker thread,
-off the event loop. Both costs are O(1) per event (the compaction is amortized over the changes that
-made the journal grow).
+The tables (schema version `SCHEMA_VERSION`, kept in ``PRAGMA user_version`` and checked at open):
 
-What must survive is a kill of the process at any instant, not a power loss: after a reboot the pod
-cgroups are made afresh by kubelet, so nothing on disk is needed then. An append reaches the page
-cache before the reply and survives the process; the snapshot is still written atomically and
-fsynced (temporary file, fsync, rename), in the worker thread.
+* ``pods(key, cgroup_parent, baseline, period, baseline_source)``: each pod's own record;
+* ``slots(pod, name, id, shared_cpus, exclusive, device)``: the live shared container holding each
+  slot of a pod (`nri_plugin.mixedcpu.books`);
+* ``bindings(device, pod, name)``: which slot each device id is bound to;
+* ``spent(device, allocation, pod, name)``: the newest allocation of each device id presented;
+* ``watches(pod, name, container_id, cgroups_path, due)``: the CRI-O creations in progress
+  (`nri_plugin.mixedcpu.heal`), so that a daemon restarted during a slow ``runc create`` still knows
+  it (`books.Watch`).
 
-* `StateStore` reads and writes the files. A snapshot that is missing, corrupt or from another
-  version loads as empty books, with a warning (and its journal is ignored): Synchronize rebuilds
-  them. A journal line cut short or unreadable ends the replay there (a warning); the next write is
-  then a new snapshot.
-* Every number loaded (snapshot and journal) is checked against the kernel's ranges and the node's
-  online CPUs (`nri_plugin.mixedcpu.bounds`): a pod's record out of range is set aside (a warning
-  naming the pod, the value and the range), Synchronize rebuilds that pod from the runtime's view,
-  and the next write is a new snapshot.
-* The files are opened as the marker key is (`nri_plugin.deviceplugin.keyfile`): no symlink followed,
-  never blocking (a FIFO), a regular file only, at most `MAX_STATE_SIZE` bytes read. A snapshot that is not
-  (a link, a FIFO, a device, a directory, a file too large to be ours) is *set aside*: renamed to
-  ``pod-quotas.json.refused-<time>`` for a person to look at, with a warning, and the plugin starts
-  from empty books that Synchronize rebuilds, as for a corrupt file. It never hangs the start, never
-  fills the memory, and never leaves a daemon that is ready but cannot save. Only when it cannot even
-  be set aside does the load raise `StateFileError` (the daemon then exits 2 with one line).
-When the files are written (at once, deferred, compacted in a worker thread) is the
-`nri_plugin.mixedcpu.bookkeeper.Bookkeeper`'s business; this module is the format and the files.
+**What must survive** is a kill of the process at any instant, not a power loss: after a reboot the
+pod cgroups are made afresh by kubelet and the books are rebuilt from the runtime, so nothing on disk
+is needed then. The database runs in WAL mode with ``synchronous=NORMAL``: a COMMIT appends the
+transaction's pages to the ``-wal`` file with write(2) and returns, no fsync; the kernel holds those
+pages whatever becomes of the process, so a kill -9 right after the COMMIT loses nothing, and one
+before it loses the transaction whole (SQLite ignores a WAL frame not followed by its commit
+record). ``FULL`` would add an fsync to every event for a power loss we do not need to survive;
+``NORMAL`` still syncs at each checkpoint, so even a power loss leaves a database that opens
+(missing its last transactions), and one it damages anyway is set aside below.
 
-The snapshot (version 1): ``{"devices": {id: {"pod", "container"}}, "journal": n, "pods": {key:
-{"cgroup_parent", "baseline", "period", "baseline_source", "target", "containers": {name: {"id",
-"shared_cpus", "contribution", "exclusive", "device"}}}}, "spent": {id: {"allocation", "pod",
-"container"}}, "version": 1}``, compact, keys sorted.
-``target`` and ``contribution`` are for people reading the file; they are recomputed at load. A file
-from before the bindings were saved (no ``devices``) gets the bindings of its live slots; one from
-before the allocations presented were saved (no ``spent``) gets its bindings' as allocation 0 (older
-than any numbered marker: `nri_plugin.mixedcpu.books`). A snapshot with no ``journal``
-(`StateStore.save`, earlier versions) has none.
+**Checkpoints** (the WAL copied back into the database, with their fsyncs) are kept off the event
+loop: SQLite's own, run inside the COMMIT that takes the WAL past 1,000 pages, took milliseconds of
+a creation's reply once in 250 creations (``docs/performance.md``). They are turned off
+(``wal_autocheckpoint = 0``); after every `CHECKPOINT_EVERY` transactions a ``PASSIVE`` checkpoint
+is handed to a worker thread, on a connection of its own, which SQLite lets run beside the writer;
+the next transaction rewinds the WAL once it is all copied. Under creations back to back the WAL
+grows while the worker copies it (never all copied, never rewound): past `WAL_LIMIT` bytes one
+``TRUNCATE`` checkpoint is run in place, between two transactions. `checkpoint` folds the WAL in at
+shutdown.
 
-``journal: n`` names the journal that follows it: files ``pod-quotas.json.journal.n``, ``n+1``, ...
-are replayed in order, up to the first missing number. Each line is what one write changed: a JSON
-array of operations on the books, ``["P", pod, cgroup_parent, baseline, period, source]`` (the
-pod's record, its slots kept), ``["C", pod, name, id, shared_cpus, exclusive, device]`` (a slot
-held), ``["F", pod, name]`` (a slot freed), ``["X", pod]`` (the pod dropped), ``["B", device, pod,
-name]`` (bound), ``["U", device]`` (unbound), ``["A", device, allocation, pod, name]`` (the newest
-allocation of the device presented). Each sets a value, so replaying an operation already
-in the snapshot is harmless; a line cut short loses one write whole. A compaction first moves the
-appends to the next number, then writes the snapshot naming that number, then deletes the journals
-before it: killed at any step, the files on disk still replay to the books of some instant after
-the last reply. A pod's own quota is journaled ahead of the write that raises its cgroup
-(`bookkeeper.Bookkeeper.write_ahead`): killed in between, the next start still knows it.
+**Hostile files.** The state dir is the plugin's, but whoever can write it can put anything there. A
+database path (or its ``-wal``, ``-shm``) that is a symbolic link, a FIFO, a device or a directory,
+or a file that cannot be opened or read, is not a database, fails ``PRAGMA quick_check``, holds
+another schema or a row of the wrong type, is *set aside*: renamed to
+``books.sqlite.refused-<time>`` (with its ``-wal`` and ``-shm``) for a person to look at, with one
+warning, and the plugin starts from empty books that Synchronize rebuilds. It never hangs the start
+and never leaves a daemon that is ready but cannot save. Only when it cannot even be set aside does
+the load raise `StateFileError` (the daemon then exits 2 with one line). Every number loaded is
+checked against the kernel's ranges and the node's online CPUs (`nri_plugin.mixedcpu.bounds`): a pod
+out of range is set aside (a warning naming the pod, the value and the range) and its rows deleted;
+Synchronize rebuilds it.
 
-Saving a snapshot costs what changed, not the number of pods: the store keeps each pod's encoded
-text with the `PodRecord` it was made from, and reuses it while the books still hold that same
-record object. Records are immutable (`nri_plugin.mixedcpu.books`), so the same object means the
-same text.
+**Migration.** The books of 0.1.0 and 0.2.0 (``pod-quotas.json`` and its journals,
+`nri_plugin.mixedcpu.legacy`) found at open are the books: written into the database in one
+transaction (replacing what it holds), then the old files are deleted, so that they are read once.
+Killed in between, the next start finds them again and does the same.
+
+When the books are written is `nri_plugin.mixedcpu.bookkeeper.Bookkeeper`'s business; this module is
+the tables and the file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import sqlite3
+import stat
 import threading
 import time
 import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass
-from json.encoder import encode_basestring_ascii
-from typing import Any, Final
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Final
 
 import structlog
 
-from nri_plugin.common.atomicfile import write_atomically
-from nri_plugin.common.smallfile import NotRegularFile, SymbolicLink, TooLarge, read_small_file
-from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot, Spent
+from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRecord, Slot, Spent, Watch
 from nri_plugin.mixedcpu.bounds import set_aside_out_of_range
+from nri_plugin.mixedcpu.legacy import (
+    LegacyRefused,
+    checked_spent,
+    checked_text,
+    container_record,
+    legacy_paths,
+    pod_record,
+    read_legacy,
+)
 
 __all__ = [
-    "MAX_STATE_SIZE",
+    "CHECKPOINT_EVERY",
+    "SCHEMA_VERSION",
     "STATE_FILE_NAME",
-    "STATE_VERSION",
-    "Loaded",
+    "WAL_LIMIT",
     "StateFileError",
     "StateStore",
-    "apply_operation",
-    "books_from_json",
-    "books_to_json",
-    "changes_line",
-    "header_line",
-    "pod_operations",
-    "pod_to_json",
-    "same_header",
+    "StateWriteError",
+    "read_only",
 ]
 
 log = structlog.get_logger("nri_plugin.mixedcpu.store")
 
-STATE_FILE_NAME: Final = "pod-quotas.json"
-STATE_VERSION: Final = 1
-# The books of 1,000 pods take some 600 KB; a file larger than this was not written by us.
-MAX_STATE_SIZE: Final = 8 << 20
+STATE_FILE_NAME: Final = "books.sqlite"
+SCHEMA_VERSION: Final = 1
+# Transactions between two checkpoints in the worker thread: a creation writes 4 or 5 pages, so the
+# WAL stays under SQLite's own threshold of 1,000.
+CHECKPOINT_EVERY: Final = 200
+# A WAL this large was not rewound (creations back to back): checkpointed in place.
+WAL_LIMIT: Final = 16 << 20
 
-
-# -- the format ----------------------------------------------------------------------------------------
-
-
-def pod_to_json(pod: PodRecord) -> dict[str, Any]:
-    return {
-        "cgroup_parent": pod.cgroup_parent,
-        "baseline": pod.baseline,
-        "period": pod.period,
-        "baseline_source": pod.baseline_source,
-        "target": pod.target(),
-        "containers": {
-            name: {
-                "id": record.id,
-                "shared_cpus": record.shared_cpus,
-                "contribution": record.shared_cpus * pod.period,
-                "exclusive": record.exclusive,
-                "device": record.device,
-            }
-            for name, record in pod.containers.items()
-        },
-    }
-
-
-def books_to_json(books: Books) -> dict[str, Any]:
-    return {
-        "version": STATE_VERSION,
-        "pods": {key: pod_to_json(pod) for key, pod in books.pods.items()},
-        # Read by this version on; older ones ignore it (and rebuild from the live slots).
-        "devices": {
-            device: {"pod": slot.pod, "container": slot.name}
-            for device, slot in sorted(books.devices.items())
-        },
-        "spent": _spent_to_json(books),
-    }
-
-
-def _spent_to_json(books: Books) -> dict[str, dict[str, Any]]:
-    return {
-        device: {"allocation": spent.allocation, "pod": spent.pod, "container": spent.name}
-        for device, spent in sorted(books.spent.items())
-    }
-
-
-def _dumps(value: object) -> str:
-    """Compact: with indent, json runs its pure-Python encoder (3x slower at 1,000 pods)."""
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
-
-
-def books_from_json(data: object) -> Books:
-    """Rebuild from `books_to_json` output; ValueError (with the reason) for anything else."""
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    if data.get("version") != STATE_VERSION:
-        raise ValueError(f"state version {data.get('version')!r}, expected {STATE_VERSION}")
-    pods = data.get("pods")
-    if not isinstance(pods, dict):
-        raise ValueError('"pods" is not an object')
-    books = Books({_text(key, "pod key"): _pod_from_json(raw) for key, raw in pods.items()}, {})
-    devices = data.get("devices")
-    if devices is None:
-        # A file from before the bindings were saved: the live slots' devices are all we know.
-        books.devices = books.live_devices()
-    else:
-        if not isinstance(devices, dict):
-            raise ValueError('"devices" is not an object')
-        for device, entry in devices.items():
-            if not isinstance(entry, dict):
-                raise ValueError("a device entry is not an object")
-            books.devices[_text(device, "device id")] = Slot(
-                _text(entry.get("pod"), "device pod"), _text(entry.get("container"), "device container")
-            )
-        for device, slot in books.live_devices().items():
-            books.devices.setdefault(device, slot)
-    _spent_from_json(books, data.get("spent"))
-    return books
-
-
-def _spent_from_json(books: Books, spent: object) -> None:
-    """`books`' spent allocations from a snapshot's ``spent`` (None: a file from before it)."""
-    if spent is not None and not isinstance(spent, dict):
-        raise ValueError('"spent" is not an object')
-    for device, entry in (spent or {}).items():
-        if not isinstance(entry, dict):
-            raise ValueError("a spent entry is not an object")
-        books.spent[_text(device, "device id")] = _spent(
-            [entry.get("allocation"), entry.get("pod"), entry.get("container")]
-        )
-    # Bound before allocations were numbered (or saved): allocation 0, older than any numbered one.
-    for device, slot in books.devices.items():
-        books.spent.setdefault(device, Spent(0, slot.pod, slot.name))
-
-
-def _spent(args: list[Any]) -> Spent:
-    allocation = args[0]
-    if isinstance(allocation, bool) or not isinstance(allocation, int) or not 0 <= allocation < 10**20:
-        raise ValueError(f"allocation {allocation!r} is not a number from 0 to 10**20 - 1")
-    return Spent(allocation, _text(args[1], "spent pod"), _text(args[2], "spent container"))
-
-
-def _text(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{what} {value!r} is not a string")
-    return value
-
-
-def _int(value: object, what: str, minimum: int | None = None) -> int:
-    """`value` if it is an integer (at least `minimum`, when given: the ranges of a pod's numbers
-    are checked once the books are loaded, `nri_plugin.mixedcpu.bounds`)."""
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        raise ValueError(
-            f"{what} {value!r} is not an integer" + ("" if minimum is None else f" >= {minimum}")
-        )
-    return value
-
-
-def _pod_from_json(raw: object) -> PodRecord:
-    if not isinstance(raw, dict):
-        raise ValueError("a pod entry is not an object")
-    baseline = raw.get("baseline")
-    containers = raw.get("containers")
-    if not isinstance(containers, dict):
-        raise ValueError('"containers" is not an object')
-    return PodRecord(
-        cgroup_parent=_text(raw.get("cgroup_parent"), "cgroup_parent"),
-        baseline=None if baseline is None else _int(baseline, "baseline"),
-        period=_int(raw.get("period"), "period"),
-        baseline_source=_text(raw.get("baseline_source", "first-seen"), "baseline_source"),
-        containers=Containers(
-            (_text(name, "container name"), _container_from_json(entry)) for name, entry in containers.items()
-        ),
-    )
-
-
-def _container_from_json(entry: object) -> ContainerRecord:
-    if not isinstance(entry, dict):
-        raise ValueError("a container entry is not an object")
-    device = entry.get("device")
-    return ContainerRecord(
-        id=_text(entry.get("id"), "container id"),
-        shared_cpus=_int(entry.get("shared_cpus"), "shared_cpus"),
-        exclusive=_text(entry.get("exclusive", ""), "exclusive"),
-        device=None if device is None else _text(device, "device"),
-    )
-
-
-# -- the journal's operations -------------------------------------------------------------------------------
-
-# One operation, encoded: the text of its JSON array (see the module docstring).
-Operation = str
+_SCHEMA: Final = (
+    "CREATE TABLE pods (key TEXT PRIMARY KEY, cgroup_parent TEXT NOT NULL, baseline INTEGER,"
+    " period INTEGER NOT NULL, baseline_source TEXT NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE slots (pod TEXT NOT NULL, name TEXT NOT NULL, id TEXT NOT NULL,"
+    " shared_cpus INTEGER NOT NULL, exclusive TEXT NOT NULL, device TEXT, PRIMARY KEY (pod, name))"
+    " WITHOUT ROWID",
+    "CREATE TABLE bindings (device TEXT PRIMARY KEY, pod TEXT NOT NULL, name TEXT NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE spent (device TEXT PRIMARY KEY, allocation INTEGER NOT NULL, pod TEXT NOT NULL,"
+    " name TEXT NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE watches (pod TEXT NOT NULL, name TEXT NOT NULL, container_id TEXT NOT NULL,"
+    " cgroups_path TEXT NOT NULL, due REAL NOT NULL, PRIMARY KEY (pod, name)) WITHOUT ROWID",
+    f"PRAGMA user_version = {SCHEMA_VERSION}",
+)
+_PUT_POD: Final = "INSERT OR REPLACE INTO pods VALUES (?, ?, ?, ?, ?)"
+_PUT_SLOT: Final = "INSERT OR REPLACE INTO slots VALUES (?, ?, ?, ?, ?, ?)"
+_PUT_BINDING: Final = "INSERT OR REPLACE INTO bindings VALUES (?, ?, ?)"
+_PUT_SPENT: Final = "INSERT OR REPLACE INTO spent VALUES (?, ?, ?, ?)"
+_PUT_WATCH: Final = "INSERT OR REPLACE INTO watches VALUES (?, ?, ?, ?, ?)"
 _NO_SLOTS: Final = Containers()
 
 
-def pod_operations(key: str, old: PodRecord | None, new: PodRecord | None) -> list[Operation]:
-    """What turns the pod's record `old` into `new` (None: absent), as encoded journal operations.
-
-    Each is written from its template with the C string encoder: an operation holds only strings,
-    integers and None, and ``json.dumps`` builds an encoder at every call, which cost more than the
-    rest of a creation's write."""
-    pod = _text_json(key)
-    if new is None:
-        return [] if old is None else [f'["X",{pod}]']
-    ops: list[Operation] = []
-    if old is None or _header(old) != _header(new):
-        ops.append(_header_operation(pod, new))
-    before = old.containers if old is not None else _NO_SLOTS
-    if new.containers is before:
-        return ops
-    freed, held = new.containers.changes_since(before)
-    if freed:
-        ops += [f'["F",{pod},{_text_json(name)}]' for name in freed]
-    ops += [_slot_operation(pod, name, record) for name, record in held]
-    return ops
-
-
-def _header_operation(pod: str, record: PodRecord) -> Operation:
-    parent, source = _text_json(record.cgroup_parent), _text_json(record.baseline_source)
-    baseline = "null" if record.baseline is None else int(record.baseline)
-    return f'["P",{pod},{parent},{baseline},{int(record.period)},{source}]'
-
-
-def _slot_operation(pod: str, name: str, record: ContainerRecord) -> Operation:
-    device = "null" if record.device is None else _text_json(record.device)
-    return (
-        f'["C",{pod},{_text_json(name)},{_text_json(record.id)},{int(record.shared_cpus)},'
-        f"{_text_json(record.exclusive)},{device}]"
-    )
-
-
-_text_json = encode_basestring_ascii  # a str as JSON, as json.dumps writes it (ASCII, escaped)
-
-
-def _header(pod: PodRecord) -> tuple[str, int | None, int, str]:
-    """What a pod's record says apart from its slots: what Synchronize cannot rebuild."""
-    return pod.cgroup_parent, pod.baseline, pod.period, pod.baseline_source
-
-
-def _device_operation(device: str, slot: Slot | None) -> Operation:
-    if slot is None:
-        return f'["U",{_text_json(device)}]'
-    return f'["B",{_text_json(device)},{_text_json(slot.pod)},{_text_json(slot.name)}]'
-
-
-def same_header(old: PodRecord, new: PodRecord) -> bool:
-    """Whether two records of a pod agree on what a journal's ``P`` operation holds (the cgroup
-    parent, baseline, period and its source): only their slots differ."""
-    return _header(old) == _header(new)
-
-
-def header_line(key: str, record: PodRecord) -> bytes:
-    """The journal line that sets pod `key`'s own record (`record` bar its slots)."""
-    return _encode_operations([_header_operation(_text_json(key), record)])
-
-
-def changes_line(
-    books: Books,
-    pods: dict[str, PodRecord | None],
-    devices: dict[str, Slot | None],
-    spent: Mapping[str, Spent | None] | None = None,
-) -> bytes:
-    """The journal line that turns what the files hold (`pods`, `devices` and `spent`: each key
-    changed, with its value in the files) into `books`; empty when nothing differs."""
-    ops: list[Operation] = []
-    for key, old in pods.items():
-        ops += pod_operations(key, old, books.pods.get(key))
-    ops += [
-        _device_operation(device, now)
-        for device, old in devices.items()
-        if (now := books.devices.get(device)) != old
-    ]
-    ops += [
-        _spent_operation(device, spent_now)
-        for device, spent_before in (spent or {}).items()
-        if (spent_now := books.spent.get(device)) is not None and spent_now != spent_before
-    ]
-    return _encode_operations(ops)
-
-
-def _spent_operation(device: str, spent: Spent) -> Operation:
-    return (
-        f'["A",{_text_json(device)},{int(spent.allocation)},{_text_json(spent.pod)},{_text_json(spent.name)}]'
-    )
-
-
-def _encode_operations(ops: list[Operation]) -> bytes:
-    """One journal line: the operations of one write, as a JSON array (empty: no line)."""
-    return f"[{','.join(ops)}]\n".encode() if ops else b""
-
-
-def apply_operation(books: Books, op: object) -> None:
-    """Replay one journal operation onto `books`; ValueError for anything that is not one."""
-    if not isinstance(op, list) or not op or op[0] not in _ARITY or len(op) != _ARITY[op[0]]:
-        raise ValueError(f"not a journal operation: {op!r}")
-    kind, args = op[0], op[1:]
-    if kind == "A":
-        books.spent[_text(args[0], "device id")] = _spent(args[1:])
-        return
-    if kind in ("B", "U"):
-        device = _text(args[0], "device id")
-        if kind == "B":
-            books.devices[device] = Slot(_text(args[1], "device pod"), _text(args[2], "device container"))
-        else:
-            books.devices.pop(device, None)
-        return
-    key = _text(args[0], "pod key")
-    pod = books.pods.get(key)
-    if kind == "P":
-        books.pods[key] = _pod_header(args[1:], pod.containers if pod is not None else Containers())
-    elif kind == "X":
-        books.pods.pop(key, None)
-    elif pod is None:
-        raise ValueError(f"slot of pod {key!r}, which the books do not hold")
-    elif kind == "F":
-        books.pods[key] = pod.without(_text(args[1], "container name"))
-    else:
-        books.pods[key] = pod.holding(_text(args[1], "container name"), _slot_record(args[2:]))
-
-
-_ARITY: Final = {"P": 6, "C": 7, "F": 3, "X": 2, "B": 4, "U": 2, "A": 5}
-
-
-def _pod_header(args: list[Any], containers: Containers) -> PodRecord:
-    parent, baseline, period, source = args
-    return PodRecord(
-        cgroup_parent=_text(parent, "cgroup_parent"),
-        baseline=None if baseline is None else _int(baseline, "baseline"),
-        period=_int(period, "period"),
-        baseline_source=_text(source, "baseline_source"),
-        containers=containers,
-    )
-
-
-def _slot_record(args: list[Any]) -> ContainerRecord:
-    container_id, shared, exclusive, device = args
-    return ContainerRecord(
-        id=_text(container_id, "container id"),
-        shared_cpus=_int(shared, "shared_cpus"),
-        exclusive=_text(exclusive, "exclusive"),
-        device=None if device is None else _text(device, "device"),
-    )
-
-
-# -- the files -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    """What `StateStore.load_state` found: the books, and where the journal goes on.
-
-    ``journal``: the number the next append goes to, or None when the files on disk cannot be
-    extended (no snapshot, one with no journal, a replay that stopped short): the next write must be
-    a new snapshot. ``journal_bytes``: what the journals replayed hold; ``snapshot_bytes``: the
-    snapshot's size.
-    """
-
-    books: Books
-    journal: int | None = None
-    journal_bytes: int = 0
-    snapshot_bytes: int = 0
-
-
-_JOURNAL_FLAGS: Final = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 class StateFileError(OSError):
-    """The state file is unusable and cannot be set aside either; the message says what to do."""
+    """The database is unusable and cannot be set aside either; the message says what to do."""
+
+
+class StateWriteError(OSError):
+    """A transaction failed (a full disk, an I/O error): nothing of it was written."""
 
 
 class _Unusable(Exception):
-    """The state file is not a file we could have written (the reason, for the log line)."""
+    """The database is not one we could have written (the reason, for the log line)."""
 
 
-def _read_state(path: str) -> bytes:
-    """The state file's bytes, read as the marker key is (`nri_plugin.common.smallfile`); `_Unusable`
-    when it is not a regular file of at most `MAX_STATE_SIZE` bytes, FileNotFoundError when there is
-    none, OSError when it cannot be read."""
-    try:
-        return read_small_file(path, MAX_STATE_SIZE)
-    except SymbolicLink:
-        raise _Unusable("a symbolic link, never written by the plugin") from None
-    except NotRegularFile as exc:
-        raise _Unusable(f"a {exc.kind}, not a regular file") from None
-    except TooLarge as exc:
-        over = f"over the {MAX_STATE_SIZE}-byte limit of a state file"
-        raise _Unusable(over if exc.grew else f"{exc.size} bytes, {over}") from None
+def _header(pod: PodRecord) -> tuple[str, int | None, int, str]:
+    """What a pod's row holds: what Synchronize cannot rebuild."""
+    return pod.cgroup_parent, pod.baseline, pod.period, pod.baseline_source
 
 
 class StateStore:
-    """`Books` in ``<state_dir>/pod-quotas.json`` and its journal (see the module docstring).
-
-    `written` counts the bytes this store has written (snapshots and journal), for the benchmarks.
-    `online`: the number of online CPUs, which the loaded records' numbers are checked against
-    (`nri_plugin.mixedcpu.bounds`; None: the kernel's ranges only).
-    """
+    """`Books` in ``<directory>/books.sqlite`` (see the module docstring). One connection, opened at
+    the first `load` (or write), used by the thread that changes the books. `online`: the number of
+    online CPUs the loaded records' numbers are checked against (None: the kernel's ranges only)."""
 
     def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        *,
-        name: str = STATE_FILE_NAME,
-        fsync: bool = True,
-        online: int | None = None,
+        self, directory: str | os.PathLike[str], *, name: str = STATE_FILE_NAME, online: int | None = None
     ) -> None:
         self.directory = os.fspath(directory)
-        self.online = online
         self.path = os.path.join(self.directory, name)
-        self.fsync = fsync
-        # Bytes written as snapshots (the worker thread's too: under the lock) and appended (by the
-        # event loop's thread only: no lock on the creation path).
-        self._written = 0
-        self._written_lock = threading.Lock()
-        self._appended = 0
-        self._journal_prefix = f"{name}.journal."
-        # Pod key -> the record last encoded under it, and its ``"key":{...}`` text.
-        self._texts: dict[str, tuple[PodRecord, bytes]] = {}
-        self._journal_fd: int | None = None
-        self._journal_number = 0
-        self._close_fd: weakref.finalize[[int], StateStore] | None = None
+        self.online = online
+        self.watches: dict[Slot, Watch] = {}  # what the last `load` found
+        self._db: sqlite3.Connection | None = None
+        self._since_checkpoint = 0
+        self._checkpointer: ThreadPoolExecutor | None = None
+        self._checkpointing: Future[None] | None = None
+        self._worker_db: sqlite3.Connection | None = None  # the worker thread's own
+        self._worker_lock = threading.Lock()
 
-    @property
-    def written(self) -> int:
-        """Bytes written so far to the state directory (snapshots and journal)."""
-        return self._written + self._appended
-
-    def _count(self, size: int) -> None:
-        with self._written_lock:
-            self._written += size
-
-    # -- reading (at start) --------------------------------------------------------------------------
+    # -- opening -----------------------------------------------------------------------------------------
 
     def load(self) -> Books:
-        """The saved books; empty books (and a warning) when the file is missing, corrupt or old, or
-        not a file we could have written (then set aside). Raises `StateFileError` only when such a
-        file cannot be set aside."""
-        return self.load_state().books
-
-    def load_state(self) -> Loaded:
-        """The snapshot with its journal replayed. Read again when a compaction replaced the snapshot
-        meanwhile (only another process can be reading while one runs)."""
-        for _ in range(3):
-            before = self._snapshot_identity()
-            loaded = self._load_once()
-            if self._snapshot_identity() == before:
-                break
-        return loaded
-
-    def _read(self, path: str) -> bytes | None:
-        """The whole content of one of the state files, or None when it does not exist: every file
-        read at start is opened here, as the marker key is (`_read_state`). Raises `_Unusable` for a
-        file we could not have written."""
+        """The saved books (the old files migrated first); empty books and one warning for a database
+        set aside. Raises `StateFileError` only when such a database cannot be set aside."""
+        db = self._connection()
         try:
-            return _read_state(path)
-        except FileNotFoundError:
-            return None
-
-    def _snapshot_identity(self) -> tuple[int, int, int] | None:
-        try:
-            found = os.stat(self.path, follow_symlinks=False)
-        except OSError:
-            return None
-        return found.st_ino, found.st_mtime_ns, found.st_size
-
-    def _load_once(self) -> Loaded:
-        try:
-            data = self._read(self.path)
-        except _Unusable as exc:
-            self._set_aside(str(exc))
-            return Loaded(Books())
-        except OSError as exc:
-            log.warning(
-                "cannot read the state file; starting with empty books", path=self.path, error=str(exc)
-            )
-            return Loaded(Books())
-        if data is None:
-            return Loaded(Books())
-        try:
-            raw = json.loads(data)
-            books = books_from_json(raw)
-            first = _journal_number(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            log.warning(
-                "state file is corrupt or from another version; starting with empty books "
-                "(pod quotas are rebuilt at the next synchronization)",
-                path=self.path,
-                error=str(exc),
-            )
-            return Loaded(Books())
-        if first is None:
-            return self._checked(Loaded(books, None, 0, len(data)))
-        loaded = self._replay(books, first, len(data))
+            books = _read(db)
+            self.watches = _read_watches(db)
+        except (sqlite3.Error, ValueError) as exc:
+            self._set_aside(f"unreadable ({exc})")
+            return Books()
+        dropped = set_aside_out_of_range(books, self.online, self.path)
+        if dropped:
+            self._transaction(lambda db: _delete_pods(db, dropped))
         books.take_changes()
-        return self._checked(loaded)
+        return books
 
-    def _checked(self, loaded: Loaded) -> Loaded:
-        """`loaded` with the records holding a number out of range set aside (`bounds`); then the
-        next write is a snapshot, so that the files no longer hold them."""
-        if not set_aside_out_of_range(loaded.books, self.online, self.path):
-            return loaded
-        loaded.books.take_changes()
-        return Loaded(loaded.books, None, loaded.journal_bytes, loaded.snapshot_bytes)
-
-    def _replay(self, books: Books, first: int, snapshot_bytes: int) -> Loaded:
-        """Replay journals `first`, `first` + 1, ... onto `books`, up to the first missing one."""
-        number, total = first, 0
-        while True:
-            path = self.journal_path(number)
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
             try:
-                data = self._read(path)
-            except (OSError, _Unusable) as exc:
-                log.warning("cannot read the state journal; the rest is lost", path=path, error=str(exc))
-                return Loaded(books, None, total, snapshot_bytes)
-            if data is None:
-                return Loaded(books, number, total, snapshot_bytes)
-            total += len(data)
-            if not _replay_journal(books, data, path):
-                return Loaded(books, None, total, snapshot_bytes)
-            number += 1
+                self._db = self._open()
+            except (_Unusable, sqlite3.Error, OSError) as exc:
+                self._set_aside(str(exc) if isinstance(exc, _Unusable) else f"cannot be opened ({exc})")
+                try:
+                    self._db = self._open()
+                except (_Unusable, sqlite3.Error, OSError) as again:
+                    raise StateFileError(
+                        f"{self.path}: cannot be opened ({again}); check the state dir"
+                    ) from None
+            weakref.finalize(self, self._db.close)  # a store dropped unclosed (tests) closes it
+            self._migrate()
+        return self._db
 
-    # -- writing ---------------------------------------------------------------------------------------
+    def _open(self) -> sqlite3.Connection:
+        """The database, opened and checked (created with its schema when there is none)."""
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        for path in (self.path, f"{self.path}-wal", f"{self.path}-shm"):
+            _refuse_unless_regular(path)
+        try:  # made here, so that its mode is ours (and its -wal's)
+            os.close(
+                os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            )
+        except FileExistsError:
+            pass
+        else:  # a -wal left by a database deleted by hand belongs to no database now
+            for stale in (f"{self.path}-wal", f"{self.path}-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
+        db = sqlite3.connect(self.path, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+            db.execute("PRAGMA wal_autocheckpoint = 0")
+            if db.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
+                raise _Unusable("damaged (PRAGMA quick_check)")
+            [(version,)] = db.execute("PRAGMA user_version").fetchall()
+            if version == 0:
+                if db.execute("SELECT count(*) FROM sqlite_master").fetchall() != [(0,)]:
+                    raise _Unusable("a database of something else (schema version 0, with tables)")
+                _in_transaction(db, lambda db: [db.execute(statement) for statement in _SCHEMA])
+            elif version != SCHEMA_VERSION:
+                raise _Unusable(f"of schema version {version}; this daemon reads {SCHEMA_VERSION}")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _migrate(self) -> None:
+        """The old files, if any, into the database (one transaction), then deleted."""
+        paths = legacy_paths(self.directory)
+        if not paths:
+            return
+        try:
+            books = read_legacy(self.directory)
+        except LegacyRefused as exc:
+            _rename_aside(exc.path, str(exc))
+            books = Books()
+        set_aside_out_of_range(books, self.online, paths[-1])  # (a number too large for SQLite too)
+        self.save(books)
+        for path in legacy_paths(self.directory):  # the journals first: the snapshot names them
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        log.info(
+            "the books of the previous version moved into the database", path=self.path, pods=len(books.pods)
+        )
 
     def _set_aside(self, reason: str) -> None:
-        """Rename the unusable file out of the way (kept for a person to look at)."""
-        aside = f"{self.path}.refused-{time.strftime('%Y%m%dT%H%M%S')}"
-        suffix = 0
-        while os.path.lexists(aside if not suffix else f"{aside}.{suffix}"):
-            suffix += 1
-        aside = aside if not suffix else f"{aside}.{suffix}"
+        """Rename the unusable database (and its -wal, -shm) out of the way, for a person to look at."""
+        self.close()
+        aside = _rename_aside(self.path, reason)
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                os.rename(f"{self.path}{suffix}", f"{aside}{suffix}")
+
+    def close(self) -> None:
+        """Close the connections, after the checkpoint under way (the next use opens them again)."""
+        if self._checkpointer is not None:
+            self._checkpointer.shutdown(wait=True)
+            self._checkpointer = self._checkpointing = None
+        with self._worker_lock:
+            if self._worker_db is not None:
+                self._worker_db.close()
+                self._worker_db = None
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # -- writing -----------------------------------------------------------------------------------------
+
+    def _transaction(self, work: Callable[[sqlite3.Connection], object]) -> None:
         try:
-            os.rename(self.path, aside)
-        except OSError as exc:
-            raise StateFileError(
-                f"{self.path} is {reason}, and it cannot be set aside ({exc.strerror}); remove it, the "
-                "plugin rebuilds its books at the next synchronization",
-            ) from None
-        log.warning(
-            "state file refused and set aside; starting with empty books (pod quotas are rebuilt at the "
-            "next synchronization)",
-            path=self.path,
-            reason=reason,
-            moved_to=aside,
-        )
+            _in_transaction(self._connection(), work)
+        except (sqlite3.Error, OverflowError) as exc:  # (OverflowError: an integer of more than 64 bits)
+            raise StateWriteError(f"{self.path}: {exc}") from None
+        self._since_checkpoint += 1
+        if self._since_checkpoint >= CHECKPOINT_EVERY:
+            self._next_checkpoint()
 
-    def save(self, books: Books) -> None:
-        """Replace the snapshot atomically, with no journal. Raises OSError (the caller rolls back)."""
-        self.write_snapshot(self.encode(books, b"\n"))
-
-    def write_snapshot(self, data: bytes, journal: int | None = None) -> int:
-        """Publish an encoded snapshot (temporary file, fsync, rename), then delete the journals
-        before `journal`, the one it names; its size. Safe in a worker thread while the loop appends
-        to journal `journal` or later. Raises OSError."""
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        write_atomically(self.path, data, fsync=self.fsync)
-        self._count(len(data))
-        for number in self.journal_numbers():
-            if journal is None or number < journal:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.journal_path(number))
-        return len(data)
-
-    def encode(self, books: Books, end: bytes = b"", *, journal: int | None = None) -> bytes:
-        """``json.dumps(books_to_json(books), separators=(",", ":"), sort_keys=True)`` (with
-        ``"journal"`` when given), encoded, then `end`; a pod's text is reused while its record is the
-        one it was made from."""
-        pods = books.pods
-        devices = {
-            device: {"pod": slot.pod, "container": slot.name} for device, slot in books.devices.items()
-        }
-        link = "" if journal is None else f'"journal":{journal},'
-        texts: dict[str, tuple[PodRecord, bytes]] = {}
-        parts = [f'{{"devices":{_dumps(devices)},{link}"pods":{{'.encode()]
-        spent = _dumps(_spent_to_json(books))
-        for i, key in enumerate(sorted(pods)):
-            if i:
-                parts.append(b",")
-            pod = pods[key]
-            known = self._texts.get(key)
-            text = known[1] if known is not None and known[0] is pod else _pod_text(key, pod)
-            texts[key] = (pod, text)
-            parts.append(text)
-        parts.append(f'}},"spent":{spent},"version":{STATE_VERSION}}}'.encode() + end)
-        self._texts = texts  # only the pods still in the books: a dropped one's text goes too
-        return b"".join(parts)
-
-    def journal_path(self, number: int) -> str:
-        return os.path.join(self.directory, f"{self._journal_prefix}{number}")
-
-    def journal_numbers(self) -> list[int]:
-        """The numbers of the journal files in the state directory, in order."""
+    def _next_checkpoint(self) -> None:
+        """Hand a checkpoint to the worker (see the module docstring), unless one is under way."""
+        if self._checkpointing is not None and not self._checkpointing.done():
+            return
+        self._since_checkpoint = 0
         try:
-            names = os.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):  # nothing written yet (or cannot be: saving says)
-            return []
-        prefix = self._journal_prefix
-        return sorted(
-            int(name[len(prefix) :])
-            for name in names
-            if name.startswith(prefix) and name[len(prefix) :].isdigit()
-        )
-
-    def append(self, number: int, data: bytes) -> None:
-        """Append to journal `number` (no fsync: see the module docstring). Raises OSError; after a
-        failure the file may end in part of `data`, so the caller must not append to it again."""
-        try:
-            fd = self._journal(number)
-            done = os.write(fd, data)
-            if done < len(data):  # a short write (a disk filling up): the rest, or the error
-                view = memoryview(data)[done:]
-                while view:
-                    view = view[os.write(fd, view) :]
+            size = os.stat(f"{self.path}-wal").st_size
         except OSError:
-            self.close_journal()
-            raise
-        self._appended += len(data)
+            size = 0
+        if size > WAL_LIMIT and self._db is not None:
+            with contextlib.suppress(sqlite3.Error):  # (busy: the next one tries again)
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            return
+        if self._checkpointer is None:
+            self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="books-checkpoint")
+        self._checkpointing = self._checkpointer.submit(self._checkpoint_in_worker)
 
-    def _journal(self, number: int) -> int:
-        if self._journal_fd is not None and self._journal_number == number:
-            return self._journal_fd
-        self.close_journal()
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        fd = os.open(self.journal_path(number), _JOURNAL_FLAGS, 0o600)
-        self._journal_fd, self._journal_number = fd, number
-        self._close_fd = weakref.finalize(self, os.close, fd)  # a store dropped unclosed (tests)
-        return fd
-
-    def close_journal(self) -> None:
-        """Close the journal file held open for appends (the next append opens it again)."""
-        if self._close_fd is not None:
-            self._close_fd()
-        self._journal_fd = self._close_fd = None
-
-
-def _journal_number(raw: dict[str, Any]) -> int | None:
-    if "journal" not in raw:
-        return None
-    return _int(raw["journal"], "journal", 1)
-
-
-def _replay_journal(books: Books, data: bytes, path: str) -> bool:
-    """Apply one journal's lines; False (logged) when one is cut short or unreadable."""
-    *lines, tail = data.split(b"\n")
-    for number, line in enumerate(lines, 1):
-        if not line:
-            continue
+    def _checkpoint_in_worker(self) -> None:
+        """One PASSIVE checkpoint, in the worker thread on its own connection. A failure is logged
+        (the WAL then waits for the next one, or the one at shutdown)."""
         try:
-            ops = json.loads(line)
-            if not isinstance(ops, list):
-                raise ValueError(f"not a list of journal operations: {ops!r}")
-            for op in ops:
-                apply_operation(books, op)
-        except (ValueError, UnicodeDecodeError) as exc:
-            log.warning(
-                "state journal line unreadable: the changes from there on are lost (Synchronize "
-                "rebuilds them)",
-                path=path,
-                line=number,
-                error=str(exc),
-            )
-            return False
-    if tail:
-        log.warning("state journal cut short (a crash while appending): its last line is ignored", path=path)
-        return False
-    return True
+            with self._worker_lock:
+                if self._worker_db is None:
+                    self._worker_db = sqlite3.connect(
+                        self.path, isolation_level=None, check_same_thread=False
+                    )
+                    weakref.finalize(self, self._worker_db.close)
+                self._worker_db.execute(
+                    "PRAGMA wal_checkpoint(PASSIVE)"
+                ).fetchall()  # (all: no statement left open)
+        except sqlite3.Error as exc:
+            log.warning("cannot checkpoint the books' database", path=self.path, error=str(exc))
+
+    def save(self, books: Books, watches: Mapping[Slot, Watch | None] | None = None) -> None:
+        """Replace the whole books and watches (one transaction): `watches` as in `write`, the
+        others deleted. Raises `StateWriteError`."""
+
+        def replace_all(db: sqlite3.Connection) -> None:
+            for table in ("pods", "slots", "bindings", "spent", "watches"):
+                db.execute(f"DELETE FROM {table}")  # (the names above)
+            _put_pods(db, books, {key: None for key in books.pods})
+            db.executemany(_PUT_BINDING, [(device, *slot) for device, slot in books.devices.items()])
+            db.executemany(_PUT_SPENT, [(device, *spent) for device, spent in books.spent.items()])
+            _put_watches(db, watches or {})
+
+        self._transaction(replace_all)
+
+    def write(
+        self,
+        books: Books,
+        pods: Mapping[str, PodRecord | None],
+        devices: Mapping[str, Slot | None],
+        spent: Mapping[str, Spent | None],
+        watches: Mapping[Slot, Watch | None] | None = None,
+    ) -> None:
+        """One transaction turning what the database holds (`pods`, `devices`, `spent`: each key
+        changed, with its value in the database; None: absent) into `books`, and the `watches`
+        given (None: deleted) written. Raises `StateWriteError` (then nothing of it is written)."""
+
+        def changes(db: sqlite3.Connection) -> None:
+            _put_pods(db, books, pods)
+            _put_watches(db, watches or {})
+            for device, old in devices.items():
+                slot = books.devices.get(device)
+                if slot is None:
+                    db.execute("DELETE FROM bindings WHERE device = ?", (device,))
+                elif slot != old:
+                    db.execute(_PUT_BINDING, (device, *slot))
+            for device, old_spent in spent.items():
+                now = books.spent.get(device)
+                if now is None:
+                    db.execute("DELETE FROM spent WHERE device = ?", (device,))
+                elif now != old_spent:
+                    db.execute(_PUT_SPENT, (device, *now))
+
+        self._transaction(changes)
+
+    def write_pod(self, key: str, record: PodRecord) -> None:
+        """Pod `key`'s own record (bar its slots) now, in a transaction of its own: written ahead of
+        the cgroup write that raises the pod. Raises `StateWriteError`."""
+        self._transaction(lambda db: db.execute(_PUT_POD, (key, *_header(record))))
+
+    def checkpoint(self) -> None:
+        """Copy the WAL back into the database and empty it (at shutdown), after the worker's
+        checkpoint under way. Raises `StateWriteError`."""
+        if self._checkpointing is not None:
+            self._checkpointing.result()
+        if self._db is not None:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except sqlite3.Error as exc:
+                raise StateWriteError(f"{self.path}: {exc}") from None
 
 
-def _pod_text(key: str, pod: PodRecord) -> bytes:
-    return f"{encode_basestring_ascii(key)}:{_dumps(pod_to_json(pod))}".encode()
+def _in_transaction(db: sqlite3.Connection, work: Callable[[sqlite3.Connection], object]) -> None:
+    db.execute("BEGIN")
+    try:
+        work(db)
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+        raise
+
+
+def _put_pods(db: sqlite3.Connection, books: Books, pods: Mapping[str, PodRecord | None]) -> None:
+    """Write the rows of the pods named in `pods` (each with what the database holds of it)."""
+    gone: list[str] = []
+    for key, old in pods.items():
+        new = books.pods.get(key)
+        if new is None:
+            if old is not None:
+                gone.append(key)
+            continue
+        if old is None or _header(old) != _header(new):
+            db.execute(_PUT_POD, (key, *_header(new)))
+        if old is not None and new.containers is old.containers:
+            continue
+        freed, held = new.containers.changes_since(old.containers if old is not None else _NO_SLOTS)
+        if freed:
+            db.executemany("DELETE FROM slots WHERE pod = ? AND name = ?", [(key, name) for name in freed])
+        db.executemany(
+            _PUT_SLOT,
+            [(key, name, r.id, r.shared_cpus, r.exclusive, r.device) for name, r in held],
+        )
+    if gone:
+        _delete_pods(db, gone)
+
+
+def read_only(path: str | os.PathLike[str]) -> tuple[Books, dict[Slot, Watch]]:
+    """The books and watches the database at `path` holds, read as they are (no bounds checked,
+    nothing set aside or written: for tests, and for a person looking). Raises `sqlite3.Error`,
+    ValueError."""
+    with contextlib.closing(sqlite3.connect(f"file:{os.fspath(path)}?mode=ro", uri=True)) as db:
+        return _read(db), _read_watches(db)
+
+
+def _put_watches(db: sqlite3.Connection, watches: Mapping[Slot, Watch | None]) -> None:
+    for slot, watch in watches.items():
+        if watch is None:
+            db.execute("DELETE FROM watches WHERE pod = ? AND name = ?", slot)
+        else:
+            db.execute(_PUT_WATCH, (*slot, *watch))
+
+
+def _read_watches(db: sqlite3.Connection) -> dict[Slot, Watch]:
+    watches = {}
+    for pod, name, container_id, path, due in db.execute("SELECT * FROM watches"):
+        if isinstance(due, bool) or not isinstance(due, (int, float)):
+            raise ValueError(f"a watch's due {due!r} is not a number")
+        slot = Slot(checked_text(pod, "watch pod"), checked_text(name, "watch container"))
+        watches[slot] = Watch(
+            checked_text(container_id, "watch id"), checked_text(path, "watch path"), float(due)
+        )
+    return watches
+
+
+def _delete_pods(db: sqlite3.Connection, keys: list[str]) -> None:
+    db.executemany("DELETE FROM pods WHERE key = ?", [(key,) for key in keys])
+    db.executemany("DELETE FROM slots WHERE pod = ?", [(key,) for key in keys])
+
+
+def _read(db: sqlite3.Connection) -> Books:
+    """The books the tables hold; ValueError for a row of the wrong type or a slot of no pod."""
+    headers = {checked_text(key, "pod key"): row for key, *row in db.execute("SELECT * FROM pods")}
+    slots: dict[str, dict[str, ContainerRecord]] = {key: {} for key in headers}
+    for pod, name, *record in db.execute("SELECT * FROM slots"):
+        if pod not in slots:
+            raise ValueError(f"a slot of pod {pod!r}, which the books do not hold")
+        slots[pod][checked_text(name, "container name")] = container_record(record)
+    pods = {key: pod_record(row, Containers(slots[key])) for key, row in headers.items()}
+    devices = {
+        checked_text(device, "device id"): Slot(
+            checked_text(pod, "device pod"), checked_text(name, "device container")
+        )
+        for device, pod, name in db.execute("SELECT * FROM bindings")
+    }
+    spent = {
+        checked_text(device, "device id"): checked_spent(*row)
+        for device, *row in db.execute("SELECT * FROM spent")
+    }
+    return Books(pods, devices, spent=spent)
+
+
+def _refuse_unless_regular(path: str) -> None:
+    """`_Unusable` when `path` exists and is not a regular file (not followed, if a link)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kinds = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"))
+    kind = next((name for test, name in kinds if test(mode)), "device or socket")
+    raise _Unusable(f"{os.path.basename(path)} is a {kind}, not a file the plugin writes")
+
+
+def _rename_aside(path: str, reason: str) -> str:
+    """Rename `path` to ``<path>.refused-<time>`` (one warning); the new name. Raises
+    `StateFileError` when it cannot be renamed."""
+    aside = f"{path}.refused-{time.strftime('%Y%m%dT%H%M%S')}"
+    suffix = 0
+    while os.path.lexists(aside if not suffix else f"{aside}.{suffix}"):
+        suffix += 1
+    aside = aside if not suffix else f"{aside}.{suffix}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return aside
+    except OSError as exc:
+        raise StateFileError(
+            f"{path} is {reason}, and it cannot be set aside ({exc.strerror}); remove it, the "
+            "plugin rebuilds its books at the next synchronization",
+        ) from None
+    log.warning(
+        "state file refused and set aside; starting with empty books (pod quotas are rebuilt at the "
+        "next synchronization)",
+        path=path,
+        reason=reason,
+        moved_to=aside,
+    )
+    return aside

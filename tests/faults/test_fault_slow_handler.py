@@ -64,7 +64,7 @@ async def test_handler_slower_than_the_request_timeout(short_dir: Path, where: s
         "duo-c" if where != "synchronize" else "late-a",
         shared=population.shared,
         layout=node.tree.layout,
-        store=StateStore(node.state, fsync=False),
+        store=StateStore(node.state),
         trusted=TrustedSources(population.key),
     )
     async with contextlib.AsyncExitStack() as stack:

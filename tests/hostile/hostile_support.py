@@ -440,7 +440,7 @@ def state_file_skip(node: Node) -> Callable[[Path], bool]:
     state = node.state_dir
 
     def skip(path: Path) -> bool:
-        return path == state or (path.parent == state and "pod-quotas.json" in path.name)
+        return path == state or (path.parent == state and "books.sqlite" in path.name)
 
     return skip
 

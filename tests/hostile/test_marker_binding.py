@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mixedcpu_support import (
@@ -26,7 +27,8 @@ from mixedcpu_support import (
 
 from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.mixedcpu.books import Books, ContainerRecord, PodRecord, Slot
-from nri_plugin.mixedcpu.store import StateStore
+from nri_plugin.mixedcpu.legacy import LEGACY_FILE_NAME
+from nri_plugin.mixedcpu.store import StateStore, read_only
 from nri_plugin.nri.errors import PluginRefusal
 
 CGROUPFS = Naming("containerd", "cgroupfs")
@@ -58,26 +60,26 @@ def test_books_bind_until_the_pod_is_unbound() -> None:
 
 
 def test_state_file_keeps_the_bindings_and_old_files_still_load(tmp_path: Path) -> None:
-    store = StateStore(tmp_path, fsync=False)
+    store = StateStore(tmp_path)
     books = Books({"p": PodRecord(cgroup_parent="/kubepods/podp", baseline=100_000, period=100_000)})
     books.hold(Slot("p", "a"), ContainerRecord("c1", 2, "4", "dev-1"))
     books.release("c1")
     books.devices["dev-9"] = Slot("gone", "x\n\0")
     store.save(books)
     assert store.load() == books
-    data = json.loads(Path(store.path).read_text())
-    assert data["version"] == 1  # older versions read the file and ignore "devices"
-    assert data["devices"]["dev-1"] == {"pod": "p", "container": "a"}
-    # A file written before the bindings: the live slots' devices are bound to them.
-    del data["devices"]
-    data["pods"]["p"]["containers"]["b"] = {"id": "c3", "shared_cpus": 2, "exclusive": "5", "device": "dev-3"}
-    Path(store.path).write_text(json.dumps(data))
-    assert store.load().devices == {"dev-3": Slot("p", "b")}
+    assert read_only(store.path)[0].devices["dev-9"] == Slot("gone", "x\n\0")
+    store.close()
+    # 0.1.0's first files, written before the bindings: the live slots' devices are bound to them.
+    pod = {"cgroup_parent": "/kubepods/podp", "baseline": 100_000, "period": 100_000}
+    slot = {"id": "c3", "shared_cpus": 2, "exclusive": "5", "device": "dev-3"}
+    data: dict[str, Any] = {"version": 1, "pods": {"p": {**pod, "containers": {"b": slot}}}}
+    (tmp_path / LEGACY_FILE_NAME).write_text(json.dumps(data))
+    assert StateStore(tmp_path).load().devices == {"dev-3": Slot("p", "b")}
     bad_bindings: list[object] = [[], {"dev": "p/a"}, {"dev": {"pod": 1, "container": "a"}}]
     for bad in bad_bindings:
         data["devices"] = bad
-        Path(store.path).write_text(json.dumps(data))
-        assert store.load() == Books()  # corrupt: logged, empty books, rebuilt at Synchronize
+        (tmp_path / LEGACY_FILE_NAME).write_text(json.dumps(data))
+        assert StateStore(tmp_path).load() == Books()  # corrupt: logged, empty books, rebuilt at Synchronize
 
 
 @pytest.mark.asyncio

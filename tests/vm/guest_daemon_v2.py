@@ -46,6 +46,7 @@ from nri_plugin.cgroups import (
 )
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME, read_only
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 
 WORK = Path("/tmp/vm-daemon")
@@ -411,7 +412,8 @@ async def refusals(node: Node, out: dict[str, Any]) -> None:
     node.kernel.make_levels(pod_cgroup_path(lost.linux.cgroup_parent), delegate_last=False)
     node.pods["nocpu"] = lost
     reading = await node.create(node.container(naming, lost, "nocpu-c", "2", device="dev-nocpu"))
-    reading["books"] = json.loads((WORK / "state" / "pod-quotas.json").read_text())
+    books, _ = read_only(WORK / "state" / STATE_FILE_NAME)
+    reading["books"] = {"pods": sorted(books.pods), "devices": sorted(books.devices)}
     out["refusals"]["pod without cpu controller"] = reading
 
 
@@ -419,7 +421,7 @@ async def bad_config(node: Node) -> Reading:
     """A daemon configured with a shared CPU that does not exist: it must refuse to start, and touch
     nothing (the other daemon is stopped; the pod quotas and the state stay as they are)."""
     before = pod_quotas(node)
-    state = (WORK / "state" / "pod-quotas.json").read_text()
+    state = (WORK / "state" / STATE_FILE_NAME).read_bytes()
     config = write_config(WORK / "bad.toml", "0-1,7")
     proc = await start_daemon("run", "--config", str(config), "--socket", str(WORK / "none.sock"), in_vm=True)
     _, stderr = await asyncio.wait_for(proc.communicate(), GUARD)
@@ -427,7 +429,7 @@ async def bad_config(node: Node) -> Reading:
         "exit status": proc.returncode,
         "stderr": stderr.decode(errors="replace"),
         "pod quotas unchanged": pod_quotas(node) == before,
-        "state unchanged": (WORK / "state" / "pod-quotas.json").read_text() == state,
+        "state unchanged": (WORK / "state" / STATE_FILE_NAME).read_bytes() == state,
     }
 
 
