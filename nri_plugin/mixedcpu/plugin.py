@@ -392,6 +392,12 @@ class MixedCpuPlugin(
         self.later.flush()
         self.flush()
 
+    def after_reply(self) -> None:
+        """The stub's `AfterReply`: called right after each reply is written, it writes the lines
+        queued for then (`LaterLines`), which from then on need no turn of the loop of their own."""
+        self.later.followed = True
+        self.later.flush()
+
     @_holding_the_books
     async def update_pod_sandbox(
         self, pod: api.PodSandbox, overhead: api.LinuxResources, resources: api.LinuxResources
