@@ -139,8 +139,8 @@ async def per_create(
     """CPU seconds per asking CreateContainer into the pods of `parents` after the first `books`
     (which a Synchronize makes shared first). CPU time, not wall time: on a shared machine the wall
     clock also counts the waits for a core; in one thread with nothing to wait on, the CPU time is
-    the work. What the plugin does after each reply (its log line) is run and timed apart, as the
-    loop's next turn would. `idle`: seconds slept before each request, untimed."""
+    the work. What the plugin does after each reply (its log line, right after the reply is written:
+    `Stub.server`'s after_reply) is timed apart. `idle`: seconds slept before each request, untimed."""
     plugin = MixedCpuPlugin(
         shared=SHARED_CPUS,
         layout=layout,

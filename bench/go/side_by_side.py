@@ -2,28 +2,32 @@
 this project's daemon, side by side in one run.
 
 Usage: python bench/go/side_by_side.py --bin DIR [--rounds 6] [--calls 1000] [--warmup 300]
+       [--state disk|tmpfs|both] [--tree NAME=PATH ...]
 
 DIR holds the two Go programs built by hand from bench/go/ (see bench/go/README.md; not run in CI):
 ``nribench-runtime``, NRI's runtime side (``pkg/adaptation``, as containerd uses it) listening on one
 socket per plugin, and ``nribench-plugin``, a plugin on NRI's Go stub doing the same work per asking
-creation as ours. Three plugins are timed in the same run, by the same runtime process:
+creation as ours. The plugins timed in one run, by the same runtime process:
 
 * ``go``: the Go plugin;
-* ``py-disk``: ``mixed-cpu-nri-plugin run`` (``python -m nri_plugin.daemon.cli``) with a config of
-  its own, its state directory on disk (the machine's ext4 /tmp);
-* ``py-tmpfs``: the same daemon with its state directory on tmpfs (/dev/shm): the state written as
+* ``NAME-disk``: ``mixed-cpu-nri-plugin run`` (``python -m nri_plugin.daemon.cli``, run by this
+  interpreter) from source tree NAME (``--tree``; by default this one, named ``py``) with a config of
+  its own, its state directory on disk (the machine's /tmp);
+* ``NAME-tmpfs``: the same daemon with its state directory on tmpfs (/dev/shm): the state written as
   before, only the filesystem under it differs.
 
-Each has its own fake cgroup v1 tree (regular files) holding every pod's cgroup; each creation is the
-first container of a new pod that asks (the pod annotation, trusted in the daemon's config), so each
-reads and raises its pod's quota. The daemons run as in production (log level info, JSON lines to
-/dev/null, metrics on a free port), except ``reconcile_interval = 3600``: its pass over the
+Several trees (say, the code before and after a change) run side by side in the same run. Each
+plugin has its own fake cgroup v1 tree (regular files) holding every pod's cgroup; each creation is
+the first container of a new pod that asks (the pod annotation, trusted in the daemon's config), so
+each reads and raises its pod's quota. The daemons run as in production (log level info, JSON lines
+to /dev/null, metrics on a free port), except ``reconcile_interval = 3600``: its pass over the
 thousands of benchmark pods in the books is not the creation path, and would land in some rounds.
 
 A round times ``--calls`` creations one after the other on each plugin in turn (the order rotates
 from round to round); each plugin's CPU time over its block is read from /proc (schedstat). Printed:
 per round and plugin p50, p99 and mean round trip and CPU per creation (the plugin's, and the Go
-runtime's), the ratio of each daemon's p50 to Go's, and their median and range over the rounds.
+runtime's), the ratio of each daemon's p50 and p99 to Go's, and their median and range over the
+rounds.
 """
 
 from __future__ import annotations
@@ -152,27 +156,34 @@ class Runtime:
         self.proc.wait(timeout=10)
 
 
+@dataclass(frozen=True)
+class DaemonSpec:
+    """A daemon to time: its name, the source tree it runs from, its state directory."""
+
+    name: str
+    tree: Path
+    state_dir: Path
+
+
 def start_plugins(
-    names: list[str], root: Path, shm: Path, binary: Path, pods: int, devnull: IO[bytes]
+    daemons: list[DaemonSpec], root: Path, binary: Path, pods: int, devnull: IO[bytes]
 ) -> dict[str, subprocess.Popen[bytes]]:
-    """The Go plugin and the daemons named, each on its own tree and socket."""
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    if "go" in names:
-        make_pods(root / "go-cg", pods)
-        procs["go"] = subprocess.Popen(
+    """The Go plugin and the daemons, each on its own cgroup tree and socket."""
+    make_pods(root / "go-cg", pods)
+    procs: dict[str, subprocess.Popen[bytes]] = {
+        "go": subprocess.Popen(
             [str(binary), "-socket", str(socket_of(root, "go")), "-cgroup-root", str(root / "go-cg")],
             stdout=devnull,
             stderr=devnull,
         )
-    for name, state_dir in (("py-disk", root / "py-disk-state"), ("py-tmpfs", shm / "state")):
-        if name not in names:
-            continue
-        make_pods(root / f"{name}-cg", pods)
-        config = daemon_config(root, name, state_dir)
-        procs[name] = subprocess.Popen(
+    }
+    for daemon in daemons:
+        make_pods(root / f"{daemon.name}-cg", pods)
+        config = daemon_config(root, daemon.name, daemon.state_dir)
+        procs[daemon.name] = subprocess.Popen(
             [sys.executable, "-m", "nri_plugin.daemon.cli", "run", "--config", str(config)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=daemon.tree,
+            env={**os.environ, "PYTHONPATH": str(daemon.tree)},
             stdout=devnull,
             stderr=devnull,
         )
@@ -182,14 +193,14 @@ def start_plugins(
 def report(rounds: list[dict[str, Block]]) -> None:
     names = list(rounds[0])
     print(
-        f"{'round':>5} {'plugin':>9} {'p50 µs':>8} {'p99 µs':>8} {'mean µs':>8} "
+        f"{'round':>5} {'plugin':>12} {'p50 µs':>8} {'p99 µs':>8} {'mean µs':>8} "
         f"{'plugin CPU':>10} {'runtime CPU':>11}"
     )
     for n, blocks in enumerate(rounds, 1):
         for name in names:
             b = blocks[name]
             print(
-                f"{n:>5} {name:>9} {b.p(0.5):8.1f} {b.p(0.99):8.1f} {b.mean_us:8.1f} "
+                f"{n:>5} {name:>12} {b.p(0.5):8.1f} {b.p(0.99):8.1f} {b.mean_us:8.1f} "
                 f"{b.per_call_us(b.plugin_cpu_ns):10.1f} {b.per_call_us(b.runtime_cpu_ns):11.1f}"
             )
     for name in names:
@@ -210,13 +221,32 @@ def report(rounds: list[dict[str, Block]]) -> None:
         )
 
 
+def daemons_to_run(trees: list[str], states: str, root: Path, shm: Path) -> list[DaemonSpec]:
+    """One daemon per source tree and state directory: ``NAME-disk`` (under /tmp), ``NAME-tmpfs``."""
+    daemons = []
+    for tree in trees or [f"py={ROOT}"]:
+        name, _, path = tree.partition("=")
+        for state, under in (("disk", root), ("tmpfs", shm)):
+            if states in (state, "both"):
+                label = f"{name}-{state}"
+                daemons.append(DaemonSpec(label, Path(path).resolve(), under / f"{label}-state"))
+    return daemons
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--bin", type=Path, required=True, help="holds nribench-runtime, nribench-plugin")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--calls", type=int, default=1000, help="creations per plugin per round (1000)")
     parser.add_argument("--warmup", type=int, default=300, help="untimed creations per plugin first (300)")
-    parser.add_argument("--only", default="", help="comma-separated plugins to run (default: all three)")
+    parser.add_argument("--state", choices=("disk", "tmpfs", "both"), default="both", help="(both)")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a source tree to run the daemon from (repeat; default: this one, named py)",
+    )
     args = parser.parse_args(argv)
     pods = args.warmup + args.rounds * args.calls
     root = Path(tempfile.mkdtemp(prefix="nribench-", dir="/tmp"))  # unix socket paths: short
@@ -225,11 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     runtime = None
     try:
-        names = ["go", "py-disk", "py-tmpfs"]
-        if args.only:
-            names = [n for n in names if n in args.only.split(",")]
+        daemons = daemons_to_run(args.tree, args.state, root, shm)
+        names = ["go", *(d.name for d in daemons)]
         runtime = Runtime(args.bin / "nribench-runtime", {n: socket_of(root, n) for n in names})
-        procs = start_plugins(names, root, shm, args.bin / "nribench-plugin", pods, devnull)
+        procs = start_plugins(daemons, root, args.bin / "nribench-plugin", pods, devnull)
         runtime.wait_ready(set(names))
         for name in names:
             runtime.create(name, 0, args.warmup)
@@ -247,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(0.2)
         print(
             f"{args.rounds} rounds of {args.calls} asking creations per plugin ({args.warmup} untimed "
-            f"first); load average {os.getloadavg()[0]:.2f}"
+            f"first), Python {sys.version.split()[0]}; load average {os.getloadavg()[0]:.2f}"
         )
         report(rounds)
     finally:
