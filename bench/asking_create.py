@@ -44,7 +44,6 @@ from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri import mux
 from nri_plugin.nri.identity import Identity
 from nri_plugin.nri.stub import PLUGIN_SERVICE, Stub
-from nri_plugin.ttrpc.aio import Server
 from nri_plugin.ttrpc.protocol import ClientSession
 
 SHARED_CPUS = frozenset({0, 1})
@@ -52,14 +51,16 @@ Profiler = cProfile.Profile | None
 
 
 class _CountingTransport(asyncio.Transport):
-    """Where the replies go: counted, then dropped."""
+    """Where the replies go: counted, the CPU time of the last one noted, then dropped."""
 
     def __init__(self) -> None:
         super().__init__()
         self.written = 0
+        self.written_at = 0.0  # time.process_time() of the last write
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += 1
+        self.written_at = time.process_time()
 
     def writelines(self, list_of_data: object) -> None:
         self.written += 1
@@ -75,7 +76,7 @@ def plugin_behind_trunk(plugin: MixedCpuPlugin) -> tuple[mux.Trunk, _CountingTra
     trunk = mux.Trunk()
     transport = _CountingTransport()
     trunk.connection_made(transport)
-    server = Server({PLUGIN_SERVICE: stub._methods()}, functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
+    server = stub.server(functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN))
     trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
     return trunk, transport
 
@@ -117,7 +118,7 @@ def _frames(parents: list[str], first: int) -> list[bytes]:
 
 class Cost(NamedTuple):
     """CPU seconds per asking CreateContainer: before its reply is written (what the runtime waits
-    for), and after it (the info line the plugin writes at the loop's next turn: `LaterLines`)."""
+    for), and after it (the info line and the metrics, written right after the reply)."""
 
     before_reply: float
     after_reply: float
@@ -138,8 +139,8 @@ async def per_create(
     """CPU seconds per asking CreateContainer into the pods of `parents` after the first `books`
     (which a Synchronize makes shared first). CPU time, not wall time: on a shared machine the wall
     clock also counts the waits for a core; in one thread with nothing to wait on, the CPU time is
-    the work. What the plugin does after each reply (its log line) is run and timed apart, as the
-    loop's next turn would. `idle`: seconds slept before each request, untimed."""
+    the work. What the plugin does after each reply (its log line, right after the reply is written:
+    `Stub.server`'s after_reply) is timed apart. `idle`: seconds slept before each request, untimed."""
     plugin = MixedCpuPlugin(
         shared=SHARED_CPUS,
         layout=layout,
@@ -166,11 +167,10 @@ async def per_create(
         if idle:
             time.sleep(idle)  # noqa: ASYNC251 - idle between requests, as a live plugin is; untimed
         started = clock()
-        await answered(trunk, transport, frame)
-        replied = clock()
-        plugin.later.flush()
-        before += replied - started
-        after += clock() - replied
+        await answered(trunk, transport, frame)  # the work after the reply included (`after_reply`)
+        plugin.later.flush()  # (nothing left: as a safeguard)
+        before += transport.written_at - started
+        after += clock() - transport.written_at
     if profiler is not None:
         profiler.disable()
     assert transport.written == len(frames), "every request must be answered"

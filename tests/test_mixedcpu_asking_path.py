@@ -84,6 +84,23 @@ async def test_the_info_line_follows_the_reply_and_precedes_the_next_event(tmp_p
 
 
 @pytest.mark.asyncio
+async def test_served_by_the_stub_the_line_waits_for_the_after_reply_not_a_loop_turn(tmp_path: Path) -> None:
+    """Once the stub has called `after_reply` (it does after every reply), a creation's line is not
+    scheduled on the loop: the stub's next `after_reply` writes it, right after the reply."""
+    plugin, tree, key = _node(tmp_path)
+    pod = make_pod(NAMING, "uid-1")
+    tree.add_pod(pod, 200_000)
+    plugin.after_reply()  # the stub's, after Synchronize's reply
+    with structlog.testing.capture_logs() as logs:
+        assert await plugin.create_container(pod, make_container(NAMING, pod, "c1", annotations=marker(key)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [e for e in logs if e["event"] == "shared CPUs given"] == []
+        plugin.after_reply()  # the stub's, after the creation's reply
+        assert [e["container"] for e in logs if e["event"] == "shared CPUs given"] == ["main"]
+
+
+@pytest.mark.asyncio
 async def test_without_a_running_loop_turn_the_next_event_writes_the_line(tmp_path: Path) -> None:
     plugin, tree, key = _node(tmp_path)
     pod = make_pod(NAMING, "uid-1")

@@ -241,6 +241,51 @@ async def test_container_lifecycle(socket_path: Path) -> None:
     ]
 
 
+class AfterEachReply(Recorder):
+    """Notes, at each `after_reply`, the events it has seen and the requests the observer was told
+    of by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[str] = []
+        self.after: list[tuple[list[tuple[str, str]], list[str]]] = []
+
+    def after_reply(self) -> None:
+        self.after.append((list(self.events), list(self.told)))
+
+    # The stub's observer: told of each request once its reply has gone out.
+    def request_done(self, event: str, outcome: str, seconds: float) -> None:
+        self.told.append(f"{event} {outcome}")
+
+    def reconnecting(self) -> None:
+        pass
+
+    def synchronized(self, pods: int, containers: int, size: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_after_reply_follows_each_reply_before_the_next_event(socket_path: Path) -> None:
+    """The plugin's `AfterReply` runs once per reply, after its handler and before the next event
+    reaches it; the observer has heard of each request by then."""
+    plugin = AfterEachReply()
+    async with RuntimeSimulator(socket_path) as sim, plugin_running(plugin, socket_path, observer=plugin):
+        await sim.wait_for_plugins(1, GUARD)
+        pod = make_pod(1)
+        await sim.run_pod_sandbox(pod)
+        await sim.create_container(make_container(pod, 1))
+        await sim.start_container("pod1-c1")
+    create, start = ("create", "pod1-c1"), ("start", "pod1-c1")
+    # Configure, Synchronize, CreateContainer, StartContainer (and nothing later: the stub stopped).
+    assert [events for events, _ in plugin.after] == [[], [], [create], [create, start]]
+    assert [told for _, told in plugin.after] == [
+        ["configure ok"],
+        ["configure ok", "synchronize ok"],
+        ["configure ok", "synchronize ok", "create_container ok"],
+        ["configure ok", "synchronize ok", "create_container ok", "start_container ok"],
+    ]
+
+
 class EnvAdjuster(Recorder):
     """Sets one variable the container has, removes another, adds a third, and sets the quota."""
 

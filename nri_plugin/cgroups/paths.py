@@ -64,6 +64,9 @@ PATH_MAX: Final = 4096
 # `/`, NUL, newlines and other control characters, spaces, backslashes, non-ASCII look-alikes such
 # as U+FF0E FULLWIDTH FULL STOP — is refused rather than interpreted.
 _COMPONENT: Final = re.compile(r"[A-Za-z0-9_.:@-]+")
+# A valid component in one match: 1 to NAME_MAX allowed characters, not dots only (the common case,
+# checked at every pod's first creation; `_check_component` says what is wrong with any other).
+_VALID_COMPONENT: Final = re.compile(rf"(?!\.+\Z)[A-Za-z0-9_.:@-]{{1,{NAME_MAX}}}")
 
 # The same minus `@` for the systemd unit names we build or expand (slices and scopes). systemd
 # itself also takes `@` (template instances) and `\` (escapes), which kubelet never produces.
@@ -103,6 +106,8 @@ def _first_bad_char(text: str, allowed: re.Pattern[str]) -> str | None:
 
 
 def _check_component(part: str) -> None:
+    if _VALID_COMPONENT.fullmatch(part) is not None:
+        return
     if not part:
         raise _Reject("empty path component (doubled or trailing '/')")
     if len(part) > NAME_MAX:

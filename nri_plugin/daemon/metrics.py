@@ -288,8 +288,8 @@ class Metrics:
             self.pod_resources_lookups.labels(outcome)
         for reason in EVICTION_REASONS:
             self.probe_evictions.labels(reason)
-        for outcome in CREATION_OUTCOMES:
-            self.creations.labels(outcome)
+        # Each outcome's child, made once (a label lookup takes a lock and builds tuples).
+        self._creation_children = {outcome: self.creations.labels(outcome) for outcome in CREATION_OUTCOMES}
         # Label lookups take a lock and build tuples; a request pays a dict lookup instead.
         self._request_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
@@ -325,7 +325,10 @@ class Metrics:
         self.probe_evictions.labels(reason).inc()
 
     def creation_decided(self, outcome: str) -> None:
-        self.creations.labels(outcome).inc()
+        child = self._creation_children.get(outcome)
+        if child is None:
+            child = self._creation_children[outcome] = self.creations.labels(outcome)
+        child.inc()
 
     def synchronized(self, pods: int, containers: int, size: int, seconds: float) -> None:
         self.sync_pods.set(pods)

@@ -43,19 +43,22 @@ class LaterLines:
 
     Rendering a line the daemon's way (JSON, through the stdlib handler) costs more CPU than the
     rest of an asking creation; the line says what was done, which nothing waits for. `add` queues
-    a line (a callable that logs it) and, when none was waiting, has the running loop write the
-    queue at its next turn: after the reply, which the handler's return writes at once. `flush`
-    writes what waits now: each handler does first, so that a line keeps its place before the next
-    event's. With no running loop, a line is written at once.
+    a line (a callable that logs it); `flush` writes what waits. Served by the stub, the plugin
+    flushes right after each reply is written (`MixedCpuPlugin.after_reply`, which sets `followed`):
+    in the same turn of the event loop. Where nothing flushes after the reply (a handler called
+    directly), the running loop writes the queue at its next turn. Each handler flushes first too,
+    so that a line keeps its place before the next event's. With no running loop, a line is written
+    at once.
     """
 
-    __slots__ = ("_waiting",)
+    __slots__ = ("_waiting", "followed")
 
     def __init__(self) -> None:
         self._waiting: list[Callable[[], None]] = []
+        self.followed = False  # a flush follows every reply: nothing to schedule
 
     def add(self, line: Callable[[], None]) -> None:
-        if not self._waiting:
+        if not self._waiting and not self.followed:
             try:
                 asyncio.get_running_loop().call_soon(self.flush)
             except RuntimeError:

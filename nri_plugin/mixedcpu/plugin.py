@@ -397,6 +397,12 @@ class MixedCpuPlugin(
         self.later.flush()
         self.flush()
 
+    def after_reply(self) -> None:
+        """The stub's `AfterReply`: called right after each reply is written, it writes the lines
+        queued for then (`LaterLines`), which from then on need no turn of the loop of their own."""
+        self.later.followed = True
+        self.later.flush()
+
     @_holding_the_books
     async def update_pod_sandbox(
         self, pod: api.PodSandbox, overhead: api.LinuxResources, resources: api.LinuxResources
@@ -577,7 +583,8 @@ class MixedCpuPlugin(
         gives it, None when it did not answer) against `books` (None: the plugin's), its refusals and
         notes logged; traced when `tracing` (None: `trace.tracing`)."""
         books = self.books if books is None else books
-        marker = presents_marker(container)
+        # The bindings matter only where a marker can prove something (untrusted: no env scan).
+        marker = self.marker_key is not None and presents_marker(container)
         check = check_request(
             pod,
             container,

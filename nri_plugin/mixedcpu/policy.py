@@ -290,7 +290,8 @@ def _env_markers(container: api.Container) -> dict[str, str]:
     """The container's DRA marker env entries, name -> value (the last of a name wins, as for the
     CPU variables)."""
     found: dict[str, str] = {}
-    for entry in container.env:
+    # A slice: upb's repeated fields have no __iter__ (a plain loop ends on an IndexError).
+    for entry in container.env[:]:
         if entry.startswith(MARKER_ENV):
             name, equals, value = entry.partition("=")
             if equals and (name == MARKER_ENV or name.startswith(_MARKER_ENV_DEVICE)):

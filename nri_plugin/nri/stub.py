@@ -68,6 +68,7 @@ __all__ = [
     "SYNC_CHUNKS_PER_MIB",
     "SYNC_CHUNK_COST",
     "SYNC_OBJECT_COST",
+    "AfterReply",
     "ConnectionState",
     "LostConnection",
     "RuntimeInfo",
@@ -151,6 +152,18 @@ class SyncSelector(Protocol):
         chunk has brought it yet). Asked once per chunk, so the plugin reads its settings once."""
 
 
+@runtime_checkable
+class AfterReply(Protocol):
+    """What a plugin may add to its handlers: work done once each reply has gone to the runtime.
+
+    The stub calls `after_reply` right after it has written each reply, in the same turn of the
+    event loop (no turn of its own, and the runtime is not kept waiting): for what nothing waits
+    for, such as a log line about what the handler did."""
+
+    def after_reply(self) -> None:
+        """Do what waits for the reply (it must not raise: what it raises is only logged)."""
+
+
 @dataclass
 class RuntimeInfo:
     """What the runtime told us in Configure."""
@@ -179,6 +192,7 @@ class _PluginHandlers:
     synchronize: handlers.Synchronize | None
     select: SyncSelector | None
     shutdown: handlers.Shutdown | None
+    after_reply: AfterReply | None
     # Every event the plugin handles: its request as its own method...
     calls: Mapping[Event, Call[Any, Any]]
     # ... and, for the StateChange-class ones, as a StateChange carries it.
@@ -200,6 +214,7 @@ class _PluginHandlers:
             synchronize=plugin if isinstance(plugin, handlers.Synchronize) else None,
             select=plugin if isinstance(plugin, SyncSelector) else None,
             shutdown=plugin if isinstance(plugin, handlers.Shutdown) else None,
+            after_reply=plugin if isinstance(plugin, AfterReply) else None,
             calls=calls,
             notifiers=notifiers,
         )
@@ -416,6 +431,8 @@ class Stub:
         self._trunk: mux.Trunk | None = None
         self._client: Client | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Requests answered whose observation waits for the reply to go out: (event, outcome, seconds).
+        self._observed: list[tuple[str, str, float]] = []
 
     @property
     def subscribed(self) -> int:
@@ -567,11 +584,7 @@ class Stub:
         self._enter(S.REGISTERING)
         self._drop_cause = None
         broken = functools.partial(self._drop, trunk, "the runtime broke the ttrpc protocol (see the log)")
-        server = Server(
-            {PLUGIN_SERVICE: self._methods(session)},
-            functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN),
-            close_channel=broken,
-        )
+        server = self.server(functools.partial(trunk.send, mux.PLUGIN_SERVICE_CONN), session, broken)
         trunk.channel(mux.PLUGIN_SERVICE_CONN, server)
         client = Client(functools.partial(trunk.send, mux.RUNTIME_SERVICE_CONN), close_channel=broken)
         trunk.channel(mux.RUNTIME_SERVICE_CONN, client)
@@ -689,6 +702,29 @@ class Stub:
 
     # -- the Plugin service ------------------------------------------------------------------------
 
+    def server(
+        self,
+        send: Callable[[bytes], None],
+        session: _Session | None = None,
+        broken: Callable[[], None] | None = None,
+    ) -> Server:
+        """The ttrpc server of the Plugin service for one connection, replies going to `send` (a
+        detached session when served by hand); after each reply, the requests' observations go to
+        the observer and the plugin's `AfterReply` runs."""
+        methods = {PLUGIN_SERVICE: self._methods(session)}
+        return Server(methods, send, close_channel=broken, after_reply=self._after_reply)
+
+    def _after_reply(self) -> None:
+        observed = self._observed  # (the handlers' wrappers hold this list: emptied, not replaced)
+        if observed:
+            taken = observed.copy()
+            observed.clear()
+            if self.observer is not None:
+                for event, outcome, seconds in taken:
+                    self.observer.request_done(event, outcome, seconds)
+        if self._handlers.after_reply is not None:
+            self._handlers.after_reply.after_reply()
+
     def _methods(self, session: _Session | None = None) -> dict[str, UnaryMethod[Any, Any]]:
         """The Plugin service for one connection (`session`; a detached one when served by hand)."""
         session = session if session is not None else _Session()
@@ -708,7 +744,7 @@ class Stub:
             for method, unary in list(methods.items()):
                 label = _state_change_label if method == STATE_CHANGE else METHOD_LABELS[method]
                 methods[method] = UnaryMethod(
-                    unary.request_type, _observed(observer, label, unary.handler), raw=unary.raw
+                    unary.request_type, _observed(self._observed, label, unary.handler), raw=unary.raw
                 )
         return methods
 
@@ -942,9 +978,12 @@ def _state_change_label(request: api.StateChangeEvent) -> str:
     return EVENT_LABELS.get(request.event, "unknown")
 
 
-def _observed(observer: StubObserver, label: str | Callable[[Any], str], handler: Handler) -> Handler:
-    """`handler`, timed and reported to `observer`. A coroutine awaiting another: the handler still
-    starts at once, without a task of its own (see `nri_plugin.ttrpc.aio.Server`)."""
+def _observed(
+    observed: list[tuple[str, str, float]], label: str | Callable[[Any], str], handler: Handler
+) -> Handler:
+    """`handler`, timed, its (event, outcome, seconds) added to `observed`, which the stub hands to
+    its observer once the reply has gone out (`Stub._after_reply`). A coroutine awaiting another:
+    the handler still starts at once, without a task of its own (see `nri_plugin.ttrpc.aio.Server`)."""
 
     async def handle(request: Any, ctx: CallContext) -> Any:
         started = time.perf_counter()
@@ -958,6 +997,6 @@ def _observed(observer: StubObserver, label: str | Callable[[Any], str], handler
             raise
         finally:
             event = label if isinstance(label, str) else label(request)
-            observer.request_done(event, outcome, time.perf_counter() - started)
+            observed.append((event, outcome, time.perf_counter() - started))
 
     return handle

@@ -127,12 +127,24 @@ class Server:
     the handlers still running. `connection_lost` cancels the running handlers; nothing is written
     after it. A protocol violation by the peer counts as a lost connection and asks the channel's
     owner to close it through `close_channel`.
+
+    `after_reply`, when given, is called right after each handler's reply has been handed to `send`
+    (and so to the socket), in the same turn of the event loop: the place for work the caller need
+    not wait for, at no extra turn of the loop. What it raises is logged, not answered.
     """
 
-    def __init__(self, services: Services, send: Send, *, close_channel: CloseChannel | None = None) -> None:
+    def __init__(
+        self,
+        services: Services,
+        send: Send,
+        *,
+        close_channel: CloseChannel | None = None,
+        after_reply: Callable[[], None] | None = None,
+    ) -> None:
         self._services = services
         self._send = send
         self._close_channel = close_channel
+        self._after_reply = after_reply
         self._session = ServerSession()
         self._tasks: set[asyncio.Task[None]] = set()
         self._accepting = True
@@ -263,6 +275,11 @@ class Server:
         finally:
             running.disarm()
         self._respond(stream_id, payload, code, message)
+        if self._after_reply is not None:
+            try:
+                self._after_reply()
+            except Exception:
+                logger.exception("ttrpc server: the work after a reply failed")
 
     def _failure(self, exc: Exception, ctx: CallContext) -> tuple[int, str]:
         """The status of a handler's exception: (code, message)."""

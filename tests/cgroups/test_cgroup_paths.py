@@ -401,6 +401,32 @@ def test_the_whole_component_match_agrees_on_near_misses(text: str) -> None:
         assert cgroup_paths._first_bad_char(text, allowed) == scanned
 
 
+def _refused_step_by_step(part: str) -> bool:
+    """What `_check_component`'s checks, one by one, say of `part` (True: refused)."""
+    return (
+        not part
+        or len(part) > cgroup_paths.NAME_MAX
+        or cgroup_paths._first_bad_char(part, cgroup_paths._COMPONENT) is not None
+        or part.strip(".") == ""
+    )
+
+
+@given(st.one_of(st.text(alphabet="ab.-_:@\x00\n/\\\uff0e ", max_size=12), st.text(max_size=300)))
+def test_the_one_match_of_a_component_agrees_with_its_checks_one_by_one(part: str) -> None:
+    """The fast path (`_VALID_COMPONENT`) takes exactly the components the step-by-step checks pass;
+    those it does not take still get the step-by-step message."""
+    assert (cgroup_paths._VALID_COMPONENT.fullmatch(part) is None) == _refused_step_by_step(part)
+
+
+@pytest.mark.parametrize(
+    ("part", "valid"),
+    [("a" * 255, True), ("a" * 256, False), ("...", False), (".a.", True), ("a\n", False), ("", False)],
+)
+def test_the_one_match_of_a_component_at_its_edges(part: str, valid: bool) -> None:
+    assert (cgroup_paths._VALID_COMPONENT.fullmatch(part) is not None) == valid
+    assert _refused_step_by_step(part) == (not valid)
+
+
 def test_a_symlinked_mount_point_is_followed(tmp_path: Path) -> None:
     # Hosts link /sys/fs/cgroup/cpu -> cpu,cpuacct; the mount point comes from the mount table.
     real = tmp_path / "cpu,cpuacct"

@@ -461,6 +461,34 @@ async def test_nothing_is_written_after_the_connection_is_lost() -> None:
 
 
 @pytest.mark.asyncio
+async def test_after_reply_runs_once_each_reply_is_sent_and_its_failure_is_only_logged(
+    service: EchoService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hook sees each reply already handed to `send` (the caller need not wait for its work),
+    after a refused request too; one that raises is logged, and the next request is served."""
+    sent: list[bytes] = []
+    seen: list[list[int]] = []
+
+    def after_reply() -> None:
+        seen.append([stream for stream, *_ in decode_responses(sent)])
+        if len(seen) == 2:
+            raise RuntimeError("hook broke")
+
+    server = Server(service.services(), sent.append, after_reply=after_reply)
+    for n, (stream, method) in enumerate(((1, "Echo"), (3, "Fail"), (5, "Echo")), 1):
+        server.data_received(raw_request(stream, method, StringValue(value="x").SerializeToString()))
+        await guard(_until_holds(seen, n))
+    assert seen == [[1], [1, 3], [1, 3, 5]]
+    assert [code for _, code, _, _ in decode_responses(sent)] == [Code.OK, Code.UNKNOWN, Code.OK]
+    assert "the work after a reply failed" in caplog.text
+
+
+async def _until_holds(items: list[Any], count: int) -> None:
+    while len(items) < count:  # noqa: ASYNC110 - a few turns of the loop (3.10, 3.11: the handler's task)
+        await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
 async def test_server_protocol_error_asks_the_owner_to_close() -> None:
     closed: list[bool] = []
     server = Server({}, lambda message: None, close_channel=lambda: closed.append(True))
