@@ -507,7 +507,7 @@ def test_helm_default_render_matches_the_kustomize_base() -> None:
     assert config.shared_cpuset_text == "0-1"
     assert (
         ds["spec"]["template"]["spec"]["containers"][0]["image"]
-        == f"{IMAGE}:{values()['image']['tag'] or '0.2.0'}"
+        == f"{IMAGE}:{values()['image']['tag'] or '0.3.0'}"
     )
     assert not config.trust_pod_annotation
     assert config.device_plugin.enabled
