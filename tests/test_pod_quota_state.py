@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -592,6 +593,25 @@ def test_the_wal_is_checkpointed_and_stays_short(tmp_path: Path, replies: bool) 
     assert wal.stat().st_size == 0
     keeper.store.close()
     assert saved_books(tmp_path) == keeper.books
+
+
+def test_an_older_versions_wal_and_index_are_read_and_the_index_removed(tmp_path: Path) -> None:
+    """The books' database as first released kept the WAL's index in ``-shm`` (shared locking): one left
+    so by a killed daemon of that version opens with what its WAL holds, and the stale index goes."""
+    path = tmp_path / STATE_FILE_NAME
+    made = StateStore(tmp_path)
+    made.save(Books())  # (the schema)
+    made.close()
+    older = sqlite3.connect(path, isolation_level=None)
+    older.execute("PRAGMA journal_mode = WAL")
+    older.execute("PRAGMA wal_autocheckpoint = 0")
+    older.execute("INSERT INTO pods VALUES ('pod-a', '/kubepods/poda', 100000, 100000, 'first-seen')")
+    assert (tmp_path / f"{STATE_FILE_NAME}-shm").exists()
+    shutil.copytree(tmp_path, tmp_path.parent / "left")  # as a kill leaves it: the WAL not folded in
+    older.close()
+    left = tmp_path.parent / "left"
+    assert set(StateStore(left).load().pods) == {"pod-a"}
+    assert not (left / f"{STATE_FILE_NAME}-shm").exists()
 
 
 def test_a_database_in_use_is_refused_and_not_set_aside(tmp_path: Path) -> None:

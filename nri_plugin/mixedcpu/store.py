@@ -221,6 +221,8 @@ class StateStore:
         db = sqlite3.connect(self.path, isolation_level=None, timeout=0)
         try:
             _lock(db)
+            with contextlib.suppress(FileNotFoundError):  # (the index of an older version's WAL)
+                os.unlink(f"{self.path}-shm")
             db.execute("PRAGMA synchronous = OFF")
             db.execute("PRAGMA wal_autocheckpoint = 0")
             if db.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
