@@ -97,6 +97,7 @@ async def synchronize(
     assert shared == pods, f"{shared} containers shared after the Synchronize, not one per pod ({pods})"
     plugin.later.flush()
     plugin.flush()
+    plugin.store.close()  # (the next plugin on this state dir opens it: a restart)
     return cpu
 
 

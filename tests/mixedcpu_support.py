@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from nri_plugin.common.clock import LOOP_CLOCK, Clock
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY, HostKey
 from nri_plugin.mixedcpu.allocations import AllocationRecord
+from nri_plugin.mixedcpu.books import Books, Slot, Watch
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin, PluginObserver, TrustedSources
 from nri_plugin.mixedcpu.policy import SharedPool
 from nri_plugin.mixedcpu.store import STATE_FILE_NAME, StateStore
@@ -182,6 +185,28 @@ def forget_books(state_dir: Path) -> None:
     """The books lost, as a wiped state dir loses them: the database with its -wal and -shm."""
     for suffix in ("", "-wal", "-shm"):
         (state_dir / f"{STATE_FILE_NAME}{suffix}").unlink(missing_ok=True)
+
+
+def saved_books(state_dir: Path) -> Books:
+    """The books a daemon restarted now would load (`saved_state`)."""
+    return saved_state(state_dir)[0]
+
+
+def saved_state(state_dir: Path) -> tuple[Books, dict[Slot, Watch]]:
+    """The books and watches a daemon restarted now would load: what its running writer has
+    written (the database and its -wal, as the kernel holds them), read from a copy, the writer's
+    connection keeping the database itself to itself (`StateStore`: ``locking_mode=EXCLUSIVE``)."""
+    with tempfile.TemporaryDirectory(prefix="books-copy-") as copy:
+        for suffix in ("", "-wal"):
+            with contextlib.suppress(FileNotFoundError):
+                shutil.copyfile(
+                    state_dir / f"{STATE_FILE_NAME}{suffix}", Path(copy, f"{STATE_FILE_NAME}{suffix}")
+                )
+        store = StateStore(copy)
+        try:
+            return store.load(), store.watches
+        finally:
+            store.close()
 
 
 def marker(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str]:

@@ -26,7 +26,7 @@ import pytest
 import structlog
 import structlog.testing
 from host_guard import refuse_host_paths
-from mixedcpu_support import ROOT, daemon_process, run_cli, terminate, write_daemon_config
+from mixedcpu_support import ROOT, daemon_process, run_cli, saved_books, terminate, write_daemon_config
 from mixedcpu_support import Daemon as HelperDaemon
 
 from nri_plugin.api.nri import api_pb2 as api
@@ -42,7 +42,6 @@ from nri_plugin.deviceplugin.keyfile import KEY_FILE_NAME, load_or_create_host_k
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
 from nri_plugin.deviceplugin.server import DevicePluginServer
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
-from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.simulator import RuntimeSimulator
 from nri_plugin.nri.stub import Stub, StubError
 
@@ -411,7 +410,7 @@ async def test_run_saves_the_books_on_the_way_out(tmp_path: Path, device_plugins
     state_dir = tmp_path / "state"
 
     def holders() -> list[str]:
-        return [record.id for _, record in StateStore(state_dir).load().slots()]
+        return [record.id for _, record in saved_books(state_dir).slots()]
 
     argv = ("--log-level", "info", "run", "--config", str(config), "--socket", str(socket_path))
     async with RuntimeSimulator(socket_path) as sim, daemon_process(*argv) as proc:
@@ -667,6 +666,8 @@ def test_a_runtime_launched_daemon_names_its_connection_and_its_end(
     # The connection named in the environment given is the one the stub takes, and it never redials.
     assert (daemon.nri.inherited_fd, daemon.nri.reconnect) == (3, False)
     assert daemon.nri_ended == LAUNCHED_ENDED
+    assert isinstance(daemon.nri.plugin, MixedCpuPlugin)
+    daemon.nri.plugin.store.close()  # (its lock on the database: the next one opens it)
     plain = build_daemon(RunOptions(config_path=str(config)), environ={})
     assert plain.nri_ended == NRI_ENDED
 

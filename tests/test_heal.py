@@ -34,6 +34,8 @@ from mixedcpu_support import (
     marker,
     new_allocation,
     plugin_running,
+    saved_books,
+    saved_state,
 )
 
 from nri_plugin import cgroups
@@ -133,8 +135,8 @@ class Node:
         """kubelet removes the pod's cgroup (its containers' with it)."""
         shutil.rmtree(self.tree.pod_dir(pod).fs_path)
 
-    def saved(self) -> StateStore:
-        return StateStore(self.plugin.store.directory)
+    def saved(self) -> Books:
+        return saved_books(Path(self.plugin.store.directory))
 
 
 def heals(logs: list[MutableMapping[str, Any]], kind: str) -> list[MutableMapping[str, Any]]:
@@ -177,7 +179,7 @@ async def test_a_pod_gone_at_two_looks_keeps_its_bindings_and_kubelets_newest_al
     assert plugin.books.pods == {}
     await node.clock.advance(10 * INTERVAL)
     assert plugin.books.devices == {"dev-1": Slot(forgotten.uid, "fwd")}
-    assert node.saved().load().devices == {"dev-1": Slot(forgotten.uid, "fwd")}
+    assert node.saved().devices == {"dev-1": Slot(forgotten.uid, "fwd")}
     # A copy of its marker in a pod kubelet gave nothing: refused.
     thief = node.pod("3-3", "thief")
     copied = make_container(node.naming, thief, "c9", "fwd", annotations=marker(node.key, "dev-1"))
@@ -198,6 +200,7 @@ async def test_a_pod_gone_at_two_looks_keeps_its_bindings_and_kubelets_newest_al
     kubelet.reachable = False
     again = make_container(node.naming, thief, "c10", "fwd", annotations=marker(node.key, "dev-1"))
     assert await plugin.create_container(thief, again) is None
+    plugin.store.close()  # (as a restart: the old process's lock on the database goes with it)
     restarted, _ = make_plugin(tmp_path / "state", node.tree.layout, SHARED, allocations=kubelet)
     assert await restarted.create_container(thief, again) is None
     plugin.healer.stop()
@@ -329,7 +332,7 @@ async def test_a_creation_that_never_finishes_gives_back_its_share_at_its_timeou
     )
     assert node.tree.pod_quota(pod) == BASELINE
     assert plugin.shared_containers == 0
-    assert node.saved().load().pods == {}
+    assert node.saved().pods == {}
     assert node.seen.heals == {"container_never_created": 1}
     assert plugin.healer.watched == frozenset()
     plugin.healer.stop()
@@ -428,6 +431,7 @@ async def test_a_daemon_restarted_in_a_slow_runc_create_still_carries_its_share(
     slow = await node.create(pod, "c1", run=False)
     assert node.tree.pod_quota(pod) == RAISED
     old.healer.stop()  # killed: nothing more of it runs
+    old.store.close()  # (and its lock on the database goes with it)
     await node.clock.advance(10.0)
     new, _ = make_plugin(
         Path(old.store.directory),
@@ -449,8 +453,11 @@ async def test_a_daemon_restarted_in_a_slow_runc_create_still_carries_its_share(
     await node.clock.advance(CREATION_TIMEOUT)
     assert node.seen.heals == {}
     assert node.tree.pod_quota(pod) == RAISED
-    assert node.saved().load().find("c1") is not None
-    assert node.saved().watches == {}, "the watch ended: its row deleted"
+    assert node.saved().find("c1") is not None
+    # The watch ended: its row goes with the next commit (it was read from a fresh, unloaded
+    # store before, which holds no watches whatever the database holds).
+    new.keeper.commit()
+    assert saved_state(Path(node.plugin.store.directory))[1] == {}, "the watch ended: its row deleted"
     new.healer.stop()
 
 
@@ -464,6 +471,7 @@ async def test_a_saved_watch_not_of_this_boot_is_left_out(node: Node) -> None:
     await old.synchronize([pod], [])
     await node.create(pod, "c1", run=False)
     old.healer.stop()
+    old.store.close()  # (stopped: its lock on the database goes with it)
     [watch] = old.keeper.watches.values()
     with contextlib.closing(sqlite3.connect(old.store.path)) as db, db:
         db.execute("UPDATE watches SET due = ?", (watch.due + 2 * CREATION_TIMEOUT,))
@@ -720,7 +728,7 @@ async def test_a_container_started_after_its_share_was_given_back_gets_it_again(
     assert again["pod_quota"] == f"{BASELINE} -> {RAISED}"
     assert node.tree.pod_quota(pod) == RAISED
     assert plugin.shared_containers == 1
-    assert node.saved().load().pods[pod.uid].containers["fwd"].id == "c1"
+    assert node.saved().pods[pod.uid].containers["fwd"].id == "c1"
     await node.clock.advance(3 * INTERVAL)
     assert node.tree.pod_quota(pod) == RAISED
     await plugin.stop_container(pod, container)
@@ -872,7 +880,7 @@ async def test_a_pod_cgroup_that_cannot_be_checked_never_costs_its_bindings(tmp_
     planted_symlink(node, holder)
     await node.clock.advance(5 * INTERVAL)
     assert plugin.books.devices == {"dev-1": Slot(holder.uid, "fwd")}
-    assert node.saved().load().devices == {"dev-1": Slot(holder.uid, "fwd")}
+    assert node.saved().devices == {"dev-1": Slot(holder.uid, "fwd")}
     assert node.seen.heals == {}
     plugin.healer.stop()
 
@@ -890,14 +898,14 @@ async def test_a_pass_that_changes_the_books_without_a_heal_saves_them(node: Nod
     with structlog.testing.capture_logs() as logs:
         await plugin.stop_container(pod, container)
     assert [e["event"] for e in logs if e["event"] == "cannot lower the pod quota"]
-    assert pod.uid in node.saved().load().pods  # an empty record, waiting for its lowering
+    assert pod.uid in node.saved().pods  # an empty record, waiting for its lowering
     os.unlink(link)
     os.rename(aside, link)
     write_cpu_quota(node.tree.pod_dir(pod), BASELINE)  # not by the plugin
     report = await plugin.healer.reconcile()
     assert report.healed == 0
     assert plugin.books.pods == {}
-    assert node.saved().load().pods == {}
+    assert node.saved().pods == {}
 
 
 @pytest.mark.asyncio
@@ -998,7 +1006,7 @@ async def test_the_pass_drops_a_pod_missing_at_two_looks_never_in_its_events(nod
     assert list(plugin.books.pods) == [other.uid]
     assert plugin.books.devices["dev-1"] == Slot(pod.uid, "fwd")
     assert plugin.shared_containers == 1
-    assert node.saved().load().pods.keys() == {other.uid}
+    assert node.saved().pods.keys() == {other.uid}
     assert node.tree.pod_quota(other) == RAISED
     # A pod gone before its new container's deadline: not a failed creation, and the pod's own event
     # between two looks starts the count again.

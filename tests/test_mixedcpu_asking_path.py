@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, make_pod, marker
+from mixedcpu_support import FakeCgroups, Naming, make_container, make_plugin, make_pod, marker, saved_books
 
 from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.deviceplugin.marker import HostKey
@@ -182,7 +182,7 @@ def test_any_strings_go_through_the_database_as_they_are(tmp_path: Path) -> None
             keeper.books.pods[key] = new
         keeper.commit()
     keeper.store.close()
-    assert StateStore(tmp_path).load().pods == keeper.books.pods
+    assert saved_books(tmp_path).pods == keeper.books.pods
 
 
 @pytest.mark.asyncio

@@ -27,6 +27,7 @@ from mixedcpu_support import (
     make_pod,
     marker,
     plugin_running,
+    saved_books,
 )
 
 from nri_plugin.api.nri import api_pb2 as api
@@ -36,7 +37,6 @@ from nri_plugin.daemon.wiring import shared_pool
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.mixedcpu.plugin import MixedCpuPlugin
 from nri_plugin.mixedcpu.policy import NumaNodes, SharedPool
-from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 from nri_plugin.ttrpc.errors import Code
 
@@ -67,9 +67,14 @@ class Node:
         self.socket = root / "nri.sock"
         self.sim = RuntimeSimulator(self.socket, runtime_name="containerd", runtime_version="v2.3.4")
         self.key = load_or_create_host_key(self.state)
+        self.last: MixedCpuPlugin | None = None
 
     def plugin(self, pool: SharedPool = NUMA) -> MixedCpuPlugin:
-        return make_plugin(self.state, self.tree.layout, pool)[0]
+        """A plugin (re)started on the node: the previous one's lock on the database goes with it."""
+        if self.last is not None:
+            self.last.store.close()
+        self.last = make_plugin(self.state, self.tree.layout, pool)[0]
+        return self.last
 
     def pod(self, uid: str, name: str = "app") -> api.PodSandbox:
         pod = make_pod(NAMING, uid, name=name)
@@ -95,7 +100,7 @@ class Node:
 
     def saved_shares(self, plugin: MixedCpuPlugin) -> dict[str, int]:
         """Container name -> its share (n(shared CPUs)) in the state file, once `plugin` wrote it."""
-        books = StateStore(self.state).load()
+        books = saved_books(self.state)
         return {slot.name: record.shared_cpus for slot, record in books.slots()}
 
 

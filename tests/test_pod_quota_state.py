@@ -6,7 +6,10 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+import shutil
 import sqlite3
+import subprocess
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +27,7 @@ from mixedcpu_support import (
     make_plugin,
     make_pod,
     marker,
+    saved_books,
 )
 
 from nri_plugin.api.nri import api_pb2 as api
@@ -34,9 +38,9 @@ from nri_plugin.mixedcpu.books import Books, ContainerRecord, Containers, PodRec
 from nri_plugin.mixedcpu.bounds import out_of_range
 from nri_plugin.mixedcpu.store import (
     CHECKPOINT_EVERY,
+    CHECKPOINT_LIMIT,
     SCHEMA_VERSION,
     STATE_FILE_NAME,
-    WAL_LIMIT,
     StateStore,
     read_only,
 )
@@ -122,7 +126,7 @@ def test_state_db_round_trip(tmp_path: Path) -> None:
     books = _books()
     store.save(books)
     store.close()
-    loaded = StateStore(tmp_path).load()
+    loaded = saved_books(tmp_path)
     assert (loaded, loaded.spent) == (books, books.spent)
     assert (tmp_path / STATE_FILE_NAME).stat().st_mode & 0o777 == 0o600
     with contextlib.closing(sqlite3.connect(tmp_path / STATE_FILE_NAME)) as db:
@@ -157,13 +161,13 @@ def test_a_failed_transaction_writes_nothing_and_its_changes_wait(tmp_path: Path
     keeper.books.release("fwd-1")
     with pytest.raises(OSError, match="full"):
         keeper.commit()
-    assert StateStore(tmp_path).load() == _books(), "nothing of the failed transaction"
+    assert saved_books(tmp_path) == _books(), "nothing of the failed transaction"
     with structlog.testing.capture_logs() as logs:
         keeper.save_quietly()
     assert [e["event"] for e in logs] == ["cannot save the plugin's state"]
     store._connection().execute("PRAGMA max_page_count = 1000000")  # room again
     keeper.commit()  # what failed is written with it
-    assert StateStore(tmp_path).load() == keeper.books
+    assert saved_books(tmp_path) == keeper.books
 
 
 def test_a_state_dir_that_is_a_file_fails_the_save(tmp_path: Path) -> None:
@@ -268,13 +272,13 @@ def test_each_commit_is_on_disk_at_once(tmp_path: Path) -> None:
     keeper = Bookkeeper(store)
     keeper.books = _books()
     keeper.commit()
-    assert StateStore(tmp_path).load() == keeper.books
+    assert saved_books(tmp_path) == keeper.books
     keeper.books.hold(Slot("pod-a", "fwd"), ContainerRecord("fwd-2", 2, "4-5", "shared-cpus-0"))
     keeper.commit()  # a slot change, as a baseline: written before the reply
-    assert StateStore(tmp_path).load().pods["pod-a"].containers["fwd"].id == "fwd-2"
+    assert saved_books(tmp_path).pods["pod-a"].containers["fwd"].id == "fwd-2"
     keeper.books.pods["pod-a"] = replace(keeper.books.pods["pod-a"], baseline=400_000)
     keeper.commit()
-    assert StateStore(tmp_path).load().pods["pod-a"].baseline == 400_000
+    assert saved_books(tmp_path).pods["pod-a"].baseline == 400_000
 
 
 def test_a_pod_written_ahead_keeps_its_slots_on_disk(tmp_path: Path) -> None:
@@ -283,11 +287,11 @@ def test_a_pod_written_ahead_keeps_its_slots_on_disk(tmp_path: Path) -> None:
     keeper.commit()
     ahead = replace(keeper.books.pods["pod-a"], baseline=900_000).without("fwd")
     keeper.write_ahead("pod-a", ahead)
-    on_disk = StateStore(tmp_path).load().pods["pod-a"]
+    on_disk = saved_books(tmp_path).pods["pod-a"]
     assert (on_disk.baseline, on_disk.containers) == (900_000, _books().pods["pod-a"].containers)
     keeper.books.pods["pod-a"] = ahead
     keeper.commit()
-    assert StateStore(tmp_path).load() == keeper.books
+    assert saved_books(tmp_path) == keeper.books
 
 
 def _mutate(books: Books, rng: random.Random, step: int) -> None:
@@ -379,6 +383,7 @@ def test_the_database_always_holds_the_books_committed(seed: int, steps: int) ->
             if rng.random() < 0.6:  # not after every change: several may pile up between commits
                 keeper.commit()
                 books = keeper.books
+                keeper.store.close()  # (another connection reads it: the next commit opens it again)
                 loaded, _ = read_only(keeper.store.path)  # (as they are: a load sets some aside)
                 assert (loaded.pods, loaded.devices, loaded.spent) == (books.pods, books.devices, books.spent)
         # A record the mutations took out of the kernel's ranges (a baseline rescaled below 1 ms) is
@@ -483,12 +488,13 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
                     for suffix in ("", "-wal", "-shm"):
                         Path(plugin.store.path + suffix).unlink(missing_ok=True)  # noqa: ASYNC240
                     bound &= set(live)  # without the file, Synchronize binds the running ones only
+                plugin.store.close()  # (killed: its lock on the database goes with it)
                 plugin, _ = make_plugin(root / "state", tree.layout, SHARED)
                 containers = [*live.values(), *(c for group in dead.values() for c in group)]
                 updates = await plugin.synchronize([pod], containers)
                 assert list(updates) == []  # everything already had its shared CPUs
             assert tree.pod_quota(pod) == BASELINE + len(live) * len(SHARED) * PERIOD, (kind, name)
-            assert StateStore(root / "state").load() == plugin.books
+            assert saved_books(root / "state") == plugin.books
 
 
 # -- the plugin's use of the state file ----------------------------------------------------------------
@@ -507,11 +513,11 @@ async def test_every_change_is_on_disk_before_the_reply(tmp_path: Path) -> None:
     pod = make_pod(CGROUPFS)
     tree.add_pod(pod, 300_000)
     await plugin.create_container(pod, _shared(pod, "c1", key))
-    saved = StateStore(tmp_path / "state").load()
+    saved = saved_books(tmp_path / "state")
     assert saved.pods[pod.uid].baseline == 300_000  # a new baseline: on disk before the reply
     assert saved.pods[pod.uid].containers["main"].id == "c1"
     await plugin.create_container(pod, _shared(pod, "c2", key))  # a restart: only the slot changes
-    assert StateStore(tmp_path / "state").load().pods[pod.uid].containers["main"].id == "c2"
+    assert saved_books(tmp_path / "state").pods[pod.uid].containers["main"].id == "c2"
     await plugin.shutdown()
     assert plugin.store.load() == plugin.books
     assert not (tmp_path / "state" / f"{STATE_FILE_NAME}-wal").stat().st_size, "folded in at shutdown"
@@ -535,6 +541,7 @@ async def test_replayed_marker_at_synchronize_keeps_the_known_holder(tmp_path: P
     # An older container that shows up with the same (valid) marker: refused, the holder keeps it.
     thief = _shared(thief_pod, "thief", key, state=api.CONTAINER_RUNNING)
     thief.created_at = 1
+    plugin.store.close()  # (killed: its lock on the database goes with it)
     restarted, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)
     updates = await restarted.synchronize([pod, thief_pod], [thief, owner])
     assert list(updates) == []
@@ -563,21 +570,69 @@ async def test_unreadable_pod_cgroup_at_synchronize_is_guessed_later(tmp_path: P
     assert tree.pod_quota(pod) == 300_000
 
 
-def test_the_wal_is_checkpointed_by_the_worker_and_stays_short(tmp_path: Path) -> None:
-    """SQLite's own checkpoints (in a COMMIT, on the event loop) are off; the worker thread's, and
-    one in place when creations come back to back, keep the WAL short; none is left at shutdown."""
+@pytest.mark.parametrize("replies", [True, False], ids=["after-replies", "no-reply"])
+def test_the_wal_is_checkpointed_and_stays_short(tmp_path: Path, replies: bool) -> None:
+    """SQLite's own checkpoints (in a COMMIT) are off; the one after a reply (every
+    CHECKPOINT_EVERY transactions), or in place when no reply comes (CHECKPOINT_LIMIT), keeps the
+    WAL short and rewound; none is left at shutdown."""
     keeper = Bookkeeper(StateStore(tmp_path))
     wal = tmp_path / f"{STATE_FILE_NAME}-wal"
     frame = 4096 + 24  # a page and its frame header
-    for n in range(2 * WAL_LIMIT // (4 * frame)):  # (a creation writes 4 pages: one per table)
+    every = CHECKPOINT_EVERY if replies else CHECKPOINT_LIMIT
+    for n in range(3 * CHECKPOINT_LIMIT):
         slot = Slot(f"pod-{n}", "app")
         new = PodRecord(cgroup_parent=f"/kubepods/pod{n}", baseline=PERIOD, period=PERIOD)
         keeper.books.hold(slot, ContainerRecord(f"c-{n}", 2, "4-5", f"dev-{n}"), new_pod=new, allocation=1)
         keeper.commit()
-        assert wal.stat().st_size < WAL_LIMIT + CHECKPOINT_EVERY * 6 * frame
+        if replies:
+            keeper.store.checkpoint_if_due()
+        # (a creation writes 4 pages: one per table; a few more as the B-trees split)
+        assert wal.stat().st_size < (every + 1) * 8 * frame
+    assert not (tmp_path / f"{STATE_FILE_NAME}-shm").exists(), "the WAL's index in memory"
     keeper.flush()
     assert wal.stat().st_size == 0
-    assert StateStore(tmp_path).load() == keeper.books
+    keeper.store.close()
+    assert saved_books(tmp_path) == keeper.books
+
+
+def test_an_older_versions_wal_and_index_are_read_and_the_index_removed(tmp_path: Path) -> None:
+    """The books' database as first released kept the WAL's index in ``-shm`` (shared locking): one left
+    so by a killed daemon of that version opens with what its WAL holds, and the stale index goes."""
+    path = tmp_path / STATE_FILE_NAME
+    made = StateStore(tmp_path)
+    made.save(Books())  # (the schema)
+    made.close()
+    older = sqlite3.connect(path, isolation_level=None)
+    older.execute("PRAGMA journal_mode = WAL")
+    older.execute("PRAGMA wal_autocheckpoint = 0")
+    older.execute("INSERT INTO pods VALUES ('pod-a', '/kubepods/poda', 100000, 100000, 'first-seen')")
+    assert (tmp_path / f"{STATE_FILE_NAME}-shm").exists()
+    shutil.copytree(tmp_path, tmp_path.parent / "left")  # as a kill leaves it: the WAL not folded in
+    older.close()
+    left = tmp_path.parent / "left"
+    assert set(StateStore(left).load().pods) == {"pod-a"}
+    assert not (left / f"{STATE_FILE_NAME}-shm").exists()
+
+
+def test_a_database_in_use_is_refused_and_not_set_aside(tmp_path: Path) -> None:
+    """A second process opening the books of a running daemon is told so; nothing is renamed."""
+    keeper = Bookkeeper(StateStore(tmp_path), _books())
+    keeper.commit()
+    script = (
+        "import sys\n"
+        "from nri_plugin.mixedcpu.store import StateStore, StateFileError\n"
+        "try:\n"
+        "    StateStore(sys.argv[1]).load()\n"
+        "except StateFileError as exc:\n"
+        "    print(exc)\n"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert "is in use by another process" in other.stdout, other.stdout + other.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE_NAME, f"{STATE_FILE_NAME}-wal"]
+    keeper.store.close()
+    assert saved_books(tmp_path) == _books()
 
 
 def test_books_given_replace_the_books_and_the_watches_on_disk(tmp_path: Path) -> None:

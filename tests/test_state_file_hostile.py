@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from mixedcpu_support import marker, run_cli, write_daemon_config
+from mixedcpu_support import marker, run_cli, saved_books, write_daemon_config
 from redteam_support import GUARD, daemon_node, is_shared, rss_kib, short_directory
 
 from nri_plugin.daemon.instance import LOCK_FILE_NAME
@@ -186,7 +186,7 @@ async def test_the_daemon_starts_serves_and_saves_despite_a_hostile_state_file(k
             result = await node.create(pod, "c1", "fwd", annotations=marker(node.key, "shared-cpus-0"))
             assert is_shared(result)
             assert (root / "state" / STATE_FILE_NAME).is_file()
-            assert StateStore(root / "state").load().find("c1") is not None
+            assert saved_books(root / "state").find("c1") is not None
 
 
 def test_run_exits_2_with_one_line_when_the_file_cannot_be_set_aside() -> None:

@@ -28,6 +28,7 @@ from mixedcpu_support import (
     make_plugin,
     make_pod,
     marker,
+    saved_books,
     start_daemon,
 )
 from redteam_support import GUARD, NAMING, daemon_node, is_shared, short_directory
@@ -203,7 +204,9 @@ def _pod_keys(store: StateStore) -> list[str]:
 
 @pytest.mark.parametrize("baseline", [2**62, 6_400_000])
 def test_a_hostile_baseline_in_the_database_is_set_aside(tmp_path: Path, baseline: int) -> None:
-    StateStore(tmp_path).save(_books(baseline))
+    first = StateStore(tmp_path)
+    first.save(_books(baseline))
+    first.close()
     store = StateStore(tmp_path, online=4)
     with structlog.testing.capture_logs() as logs:
         keeper = Bookkeeper(store)
@@ -214,6 +217,7 @@ def test_a_hostile_baseline_in_the_database_is_set_aside(tmp_path: Path, baselin
     assert (warning["pod_key"], warning["field"], warning["value"]) == ("bad", "baseline", str(baseline))
     assert warning["cgroup_parent"] == "/kubepods/podbad"
     assert warning["path"] == store.path
+    store.close()
     assert _pod_keys(store) == ["sane"], "its rows are deleted at once"
 
 
@@ -333,7 +337,7 @@ async def test_the_daemon_writes_the_sane_quota_despite_a_hostile_baseline(where
                 await node.create(other, "c2", "fwd", annotations=marker(node.key, "shared-cpus-1"))
             )
             assert node.tree.pod_text(pod) == f"{4 * PERIOD}\n"
-        books = StateStore(root / "state").load()
+        books = saved_books(root / "state")
         assert (books.pods["1111-aaaa"].baseline, books.pods["1111-aaaa"].baseline_source) == (
             2 * PERIOD,
             "rebuilt",

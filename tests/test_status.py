@@ -176,6 +176,7 @@ async def test_a_scripted_run_reads_back_as_the_books_say(short_dir: Path) -> No
     # A restarted daemon: the books from the state file, who holds them unknown until Synchronize,
     # which also heals the container the runtime no longer runs.
     sim.containers.pop("c-old")
+    plugin.store.close()  # (the stopped daemon's lock on the database goes with it)
     restarted, _ = make_plugin(state, tree.layout, trust_pod_annotation=True, allocations=kubelet)
     kubelet.reachable = True
     async with sim, plugin_running(restarted, socket) as stub:

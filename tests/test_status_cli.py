@@ -20,7 +20,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from mixedcpu_support import ROOT, Daemon, daemon_process, run_cli, write_daemon_config
+from mixedcpu_support import ROOT, Daemon, daemon_process, run_cli, saved_books, write_daemon_config
 
 from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.daemon import status_client
@@ -28,7 +28,6 @@ from nri_plugin.daemon.status import StatusServer
 from nri_plugin.daemon.status_client import render_table, run_status
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import ANNOTATION_KEY
-from nri_plugin.mixedcpu.store import StateStore
 from nri_plugin.nri.simulator import RuntimeSimulator
 
 GUARD = 20.0  # against hangs only
@@ -49,7 +48,7 @@ def _status(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _books(state_dir: Path) -> dict[str, Any]:
     """The daemon's books as its database holds them: pod key -> its baseline and slots."""
-    books = StateStore(state_dir).load()
+    books = saved_books(state_dir)
     return {
         key: {"baseline": pod.baseline, "containers": {n: {"id": r.id} for n, r in pod.containers.items()}}
         for key, pod in books.pods.items()

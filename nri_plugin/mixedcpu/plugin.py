@@ -399,9 +399,11 @@ class MixedCpuPlugin(
 
     def after_reply(self) -> None:
         """The stub's `AfterReply`: called right after each reply is written, it writes the lines
-        queued for then (`LaterLines`), which from then on need no turn of the loop of their own."""
+        queued for then (`LaterLines`), which from then on need no turn of the loop of their own,
+        and checkpoints the books' database when one is due (`StateStore.checkpoint_if_due`)."""
         self.later.followed = True
         self.later.flush()
+        self.keeper.store.checkpoint_if_due()
 
     @_holding_the_books
     async def update_pod_sandbox(

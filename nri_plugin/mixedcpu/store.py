@@ -14,23 +14,31 @@ The tables (schema version `SCHEMA_VERSION`, kept in ``PRAGMA user_version`` and
 
 **What must survive** is a kill of the process at any instant, not a power loss: after a reboot the
 pod cgroups are made afresh by kubelet and the books are rebuilt from the runtime, so nothing on disk
-is needed then. The database runs in WAL mode with ``synchronous=NORMAL``: a COMMIT appends the
+is needed then. The database runs in WAL mode with ``synchronous=OFF``: a COMMIT appends the
 transaction's pages to the ``-wal`` file with write(2) and returns, no fsync; the kernel holds those
 pages whatever becomes of the process, so a kill -9 right after the COMMIT loses nothing, and one
 before it loses the transaction whole (SQLite ignores a WAL frame not followed by its commit
-record). ``FULL`` would add an fsync to every event for a power loss we do not need to survive;
-``NORMAL`` still syncs at each checkpoint, so even a power loss leaves a database that opens
-(missing its last transactions), and one it damages anyway is set aside below.
+record). ``FULL`` would add an fsync to every event, ``NORMAL`` one to every checkpoint, for a power
+loss we do not need to survive: the reboot after it clears the node's cgroups, a database it damaged
+fails the check at open and is set aside (below), and one it left stale (valid pages of an older
+state) holds slots of containers gone, which Synchronize drops, and pods' own quotas, which it checks
+against the runtime's limits as it checks any saved quota.
 
-**Checkpoints** (the WAL copied back into the database, with their fsyncs) are kept off the event
-loop: SQLite's own, run inside the COMMIT that takes the WAL past 1,000 pages, took milliseconds of
-a creation's reply once in 250 creations (``docs/performance.md``). They are turned off
-(``wal_autocheckpoint = 0``); after every `CHECKPOINT_EVERY` transactions a ``PASSIVE`` checkpoint
-is handed to a worker thread, on a connection of its own, which SQLite lets run beside the writer;
-the next transaction rewinds the WAL once it is all copied. Under creations back to back the WAL
-grows while the worker copies it (never all copied, never rewound): past `WAL_LIMIT` bytes one
-``TRUNCATE`` checkpoint is run in place, between two transactions. `checkpoint` folds the WAL in at
-shutdown.
+**One connection, locked** (``locking_mode=EXCLUSIVE``, set before the WAL is first used): the
+process holds the database's lock from its open to its close, so a transaction takes no ``fcntl``
+lock and SQLite keeps the WAL's index in the process's memory instead of a shared ``-shm`` file.
+No other process can read the database while the daemon runs (one that tries is told it is in use,
+and nothing is set aside): what the books hold is the daemon's to show (its status socket), and the
+file is read when it is stopped.
+
+**Checkpoints** (the WAL copied back into the database) are kept off the reply: SQLite's own, run
+inside the COMMIT that takes the WAL past 1,000 pages, took milliseconds of a creation's reply once
+in 250 creations (``docs/performance.md``). They are turned off (``wal_autocheckpoint = 0``); once
+`CHECKPOINT_EVERY` transactions have been written, `checkpoint_if_due` (called right after a reply
+is written: `nri_plugin.nri.stub.AfterReply`) runs a ``PASSIVE`` checkpoint on the same connection,
+which copies the whole WAL (no other connection holds it back), and the next transaction rewinds
+the WAL. Transactions that no reply follows (the reconciler's) checkpoint in place once
+`CHECKPOINT_LIMIT` have gone by without one. `checkpoint` folds the WAL in at shutdown.
 
 **Hostile files.** The state dir is the plugin's, but whoever can write it can put anything there. A
 database path (or its ``-wal``, ``-shm``) that is a symbolic link, a FIFO, a device or a directory,
@@ -59,11 +67,9 @@ import contextlib
 import os
 import sqlite3
 import stat
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
 import structlog
@@ -82,9 +88,9 @@ from nri_plugin.mixedcpu.legacy import (
 
 __all__ = [
     "CHECKPOINT_EVERY",
+    "CHECKPOINT_LIMIT",
     "SCHEMA_VERSION",
     "STATE_FILE_NAME",
-    "WAL_LIMIT",
     "StateFileError",
     "StateStore",
     "StateWriteError",
@@ -95,11 +101,11 @@ log = structlog.get_logger("nri_plugin.mixedcpu.store")
 
 STATE_FILE_NAME: Final = "books.sqlite"
 SCHEMA_VERSION: Final = 1
-# Transactions between two checkpoints in the worker thread: a creation writes 4 or 5 pages, so the
-# WAL stays under SQLite's own threshold of 1,000.
+# Transactions between two checkpoints after a reply: a creation writes 2 to 5 pages, so the WAL
+# stays under SQLite's own threshold of 1,000.
 CHECKPOINT_EVERY: Final = 200
-# A WAL this large was not rewound (creations back to back): checkpointed in place.
-WAL_LIMIT: Final = 16 << 20
+# Transactions after which one is checkpointed in place, no reply having come to do it.
+CHECKPOINT_LIMIT: Final = 2 * CHECKPOINT_EVERY
 
 _SCHEMA: Final = (
     "CREATE TABLE pods (key TEXT PRIMARY KEY, cgroup_parent TEXT NOT NULL, baseline INTEGER,"
@@ -130,6 +136,10 @@ class StateWriteError(OSError):
     """A transaction failed (a full disk, an I/O error): nothing of it was written."""
 
 
+class _InUse(Exception):
+    """Another process holds the database (a daemon running on the same state dir)."""
+
+
 class _Unusable(Exception):
     """The database is not one we could have written (the reason, for the log line)."""
 
@@ -153,10 +163,6 @@ class StateStore:
         self.watches: dict[Slot, Watch] = {}  # what the last `load` found
         self._db: sqlite3.Connection | None = None
         self._since_checkpoint = 0
-        self._checkpointer: ThreadPoolExecutor | None = None
-        self._checkpointing: Future[None] | None = None
-        self._worker_db: sqlite3.Connection | None = None  # the worker thread's own
-        self._worker_lock = threading.Lock()
 
     # -- opening -----------------------------------------------------------------------------------------
 
@@ -180,6 +186,11 @@ class StateStore:
         if self._db is None:
             try:
                 self._db = self._open()
+            except _InUse:
+                raise StateFileError(
+                    f"{self.path} is in use by another process (a daemon running on this state dir); "
+                    "stop it first"
+                ) from None
             except (_Unusable, sqlite3.Error, OSError) as exc:
                 self._set_aside(str(exc) if isinstance(exc, _Unusable) else f"cannot be opened ({exc})")
                 try:
@@ -207,10 +218,12 @@ class StateStore:
             for stale in (f"{self.path}-wal", f"{self.path}-shm"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
-        db = sqlite3.connect(self.path, isolation_level=None)
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=0)
         try:
-            db.execute("PRAGMA journal_mode = WAL")
-            db.execute("PRAGMA synchronous = NORMAL")
+            _lock(db)
+            with contextlib.suppress(FileNotFoundError):  # (the index of an older version's WAL)
+                os.unlink(f"{self.path}-shm")
+            db.execute("PRAGMA synchronous = OFF")
             db.execute("PRAGMA wal_autocheckpoint = 0")
             if db.execute("PRAGMA quick_check").fetchall() != [("ok",)]:
                 raise _Unusable("damaged (PRAGMA quick_check)")
@@ -254,14 +267,7 @@ class StateStore:
                 os.rename(f"{self.path}{suffix}", f"{aside}{suffix}")
 
     def close(self) -> None:
-        """Close the connections, after the checkpoint under way (the next use opens them again)."""
-        if self._checkpointer is not None:
-            self._checkpointer.shutdown(wait=True)
-            self._checkpointer = self._checkpointing = None
-        with self._worker_lock:
-            if self._worker_db is not None:
-                self._worker_db.close()
-                self._worker_db = None
+        """Close the connection, releasing the database (the next use opens it again)."""
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -274,39 +280,17 @@ class StateStore:
         except (sqlite3.Error, OverflowError) as exc:  # (OverflowError: an integer of more than 64 bits)
             raise StateWriteError(f"{self.path}: {exc}") from None
         self._since_checkpoint += 1
-        if self._since_checkpoint >= CHECKPOINT_EVERY:
-            self._next_checkpoint()
+        if self._since_checkpoint >= CHECKPOINT_LIMIT:
+            self.checkpoint_if_due()
 
-    def _next_checkpoint(self) -> None:
-        """Hand a checkpoint to the worker (see the module docstring), unless one is under way."""
-        if self._checkpointing is not None and not self._checkpointing.done():
+    def checkpoint_if_due(self) -> None:
+        """A PASSIVE checkpoint once `CHECKPOINT_EVERY` transactions have been written since the
+        last (see the module docstring). A failure is logged: the WAL then waits for the next."""
+        if self._since_checkpoint < CHECKPOINT_EVERY or self._db is None:
             return
         self._since_checkpoint = 0
         try:
-            size = os.stat(f"{self.path}-wal").st_size
-        except OSError:
-            size = 0
-        if size > WAL_LIMIT and self._db is not None:
-            with contextlib.suppress(sqlite3.Error):  # (busy: the next one tries again)
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-            return
-        if self._checkpointer is None:
-            self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="books-checkpoint")
-        self._checkpointing = self._checkpointer.submit(self._checkpoint_in_worker)
-
-    def _checkpoint_in_worker(self) -> None:
-        """One PASSIVE checkpoint, in the worker thread on its own connection. A failure is logged
-        (the WAL then waits for the next one, or the one at shutdown)."""
-        try:
-            with self._worker_lock:
-                if self._worker_db is None:
-                    self._worker_db = sqlite3.connect(
-                        self.path, isolation_level=None, check_same_thread=False
-                    )
-                    weakref.finalize(self, self._worker_db.close)
-                self._worker_db.execute(
-                    "PRAGMA wal_checkpoint(PASSIVE)"
-                ).fetchall()  # (all: no statement left open)
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # (all: no statement left open)
         except sqlite3.Error as exc:
             log.warning("cannot checkpoint the books' database", path=self.path, error=str(exc))
 
@@ -360,15 +344,27 @@ class StateStore:
         self._transaction(lambda db: db.execute(_PUT_POD, (key, *_header(record))))
 
     def checkpoint(self) -> None:
-        """Copy the WAL back into the database and empty it (at shutdown), after the worker's
-        checkpoint under way. Raises `StateWriteError`."""
-        if self._checkpointing is not None:
-            self._checkpointing.result()
+        """Copy the WAL back into the database and empty it (at shutdown). Raises
+        `StateWriteError`."""
+        self._since_checkpoint = 0
         if self._db is not None:
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             except sqlite3.Error as exc:
                 raise StateWriteError(f"{self.path}: {exc}") from None
+
+
+def _lock(db: sqlite3.Connection) -> None:
+    """The database locked for this connection alone, in WAL mode (`locking_mode` set before the
+    WAL's first use: its index then lives in this process, no ``-shm``); `_InUse` when another
+    process holds it."""
+    db.execute("PRAGMA locking_mode = EXCLUSIVE")
+    try:
+        db.execute("PRAGMA journal_mode = WAL").fetchall()
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc):
+            raise _InUse() from None
+        raise
 
 
 def _in_transaction(db: sqlite3.Connection, work: Callable[[sqlite3.Connection], object]) -> None:

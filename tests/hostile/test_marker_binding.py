@@ -67,8 +67,8 @@ def test_state_file_keeps_the_bindings_and_old_files_still_load(tmp_path: Path) 
     books.devices["dev-9"] = Slot("gone", "x\n\0")
     store.save(books)
     assert store.load() == books
+    store.close()  # (its connection holds the database to itself)
     assert read_only(store.path)[0].devices["dev-9"] == Slot("gone", "x\n\0")
-    store.close()
     # 0.1.0's first files, written before the bindings: the live slots' devices are bound to them.
     pod = {"cgroup_parent": "/kubepods/podp", "baseline": 100_000, "period": 100_000}
     slot = {"id": "c3", "shared_cpus": 2, "exclusive": "5", "device": "dev-3"}
@@ -128,12 +128,14 @@ async def test_synchronize_keeps_bindings_of_listed_pods_only(tmp_path: Path) ->
     holder.state = api.CONTAINER_STOPPED
     copy = make_container(CGROUPFS, thief_pod, "t1", "x", annotations=marker(key, "d-7"))
     copy.state = api.CONTAINER_RUNNING
+    plugin.store.close()  # (restarted: the old process's lock on the database goes with it)
     restarted, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)
     assert list(await restarted.synchronize([holder_pod, thief_pod], [holder, copy])) == []
     assert restarted.books.devices == {"d-7": Slot(holder_pod.uid, "fwd")}
     assert restarted.books.find("t1") is None
     # The holder's pod is gone (its sandbox removed while the plugin was down): its binding ends,
     # and its allocation stays spent: the copy is still refused.
+    restarted.store.close()
     again, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)
     await again.synchronize([thief_pod], [copy])
     assert again.books.devices == {}
