@@ -30,7 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mixedcpu_support import NAMINGS, PERIOD, Daemon, Naming, make_container, make_pod, marker, start_daemon
+from mixedcpu_support import (
+    NAMINGS,
+    PERIOD,
+    Daemon,
+    Naming,
+    make_container,
+    make_pod,
+    marker,
+    saved_books,
+    start_daemon,
+)
 
 from nri_plugin.api.nri import api_pb2 as api
 from nri_plugin.cgroups import (
@@ -46,7 +56,7 @@ from nri_plugin.cgroups import (
 )
 from nri_plugin.deviceplugin.keyfile import load_or_create_host_key
 from nri_plugin.deviceplugin.marker import HostKey
-from nri_plugin.mixedcpu.store import STATE_FILE_NAME, read_only
+from nri_plugin.mixedcpu.store import STATE_FILE_NAME
 from nri_plugin.nri.simulator import PluginFailed, RuntimeSimulator, env_of
 
 WORK = Path("/tmp/vm-daemon")
@@ -412,7 +422,7 @@ async def refusals(node: Node, out: dict[str, Any]) -> None:
     node.kernel.make_levels(pod_cgroup_path(lost.linux.cgroup_parent), delegate_last=False)
     node.pods["nocpu"] = lost
     reading = await node.create(node.container(naming, lost, "nocpu-c", "2", device="dev-nocpu"))
-    books, _ = read_only(WORK / "state" / STATE_FILE_NAME)
+    books = saved_books(WORK / "state")  # the daemon holds the database itself: a copy
     reading["books"] = {"pods": sorted(books.pods), "devices": sorted(books.devices)}
     out["refusals"]["pod without cpu controller"] = reading
 
