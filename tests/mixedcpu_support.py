@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,11 @@ def new_allocation(key: HostKey, device: str = "shared-cpus-0") -> dict[str, str
     return {ANNOTATION_KEY: key.sign(device)}
 
 
+# The store each state dir's newest plugin was made with (`make_plugin`); a store no plugin holds any
+# more is dropped.
+_STORES: weakref.WeakValueDictionary[str, StateStore] = weakref.WeakValueDictionary()
+
+
 def make_plugin(
     state_dir: Path,
     layout: CgroupLayout,
@@ -234,10 +240,17 @@ def make_plugin(
     allocations: AllocationRecord | None = None,
 ) -> tuple[MixedCpuPlugin, HostKey]:
     key = load_or_create_host_key(state_dir)
+    # A plugin made again on the same state dir is a daemon restarted: the previous process is gone,
+    # and with it its hold on the books' database (`StateStore` keeps it locked while open).
+    previous = _STORES.get(str(Path(state_dir).resolve()))
+    if previous is not None:
+        previous.close()
+    store = StateStore(state_dir)
+    _STORES[str(Path(state_dir).resolve())] = store
     plugin = MixedCpuPlugin(
         shared=shared,
         layout=layout,
-        store=StateStore(state_dir),
+        store=store,
         trusted=TrustedSources(key if trust_marker else None, trust_pod_annotation, allocations),
         observer=observer,
         clock=clock,
