@@ -67,14 +67,10 @@ class Node:
         self.socket = root / "nri.sock"
         self.sim = RuntimeSimulator(self.socket, runtime_name="containerd", runtime_version="v2.3.4")
         self.key = load_or_create_host_key(self.state)
-        self.last: MixedCpuPlugin | None = None
 
     def plugin(self, pool: SharedPool = NUMA) -> MixedCpuPlugin:
-        """A plugin (re)started on the node: the previous one's lock on the database goes with it."""
-        if self.last is not None:
-            self.last.store.close()
-        self.last = make_plugin(self.state, self.tree.layout, pool)[0]
-        return self.last
+        """A plugin (re)started on the node (`make_plugin` closes the previous one's books)."""
+        return make_plugin(self.state, self.tree.layout, pool)[0]
 
     def pod(self, uid: str, name: str = "app") -> api.PodSandbox:
         pod = make_pod(NAMING, uid, name=name)

@@ -488,7 +488,6 @@ async def _run_model(events: list[tuple[str, str, bool]], keep_state: bool) -> N
                     for suffix in ("", "-wal", "-shm"):
                         Path(plugin.store.path + suffix).unlink(missing_ok=True)  # noqa: ASYNC240
                     bound &= set(live)  # without the file, Synchronize binds the running ones only
-                plugin.store.close()  # (killed: its lock on the database goes with it)
                 plugin, _ = make_plugin(root / "state", tree.layout, SHARED)
                 containers = [*live.values(), *(c for group in dead.values() for c in group)]
                 updates = await plugin.synchronize([pod], containers)
@@ -541,7 +540,6 @@ async def test_replayed_marker_at_synchronize_keeps_the_known_holder(tmp_path: P
     # An older container that shows up with the same (valid) marker: refused, the holder keeps it.
     thief = _shared(thief_pod, "thief", key, state=api.CONTAINER_RUNNING)
     thief.created_at = 1
-    plugin.store.close()  # (killed: its lock on the database goes with it)
     restarted, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)
     updates = await restarted.synchronize([pod, thief_pod], [thief, owner])
     assert list(updates) == []

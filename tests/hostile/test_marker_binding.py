@@ -128,14 +128,12 @@ async def test_synchronize_keeps_bindings_of_listed_pods_only(tmp_path: Path) ->
     holder.state = api.CONTAINER_STOPPED
     copy = make_container(CGROUPFS, thief_pod, "t1", "x", annotations=marker(key, "d-7"))
     copy.state = api.CONTAINER_RUNNING
-    plugin.store.close()  # (restarted: the old process's lock on the database goes with it)
     restarted, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)
     assert list(await restarted.synchronize([holder_pod, thief_pod], [holder, copy])) == []
     assert restarted.books.devices == {"d-7": Slot(holder_pod.uid, "fwd")}
     assert restarted.books.find("t1") is None
     # The holder's pod is gone (its sandbox removed while the plugin was down): its binding ends,
     # and its allocation stays spent: the copy is still refused.
-    restarted.store.close()
     again, _ = make_plugin(tmp_path / "state", tree.layout, SHARED)
     await again.synchronize([thief_pod], [copy])
     assert again.books.devices == {}
